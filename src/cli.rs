@@ -1,0 +1,243 @@
+//! The `vmdisk` command line: argument parsing and output. Each subcommand is a thin call into
+//! the library; errors come back as [`Error`] and become one line on stderr and exit code 1.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::digest::Digest;
+use crate::error::{Error, Result};
+use crate::format::disk::DiskFormat;
+use crate::oci::Platform;
+use crate::publish::{self, PublishOptions};
+use crate::reference::Reference;
+use crate::registry::{RegistryClient, RegistryConfig};
+
+/// VM disks from container registries, loaded lazily.
+#[derive(Parser, Debug)]
+#[command(name = "vmdisk", version, about)]
+pub struct Cli {
+    #[command(flatten)]
+    pub registry: RegistryArgs,
+    /// Log level (error, warn, info, debug, trace) or a tracing filter.
+    #[arg(long, global = true, default_value = "warn", env = "VMDISK_LOG")]
+    pub log_level: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// How to reach registries.
+#[derive(Args, Debug, Clone)]
+pub struct RegistryArgs {
+    /// Speak plain HTTP to the registry (loopback registries always may).
+    #[arg(long, global = true)]
+    pub plain_http: bool,
+    /// containerd hosts.toml directory for mirrors (certs.d layout).
+    #[arg(long, global = true, value_name = "DIR", env = "VMDISK_HOSTS_DIR")]
+    pub hosts_dir: Option<PathBuf>,
+    /// Docker config file with credentials (default: REGISTRY_AUTH_FILE, $DOCKER_CONFIG, ~/.docker).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub auth_file: Option<PathBuf>,
+}
+
+impl RegistryArgs {
+    /// A client configured from these flags.
+    pub fn client(&self) -> Result<RegistryClient> {
+        RegistryClient::new(RegistryConfig {
+            plain_http: self.plain_http,
+            hosts_dir: self.hosts_dir.clone(),
+            auth_files: self.auth_file.clone().map(|f| vec![f]),
+            ..RegistryConfig::default()
+        })
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Publish VM disks (qcow2, raw; vmdk, vhdx, ova converted) as a lazily loadable containerDisk.
+    Push(PushArgs),
+    /// Republish an existing containerDisk or peer-pod image in the lazy layout.
+    Convert(ConvertArgs),
+    /// Show an image's layers, disks and whether they can be loaded lazily.
+    Inspect(InspectArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PushArgs {
+    /// Platform of the following disk file (repeat with one file each for a multi-arch image).
+    #[arg(long = "platform", value_name = "OS/ARCH")]
+    pub platforms: Vec<String>,
+    /// Path of the disk inside the image (default /disk/<file name>; /image/podvm.qcow2 for peer pods).
+    #[arg(long, value_name = "PATH")]
+    pub path: Option<String>,
+    /// Chunk size, a power of two from 64K to 16M.
+    #[arg(long, default_value = "256K")]
+    pub chunk_size: String,
+    /// Disk format, skipping detection (for raw disks without partition table or filesystem).
+    #[arg(long, value_parser = ["raw", "qcow2"])]
+    pub format: Option<String>,
+    /// Disk files, then the image reference to push to.
+    #[arg(required = true, num_args = 1.., value_name = "FILE... REF")]
+    pub args: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// Path of the disk in the source image (default: the regular file under /disk/ or /image/).
+    #[arg(long, value_name = "PATH")]
+    pub path: Option<String>,
+    /// Chunk size, a power of two from 64K to 16M.
+    #[arg(long, default_value = "256K")]
+    pub chunk_size: String,
+    pub source: String,
+    pub target: String,
+}
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    pub reference: String,
+}
+
+fn publish_options(
+    path: Option<String>,
+    chunk_size: &str,
+    format: Option<&str>,
+) -> Result<PublishOptions> {
+    let chunk_size = publish::check_chunk_size(publish::parse_size(chunk_size)?)?;
+    let format = match format {
+        Some("raw") => Some(DiskFormat::Raw),
+        Some("qcow2") => Some(DiskFormat::Qcow2),
+        _ => None,
+    };
+    Ok(PublishOptions {
+        path,
+        chunk_size,
+        format,
+        ..PublishOptions::default()
+    })
+}
+
+/// Pairs `--platform` values with files in order; one file without `--platform` is the host's.
+pub fn pair_platforms(platforms: &[String], files: &[String]) -> Result<Vec<(Platform, PathBuf)>> {
+    if platforms.is_empty() && files.len() == 1 {
+        return Ok(vec![(Platform::host(), PathBuf::from(&files[0]))]);
+    }
+    if platforms.len() != files.len() {
+        return Err(Error::invalid(format!(
+            "{} --platform flags for {} disk files: give one --platform before each file (e.g. --platform linux/amd64 a.qcow2 --platform linux/arm64 b.qcow2 REF)",
+            platforms.len(),
+            files.len()
+        )));
+    }
+    let pairs: Vec<(Platform, PathBuf)> = platforms
+        .iter()
+        .zip(files)
+        .map(|(p, f)| Ok((Platform::parse(p)?, PathBuf::from(f))))
+        .collect::<Result<_>>()?;
+    for (i, (p, _)) in pairs.iter().enumerate() {
+        if pairs[..i].iter().any(|(q, _)| q == p) {
+            return Err(Error::invalid(format!("platform {p} is given twice")));
+        }
+    }
+    Ok(pairs)
+}
+
+/// Runs a parsed command; what it prints goes to stdout.
+pub async fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Push(args) => {
+            if args.args.len() < 2 {
+                return Err(Error::invalid("push needs at least one disk file and an image reference: vmdisk push FILE REF"));
+            }
+            let (files, target) = args.args.split_at(args.args.len() - 1);
+            let target: Reference = target[0].parse()?;
+            publish::check_target(&target)?;
+            let pairs = pair_platforms(&args.platforms, files)?;
+            let opts = publish_options(args.path, &args.chunk_size, args.format.as_deref())?;
+            let client = cli.registry.client()?;
+            let mut images = Vec::new();
+            for (platform, file) in pairs {
+                let (published, bytes) =
+                    publish::push_disk(&client, &target, file.clone(), &platform, &opts).await?;
+                println!(
+                    "pushed {} ({}) as /{} {} virtual {} bytes: layer {} ({} bytes, {} chunks, {} zero)",
+                    file.display(),
+                    platform,
+                    published.disk.path,
+                    published.disk.format.name(),
+                    published.disk.virtual_size,
+                    published.layer.digest,
+                    published.layer.size,
+                    published.chunks,
+                    published.zero_chunks
+                );
+                images.push((published, bytes));
+            }
+            let digest: Digest = publish::tag_images(&client, &target, &images).await?;
+            println!("{digest}");
+        }
+        Command::Convert(args) => {
+            let source: Reference = args.source.parse()?;
+            let target: Reference = args.target.parse()?;
+            let opts = publish_options(args.path, &args.chunk_size, None)?;
+            let client = cli.registry.client()?;
+            let digest = publish::convert(&client, &source, &target, &opts).await?;
+            println!("{digest}");
+        }
+        Command::Inspect(args) => {
+            let reference: Reference = args.reference.parse()?;
+            let client = cli.registry.client()?;
+            let report = crate::inspect::inspect(&client, &reference).await?;
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("report serialises")
+                );
+            } else {
+                print!("{}", crate::inspect::render_text(&report));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pairs_platforms_with_files() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let one = pair_platforms(&[], &s(&["a.qcow2"])).unwrap();
+        assert_eq!(one[0].0, Platform::host());
+        let two = pair_platforms(&s(&["linux/amd64", "linux/arm64"]), &s(&["a", "b"])).unwrap();
+        assert_eq!(two[1].0.architecture, "arm64");
+        assert!(pair_platforms(&s(&["linux/amd64"]), &s(&["a", "b"])).is_err());
+        assert!(pair_platforms(&s(&["linux/amd64", "linux/amd64"]), &s(&["a", "b"])).is_err());
+    }
+
+    #[test]
+    fn parses_push_arguments() {
+        let cli = Cli::try_parse_from([
+            "vmdisk",
+            "push",
+            "--platform",
+            "linux/amd64",
+            "a.qcow2",
+            "--platform",
+            "linux/arm64",
+            "b.qcow2",
+            "r:1",
+        ])
+        .unwrap();
+        let Command::Push(p) = cli.command else {
+            panic!("not push")
+        };
+        assert_eq!(p.platforms, ["linux/amd64", "linux/arm64"]);
+        assert_eq!(p.args, ["a.qcow2", "b.qcow2", "r:1"]);
+        assert!(Cli::try_parse_from(["vmdisk", "push"]).is_err());
+    }
+}

@@ -1,0 +1,275 @@
+//! The qcow2 header and cluster tables: enough to validate an image before publishing it
+//! (version, features, no backing file, no encryption, every referenced cluster inside the
+//! file) and to report its virtual size. The reader works on any [`ReadAt`] source, so the
+//! lazy engine can use it on a remote disk later.
+
+use crate::error::{Error, Result};
+
+/// qcow2 magic, `QFI\xfb`.
+pub const MAGIC: [u8; 4] = *b"QFI\xfb";
+
+/// Positioned reads from a disk image.
+pub trait ReadAt {
+    /// Fills `buf` from `offset`; fails if the source is shorter.
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()>;
+    /// Total length in bytes.
+    fn len(&self) -> u64;
+}
+
+impl ReadAt for std::fs::File {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(self, buf, offset)
+    }
+
+    fn len(&self) -> u64 {
+        self.metadata().map(|m| m.len()).unwrap_or(0)
+    }
+}
+
+impl ReadAt for [u8] {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let start = usize::try_from(offset).map_err(|_| std::io::ErrorKind::UnexpectedEof)?;
+        let src = self
+            .get(start..start.saturating_add(buf.len()))
+            .ok_or(std::io::ErrorKind::UnexpectedEof)?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn len(&self) -> u64 {
+        <[u8]>::len(self) as u64
+    }
+}
+
+/// The fields of a qcow2 header we use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub version: u32,
+    pub cluster_bits: u32,
+    pub virtual_size: u64,
+    pub l1_size: u32,
+    pub l1_table_offset: u64,
+    pub refcount_table_offset: u64,
+    pub refcount_table_clusters: u32,
+    pub backing_file_offset: u64,
+    pub crypt_method: u32,
+    pub incompatible_features: u64,
+}
+
+const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+const COMPRESSED_FLAG: u64 = 1 << 62;
+/// Incompatible feature bits we can read: compression type (bit 3).
+const KNOWN_INCOMPATIBLE: u64 = 1 << 3;
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn be64(b: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+impl Header {
+    /// Parses and checks the header at the start of `src`.
+    pub fn read(src: &(impl ReadAt + ?Sized)) -> Result<Self> {
+        let mut b = [0u8; 104];
+        let short = src.len() < 72;
+        if short || src.read_exact_at(&mut b[..72], 0).is_err() {
+            return Err(Error::corrupt("qcow2 header is truncated"));
+        }
+        if b[..4] != MAGIC {
+            return Err(Error::corrupt("not a qcow2 image (no QFI\\xfb magic)"));
+        }
+        let version = be32(&b, 4);
+        let mut h = Header {
+            version,
+            backing_file_offset: be64(&b, 8),
+            cluster_bits: be32(&b, 20),
+            virtual_size: be64(&b, 24),
+            crypt_method: be32(&b, 32),
+            l1_size: be32(&b, 36),
+            l1_table_offset: be64(&b, 40),
+            refcount_table_offset: be64(&b, 48),
+            refcount_table_clusters: be32(&b, 56),
+            incompatible_features: 0,
+        };
+        match version {
+            2 => {}
+            3 => {
+                src.read_exact_at(&mut b[72..104], 72)
+                    .map_err(|_| Error::corrupt("qcow2 v3 header is truncated"))?;
+                h.incompatible_features = be64(&b, 72);
+            }
+            v => {
+                return Err(Error::unsupported(format!(
+                    "qcow2 version {v} (only 2 and 3)"
+                )))
+            }
+        }
+        if !(9..=21).contains(&h.cluster_bits) {
+            return Err(Error::corrupt(format!(
+                "qcow2 cluster_bits {} outside 9..=21",
+                h.cluster_bits
+            )));
+        }
+        if h.backing_file_offset != 0 {
+            return Err(Error::unsupported(
+                "qcow2 image has a backing file; flatten it first with `qemu-img convert -O qcow2 IN OUT`",
+            ));
+        }
+        if h.crypt_method != 0 {
+            return Err(Error::unsupported(
+                "qcow2 image is encrypted; decrypt it with qemu-img convert first",
+            ));
+        }
+        if h.incompatible_features & 1 != 0 {
+            return Err(Error::corrupt("qcow2 image is marked dirty (not closed cleanly); run `qemu-img check -r all` on it"));
+        }
+        if h.incompatible_features & 2 != 0 {
+            return Err(Error::corrupt(
+                "qcow2 image is marked corrupt; repair it with `qemu-img check -r all`",
+            ));
+        }
+        if h.incompatible_features & 4 != 0 {
+            return Err(Error::unsupported(
+                "qcow2 image keeps its data in an external file; convert it first",
+            ));
+        }
+        let unknown = h.incompatible_features & !(KNOWN_INCOMPATIBLE | 7);
+        if unknown != 0 {
+            return Err(Error::unsupported(format!(
+                "qcow2 incompatible features {unknown:#x} are not supported"
+            )));
+        }
+        Ok(h)
+    }
+
+    /// Cluster size in bytes.
+    pub fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+}
+
+/// Checks that the image's tables and every cluster they reference lie inside `src`; a
+/// truncated or damaged image fails with a message that says where. Reads only metadata.
+pub fn check_complete(src: &(impl ReadAt + ?Sized)) -> Result<Header> {
+    let h = Header::read(src)?;
+    let len = src.len();
+    let cs = h.cluster_size();
+    let truncated = |what: String| {
+        Error::corrupt(format!("qcow2 image is truncated or damaged: {what} lies beyond the end of the file ({len} bytes)"))
+    };
+    let entries_per_l2 = cs / 8;
+    let needed_l1 = h.virtual_size.div_ceil(cs * entries_per_l2);
+    if u64::from(h.l1_size) < needed_l1 || u64::from(h.l1_size) > (32 << 20) {
+        return Err(Error::corrupt(format!(
+            "qcow2 L1 table size {} does not fit the virtual size {}",
+            h.l1_size, h.virtual_size
+        )));
+    }
+    let l1_bytes = u64::from(h.l1_size) * 8;
+    if h.l1_table_offset.saturating_add(l1_bytes) > len {
+        return Err(truncated(format!("the L1 table at {}", h.l1_table_offset)));
+    }
+    let refcount_end = h
+        .refcount_table_offset
+        .saturating_add(u64::from(h.refcount_table_clusters) * cs);
+    if refcount_end > len {
+        return Err(truncated(format!(
+            "the refcount table at {}",
+            h.refcount_table_offset
+        )));
+    }
+    let mut l1 = vec![0u8; l1_bytes as usize];
+    src.read_exact_at(&mut l1, h.l1_table_offset)
+        .map_err(|e| Error::io("reading the qcow2 L1 table", e))?;
+    let mut l2 = vec![0u8; cs as usize];
+    let compressed_bits = 62 - (h.cluster_bits - 8);
+    for l1_entry in l1
+        .chunks_exact(8)
+        .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")))
+    {
+        let l2_offset = l1_entry & L2_OFFSET_MASK;
+        if l2_offset == 0 {
+            continue;
+        }
+        if l2_offset + cs > len {
+            return Err(truncated(format!("an L2 table at {l2_offset}")));
+        }
+        src.read_exact_at(&mut l2, l2_offset)
+            .map_err(|e| Error::io("reading a qcow2 L2 table", e))?;
+        for entry in l2
+            .chunks_exact(8)
+            .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")))
+        {
+            if entry & COMPRESSED_FLAG != 0 {
+                let offset = entry & ((1u64 << compressed_bits) - 1);
+                if offset >= len {
+                    return Err(truncated(format!("a compressed cluster at {offset}")));
+                }
+            } else {
+                let offset = entry & L2_OFFSET_MASK;
+                if offset != 0 && offset + cs > len {
+                    return Err(truncated(format!("a data cluster at {offset}")));
+                }
+            }
+        }
+    }
+    Ok(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A minimal valid v3 image: header, L1 at cluster 1, refcount table at 2, one L2 at 3
+    /// mapping guest cluster 0 to host cluster 4. 512-byte clusters.
+    fn image() -> Vec<u8> {
+        let cs = 512usize;
+        let mut img = vec![0u8; cs * 5];
+        img[..4].copy_from_slice(&MAGIC);
+        img[4..8].copy_from_slice(&3u32.to_be_bytes());
+        img[20..24].copy_from_slice(&9u32.to_be_bytes());
+        img[24..32].copy_from_slice(&(64u64 * 512).to_be_bytes());
+        img[36..40].copy_from_slice(&1u32.to_be_bytes());
+        img[40..48].copy_from_slice(&(cs as u64).to_be_bytes());
+        img[48..56].copy_from_slice(&(2 * cs as u64).to_be_bytes());
+        img[56..60].copy_from_slice(&1u32.to_be_bytes());
+        img[100..104].copy_from_slice(&104u32.to_be_bytes());
+        img[cs..cs + 8].copy_from_slice(&(3 * cs as u64 | 1 << 63).to_be_bytes());
+        img[3 * cs..3 * cs + 8].copy_from_slice(&(4 * cs as u64 | 1 << 63).to_be_bytes());
+        img
+    }
+
+    #[test]
+    fn accepts_complete_image() {
+        let h = check_complete(&image()[..]).unwrap();
+        assert_eq!(
+            (h.version, h.cluster_size(), h.virtual_size),
+            (3, 512, 32768)
+        );
+    }
+
+    #[test]
+    fn rejects_truncation_backing_and_flags() {
+        let img = image();
+        let err = check_complete(&img[..img.len() - 100]).unwrap_err();
+        assert!(err.to_string().contains("data cluster at 2048"), "{err}");
+        assert!(check_complete(&img[..50]).is_err());
+        let mut backing = img.clone();
+        backing[8..16].copy_from_slice(&1000u64.to_be_bytes());
+        assert!(Header::read(&backing[..])
+            .unwrap_err()
+            .to_string()
+            .contains("backing file"));
+        let mut dirty = img.clone();
+        dirty[72..80].copy_from_slice(&1u64.to_be_bytes());
+        assert!(Header::read(&dirty[..])
+            .unwrap_err()
+            .to_string()
+            .contains("dirty"));
+        let mut v9 = img;
+        v9[4..8].copy_from_slice(&9u32.to_be_bytes());
+        assert!(Header::read(&v9[..]).is_err());
+    }
+}

@@ -1,0 +1,993 @@
+//! The zstd:chunked layer layout (containers/storage), written by `vmdisk push` and read by
+//! everything that fetches lazily.
+//!
+//! A layer is an ordinary `tar+zstd` stream made of many zstd frames: tar headers and padding
+//! sit in "metadata" frames, every chunk of file content is a frame of its own, so a chunk can
+//! be fetched with one HTTP Range request and decompressed alone. After the end-of-archive
+//! blocks come three zstd *skippable* frames, which every zstd decoder ignores:
+//!
+//! ```text
+//! [meta frame: tar header(s)] [chunk frame]... [meta frame: padding, next header]...
+//! [meta frame: padding + 1024 zero bytes]
+//! [skippable: zstd(TOC JSON)] [skippable: zstd(tar-split)] [skippable: 64-byte footer]
+//! ```
+//!
+//! The TOC (`{"version":1,"entries":[...]}`) lists every tar entry; a regular file is a `reg`
+//! entry followed by `chunk` entries, each with the compressed `offset` of its frame, its
+//! uncompressed `chunkOffset`/`chunkSize` and the sha256 `chunkDigest` of its content. Layer
+//! annotations locate the TOC and pin it by digest, so a reader trusts nothing it has not
+//! checked: the TOC against the annotation, every chunk against its `chunkDigest`.
+//! `docs/format.md` describes the bytes.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::ops::Range;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::tarsplit::{TarSplitWriter, CRC64_ISO};
+use crate::digest::{Digest, Hasher};
+use crate::error::{Error, Result};
+
+/// TOC checksum annotation (current containers/storage).
+pub const ANN_TOC_CHECKSUM: &str = "io.github.containers.zstd-chunked.manifest-checksum";
+/// TOC position annotation, `offset:length:uncompressedLength:type`.
+pub const ANN_TOC_POSITION: &str = "io.github.containers.zstd-chunked.manifest-position";
+/// tar-split position annotation, `offset:length:uncompressedLength`.
+pub const ANN_TARSPLIT_POSITION: &str = "io.github.containers.zstd-chunked.tarsplit-position";
+/// TOC checksum annotation written by older containers/storage (Debian 12's skopeo 1.9).
+pub const ANN_TOC_CHECKSUM_OLD: &str = "io.containers.zstd-chunked.manifest-checksum";
+/// TOC position annotation written by older containers/storage.
+pub const ANN_TOC_POSITION_OLD: &str = "io.containers.zstd-chunked.manifest-position";
+/// eStargz's TOC digest annotation (recognised, not read yet).
+pub const ANN_ESTARGZ_TOC: &str = "containerd.io/snapshot/stargz/toc.digest";
+
+/// The only TOC type defined ("CRFS").
+const MANIFEST_TYPE_CRFS: u64 = 1;
+/// Footer magic, "GNUlInUx".
+const FOOTER_MAGIC: &[u8; 8] = b"GNUlInUx";
+const SKIPPABLE_MAGIC: [u8; 4] = [0x50, 0x2a, 0x4d, 0x18];
+const SKIPPABLE_HEADER: u64 = 8;
+
+/// Largest compressed TOC we fetch.
+pub const MAX_TOC_COMPRESSED: u64 = 64 << 20;
+/// Largest TOC we decompress (a 50 GiB disk at 256 KiB chunks is about 50 MB).
+pub const MAX_TOC_UNCOMPRESSED: u64 = 512 << 20;
+/// Largest chunk (uncompressed) we accept from a third-party TOC.
+pub const MAX_CHUNK_SIZE: u64 = 64 << 20;
+
+/// One TOC entry, field for field as containers/storage writes it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct TocEntry {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub link_name: String,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mode: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub size: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub uid: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gid: i64,
+    #[serde(default, rename = "modtime", skip_serializing_if = "Option::is_none")]
+    pub mod_time: Option<String>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dev_major: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dev_minor: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xattrs: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub digest: String,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub offset: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub end_offset: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub chunk_size: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub chunk_offset: i64,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub chunk_digest: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub chunk_type: String,
+}
+
+fn is_zero(v: &i64) -> bool {
+    *v == 0
+}
+
+/// The TOC document.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Toc {
+    pub version: u32,
+    pub entries: Vec<TocEntry>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tar_split_digest: Option<String>,
+}
+
+/// Where the TOC is in the blob and what it must hash to, from the layer annotations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TocLocation {
+    pub offset: u64,
+    pub length: u64,
+    pub uncompressed_length: u64,
+    pub checksum: Digest,
+}
+
+impl TocLocation {
+    /// Reads the current or the older annotation generation; `Ok(None)` if neither is present.
+    pub fn from_annotations(ann: &BTreeMap<String, String>) -> Result<Option<Self>> {
+        let pair = [
+            (ANN_TOC_POSITION, ANN_TOC_CHECKSUM),
+            (ANN_TOC_POSITION_OLD, ANN_TOC_CHECKSUM_OLD),
+        ]
+        .into_iter()
+        .find_map(|(p, c)| ann.get(p).map(|pos| (p, pos, ann.get(c))));
+        let Some((key, position, checksum)) = pair else {
+            return Ok(None);
+        };
+        let bad = |why: &str| Error::corrupt(format!("layer annotation {key}={position:?}: {why}"));
+        let fields: Vec<u64> = position
+            .split(':')
+            .map(|f| f.parse::<u64>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| {
+                bad("expected offset:length:uncompressedLength:type as decimal numbers")
+            })?;
+        let [offset, length, uncompressed_length, kind] = fields[..] else {
+            return Err(bad("expected four fields"));
+        };
+        if kind != MANIFEST_TYPE_CRFS {
+            return Err(Error::unsupported(format!(
+                "zstd:chunked TOC type {kind} is not supported (only 1)"
+            )));
+        }
+        if length == 0 || length > MAX_TOC_COMPRESSED || uncompressed_length > MAX_TOC_UNCOMPRESSED
+        {
+            return Err(bad(&format!(
+                "TOC size {length} (uncompressed {uncompressed_length}) outside the accepted bounds ({MAX_TOC_COMPRESSED}, {MAX_TOC_UNCOMPRESSED})"
+            )));
+        }
+        offset
+            .checked_add(length)
+            .ok_or_else(|| bad("offset overflows"))?;
+        let checksum = checksum
+            .ok_or_else(|| {
+                bad("the TOC checksum annotation is missing; the TOC cannot be verified")
+            })?
+            .parse::<Digest>()
+            .map_err(|e| bad(&e.to_string()))?;
+        Ok(Some(TocLocation {
+            offset,
+            length,
+            uncompressed_length,
+            checksum,
+        }))
+    }
+
+    /// The byte range of the compressed TOC in the blob.
+    pub fn range(&self) -> Range<u64> {
+        self.offset..self.offset + self.length
+    }
+}
+
+/// Verifies the compressed TOC against its pinned checksum, decompresses it within bounds and
+/// parses it.
+pub fn decode_toc(compressed: &[u8], loc: &TocLocation) -> Result<Toc> {
+    loc.checksum.verify(compressed, "zstd:chunked TOC")?;
+    let limit = if loc.uncompressed_length > 0 {
+        loc.uncompressed_length
+    } else {
+        MAX_TOC_UNCOMPRESSED
+    };
+    let json =
+        decompress_bounded(compressed, limit).map_err(|e| e.context("decompressing the TOC"))?;
+    if loc.uncompressed_length > 0 && json.len() as u64 != loc.uncompressed_length {
+        return Err(Error::corrupt(format!(
+            "TOC decompressed to {} bytes, the annotation says {}",
+            json.len(),
+            loc.uncompressed_length
+        )));
+    }
+    let toc: Toc = serde_json::from_slice(&json)
+        .map_err(|e| Error::corrupt(format!("TOC is not valid JSON: {e}")))?;
+    if toc.version != 1 {
+        return Err(Error::unsupported(format!(
+            "TOC version {} is not supported (only 1)",
+            toc.version
+        )));
+    }
+    Ok(toc)
+}
+
+/// Decompresses all zstd frames of `data`, failing if the output would exceed `limit` bytes.
+pub fn decompress_bounded(data: &[u8], limit: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let decoder = zstd::stream::read::Decoder::with_buffer(data)
+        .map_err(|e| Error::io("starting zstd decoder", e))?;
+    let mut out = Vec::new();
+    decoder
+        .take(limit + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| Error::corrupt(format!("zstd data is corrupt: {e}")))?;
+    if out.len() as u64 > limit {
+        return Err(Error::corrupt(format!(
+            "zstd data decompresses to more than the expected {limit} bytes"
+        )));
+    }
+    Ok(out)
+}
+
+/// One chunk of a regular file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// Offset of the chunk in the file.
+    pub offset: u64,
+    /// Uncompressed length.
+    pub size: u64,
+    /// The chunk's zstd frame(s) in the blob.
+    pub compressed: Range<u64>,
+    /// sha256 of the uncompressed content; `None` only if the TOC gives none.
+    pub digest: Option<Digest>,
+    /// All zeros: never needs fetching.
+    pub zeros: bool,
+}
+
+/// The kind of a tree entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeKind {
+    Dir,
+    Regular,
+    Symlink,
+    Hardlink,
+    Other,
+}
+
+/// A validated TOC entry: a safe relative path, its metadata and, for regular files, chunks
+/// that cover the file exactly and lie inside the blob.
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub kind: NodeKind,
+    /// Relative path without `.` or `..` components, e.g. `disk/disk.qcow2`.
+    pub path: String,
+    pub link: String,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    pub mod_time: Option<String>,
+    pub digest: Option<Digest>,
+    pub chunks: Vec<Chunk>,
+}
+
+impl Node {
+    /// Whether every data chunk has a digest, so each can be verified on its own.
+    pub fn verifiable(&self) -> bool {
+        self.chunks.iter().all(|c| c.zeros || c.digest.is_some())
+    }
+}
+
+/// Makes a TOC or tar name into a safe relative path, or says why it is not one.
+pub fn clean_path(name: &str) -> Result<String> {
+    let bad = |why: &str| Error::corrupt(format!("path {name:?} in the layer is unsafe: {why}"));
+    if name.len() > 4096 || name.contains('\0') {
+        return Err(bad("too long or contains NUL"));
+    }
+    let mut parts = Vec::new();
+    for part in name.split('/') {
+        match part {
+            "" | "." => continue,
+            ".." => return Err(bad("contains '..'")),
+            p if p.len() > 255 => return Err(bad("a component is longer than 255 bytes")),
+            p => parts.push(p),
+        }
+    }
+    if parts.is_empty() {
+        return Err(bad("names the layer root"));
+    }
+    Ok(parts.join("/"))
+}
+
+fn parse_opt_digest(s: &str, what: &str) -> Result<Option<Digest>> {
+    if s.is_empty() {
+        return Ok(None);
+    }
+    s.parse()
+        .map(Some)
+        .map_err(|e: Error| Error::corrupt(format!("{what}: {e}")))
+}
+
+impl Toc {
+    /// Validates the TOC against a blob whose data region ends at `data_end` (the TOC offset):
+    /// safe paths, chunk ranges that cover each file exactly, compressed ranges inside the data
+    /// region, bounded chunk sizes.
+    pub fn nodes(&self, data_end: u64) -> Result<Vec<Node>> {
+        let mut nodes: Vec<Node> = Vec::new();
+        let mut i = 0;
+        while i < self.entries.len() {
+            let e = &self.entries[i];
+            i += 1;
+            let kind = match e.kind.as_str() {
+                "dir" => NodeKind::Dir,
+                "reg" => NodeKind::Regular,
+                "symlink" => NodeKind::Symlink,
+                "hardlink" => NodeKind::Hardlink,
+                "char" | "block" | "fifo" => NodeKind::Other,
+                "chunk" => {
+                    return Err(Error::corrupt(format!(
+                        "TOC: chunk entry for {:?} without a preceding reg entry",
+                        e.name
+                    )))
+                }
+                other => {
+                    return Err(Error::unsupported(format!(
+                        "TOC entry type {other:?} for {:?}",
+                        e.name
+                    )))
+                }
+            };
+            let path = clean_path(&e.name)?;
+            let size = u64::try_from(e.size)
+                .map_err(|_| Error::corrupt(format!("TOC: negative size for {path}")))?;
+            let to_u32 = |v: i64, what: &str| {
+                u32::try_from(v)
+                    .map_err(|_| Error::corrupt(format!("TOC: {what} {v} of {path} out of range")))
+            };
+            let mut node = Node {
+                kind,
+                link: e.link_name.clone(),
+                mode: to_u32(e.mode & 0o7777, "mode")?,
+                uid: to_u32(e.uid, "uid")?,
+                gid: to_u32(e.gid, "gid")?,
+                size: if kind == NodeKind::Regular { size } else { 0 },
+                mod_time: e.mod_time.clone(),
+                digest: parse_opt_digest(&e.digest, &format!("TOC digest of {path}"))?,
+                chunks: Vec::new(),
+                path,
+            };
+            if kind == NodeKind::Regular && size > 0 {
+                let start = i - 1;
+                while i < self.entries.len() && self.entries[i].kind == "chunk" {
+                    if self.entries[i].name != e.name {
+                        return Err(Error::corrupt(format!(
+                            "TOC: chunk entry for {:?} follows {:?}",
+                            self.entries[i].name, e.name
+                        )));
+                    }
+                    i += 1;
+                }
+                node.chunks = chunks_of(&self.entries[start..i], &node, data_end)?;
+            }
+            nodes.push(node);
+        }
+        Ok(nodes)
+    }
+}
+
+fn chunks_of(entries: &[TocEntry], node: &Node, data_end: u64) -> Result<Vec<Chunk>> {
+    let path = &node.path;
+    let bad = |why: String| Error::corrupt(format!("TOC: {path}: {why}"));
+    let reg = &entries[0];
+    let file_end = u64::try_from(reg.end_offset).map_err(|_| bad("negative endOffset".into()))?;
+    let mut chunks = Vec::with_capacity(entries.len());
+    for (n, e) in entries.iter().enumerate() {
+        let chunk_offset =
+            u64::try_from(e.chunk_offset).map_err(|_| bad("negative chunkOffset".into()))?;
+        let start = u64::try_from(e.offset).map_err(|_| bad("negative offset".into()))?;
+        let next_offset = match entries.get(n + 1) {
+            Some(next) => {
+                u64::try_from(next.chunk_offset).map_err(|_| bad("negative chunkOffset".into()))?
+            }
+            None => node.size,
+        };
+        let size = if e.chunk_size > 0 {
+            e.chunk_size as u64
+        } else {
+            next_offset.saturating_sub(chunk_offset)
+        };
+        // A chunk's frame ends where the next chunk's starts; the last one at the file's end.
+        let end = if n > 0 && e.end_offset > 0 {
+            e.end_offset as u64
+        } else {
+            match entries.get(n + 1) {
+                Some(next) => {
+                    u64::try_from(next.offset).map_err(|_| bad("negative offset".into()))?
+                }
+                None => file_end,
+            }
+        };
+        let expected_offset = chunks.last().map_or(0, |c: &Chunk| c.offset + c.size);
+        if chunk_offset != expected_offset {
+            return Err(bad(format!("chunk at {chunk_offset} does not follow the previous one ending at {expected_offset}")));
+        }
+        if size == 0 || size > MAX_CHUNK_SIZE {
+            return Err(bad(format!(
+                "chunk at {chunk_offset} has size {size}, outside 1..={MAX_CHUNK_SIZE}"
+            )));
+        }
+        if start >= end || end > data_end || end - start > size + (size >> 3) + 4096 {
+            return Err(bad(format!("chunk at {chunk_offset} has compressed range {start}..{end} outside the layer data (ends at {data_end})")));
+        }
+        let zeros = e.chunk_type == "zeros";
+        if !e.chunk_type.is_empty() && !zeros {
+            return Err(Error::unsupported(format!(
+                "TOC: {path}: chunk type {:?}",
+                e.chunk_type
+            )));
+        }
+        let mut digest = parse_opt_digest(&e.chunk_digest, &format!("TOC chunk digest of {path}"))?;
+        if digest.is_none() && entries.len() == 1 && size == node.size {
+            digest = node.digest;
+        }
+        chunks.push(Chunk {
+            offset: chunk_offset,
+            size,
+            compressed: start..end,
+            digest,
+            zeros,
+        });
+    }
+    let covered = chunks.last().map_or(0, |c| c.offset + c.size);
+    if covered != node.size {
+        return Err(bad(format!(
+            "chunks cover {covered} bytes of a {}-byte file",
+            node.size
+        )));
+    }
+    Ok(chunks)
+}
+
+/// Tar metadata of a file or directory written into a layer.
+#[derive(Clone, Debug)]
+pub struct EntryMeta {
+    /// Path inside the layer, relative, e.g. `disk/disk.qcow2` (directories without slash).
+    pub path: String,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Seconds since the epoch.
+    pub mtime: u64,
+}
+
+/// A chunk ready to be written: its content, its own zstd frame and its digest.
+pub struct EncodedChunk {
+    pub data: Arc<Vec<u8>>,
+    pub frame: Vec<u8>,
+    pub digest: Digest,
+    pub zeros: bool,
+}
+
+impl EncodedChunk {
+    /// Compresses `data` into one frame with `compressor`.
+    pub fn encode(data: Arc<Vec<u8>>, compressor: &mut zstd::bulk::Compressor<'_>) -> Result<Self> {
+        let frame = compressor
+            .compress(&data)
+            .map_err(|e| Error::io("zstd compression", e))?;
+        let digest = Digest::of(&data);
+        let zeros = data.iter().all(|&b| b == 0);
+        Ok(EncodedChunk {
+            data,
+            frame,
+            digest,
+            zeros,
+        })
+    }
+}
+
+/// What a finished layer is, for the manifest and config.
+#[derive(Clone, Debug)]
+pub struct LayerSummary {
+    /// Digest and size of the compressed blob.
+    pub digest: Digest,
+    pub size: u64,
+    /// Digest of the uncompressed tar (the config's diff_id).
+    pub diff_id: Digest,
+    /// Annotations that locate and pin the TOC (both generations) and the tar-split.
+    pub annotations: BTreeMap<String, String>,
+    pub toc_location: TocLocation,
+    pub chunks: u64,
+    pub zero_chunks: u64,
+}
+
+struct OpenFile {
+    path: String,
+    size: u64,
+    written: u64,
+    hasher: Hasher,
+    crc: crc::Digest<'static, u64, crc::Table<16>>,
+    reg_index: usize,
+}
+
+/// Streams a zstd:chunked tar layer into `out` (usually a blob upload).
+pub struct LayerWriter<W: Write> {
+    out: W,
+    written: u64,
+    blob: Hasher,
+    diff: Hasher,
+    pending: Vec<u8>,
+    entries: Vec<TocEntry>,
+    tarsplit: TarSplitWriter,
+    open: Option<OpenFile>,
+    meta_compressor: zstd::bulk::Compressor<'static>,
+    level: i32,
+    chunks: u64,
+    zero_chunks: u64,
+}
+
+fn rfc3339(secs: u64) -> String {
+    let t = time::OffsetDateTime::from_unix_timestamp(secs.min(253_402_300_799) as i64)
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
+}
+
+fn tar_header(meta: &EntryMeta, kind: tar::EntryType, size: u64) -> Result<Vec<u8>> {
+    let mut header = tar::Header::new_ustar();
+    let name = if kind == tar::EntryType::Directory {
+        format!("{}/", meta.path)
+    } else {
+        meta.path.clone()
+    };
+    header.set_path(&name).map_err(|e| {
+        Error::invalid(format!(
+            "path {name:?} cannot be stored in a tar header: {e}"
+        ))
+    })?;
+    header.set_entry_type(kind);
+    header.set_size(size);
+    header.set_mode(meta.mode);
+    header.set_uid(meta.uid.into());
+    header.set_gid(meta.gid.into());
+    header.set_mtime(meta.mtime);
+    header.set_cksum();
+    Ok(header.as_bytes().to_vec())
+}
+
+impl<W: Write> LayerWriter<W> {
+    /// A writer compressing at zstd `level`.
+    pub fn new(out: W, level: i32) -> Result<Self> {
+        let meta_compressor =
+            zstd::bulk::Compressor::new(level).map_err(|e| Error::io("zstd compressor", e))?;
+        Ok(LayerWriter {
+            out,
+            written: 0,
+            blob: Hasher::new(),
+            diff: Hasher::new(),
+            pending: Vec::new(),
+            entries: Vec::new(),
+            tarsplit: TarSplitWriter::default(),
+            open: None,
+            meta_compressor,
+            level,
+            chunks: 0,
+            zero_chunks: 0,
+        })
+    }
+
+    fn emit(&mut self, bytes: &[u8]) -> Result<()> {
+        self.out
+            .write_all(bytes)
+            .map_err(|e| Error::io("writing the layer", e))?;
+        self.blob.update(bytes);
+        self.written += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Queues tar bytes that are not file content (headers, padding) for the next metadata
+    /// frame, recording them in the tar-split in stream order.
+    fn push_meta(&mut self, bytes: &[u8]) {
+        self.tarsplit.segment(bytes);
+        self.pending.extend_from_slice(bytes);
+    }
+
+    /// Compresses the pending tar metadata into a frame of its own.
+    fn flush_meta(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let pending = std::mem::take(&mut self.pending);
+        self.diff.update(&pending);
+        let frame = self
+            .meta_compressor
+            .compress(&pending)
+            .map_err(|e| Error::io("zstd compression", e))?;
+        self.emit(&frame)
+    }
+
+    fn entry(meta: &EntryMeta, kind: &str) -> TocEntry {
+        TocEntry {
+            kind: kind.to_string(),
+            name: meta.path.clone(),
+            mode: i64::from(meta.mode),
+            uid: i64::from(meta.uid),
+            gid: i64::from(meta.gid),
+            mod_time: Some(rfc3339(meta.mtime)),
+            ..TocEntry::default()
+        }
+    }
+
+    /// Adds a directory entry.
+    pub fn add_dir(&mut self, meta: &EntryMeta) -> Result<()> {
+        assert!(self.open.is_none(), "add_dir while a file is open");
+        let header = tar_header(meta, tar::EntryType::Directory, 0)?;
+        self.push_meta(&header);
+        let mut entry = Self::entry(meta, "dir");
+        entry.name = format!("{}/", meta.path);
+        self.tarsplit.file(&entry.name, 0, None);
+        self.entries.push(entry);
+        Ok(())
+    }
+
+    /// Starts a regular file of `size` bytes; its content follows as chunks.
+    pub fn begin_file(&mut self, meta: &EntryMeta, size: u64) -> Result<()> {
+        assert!(self.open.is_none(), "begin_file while a file is open");
+        let header = tar_header(meta, tar::EntryType::Regular, size)?;
+        self.push_meta(&header);
+        self.flush_meta()?;
+        let mut entry = Self::entry(meta, "reg");
+        entry.size = size as i64;
+        self.entries.push(entry);
+        self.open = Some(OpenFile {
+            path: meta.path.clone(),
+            size,
+            written: 0,
+            hasher: Hasher::new(),
+            crc: CRC64_ISO.digest(),
+            reg_index: self.entries.len() - 1,
+        });
+        Ok(())
+    }
+
+    /// Appends the next chunk of the open file.
+    pub fn add_chunk(&mut self, chunk: &EncodedChunk) -> Result<()> {
+        let offset = self.written;
+        let file = self.open.as_mut().expect("add_chunk without begin_file");
+        let len = chunk.data.len() as u64;
+        if file.written + len > file.size {
+            return Err(Error::invalid(format!(
+                "{}: more data than the announced {} bytes",
+                file.path, file.size
+            )));
+        }
+        file.hasher.update(&chunk.data);
+        file.crc.update(&chunk.data);
+        let chunk_offset = file.written;
+        file.written += len;
+        let entry = if chunk_offset == 0 {
+            &mut self.entries[file.reg_index]
+        } else {
+            self.entries.push(TocEntry {
+                kind: "chunk".into(),
+                name: file.path.clone(),
+                chunk_offset: chunk_offset as i64,
+                ..TocEntry::default()
+            });
+            self.entries.last_mut().expect("just pushed")
+        };
+        entry.offset = offset as i64;
+        entry.chunk_size = len as i64;
+        entry.chunk_digest = chunk.digest.to_string();
+        if chunk.zeros {
+            entry.chunk_type = "zeros".into();
+            self.zero_chunks += 1;
+        }
+        self.chunks += 1;
+        self.diff.update(&chunk.data);
+        self.emit(&chunk.frame)
+    }
+
+    /// Closes the open file and returns the sha256 of its content; its padding joins the next
+    /// metadata frame.
+    pub fn end_file(&mut self) -> Result<Digest> {
+        let file = self.open.take().expect("end_file without begin_file");
+        if file.written != file.size {
+            return Err(Error::invalid(format!(
+                "{}: got {} bytes of the announced {} (did the file change while it was read?)",
+                file.path, file.written, file.size
+            )));
+        }
+        let end = self.written as i64;
+        let digest = file.hasher.finish();
+        let reg = &mut self.entries[file.reg_index];
+        reg.end_offset = if file.size > 0 { end } else { 0 };
+        reg.digest = if file.size > 0 {
+            digest.to_string()
+        } else {
+            String::new()
+        };
+        let crc = (file.size > 0).then(|| file.crc.finalize());
+        self.tarsplit.file(&file.path, file.size, crc);
+        let padding = (512 - (file.size % 512) as usize) % 512;
+        self.push_meta(&[0u8; 512][..padding]);
+        Ok(digest)
+    }
+
+    fn skippable(&mut self, data: &[u8]) -> Result<()> {
+        let mut header = Vec::with_capacity(8);
+        header.extend_from_slice(&SKIPPABLE_MAGIC);
+        header.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        self.emit(&header)?;
+        self.emit(data)
+    }
+
+    /// Writes the end of archive, the TOC, the tar-split and the footer; returns the layer's
+    /// digests and annotations. The sink is flushed, not closed.
+    pub fn finish(mut self) -> Result<(LayerSummary, W)> {
+        assert!(self.open.is_none(), "finish while a file is open");
+        self.push_meta(&[0u8; 1024]);
+        self.flush_meta()?;
+
+        let toc = Toc {
+            version: 1,
+            entries: std::mem::take(&mut self.entries),
+            tar_split_digest: None,
+        };
+        let tarsplit_raw = std::mem::take(&mut self.tarsplit).into_bytes();
+        let tarsplit = zstd::bulk::compress(&tarsplit_raw, self.level)
+            .map_err(|e| Error::io("zstd compression", e))?;
+        let toc = Toc {
+            tar_split_digest: Some(Digest::of(&tarsplit).to_string()),
+            ..toc
+        };
+        let toc_json = serde_json::to_vec(&toc).expect("TOC serialises");
+        let toc_compressed = zstd::bulk::compress(&toc_json, self.level)
+            .map_err(|e| Error::io("zstd compression", e))?;
+
+        let toc_offset = self.written + SKIPPABLE_HEADER;
+        self.skippable(&toc_compressed)?;
+        let tarsplit_offset = self.written + SKIPPABLE_HEADER;
+        self.skippable(&tarsplit)?;
+        let mut footer = Vec::with_capacity(64);
+        for v in [
+            toc_offset,
+            toc_compressed.len() as u64,
+            toc_json.len() as u64,
+            MANIFEST_TYPE_CRFS,
+            tarsplit_offset,
+            tarsplit.len() as u64,
+            tarsplit_raw.len() as u64,
+        ] {
+            footer.extend_from_slice(&v.to_le_bytes());
+        }
+        footer.extend_from_slice(FOOTER_MAGIC);
+        self.skippable(&footer)?;
+        self.out
+            .flush()
+            .map_err(|e| Error::io("writing the layer", e))?;
+
+        let location = TocLocation {
+            offset: toc_offset,
+            length: toc_compressed.len() as u64,
+            uncompressed_length: toc_json.len() as u64,
+            checksum: Digest::of(&toc_compressed),
+        };
+        let position = format!(
+            "{}:{}:{}:{}",
+            location.offset, location.length, location.uncompressed_length, MANIFEST_TYPE_CRFS
+        );
+        let mut annotations = BTreeMap::new();
+        for (pos, sum) in [
+            (ANN_TOC_POSITION, ANN_TOC_CHECKSUM),
+            (ANN_TOC_POSITION_OLD, ANN_TOC_CHECKSUM_OLD),
+        ] {
+            annotations.insert(pos.to_string(), position.clone());
+            annotations.insert(sum.to_string(), location.checksum.to_string());
+        }
+        annotations.insert(
+            ANN_TARSPLIT_POSITION.to_string(),
+            format!(
+                "{}:{}:{}",
+                tarsplit_offset,
+                tarsplit.len(),
+                tarsplit_raw.len()
+            ),
+        );
+        let summary = LayerSummary {
+            digest: self.blob.finish(),
+            size: self.written,
+            diff_id: self.diff.finish(),
+            annotations,
+            toc_location: location,
+            chunks: self.chunks,
+            zero_chunks: self.zero_chunks,
+        };
+        Ok((summary, self.out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(path: &str, mode: u32) -> EntryMeta {
+        EntryMeta {
+            path: path.into(),
+            mode,
+            uid: 107,
+            gid: 107,
+            mtime: 1_700_000_000,
+        }
+    }
+
+    /// Writes a layer with `content` cut into `chunk` byte chunks.
+    fn write_layer(content: &[u8], chunk: usize) -> (LayerSummary, Vec<u8>) {
+        let mut w = LayerWriter::new(Vec::new(), 3).unwrap();
+        let mut c = zstd::bulk::Compressor::new(3).unwrap();
+        w.add_dir(&meta("disk", 0o755)).unwrap();
+        w.begin_file(&meta("disk/d.raw", 0o644), content.len() as u64)
+            .unwrap();
+        for part in content.chunks(chunk) {
+            w.add_chunk(&EncodedChunk::encode(Arc::new(part.to_vec()), &mut c).unwrap())
+                .unwrap();
+        }
+        w.end_file().unwrap();
+        w.finish().unwrap()
+    }
+
+    fn sample(len: usize) -> Vec<u8> {
+        let mut v: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        v[len / 2..len / 2 + 4096.min(len / 2)].fill(0);
+        v
+    }
+
+    #[test]
+    fn layer_is_a_plain_tar_zstd_stream() {
+        let content = sample(10_000 + 3);
+        let (summary, blob) = write_layer(&content, 4096);
+        assert_eq!(Digest::of(&blob), summary.digest);
+        let tar_bytes = zstd::stream::decode_all(&blob[..]).unwrap();
+        assert_eq!(Digest::of(&tar_bytes), summary.diff_id);
+        let mut archive = tar::Archive::new(&tar_bytes[..]);
+        let mut names = Vec::new();
+        for entry in archive.entries().unwrap() {
+            let mut entry = entry.unwrap();
+            let name = entry.path().unwrap().to_string_lossy().into_owned();
+            if name == "disk/d.raw" {
+                let mut data = Vec::new();
+                std::io::Read::read_to_end(&mut entry, &mut data).unwrap();
+                assert_eq!(data, content);
+                assert_eq!(entry.header().uid().unwrap(), 107);
+                assert_eq!(entry.header().mode().unwrap(), 0o644);
+            }
+            names.push(name);
+        }
+        assert_eq!(names, ["disk/", "disk/d.raw"]);
+    }
+
+    #[test]
+    fn toc_round_trips_and_chunks_verify() {
+        let content = sample(3 * 4096 + 100);
+        let (summary, blob) = write_layer(&content, 4096);
+        let loc = TocLocation::from_annotations(&summary.annotations)
+            .unwrap()
+            .unwrap();
+        assert_eq!(loc, summary.toc_location);
+        let toc = decode_toc(
+            &blob[loc.range().start as usize..loc.range().end as usize],
+            &loc,
+        )
+        .unwrap();
+        let nodes = toc.nodes(loc.offset - SKIPPABLE_HEADER).unwrap();
+        assert_eq!(nodes.len(), 2);
+        let file = &nodes[1];
+        assert_eq!(
+            (file.path.as_str(), file.size, file.uid),
+            ("disk/d.raw", content.len() as u64, 107)
+        );
+        assert_eq!(file.chunks.len(), 4);
+        assert_eq!(summary.chunks, 4);
+        for c in &file.chunks {
+            let frame = &blob[c.compressed.start as usize..c.compressed.end as usize];
+            let data = decompress_bounded(frame, c.size).unwrap();
+            assert_eq!(
+                data,
+                content[c.offset as usize..(c.offset + c.size) as usize]
+            );
+            c.digest.unwrap().verify(&data, "chunk").unwrap();
+        }
+        assert_eq!(file.digest, Some(Digest::of(&content)));
+    }
+
+    #[test]
+    fn footer_and_skippable_frames_are_well_formed() {
+        let (summary, blob) = write_layer(&sample(5000), 4096);
+        let footer = &blob[blob.len() - 64..];
+        assert_eq!(&footer[56..], FOOTER_MAGIC);
+        let field = |i: usize| u64::from_le_bytes(footer[i * 8..i * 8 + 8].try_into().unwrap());
+        assert_eq!(field(0), summary.toc_location.offset);
+        assert_eq!(field(1), summary.toc_location.length);
+        assert_eq!(field(3), 1);
+        let toc_frame = (summary.toc_location.offset - 8) as usize;
+        assert_eq!(blob[toc_frame..toc_frame + 4], SKIPPABLE_MAGIC);
+    }
+
+    #[test]
+    fn zero_chunks_are_marked() {
+        let mut content = vec![0u8; 8192];
+        content[5000] = 1;
+        let (summary, _) = write_layer(&content, 4096);
+        assert_eq!((summary.chunks, summary.zero_chunks), (2, 1));
+    }
+
+    #[test]
+    fn rejects_tampered_toc_and_bad_annotations() {
+        let (summary, mut blob) = write_layer(&sample(5000), 4096);
+        let loc = summary.toc_location;
+        blob[loc.offset as usize + 3] ^= 1;
+        let err = decode_toc(
+            &blob[loc.offset as usize..(loc.offset + loc.length) as usize],
+            &loc,
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), crate::error::ErrorKind::Corrupt);
+        let mut ann = summary.annotations.clone();
+        ann.insert(ANN_TOC_POSITION.into(), "1:2:3".into());
+        assert!(TocLocation::from_annotations(&ann).is_err());
+        ann.insert(
+            ANN_TOC_POSITION.into(),
+            format!("1:{}:3:1", MAX_TOC_COMPRESSED + 1),
+        );
+        assert!(TocLocation::from_annotations(&ann).is_err());
+        ann.remove(ANN_TOC_CHECKSUM);
+        ann.insert(ANN_TOC_POSITION.into(), "1:2:3:1".into());
+        assert!(TocLocation::from_annotations(&ann).is_err());
+        assert!(TocLocation::from_annotations(&BTreeMap::new())
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn rejects_unsafe_or_inconsistent_tocs() {
+        assert!(clean_path("../etc/passwd").is_err());
+        assert!(clean_path("/").is_err());
+        assert_eq!(clean_path("./disk//d.qcow2").unwrap(), "disk/d.qcow2");
+        let reg = |name: &str, size: i64, end: i64| TocEntry {
+            kind: "reg".into(),
+            name: name.into(),
+            size,
+            offset: 10,
+            end_offset: end,
+            ..Default::default()
+        };
+        let toc = |entries| Toc {
+            version: 1,
+            entries,
+            tar_split_digest: None,
+        };
+        // Compressed range beyond the data region.
+        assert!(toc(vec![reg("a", 100, 5000)]).nodes(1000).is_err());
+        // Chunks that do not cover the file.
+        let mut first = reg("a", 100, 200);
+        first.chunk_size = 50;
+        assert!(toc(vec![first.clone()]).nodes(1000).is_err());
+        // Chunk entry for a different file.
+        let other = TocEntry {
+            kind: "chunk".into(),
+            name: "b".into(),
+            chunk_offset: 50,
+            chunk_size: 50,
+            offset: 100,
+            ..Default::default()
+        };
+        assert!(toc(vec![first.clone(), other]).nodes(1000).is_err());
+        // A consistent two-chunk file without digests is accepted but not verifiable.
+        let second = TocEntry {
+            kind: "chunk".into(),
+            name: "a".into(),
+            chunk_offset: 50,
+            chunk_size: 50,
+            offset: 100,
+            ..Default::default()
+        };
+        let nodes = toc(vec![first, second]).nodes(1000).unwrap();
+        assert_eq!(nodes[0].chunks[1].compressed, 100..200);
+        assert!(!nodes[0].verifiable());
+    }
+}

@@ -1,0 +1,486 @@
+//! `vmdisk inspect`: what an image holds and whether vmdisk can load it lazily.
+//!
+//! For a zstd:chunked layer the TOC is fetched with one Range request, verified against its
+//! annotation and validated (paths, chunk coverage, ranges); a layer is lazily loadable only if
+//! it has a disk under `disk/` or `image/` whose every data chunk has a digest. Third-party
+//! images without our annotations get their format and virtual size from the disk's first
+//! chunk, fetched and verified. eStargz, gzip and uncompressed layers are recognised and
+//! reported as not lazily loadable, with the reason; for those the disk is located by reading
+//! the start of the layer stream only (informational, not verified: nothing is served from it).
+
+use std::collections::BTreeMap;
+use std::io::Read;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::format::disk::{self, DiskFormat};
+use crate::format::qcow2;
+use crate::format::zstd_chunked::{self, decompress_bounded, NodeKind, TocLocation};
+use crate::oci::{
+    self, Descriptor, ImageConfig, LayerCompression, Manifest, ManifestKind, Platform,
+};
+use crate::publish;
+use crate::reference::Reference;
+use crate::registry::RegistryClient;
+
+/// The whole report.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub reference: String,
+    pub digest: String,
+    pub media_type: String,
+    pub platforms: Vec<PlatformReport>,
+}
+
+/// One platform's image.
+#[derive(Debug, Serialize)]
+pub struct PlatformReport {
+    pub platform: String,
+    pub manifest: String,
+    pub layers: Vec<LayerReport>,
+}
+
+/// One layer.
+#[derive(Debug, Serialize)]
+pub struct LayerReport {
+    pub digest: String,
+    pub media_type: String,
+    pub size: u64,
+    /// `zstd:chunked`, `estargz`, `gzip`, `zstd`, `tar` or `unknown`.
+    pub layout: String,
+    pub lazy: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskReport>,
+    pub chunks: u64,
+    pub zero_chunks: u64,
+    /// Fraction of the disk's bytes in zero chunks.
+    pub zero_fraction: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunk_size: Option<ChunkSpread>,
+    /// Compressed TOC size in bytes.
+    pub toc_size: u64,
+    pub toc_uncompressed_size: u64,
+    /// Whether the layer carries vmdisk's own annotations.
+    pub vmdisk_annotations: bool,
+}
+
+/// The disk found in a layer.
+#[derive(Debug, Serialize)]
+pub struct DiskReport {
+    pub path: String,
+    pub format: String,
+    pub virtual_size: u64,
+    pub size: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+}
+
+/// Chunk size statistics over the disk's data chunks.
+#[derive(Debug, Serialize)]
+pub struct ChunkSpread {
+    pub min: u64,
+    pub median: u64,
+    pub max: u64,
+}
+
+impl LayerReport {
+    fn new(desc: &Descriptor, layout: &str) -> Self {
+        LayerReport {
+            digest: desc.digest.to_string(),
+            media_type: desc.media_type.clone(),
+            size: desc.size,
+            layout: layout.to_string(),
+            lazy: false,
+            reason: None,
+            disk: None,
+            chunks: 0,
+            zero_chunks: 0,
+            zero_fraction: 0.0,
+            chunk_size: None,
+            toc_size: 0,
+            toc_uncompressed_size: 0,
+            vmdisk_annotations: desc
+                .annotations
+                .keys()
+                .any(|k| k.starts_with(publish::ANN_PREFIX)),
+        }
+    }
+}
+
+/// Inspects every platform of `r`.
+pub async fn inspect(client: &RegistryClient, r: &Reference) -> Result<Report> {
+    let fetched = client.get_manifest(r).await?;
+    let mut platforms = Vec::new();
+    match &fetched.manifest {
+        ManifestKind::Image(m) => {
+            let config = client.get_blob(r, &m.config, oci::MAX_CONFIG_SIZE).await?;
+            let cfg: ImageConfig = serde_json::from_slice(&config)
+                .map_err(|e| Error::corrupt(format!("image config of {r}: {e}")))?;
+            let platform = Platform {
+                os: cfg.os,
+                architecture: cfg.architecture,
+                variant: cfg.variant,
+            };
+            platforms
+                .push(inspect_image(client, r, m, &platform, fetched.digest.to_string()).await?);
+        }
+        ManifestKind::Index(index) => {
+            for desc in &index.manifests {
+                let Some(platform) = desc.platform.clone() else {
+                    continue;
+                };
+                let child = client.get_manifest(&r.with_digest(desc.digest)).await?;
+                match child.manifest {
+                    ManifestKind::Image(m) => platforms.push(
+                        inspect_image(client, r, &m, &platform, desc.digest.to_string()).await?,
+                    ),
+                    ManifestKind::Index(_) => {
+                        return Err(Error::unsupported(format!(
+                            "{r}: nested index {}",
+                            desc.digest
+                        )))
+                    }
+                }
+            }
+        }
+    }
+    Ok(Report {
+        reference: r.to_string(),
+        digest: fetched.digest.to_string(),
+        media_type: fetched.media_type,
+        platforms,
+    })
+}
+
+async fn inspect_image(
+    client: &RegistryClient,
+    r: &Reference,
+    m: &Manifest,
+    platform: &Platform,
+    digest: String,
+) -> Result<PlatformReport> {
+    let mut layers = Vec::new();
+    for desc in &m.layers {
+        layers.push(
+            inspect_layer(client, r, desc)
+                .await
+                .map_err(|e| e.context(format!("layer {}", desc.digest)))?,
+        );
+    }
+    Ok(PlatformReport {
+        platform: platform.to_string(),
+        manifest: digest,
+        layers,
+    })
+}
+
+async fn inspect_layer(
+    client: &RegistryClient,
+    r: &Reference,
+    desc: &Descriptor,
+) -> Result<LayerReport> {
+    if desc.annotations.contains_key(zstd_chunked::ANN_ESTARGZ_TOC) {
+        let mut rep = LayerReport::new(desc, "estargz");
+        rep.reason = Some("eStargz layer: recognised, but vmdisk does not read eStargz yet; republish with `vmdisk convert`".into());
+        return Ok(rep);
+    }
+    let compression = oci::layer_compression(&desc.media_type);
+    match (
+        TocLocation::from_annotations(&desc.annotations)?,
+        compression,
+    ) {
+        (Some(loc), Some(LayerCompression::Zstd)) => inspect_chunked(client, r, desc, &loc).await,
+        (_, Some(c)) => {
+            let layout = match c {
+                LayerCompression::None => "tar",
+                LayerCompression::Gzip => "gzip",
+                LayerCompression::Zstd => "zstd",
+            };
+            let mut rep = LayerReport::new(desc, layout);
+            rep.reason = Some(format!("{layout} layer without a chunk index: it can only be fetched whole; republish it with `vmdisk convert`"));
+            rep.disk = peek_stream_disk(client, r, desc, c).await?;
+            Ok(rep)
+        }
+        (_, None) => {
+            let mut rep = LayerReport::new(desc, "unknown");
+            rep.reason = Some(format!("media type {} is not a tar layer", desc.media_type));
+            Ok(rep)
+        }
+    }
+}
+
+async fn inspect_chunked(
+    client: &RegistryClient,
+    r: &Reference,
+    desc: &Descriptor,
+    loc: &TocLocation,
+) -> Result<LayerReport> {
+    let mut rep = LayerReport::new(desc, "zstd:chunked");
+    rep.toc_size = loc.length;
+    rep.toc_uncompressed_size = loc.uncompressed_length;
+    if loc.range().end > desc.size || loc.offset < 8 {
+        return Err(Error::corrupt(format!(
+            "TOC range {:?} lies outside the {}-byte layer",
+            loc.range(),
+            desc.size
+        )));
+    }
+    let compressed = client.get_blob_range(r, &desc.digest, loc.range()).await?;
+    let toc = zstd_chunked::decode_toc(&compressed, loc)?;
+    let nodes = toc.nodes(loc.offset - 8)?;
+    let wanted = desc.annotations.get(publish::ANN_PATH).cloned();
+    let disk = nodes
+        .iter()
+        .filter(|n| n.kind == NodeKind::Regular && n.size > 0)
+        .find(|n| match &wanted {
+            Some(w) => &n.path == w,
+            None => n.path.starts_with("disk/") || n.path.starts_with("image/"),
+        });
+    let Some(disk) = disk else {
+        rep.reason = Some("no regular file under /disk/ or /image/ in the TOC".into());
+        return Ok(rep);
+    };
+    rep.chunks = disk.chunks.len() as u64;
+    rep.zero_chunks = disk.chunks.iter().filter(|c| c.zeros).count() as u64;
+    let zero_bytes: u64 = disk.chunks.iter().filter(|c| c.zeros).map(|c| c.size).sum();
+    rep.zero_fraction = zero_bytes as f64 / disk.size as f64;
+    let mut sizes: Vec<u64> = disk
+        .chunks
+        .iter()
+        .filter(|c| !c.zeros)
+        .map(|c| c.size)
+        .collect();
+    sizes.sort_unstable();
+    if !sizes.is_empty() {
+        rep.chunk_size = Some(ChunkSpread {
+            min: sizes[0],
+            median: sizes[sizes.len() / 2],
+            max: sizes[sizes.len() - 1],
+        });
+    }
+    let (format, virtual_size) = match (
+        desc.annotations.get(publish::ANN_FORMAT),
+        desc.annotations.get(publish::ANN_VIRTUAL_SIZE),
+    ) {
+        (Some(f), Some(v)) => (
+            f.clone(),
+            v.parse::<u64>().map_err(|_| {
+                Error::corrupt(format!(
+                    "annotation {} is not a number",
+                    publish::ANN_VIRTUAL_SIZE
+                ))
+            })?,
+        ),
+        _ => {
+            // Third-party image: read the disk's first chunk, verified, to learn its format.
+            let first = &disk.chunks[0];
+            let head = if first.zeros {
+                vec![0u8; first.size as usize]
+            } else {
+                let frame = client
+                    .get_blob_range(r, &desc.digest, first.compressed.clone())
+                    .await?;
+                let data = decompress_bounded(&frame, first.size)?;
+                match first.digest {
+                    Some(d) => d.verify(&data, &format!("first chunk of {}", disk.path))?,
+                    None => {
+                        return Err(Error::corrupt(format!(
+                            "first chunk of {} has no digest",
+                            disk.path
+                        )))
+                    }
+                }
+                data
+            };
+            match disk::sniff(&head, &[], disk.size) {
+                Some(DiskFormat::Qcow2) => {
+                    ("qcow2".into(), qcow2::Header::read(&head[..])?.virtual_size)
+                }
+                Some(DiskFormat::Raw) => ("raw".into(), disk.size),
+                Some(other) => (other.name().into(), 0),
+                None => ("unknown".into(), 0),
+            }
+        }
+    };
+    rep.disk = Some(DiskReport {
+        path: disk.path.clone(),
+        format: format.clone(),
+        virtual_size,
+        size: disk.size,
+        digest: disk.digest.map(|d| d.to_string()),
+    });
+    rep.reason = if !disk.verifiable() {
+        Some("some chunks have no chunkDigest, so they cannot be verified one by one".into())
+    } else if format != "qcow2" && format != "raw" {
+        Some(format!(
+            "the file at {} is not a qcow2 or raw disk ({format})",
+            disk.path
+        ))
+    } else {
+        None
+    };
+    rep.lazy = rep.reason.is_none();
+    Ok(rep)
+}
+
+/// Most bytes of other files skipped while looking for the disk in a stream.
+const PEEK_LIMIT: u64 = 64 << 20;
+
+async fn peek_stream_disk(
+    client: &RegistryClient,
+    r: &Reference,
+    desc: &Descriptor,
+    compression: LayerCompression,
+) -> Result<Option<DiskReport>> {
+    let blob = client.blob_reader(r, desc).await?;
+    tokio::task::spawn_blocking(move || -> Result<Option<DiskReport>> {
+        let decoder: Box<dyn Read> = match compression {
+            LayerCompression::None => Box::new(blob),
+            LayerCompression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(blob)),
+            LayerCompression::Zstd => Box::new(
+                zstd::stream::read::Decoder::new(blob).map_err(|e| Error::io("zstd decoder", e))?,
+            ),
+        };
+        let mut archive = tar::Archive::new(decoder);
+        let mut skipped = 0u64;
+        for entry in archive
+            .entries()
+            .map_err(|e| Error::io("reading the layer", e))?
+        {
+            let mut entry = entry.map_err(|e| Error::io("reading the layer", e))?;
+            let Ok(path) = entry.path().map(|p| p.to_string_lossy().into_owned()) else {
+                continue;
+            };
+            let Ok(path) = zstd_chunked::clean_path(&path) else {
+                continue;
+            };
+            let size = entry.size();
+            if entry.header().entry_type() == tar::EntryType::Regular
+                && (path.starts_with("disk/") || path.starts_with("image/"))
+            {
+                let mut head = vec![0u8; size.min(66 * 1024) as usize];
+                entry
+                    .read_exact(&mut head)
+                    .map_err(|e| Error::io("reading the disk header", e))?;
+                let (format, virtual_size) = match disk::sniff(&head, &[], size) {
+                    Some(DiskFormat::Qcow2) => (
+                        "qcow2".to_string(),
+                        qcow2::Header::read(&head[..])
+                            .map(|h| h.virtual_size)
+                            .unwrap_or(0),
+                    ),
+                    Some(DiskFormat::Raw) => ("raw".to_string(), size),
+                    Some(other) => (other.name().to_string(), 0),
+                    None => ("unknown".to_string(), 0),
+                };
+                return Ok(Some(DiskReport {
+                    path,
+                    format,
+                    virtual_size,
+                    size,
+                    digest: None,
+                }));
+            }
+            skipped += size;
+            if skipped > PEEK_LIMIT {
+                return Ok(None);
+            }
+        }
+        Ok(None)
+    })
+    .await
+    .map_err(|e| Error::new(crate::error::ErrorKind::Io, "layer reader failed").with_source(e))?
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// The report as text for people.
+pub fn render_text(report: &Report) -> String {
+    let mut out = format!(
+        "{}\n  digest: {}\n  type:   {}\n",
+        report.reference, report.digest, report.media_type
+    );
+    for p in &report.platforms {
+        out.push_str(&format!(
+            "platform {} (manifest {})\n",
+            p.platform, p.manifest
+        ));
+        for l in &p.layers {
+            out.push_str(&format!(
+                "  layer {} {} {} ({})\n",
+                l.digest,
+                l.layout,
+                human(l.size),
+                l.media_type
+            ));
+            out.push_str(&format!(
+                "    lazily loadable: {}{}\n",
+                if l.lazy { "yes" } else { "no" },
+                l.reason
+                    .as_ref()
+                    .map(|r| format!(" — {r}"))
+                    .unwrap_or_default()
+            ));
+            if let Some(d) = &l.disk {
+                out.push_str(&format!(
+                    "    disk: /{} {} virtual {} file {}\n",
+                    d.path,
+                    d.format,
+                    human(d.virtual_size),
+                    human(d.size)
+                ));
+            }
+            if l.chunks > 0 {
+                let spread = l
+                    .chunk_size
+                    .as_ref()
+                    .map(|s| {
+                        format!(
+                            ", size min/median/max {}/{}/{}",
+                            human(s.min),
+                            human(s.median),
+                            human(s.max)
+                        )
+                    })
+                    .unwrap_or_default();
+                out.push_str(&format!(
+                    "    chunks: {} ({} zero, {:.1}% of the disk){spread}\n",
+                    l.chunks,
+                    l.zero_chunks,
+                    l.zero_fraction * 100.0
+                ));
+                out.push_str(&format!(
+                    "    TOC: {} compressed, {} uncompressed\n",
+                    human(l.toc_size),
+                    human(l.toc_uncompressed_size)
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Annotations to labels view, for tests and callers that want the raw metadata.
+pub fn vmdisk_annotations(desc: &Descriptor) -> BTreeMap<String, String> {
+    desc.annotations
+        .iter()
+        .filter(|(k, _)| k.starts_with(publish::ANN_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}

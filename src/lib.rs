@@ -1,0 +1,18 @@
+//! vmdisk: VM disks from container registries, loaded lazily.
+//!
+//! The library holds everything; the binaries in `src/bin` only parse arguments and call in.
+//! - [`registry`]: the OCI distribution client (endpoints, auth, retries, verified fetches).
+//! - [`format`]: layer and disk formats (zstd:chunked, tar-split, qcow2, disk detection).
+//! - [`publish`]: building and pushing lazily loadable images (`vmdisk push`, `convert`).
+//! - [`inspect`]: reading any image and describing how lazily loadable it is.
+//! - [`oci`], [`reference`], [`digest`], [`error`]: the shared vocabulary.
+
+pub mod cli;
+pub mod digest;
+pub mod error;
+pub mod format;
+pub mod inspect;
+pub mod oci;
+pub mod publish;
+pub mod reference;
+pub mod registry;

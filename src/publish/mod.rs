@@ -1,0 +1,675 @@
+//! Publishing VM disks as lazily loadable containerDisks: `vmdisk push` and `vmdisk convert`.
+//!
+//! An image we publish is an ordinary OCI image with one zstd:chunked layer holding the disk
+//! (`/disk/<name>`, uid/gid 107, mode 0644, as KubeVirt expects, or any `--path`). The layer
+//! carries the TOC annotations and our `containerd.io/snapshot/vmdisk.*` annotations, which
+//! containerd hands to snapshotters as labels. Blobs stream straight into the registry; the
+//! tag is written last, so a failed push leaves nothing tagged.
+
+pub mod pipeline;
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::PathBuf;
+
+use bytes::Bytes;
+
+use self::pipeline::{build_layer, BuiltLayer, ChunkingOptions, LayerContent};
+use crate::digest::Digest;
+use crate::error::{Error, ErrorKind, Result, ResultExt};
+use crate::format::disk::{self, DiskFormat};
+use crate::format::qcow2;
+use crate::format::zstd_chunked::{clean_path, EntryMeta, TocLocation};
+use crate::oci::{self, Descriptor, ImageConfig, Manifest, ManifestKind, Platform, RootFs};
+use crate::reference::Reference;
+use crate::registry::{RegistryClient, UPLOAD_SEGMENT};
+
+/// Annotation (and snapshot label) prefix for our disk metadata.
+pub const ANN_PREFIX: &str = "containerd.io/snapshot/vmdisk.";
+/// Disk format, `qcow2` or `raw`.
+pub const ANN_FORMAT: &str = "containerd.io/snapshot/vmdisk.format";
+/// Virtual size of the disk in bytes.
+pub const ANN_VIRTUAL_SIZE: &str = "containerd.io/snapshot/vmdisk.virtual-size";
+/// Size of the disk file in bytes.
+pub const ANN_DISK_SIZE: &str = "containerd.io/snapshot/vmdisk.disk-size";
+/// sha256 of the disk file.
+pub const ANN_DISK_DIGEST: &str = "containerd.io/snapshot/vmdisk.disk-digest";
+/// Path of the disk in the layer, e.g. `disk/fedora.qcow2`.
+pub const ANN_PATH: &str = "containerd.io/snapshot/vmdisk.path";
+/// Chunk size used when publishing.
+pub const ANN_CHUNK_SIZE: &str = "containerd.io/snapshot/vmdisk.chunk-size";
+/// Copy of the TOC position, so a snapshotter has it among its labels.
+pub const ANN_TOC_POSITION: &str = "containerd.io/snapshot/vmdisk.toc-position";
+/// Copy of the TOC checksum.
+pub const ANN_TOC_DIGEST: &str = "containerd.io/snapshot/vmdisk.toc-digest";
+/// Config label prefix for the same metadata in the image config.
+pub const LABEL_PREFIX: &str = "vmdisk.io/";
+
+/// Default chunk size: 256 KiB (see docs/format.md for the measurement behind it).
+pub const DEFAULT_CHUNK_SIZE: usize = 256 << 10;
+/// Default zstd level: fast, and disk images are mostly incompressible or zeros anyway.
+pub const DEFAULT_LEVEL: i32 = 3;
+
+/// How to publish.
+#[derive(Clone, Debug)]
+pub struct PublishOptions {
+    /// Where the disk goes in the image, e.g. `/image/podvm.qcow2`; default `/disk/<name>`.
+    pub path: Option<String>,
+    pub chunk_size: usize,
+    pub level: i32,
+    pub threads: usize,
+    /// Skip content detection (`--format`).
+    pub format: Option<DiskFormat>,
+}
+
+impl Default for PublishOptions {
+    fn default() -> Self {
+        PublishOptions {
+            path: None,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            level: DEFAULT_LEVEL,
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            format: None,
+        }
+    }
+}
+
+/// Parses sizes like `256K`, `1M`, `1MiB`, `65536`.
+pub fn parse_size(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num.parse().map_err(|_| {
+        Error::invalid(format!(
+            "size {s:?} is not a number with an optional K/M suffix"
+        ))
+    })?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        _ => {
+            return Err(Error::invalid(format!(
+                "size {s:?}: unknown unit {unit:?} (use K or M)"
+            )))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| Error::invalid(format!("size {s:?} is too large")))
+}
+
+/// Checks a chunk size: a power of two from 64 KiB to 16 MiB.
+pub fn check_chunk_size(size: usize) -> Result<usize> {
+    if !size.is_power_of_two() || !((64 << 10)..=(16 << 20)).contains(&size) {
+        return Err(Error::invalid(format!(
+            "chunk size {size} must be a power of two between 64K and 16M"
+        )));
+    }
+    Ok(size)
+}
+
+/// The in-layer path for a disk: `--path` (absolute, clean) or `disk/<file name>`.
+pub fn layer_path(path: Option<&str>, file_name: &str) -> Result<String> {
+    match path {
+        Some(p) => {
+            if !p.starts_with('/') || p.ends_with('/') {
+                return Err(Error::invalid(format!(
+                    "--path {p:?} must be an absolute file path such as /disk/disk.qcow2"
+                )));
+            }
+            let clean = clean_path(p)
+                .map_err(|_| Error::invalid(format!("--path {p:?} must not contain '..'")))?;
+            if !clean.contains('/') {
+                return Err(Error::invalid(format!(
+                    "--path {p:?} must name a file inside a directory (e.g. /disk/{file_name})"
+                )));
+            }
+            Ok(clean)
+        }
+        None => {
+            if file_name.is_empty() || file_name.contains('/') || file_name.starts_with('.') {
+                return Err(Error::invalid(format!(
+                    "disk file name {file_name:?} cannot be used under /disk/"
+                )));
+            }
+            Ok(format!("disk/{file_name}"))
+        }
+    }
+}
+
+fn source_date(mtime: Option<std::time::SystemTime>) -> u64 {
+    if let Some(epoch) = std::env::var("SOURCE_DATE_EPOCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return epoch;
+    }
+    mtime
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Facts about the disk, recorded in annotations and the config.
+#[derive(Clone, Debug)]
+pub struct DiskFacts {
+    pub path: String,
+    pub format: DiskFormat,
+    pub virtual_size: u64,
+    pub size: u64,
+    pub digest: Digest,
+}
+
+/// One published platform image.
+#[derive(Clone, Debug)]
+pub struct Published {
+    pub manifest: Descriptor,
+    pub layer: Descriptor,
+    pub disk: DiskFacts,
+    pub chunks: u64,
+    pub zero_chunks: u64,
+}
+
+/// A `Write` that cuts the stream into upload segments and hands them to the async uploader.
+struct SegmentSink {
+    tx: tokio::sync::mpsc::Sender<Bytes>,
+    buf: Vec<u8>,
+}
+
+impl SegmentSink {
+    fn send(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let seg = Bytes::from(std::mem::replace(
+            &mut self.buf,
+            Vec::with_capacity(UPLOAD_SEGMENT),
+        ));
+        self.tx
+            .blocking_send(seg)
+            .map_err(|_| std::io::Error::other("the upload stopped"))
+    }
+}
+
+impl std::io::Write for SegmentSink {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        let room = UPLOAD_SEGMENT - self.buf.len();
+        let n = room.min(data.len());
+        self.buf.extend_from_slice(&data[..n]);
+        if self.buf.len() == UPLOAD_SEGMENT {
+            self.send()?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs `build` on a blocking thread, streaming what it writes into a new blob of `target`.
+/// The upload session opens with the first segment, so a build that fails or finds nothing
+/// before writing leaves no trace in the registry. `build` reports the blob's digest, or
+/// `None` if it wrote nothing; the result comes back once the registry has accepted the blob.
+async fn upload_streamed<T, F>(client: &RegistryClient, target: &Reference, build: F) -> Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce(SegmentSink) -> Result<(T, Option<Digest>, SegmentSink)> + Send + 'static,
+{
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+    let worker = tokio::task::spawn_blocking(move || -> Result<(T, Option<Digest>)> {
+        let (value, digest, mut sink) = build(SegmentSink {
+            tx,
+            buf: Vec::with_capacity(UPLOAD_SEGMENT),
+        })?;
+        sink.send()
+            .map_err(|e| Error::io("uploading the layer", e))?;
+        Ok((value, digest))
+    });
+    let mut upload = None;
+    while let Some(segment) = rx.recv().await {
+        if upload.is_none() {
+            upload = Some(client.start_upload(target).await?);
+        }
+        upload
+            .as_mut()
+            .expect("started above")
+            .write(segment)
+            .await?;
+    }
+    let (value, digest) = worker
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, "layer builder failed").with_source(e))??;
+    match (upload, digest) {
+        (Some(upload), Some(digest)) => upload.finish(&digest).await?,
+        (None, None) => {}
+        _ => {
+            return Err(Error::new(
+                ErrorKind::Io,
+                "the layer builder's output and its digest disagree",
+            ))
+        }
+    }
+    Ok(value)
+}
+
+fn entry_meta(path: &str, mode: u32, mtime: u64) -> EntryMeta {
+    EntryMeta {
+        path: path.to_string(),
+        mode,
+        uid: 107,
+        gid: 107,
+        mtime,
+    }
+}
+
+/// The directories above `path`, outermost first.
+fn parent_dirs(path: &str, mtime: u64) -> Vec<EntryMeta> {
+    let parts: Vec<&str> = path.split('/').collect();
+    (1..parts.len())
+        .map(|n| entry_meta(&parts[..n].join("/"), 0o755, mtime))
+        .collect()
+}
+
+/// Format and virtual size from the first bytes of a disk.
+fn disk_facts_from_head(head: &[u8], size: u64) -> Result<(DiskFormat, u64)> {
+    match disk::sniff(head, &[], size) {
+        Some(DiskFormat::Qcow2) => Ok((DiskFormat::Qcow2, qcow2::Header::read(head)?.virtual_size)),
+        Some(DiskFormat::Raw) => Ok((DiskFormat::Raw, size)),
+        Some(other) => Err(Error::unsupported(format!("the disk is in {} format; publish it with `vmdisk push`, which converts it", other.name()))),
+        None => Err(Error::invalid("the file does not look like a VM disk (not qcow2, no partition table or filesystem signature)")),
+    }
+}
+
+/// Writes config and manifest for a pushed layer; the manifest is stored by digest only.
+async fn finish_image(
+    client: &RegistryClient,
+    target: &Reference,
+    built: &BuiltLayer,
+    disk: DiskFacts,
+    platform: &Platform,
+    chunk_size: usize,
+) -> Result<(Published, Vec<u8>)> {
+    let summary = &built.summary;
+    let loc: TocLocation = summary.toc_location;
+    let facts: [(&str, String); 7] = [
+        ("format", disk.format.name().to_string()),
+        ("virtual-size", disk.virtual_size.to_string()),
+        ("disk-size", disk.size.to_string()),
+        ("disk-digest", disk.digest.to_string()),
+        ("path", disk.path.clone()),
+        ("chunk-size", chunk_size.to_string()),
+        ("toc-digest", loc.checksum.to_string()),
+    ];
+    let mut annotations = summary.annotations.clone();
+    let mut labels = BTreeMap::new();
+    for (key, value) in &facts {
+        annotations.insert(format!("{ANN_PREFIX}{key}"), value.clone());
+        labels.insert(format!("{LABEL_PREFIX}{key}"), value.clone());
+    }
+    annotations.insert(
+        ANN_TOC_POSITION.to_string(),
+        format!(
+            "{}:{}:{}:1",
+            loc.offset, loc.length, loc.uncompressed_length
+        ),
+    );
+
+    let config = ImageConfig {
+        created: None,
+        architecture: platform.architecture.clone(),
+        os: platform.os.clone(),
+        variant: platform.variant.clone(),
+        config: oci::ContainerConfig { labels },
+        rootfs: RootFs {
+            kind: "layers".into(),
+            diff_ids: vec![summary.diff_id],
+        },
+    };
+    let config_bytes = serde_json::to_vec(&config).expect("config serialises");
+    let config_desc = Descriptor::of(oci::OCI_CONFIG, &config_bytes);
+    client
+        .push_blob(target, &config_desc.digest, Bytes::from(config_bytes))
+        .await
+        .context("uploading the image config")?;
+
+    let layer = Descriptor {
+        media_type: oci::OCI_LAYER_ZSTD.into(),
+        digest: summary.digest,
+        size: summary.size,
+        annotations,
+        platform: None,
+    };
+    let manifest = Manifest {
+        schema_version: 2,
+        media_type: Some(oci::OCI_MANIFEST.into()),
+        config: config_desc,
+        layers: vec![layer.clone()],
+        annotations: BTreeMap::new(),
+    };
+    let bytes = serde_json::to_vec(&manifest).expect("manifest serialises");
+    client
+        .put_manifest(target, None, oci::OCI_MANIFEST, bytes.clone())
+        .await
+        .context("uploading the manifest")?;
+    let mut desc = Descriptor::of(oci::OCI_MANIFEST, &bytes);
+    desc.platform = Some(platform.clone());
+    let published = Published {
+        manifest: desc,
+        layer,
+        disk,
+        chunks: summary.chunks,
+        zero_chunks: summary.zero_chunks,
+    };
+    Ok((published, bytes))
+}
+
+fn chunking(opts: &PublishOptions) -> ChunkingOptions {
+    ChunkingOptions {
+        chunk_size: opts.chunk_size,
+        level: opts.level,
+        threads: opts.threads,
+    }
+}
+
+/// Publishes one disk file as the image for `platform` (untagged; see [`tag_images`]).
+pub async fn push_disk(
+    client: &RegistryClient,
+    target: &Reference,
+    file: PathBuf,
+    platform: &Platform,
+    opts: &PublishOptions,
+) -> Result<(Published, Vec<u8>)> {
+    let forced = opts.format;
+    let shown = file.display().to_string();
+    let prepared = tokio::task::spawn_blocking(move || disk::prepare(&file, forced))
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, "disk preparation failed").with_source(e))??;
+    let path = layer_path(opts.path.as_deref(), &prepared.file_name)?;
+    let mtime = source_date(
+        std::fs::metadata(&prepared.path)
+            .and_then(|m| m.modified())
+            .ok(),
+    );
+    let (format, virtual_size, size) = (prepared.format, prepared.virtual_size, prepared.size);
+    let chunks = chunking(opts);
+    let layer_file = path.clone();
+    tracing::info!(disk = %shown, path = %path, format = format.name(), size, "publishing");
+    let built = upload_streamed(client, target, move |sink| {
+        let reader = std::fs::File::open(&prepared.path)
+            .map_err(|e| Error::io(format!("opening {}", prepared.path.display()), e))?;
+        let content = LayerContent {
+            dirs: parent_dirs(&layer_file, mtime),
+            file: entry_meta(&layer_file, 0o644, mtime),
+            size,
+            reader,
+        };
+        let (built, sink) = build_layer(content, chunks, sink)?;
+        drop(prepared);
+        let digest = built.summary.digest;
+        Ok((built, Some(digest), sink))
+    })
+    .await
+    .context(format!("pushing {shown} to {target}"))?;
+    let disk = DiskFacts {
+        path,
+        format,
+        virtual_size,
+        size,
+        digest: built.disk_digest,
+    };
+    finish_image(client, target, &built, disk, platform, opts.chunk_size).await
+}
+
+/// Tags what was published: the manifest itself for one image, an index for several.
+/// Returns the digest the tag points at.
+pub async fn tag_images(
+    client: &RegistryClient,
+    target: &Reference,
+    images: &[(Published, Vec<u8>)],
+) -> Result<Digest> {
+    let tag = target.tag.clone().unwrap_or_else(|| "latest".to_string());
+    match images {
+        [] => Err(Error::invalid("nothing to publish")),
+        [(_, bytes)] => {
+            client
+                .put_manifest(target, Some(&tag), oci::OCI_MANIFEST, bytes.clone())
+                .await
+        }
+        many => {
+            let index = oci::Index {
+                schema_version: 2,
+                media_type: Some(oci::OCI_INDEX.into()),
+                manifests: many.iter().map(|(p, _)| p.manifest.clone()).collect(),
+                annotations: BTreeMap::new(),
+            };
+            let bytes = serde_json::to_vec(&index).expect("index serialises");
+            client
+                .put_manifest(target, Some(&tag), oci::OCI_INDEX, bytes)
+                .await
+        }
+    }
+}
+
+/// Checks that a push target names a tag (or nothing, meaning `latest`), not a digest.
+pub fn check_target(target: &Reference) -> Result<()> {
+    if target.digest.is_some() {
+        return Err(Error::invalid(format!(
+            "push target {target} names a digest; give a tag instead"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `path` (clean, relative) is where a containerDisk or peer-pod image keeps its disk.
+fn is_disk_path(path: &str, wanted: Option<&str>) -> bool {
+    match wanted {
+        Some(w) => path == w,
+        None => path.starts_with("disk/") || path.starts_with("image/"),
+    }
+}
+
+/// Looks for the disk in one source layer and, if it is there, republishes it.
+type ConvertedLayer = (BuiltLayer, String, u64);
+
+fn convert_layer(
+    blob: crate::registry::BlobReader,
+    compression: oci::LayerCompression,
+    wanted: Option<String>,
+    chunks: ChunkingOptions,
+    sink: SegmentSink,
+) -> Result<(Option<ConvertedLayer>, Option<Digest>, SegmentSink)> {
+    let mut blob = blob;
+    let mut found = None;
+    let mut sink = Some(sink);
+    {
+        let decoder: Box<dyn Read> = match compression {
+            oci::LayerCompression::None => Box::new(&mut blob),
+            oci::LayerCompression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(&mut blob)),
+            oci::LayerCompression::Zstd => Box::new(
+                zstd::stream::read::Decoder::new(&mut blob)
+                    .map_err(|e| Error::io("zstd decoder", e))?,
+            ),
+        };
+        let mut archive = tar::Archive::new(decoder);
+        let entries = archive
+            .entries()
+            .map_err(|e| Error::io("reading the source layer", e))?;
+        for entry in entries {
+            let mut entry = entry.map_err(|e| Error::io("reading the source layer", e))?;
+            let raw_path = entry
+                .path()
+                .map_err(|e| Error::io("source layer entry name", e))?
+                .to_string_lossy()
+                .into_owned();
+            let Ok(path) = clean_path(&raw_path) else {
+                continue;
+            };
+            if found.is_some()
+                || entry.header().entry_type() != tar::EntryType::Regular
+                || !is_disk_path(&path, wanted.as_deref())
+            {
+                std::io::copy(&mut entry, &mut std::io::sink())
+                    .map_err(|e| Error::io("reading the source layer", e))?;
+                continue;
+            }
+            let size = entry.size();
+            let mtime = source_date(None).max(entry.header().mtime().unwrap_or(0));
+            let target_path = wanted.clone().unwrap_or(path.clone());
+            let content = LayerContent {
+                dirs: parent_dirs(&target_path, mtime),
+                file: entry_meta(&target_path, 0o644, mtime),
+                size,
+                reader: &mut entry,
+            };
+            let (built, s) =
+                build_layer(content, chunks, sink.take().expect("one disk per layer"))?;
+            sink = Some(s);
+            found = Some((built, target_path, size));
+        }
+    }
+    if found.is_none() {
+        return Ok((None, None, sink.expect("unused sink")));
+    }
+    // Read to the end so the source blob's digest is checked before anything is tagged.
+    std::io::copy(&mut blob, &mut std::io::sink())
+        .map_err(|e| Error::io("verifying the source layer", e))?;
+    let digest = found
+        .as_ref()
+        .map(|(b, _, _)| b.summary.digest)
+        .expect("found");
+    Ok((found, Some(digest), sink.expect("sink returned")))
+}
+
+/// Republishes the disk of one source image (single platform) in the lazy layout.
+async fn convert_image(
+    client: &RegistryClient,
+    source: &Reference,
+    manifest: &Manifest,
+    target: &Reference,
+    platform: &Platform,
+    opts: &PublishOptions,
+) -> Result<(Published, Vec<u8>)> {
+    let wanted = opts
+        .path
+        .as_deref()
+        .map(|p| layer_path(Some(p), ""))
+        .transpose()?;
+    for layer in manifest.layers.iter().rev() {
+        let Some(compression) = oci::layer_compression(&layer.media_type) else {
+            continue;
+        };
+        let blob = client.blob_reader(source, layer).await?;
+        let chunks = chunking(opts);
+        let wanted = wanted.clone();
+        let found = upload_streamed(client, target, move |sink| {
+            convert_layer(blob, compression, wanted, chunks, sink)
+        })
+        .await
+        .context(format!("converting layer {} of {source}", layer.digest))?;
+        if let Some((built, path, size)) = found {
+            let (format, virtual_size) =
+                disk_facts_from_head(&built.head, size).context(format!("{path} in {source}"))?;
+            let disk = DiskFacts {
+                path,
+                format,
+                virtual_size,
+                size,
+                digest: built.disk_digest,
+            };
+            return finish_image(client, target, &built, disk, platform, opts.chunk_size).await;
+        }
+    }
+    let place = opts
+        .path
+        .clone()
+        .unwrap_or_else(|| "/disk/ or /image/".into());
+    Err(Error::new(
+        ErrorKind::NotFound,
+        format!(
+            "{source} ({platform}) has no regular file under {place}; name the disk with --path"
+        ),
+    ))
+}
+
+/// `vmdisk convert`: republishes every platform of `source` at `target` in the lazy layout.
+pub async fn convert(
+    client: &RegistryClient,
+    source: &Reference,
+    target: &Reference,
+    opts: &PublishOptions,
+) -> Result<Digest> {
+    check_target(target)?;
+    let fetched = client.get_manifest(source).await?;
+    let mut images = Vec::new();
+    match fetched.manifest {
+        ManifestKind::Image(m) => {
+            let config = client
+                .get_blob(source, &m.config, oci::MAX_CONFIG_SIZE)
+                .await?;
+            let cfg: ImageConfig = serde_json::from_slice(&config)
+                .map_err(|e| Error::corrupt(format!("image config of {source}: {e}")))?;
+            let platform = Platform {
+                os: cfg.os,
+                architecture: cfg.architecture,
+                variant: cfg.variant,
+            };
+            images.push(convert_image(client, source, &m, target, &platform, opts).await?);
+        }
+        ManifestKind::Index(index) => {
+            for desc in &index.manifests {
+                let Some(platform) = desc.platform.clone().filter(|p| p.os != "unknown") else {
+                    continue;
+                };
+                let child = client
+                    .get_manifest(&source.with_digest(desc.digest))
+                    .await?;
+                let ManifestKind::Image(m) = child.manifest else {
+                    return Err(Error::unsupported(format!(
+                        "{source}: nested index {} is not supported",
+                        desc.digest
+                    )));
+                };
+                images.push(convert_image(client, source, &m, target, &platform, opts).await?);
+            }
+        }
+    }
+    tag_images(client, target, &images).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_paths() {
+        assert_eq!(parse_size("256K").unwrap(), 256 << 10);
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_size("65536").unwrap(), 65536);
+        assert!(parse_size("1G").is_err());
+        assert!(parse_size("abc").is_err());
+        assert!(check_chunk_size(100_000).is_err());
+        assert!(check_chunk_size(32 << 10).is_err());
+        assert_eq!(check_chunk_size(1 << 20).unwrap(), 1 << 20);
+        assert_eq!(
+            layer_path(None, "fedora.qcow2").unwrap(),
+            "disk/fedora.qcow2"
+        );
+        assert_eq!(
+            layer_path(Some("/image/podvm.qcow2"), "x").unwrap(),
+            "image/podvm.qcow2"
+        );
+        assert!(layer_path(Some("image/podvm.qcow2"), "x").is_err());
+        assert!(layer_path(Some("/disk/../etc/x"), "x").is_err());
+        assert!(layer_path(Some("/disk.qcow2"), "x").is_err());
+        assert!(layer_path(None, ".hidden").is_err());
+    }
+
+    #[test]
+    fn parents_are_listed_outermost_first() {
+        let dirs = parent_dirs("a/b/c.qcow2", 5);
+        assert_eq!(
+            dirs.iter().map(|d| d.path.as_str()).collect::<Vec<_>>(),
+            ["a", "a/b"]
+        );
+    }
+}

@@ -1,0 +1,248 @@
+//! The streaming layer builder: reads a disk once, cuts it into fixed-size chunks, compresses
+//! them on every core, and writes the zstd:chunked layer in order into a sink.
+//!
+//! Memory is bounded by the chunks in flight (a few per core), never by the disk size; the
+//! only thing that grows with the disk is the TOC (about 100 bytes per chunk).
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::sync::{mpsc, Arc, Mutex};
+
+use crate::digest::Digest;
+use crate::error::{Error, Result};
+use crate::format::zstd_chunked::{EncodedChunk, EntryMeta, LayerSummary, LayerWriter};
+
+/// How to cut and compress.
+#[derive(Clone, Copy, Debug)]
+pub struct ChunkingOptions {
+    pub chunk_size: usize,
+    pub level: i32,
+    pub threads: usize,
+}
+
+/// The disk file to put into the layer, and the directories above it.
+pub struct LayerContent<R> {
+    pub dirs: Vec<EntryMeta>,
+    pub file: EntryMeta,
+    pub size: u64,
+    pub reader: R,
+}
+
+/// What was learned while streaming the disk.
+pub struct BuiltLayer {
+    pub summary: LayerSummary,
+    /// sha256 of the disk file.
+    pub disk_digest: Digest,
+    /// The first bytes of the disk (up to 66 KiB), for format detection.
+    pub head: Vec<u8>,
+}
+
+const HEAD_BYTES: usize = 66 * 1024;
+
+fn read_full(reader: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match reader.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// Streams `content` into a zstd:chunked layer written to `out`. The disk is read on the
+/// calling thread (so the reader need not be `Send`); compression runs on `threads` workers and
+/// a writer thread puts chunks back in order.
+pub fn build_layer<R: Read, W: Write + Send>(
+    content: LayerContent<R>,
+    opts: ChunkingOptions,
+    out: W,
+) -> Result<(BuiltLayer, W)> {
+    let LayerContent {
+        dirs,
+        file,
+        size,
+        mut reader,
+    } = content;
+    let chunk_size = opts.chunk_size.max(4096);
+    let threads = opts.threads.max(1);
+    let mut writer = LayerWriter::new(out, opts.level)?;
+    for dir in &dirs {
+        writer.add_dir(dir)?;
+    }
+    writer.begin_file(&file, size)?;
+
+    let (raw_tx, raw_rx) = mpsc::sync_channel::<(u64, Arc<Vec<u8>>)>(threads * 2);
+    let raw_rx = Arc::new(Mutex::new(raw_rx));
+    let (enc_tx, enc_rx) = mpsc::sync_channel::<Result<(u64, EncodedChunk)>>(threads * 2);
+
+    let (writer, disk_digest, head) =
+        std::thread::scope(|scope| -> Result<(LayerWriter<W>, Digest, Vec<u8>)> {
+            for _ in 0..threads {
+                let rx = Arc::clone(&raw_rx);
+                let tx = enc_tx.clone();
+                scope.spawn(move || {
+                    let mut compressor = match zstd::bulk::Compressor::new(opts.level) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            let _ = tx.send(Err(Error::io("zstd compressor", e)));
+                            return;
+                        }
+                    };
+                    loop {
+                        let next = rx.lock().expect("chunk queue lock").recv();
+                        let Ok((index, data)) = next else { return };
+                        let encoded =
+                            EncodedChunk::encode(data, &mut compressor).map(|c| (index, c));
+                        if tx.send(encoded).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+            drop(enc_tx);
+            let writer_thread =
+                scope.spawn(move || -> Result<(LayerWriter<W>, Digest, Vec<u8>)> {
+                    let mut head = Vec::new();
+                    let mut pending = BTreeMap::new();
+                    let mut next = 0u64;
+                    for item in enc_rx.iter() {
+                        let (index, chunk) = item?;
+                        pending.insert(index, chunk);
+                        while let Some(chunk) = pending.remove(&next) {
+                            if head.len() < HEAD_BYTES {
+                                let take = (HEAD_BYTES - head.len()).min(chunk.data.len());
+                                head.extend_from_slice(&chunk.data[..take]);
+                            }
+                            writer.add_chunk(&chunk)?;
+                            next += 1;
+                        }
+                    }
+                    let digest = writer.end_file()?;
+                    Ok((writer, digest, head))
+                });
+
+            let path = &file.path;
+            let mut remaining = size;
+            let mut index = 0u64;
+            let mut read_error = None;
+            while remaining > 0 {
+                let want = remaining.min(chunk_size as u64) as usize;
+                let mut buf = vec![0u8; want];
+                let got = match read_full(&mut reader, &mut buf) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        read_error = Some(Error::io(format!("reading {path}"), e));
+                        break;
+                    }
+                };
+                if got != want {
+                    read_error = Some(Error::invalid(format!(
+                        "{path}: ended after {} of {size} bytes (truncated, or changed while read)",
+                        size - remaining + got as u64
+                    )));
+                    break;
+                }
+                if raw_tx.send((index, Arc::new(buf))).is_err() {
+                    break; // the writer stopped; its error is reported below
+                }
+                index += 1;
+                remaining -= want as u64;
+            }
+            drop(raw_tx);
+            let written = writer_thread.join().expect("layer writer thread panicked");
+            match read_error {
+                Some(e) => Err(e),
+                None => written,
+            }
+        })?;
+
+    let (summary, out) = writer.finish()?;
+    Ok((
+        BuiltLayer {
+            summary,
+            disk_digest,
+            head,
+        },
+        out,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::zstd_chunked::{decode_toc, TocLocation};
+
+    fn meta(path: &str) -> EntryMeta {
+        EntryMeta {
+            path: path.into(),
+            mode: 0o644,
+            uid: 107,
+            gid: 107,
+            mtime: 0,
+        }
+    }
+
+    #[test]
+    fn parallel_build_keeps_order_and_content() {
+        let data: Vec<u8> = (0..300_000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        let content = LayerContent {
+            dirs: vec![meta("disk")],
+            file: meta("disk/x.raw"),
+            size: data.len() as u64,
+            reader: &data[..],
+        };
+        let (built, blob) = build_layer(
+            content,
+            ChunkingOptions {
+                chunk_size: 8192,
+                level: 1,
+                threads: 3,
+            },
+            Vec::new(),
+        )
+        .unwrap();
+        assert_eq!(built.disk_digest, Digest::of(&data));
+        assert_eq!(built.head, data[..HEAD_BYTES]);
+        assert_eq!(built.summary.chunks, 300_000u64.div_ceil(8192));
+        let tar = zstd::stream::decode_all(&blob[..]).unwrap();
+        assert_eq!(Digest::of(&tar), built.summary.diff_id);
+        let loc: TocLocation = built.summary.toc_location;
+        let toc = decode_toc(
+            &blob[loc.offset as usize..(loc.offset + loc.length) as usize],
+            &loc,
+        )
+        .unwrap();
+        assert_eq!(toc.entries[1].digest, Digest::of(&data).to_string());
+    }
+
+    #[test]
+    fn short_input_is_an_error() {
+        let data = vec![1u8; 1000];
+        let content = LayerContent {
+            dirs: vec![],
+            file: meta("d"),
+            size: 5000,
+            reader: &data[..],
+        };
+        let err = build_layer(
+            content,
+            ChunkingOptions {
+                chunk_size: 4096,
+                level: 1,
+                threads: 2,
+            },
+            Vec::new(),
+        )
+        .err()
+        .unwrap();
+        assert!(
+            err.to_string().contains("ended after 1000 of 5000"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,308 @@
+//! Registry endpoints from a containerd `hosts.toml` directory (the `certs.d` layout), so the
+//! mirrors a node already has for containerd (Spegel, Dragonfly, a pull-through cache) serve
+//! vmdisk too.
+//!
+//! For registry `host:port` the file is `<dir>/<host:port>/hosts.toml`, else
+//! `<dir>/_default/hosts.toml`. Each `[host."URL"]` table is a mirror tried in file order for
+//! the capabilities it lists (`pull`, `resolve`, `push`); `server` is the upstream, tried last.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// One place to send registry requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Scheme, host and optional path prefix, without trailing slash.
+    pub base: String,
+    pub pull: bool,
+    pub resolve: bool,
+    pub push: bool,
+    /// The base already contains the API path (`override_path = true`): no `/v2` is added.
+    pub override_path: bool,
+    pub skip_verify: bool,
+    /// Extra CA certificate files (PEM).
+    pub ca: Vec<PathBuf>,
+    pub headers: BTreeMap<String, String>,
+}
+
+impl Endpoint {
+    /// The default endpoint of a registry host.
+    pub fn upstream(host: &str, plain_http: bool) -> Self {
+        let scheme = if plain_http { "http" } else { "https" };
+        Endpoint {
+            base: format!("{scheme}://{host}"),
+            pull: true,
+            resolve: true,
+            push: true,
+            override_path: false,
+            skip_verify: false,
+            ca: Vec::new(),
+            headers: BTreeMap::new(),
+        }
+    }
+
+    /// URL of `path` (e.g. `repo/manifests/tag`) under this endpoint's API root.
+    pub fn url(&self, path: &str) -> String {
+        if self.override_path {
+            format!("{}/{path}", self.base)
+        } else {
+            format!("{}/v2/{path}", self.base)
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostsFile {
+    server: Option<String>,
+    #[serde(default)]
+    capabilities: Option<Vec<String>>,
+    #[serde(default)]
+    skip_verify: Option<bool>,
+    #[serde(default)]
+    ca: Option<StringOrList>,
+    #[serde(default)]
+    client: Option<toml::Value>,
+    #[serde(default)]
+    header: BTreeMap<String, StringOrList>,
+    #[serde(default)]
+    override_path: Option<bool>,
+    #[serde(default)]
+    host: BTreeMap<String, HostEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostEntry {
+    #[serde(default)]
+    capabilities: Option<Vec<String>>,
+    #[serde(default)]
+    skip_verify: Option<bool>,
+    #[serde(default)]
+    ca: Option<StringOrList>,
+    #[serde(default)]
+    client: Option<toml::Value>,
+    #[serde(default)]
+    header: BTreeMap<String, StringOrList>,
+    #[serde(default)]
+    override_path: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StringOrList {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StringOrList {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            StringOrList::One(s) => vec![s],
+            StringOrList::Many(v) => v,
+        }
+    }
+}
+
+fn resolve_path(base_dir: &Path, p: String) -> PathBuf {
+    let p = PathBuf::from(p);
+    if p.is_absolute() {
+        p
+    } else {
+        base_dir.join(p)
+    }
+}
+
+fn build(
+    base: &str,
+    capabilities: Option<Vec<String>>,
+    skip_verify: Option<bool>,
+    ca: Option<StringOrList>,
+    header: BTreeMap<String, StringOrList>,
+    override_path: Option<bool>,
+    dir: &Path,
+    default_caps: &[&str],
+) -> Result<Endpoint> {
+    let caps = capabilities.unwrap_or_else(|| default_caps.iter().map(|s| s.to_string()).collect());
+    for c in &caps {
+        if !matches!(c.as_str(), "pull" | "resolve" | "push") {
+            return Err(Error::invalid(format!(
+                "hosts.toml: unknown capability {c:?} for {base}"
+            )));
+        }
+    }
+    let base = base.trim_end_matches('/');
+    let url = url::Url::parse(base)
+        .map_err(|e| Error::invalid(format!("hosts.toml: host {base:?} is not a URL: {e}")))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err(Error::invalid(format!(
+            "hosts.toml: host {base:?} must be an http:// or https:// URL"
+        )));
+    }
+    Ok(Endpoint {
+        base: base.to_string(),
+        pull: caps.iter().any(|c| c == "pull"),
+        resolve: caps.iter().any(|c| c == "resolve"),
+        push: caps.iter().any(|c| c == "push"),
+        override_path: override_path.unwrap_or(false),
+        skip_verify: skip_verify.unwrap_or(false),
+        ca: ca
+            .map(StringOrList::into_vec)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| resolve_path(dir, p))
+            .collect(),
+        headers: header
+            .into_iter()
+            .map(|(k, v)| (k, v.into_vec().join(", ")))
+            .collect(),
+    })
+}
+
+/// Parses one `hosts.toml`; `dir` resolves relative certificate paths. The upstream server is
+/// the registry itself unless `server` says otherwise. Mirrors come first, in file order.
+pub fn parse_hosts_toml(text: &str, dir: &Path, upstream: Endpoint) -> Result<Vec<Endpoint>> {
+    let file: HostsFile = toml::from_str(text)
+        .map_err(|e| Error::invalid(format!("hosts.toml in {} is invalid: {e}", dir.display())))?;
+    // toml tables are sorted by key; containerd keeps file order. Recover it from the text.
+    let mut mirrors: Vec<(usize, Endpoint)> = Vec::new();
+    for (url, entry) in file.host {
+        let _ = entry.client;
+        let pos = text.find(&format!("\"{url}\"")).unwrap_or(usize::MAX);
+        let ep = build(
+            &url,
+            entry.capabilities,
+            entry.skip_verify,
+            entry.ca,
+            entry.header,
+            entry.override_path,
+            dir,
+            &["pull", "resolve"],
+        )?;
+        mirrors.push((pos, ep));
+    }
+    mirrors.sort_by_key(|(pos, _)| *pos);
+    let _ = file.client;
+    let server = match file.server {
+        Some(s) => build(
+            &s,
+            file.capabilities,
+            file.skip_verify,
+            file.ca,
+            file.header,
+            file.override_path,
+            dir,
+            &["pull", "resolve", "push"],
+        )?,
+        None => upstream,
+    };
+    let mut endpoints: Vec<Endpoint> = mirrors.into_iter().map(|(_, e)| e).collect();
+    endpoints.push(server);
+    Ok(endpoints)
+}
+
+/// The endpoints for `registry`, from `hosts_dir` if it has a file for it, else the upstream.
+pub fn endpoints_for(
+    hosts_dir: Option<&Path>,
+    registry: &str,
+    upstream: Endpoint,
+) -> Result<Vec<Endpoint>> {
+    let Some(root) = hosts_dir else {
+        return Ok(vec![upstream]);
+    };
+    for name in [registry, "_default"] {
+        let dir = root.join(name);
+        let file = dir.join("hosts.toml");
+        match std::fs::read_to_string(&file) {
+            Ok(text) => return parse_hosts_toml(&text, &dir, upstream),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Error::io(format!("reading {}", file.display()), e)),
+        }
+    }
+    Ok(vec![upstream])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mirrors_first_in_file_order_then_server() {
+        let text = r#"
+server = "https://registry.example:5000"
+
+[host."http://zz-mirror.local:5001"]
+  capabilities = ["pull", "resolve"]
+  header = { X-Mirror = "1" }
+
+[host."https://aa-mirror.local/v2/proxy"]
+  capabilities = ["pull"]
+  override_path = true
+  skip_verify = true
+  ca = "ca.pem"
+"#;
+        let eps = parse_hosts_toml(
+            text,
+            Path::new("/etc/containerd/certs.d/r"),
+            Endpoint::upstream("r", false),
+        )
+        .unwrap();
+        assert_eq!(eps.len(), 3);
+        assert_eq!(eps[0].base, "http://zz-mirror.local:5001");
+        assert_eq!(eps[0].headers["X-Mirror"], "1");
+        assert!(!eps[0].push);
+        assert_eq!(
+            eps[1].url("a/manifests/t"),
+            "https://aa-mirror.local/v2/proxy/a/manifests/t"
+        );
+        assert_eq!(
+            eps[1].ca,
+            vec![PathBuf::from("/etc/containerd/certs.d/r/ca.pem")]
+        );
+        assert!(eps[1].skip_verify && !eps[1].resolve);
+        assert_eq!(
+            eps[2].url("a/blobs/x"),
+            "https://registry.example:5000/v2/a/blobs/x"
+        );
+        assert!(eps[2].push);
+    }
+
+    #[test]
+    fn rejects_bad_files() {
+        let up = || Endpoint::upstream("r", false);
+        assert!(parse_hosts_toml("server = 5", Path::new("/"), up()).is_err());
+        assert!(parse_hosts_toml("[host.\"ftp://x\"]\n", Path::new("/"), up()).is_err());
+        assert!(parse_hosts_toml(
+            "[host.\"http://x\"]\ncapabilities=[\"fly\"]\n",
+            Path::new("/"),
+            up()
+        )
+        .is_err());
+        assert!(parse_hosts_toml("bogus = 1", Path::new("/"), up()).is_err());
+    }
+
+    #[test]
+    fn directory_lookup_falls_back_to_default() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("_default")).unwrap();
+        std::fs::write(
+            dir.path().join("_default/hosts.toml"),
+            "[host.\"http://127.0.0.1:6000\"]\n",
+        )
+        .unwrap();
+        let eps = endpoints_for(
+            Some(dir.path()),
+            "quay.io",
+            Endpoint::upstream("quay.io", false),
+        )
+        .unwrap();
+        assert_eq!(eps[0].base, "http://127.0.0.1:6000");
+        assert_eq!(eps[1].base, "https://quay.io");
+        let eps = endpoints_for(None, "quay.io", Endpoint::upstream("quay.io", false)).unwrap();
+        assert_eq!(eps.len(), 1);
+    }
+}

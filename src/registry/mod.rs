@@ -1,0 +1,1003 @@
+//! The OCI distribution client every part of vmdisk uses.
+//!
+//! It owns everything about talking to registries: endpoints (the registry itself, or mirrors
+//! from a containerd `hosts.toml` directory), transport policy (HTTPS, plain HTTP only for
+//! loopback or hosts the user names), authentication (anonymous, Basic, Bearer tokens from the
+//! `WWW-Authenticate` challenge, credentials from docker config files), bounded retries with
+//! backoff, and size limits. It never returns unverified bytes for anything fetched whole:
+//! manifests fetched by digest, configs and blobs are checked against their digests here;
+//! byte ranges are checked by the caller, who knows the chunk digests.
+
+pub mod auth;
+pub mod hosts;
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use reqwest::header::{
+    HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE,
+    LOCATION, RANGE, WWW_AUTHENTICATE,
+};
+use reqwest::{Method, StatusCode};
+
+use self::auth::{Challenge, CredentialStore};
+use self::hosts::Endpoint;
+use crate::digest::{Digest, Hasher};
+use crate::error::{Error, ErrorKind, Result};
+use crate::oci::{self, Descriptor, ManifestKind};
+use crate::reference::{is_loopback_host, Reference};
+
+/// How often and how patiently to retry connection errors, 5xx and 429 answers.
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    /// Total tries per request, at least 1.
+    pub attempts: u32,
+    pub base_delay: Duration,
+    pub max_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            attempts: 5,
+            base_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Client settings; the defaults are safe (HTTPS except on loopback).
+#[derive(Clone, Debug, Default)]
+pub struct RegistryConfig {
+    /// Registry hosts (host[:port]) that may be spoken to over plain HTTP.
+    pub plain_http_hosts: Vec<String>,
+    /// Plain HTTP for every registry this client talks to (the `--plain-http` flag).
+    pub plain_http: bool,
+    /// A containerd `hosts.toml` directory (`/etc/containerd/certs.d`).
+    pub hosts_dir: Option<PathBuf>,
+    /// Docker config files to read credentials from, instead of the default search path.
+    pub auth_files: Option<Vec<PathBuf>>,
+    pub retry: RetryPolicy,
+}
+
+/// Largest upload segment sent in one PATCH.
+pub const UPLOAD_SEGMENT: usize = 32 << 20;
+
+/// A registry client. Cheap to share behind an `Arc`; all methods take `&self`.
+pub struct RegistryClient {
+    config: RegistryConfig,
+    credentials: CredentialStore,
+    clients: Mutex<HashMap<(bool, Vec<PathBuf>), reqwest::Client>>,
+    /// Authorization header values per endpoint base and scope.
+    auth: Mutex<HashMap<(String, String), (String, Option<Instant>)>>,
+}
+
+/// Which access a request needs, for token scopes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    Pull,
+    Push,
+}
+
+fn scope(repo: &str, access: Access) -> String {
+    match access {
+        Access::Pull => format!("repository:{repo}:pull"),
+        Access::Push => format!("repository:{repo}:pull,push"),
+    }
+}
+
+/// A request to send, rebuilt for every try (bodies are cheap `Bytes` clones).
+struct Req {
+    method: Method,
+    url: String,
+    headers: HeaderMap,
+    body: Option<Bytes>,
+    /// Extra scopes the token must cover (cross-repository mount source).
+    extra_scope: Option<String>,
+}
+
+impl Req {
+    fn new(method: Method, url: String) -> Self {
+        Req {
+            method,
+            url,
+            headers: HeaderMap::new(),
+            body: None,
+            extra_scope: None,
+        }
+    }
+
+    fn header(mut self, name: reqwest::header::HeaderName, value: &str) -> Self {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            self.headers.insert(name, v);
+        }
+        self
+    }
+
+    fn body(mut self, body: Bytes) -> Self {
+        self.body = Some(body);
+        self
+    }
+}
+
+fn registry_error_text(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Errors {
+        errors: Vec<ErrorItem>,
+    }
+    #[derive(serde::Deserialize)]
+    struct ErrorItem {
+        code: String,
+        #[serde(default)]
+        message: String,
+    }
+    match serde_json::from_slice::<Errors>(body) {
+        Ok(e) if !e.errors.is_empty() => e
+            .errors
+            .iter()
+            .map(|i| format!("{}: {}", i.code, i.message))
+            .collect::<Vec<_>>()
+            .join("; "),
+        _ => String::from_utf8_lossy(&body[..body.len().min(200)])
+            .trim()
+            .to_string(),
+    }
+}
+
+async fn read_limited(mut resp: reqwest::Response, limit: u64, what: &str) -> Result<Vec<u8>> {
+    if resp.content_length().is_some_and(|l| l > limit) {
+        return Err(Error::corrupt(format!(
+            "{what} is {} bytes, more than the {limit} accepted",
+            resp.content_length().unwrap_or(0)
+        )));
+    }
+    let mut out = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| Error::new(ErrorKind::Network, format!("reading {what}")).with_source(e))?
+    {
+        if out.len() as u64 + chunk.len() as u64 > limit {
+            return Err(Error::corrupt(format!(
+                "{what} is more than the {limit} bytes accepted"
+            )));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
+}
+
+/// A fetched manifest or index, verified when fetched by digest.
+#[derive(Clone, Debug)]
+pub struct FetchedManifest {
+    pub digest: Digest,
+    pub media_type: String,
+    pub bytes: Vec<u8>,
+    pub manifest: ManifestKind,
+}
+
+impl RegistryClient {
+    /// A client with credentials from `config.auth_files` or the default docker config path.
+    pub fn new(config: RegistryConfig) -> Result<Self> {
+        let credentials = match &config.auth_files {
+            Some(files) => CredentialStore::from_files(files)?,
+            None => CredentialStore::from_env()?,
+        };
+        Ok(RegistryClient {
+            config,
+            credentials,
+            clients: Mutex::new(HashMap::new()),
+            auth: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn http(&self, ep: &Endpoint) -> Result<reqwest::Client> {
+        let key = (ep.skip_verify, ep.ca.clone());
+        let mut clients = self.clients.lock().expect("client cache lock");
+        if let Some(c) = clients.get(&key) {
+            return Ok(c.clone());
+        }
+        let mut builder = reqwest::Client::builder()
+            .user_agent(concat!("vmdisk/", env!("CARGO_PKG_VERSION")))
+            .connect_timeout(Duration::from_secs(10))
+            .read_timeout(Duration::from_secs(60))
+            .danger_accept_invalid_certs(ep.skip_verify);
+        for path in &ep.ca {
+            let pem = std::fs::read(path)
+                .map_err(|e| Error::io(format!("reading CA certificate {}", path.display()), e))?;
+            let cert = reqwest::Certificate::from_pem(&pem).map_err(|e| {
+                Error::invalid(format!("CA certificate {} is not PEM: {e}", path.display()))
+            })?;
+            builder = builder.add_root_certificate(cert);
+        }
+        let client = builder
+            .build()
+            .map_err(|e| Error::new(ErrorKind::Io, "building the HTTP client").with_source(e))?;
+        clients.insert(key, client.clone());
+        Ok(client)
+    }
+
+    fn plain_http(&self, host: &str) -> bool {
+        self.config.plain_http
+            || is_loopback_host(host)
+            || self.config.plain_http_hosts.iter().any(|h| h == host)
+    }
+
+    /// Endpoints for `r`, mirrors first; `push` selects push-capable ones.
+    fn endpoints(&self, r: &Reference, access: Access) -> Result<Vec<Endpoint>> {
+        let upstream = Endpoint::upstream(r.api_host(), self.plain_http(&r.registry));
+        let all = hosts::endpoints_for(
+            self.config.hosts_dir.as_deref(),
+            &r.registry,
+            upstream.clone(),
+        )?;
+        let chosen: Vec<Endpoint> = all
+            .into_iter()
+            .filter(|e| match access {
+                Access::Pull => e.pull,
+                Access::Push => e.push,
+            })
+            .collect();
+        Ok(if chosen.is_empty() {
+            vec![upstream]
+        } else {
+            chosen
+        })
+    }
+
+    async fn authorize(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        challenge: &str,
+        scope_key: &str,
+        scopes: &[String],
+    ) -> Result<()> {
+        let host = &r.registry;
+        let challenge =
+            auth::parse_challenge(challenge).map_err(|e| e.context(format!("registry {host}")))?;
+        let credential = self.credentials.get(host)?;
+        let (value, expiry) = match challenge {
+            Challenge::Basic => {
+                let c = credential.ok_or_else(|| {
+                    Error::new(ErrorKind::Auth, format!("registry {host} requires credentials and none were found; add them to a docker config file (REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json or ~/.docker/config.json)"))
+                })?;
+                (c.basic_header(), None)
+            }
+            Challenge::Bearer {
+                realm,
+                service,
+                scope,
+            } => {
+                let mut url = url::Url::parse(&realm).map_err(|e| {
+                    Error::new(
+                        ErrorKind::Auth,
+                        format!("registry {host}: token realm {realm:?} is not a URL: {e}"),
+                    )
+                })?;
+                {
+                    let mut q = url.query_pairs_mut();
+                    if let Some(s) = &service {
+                        q.append_pair("service", s);
+                    }
+                    let mut sent = false;
+                    for s in scopes {
+                        q.append_pair("scope", s);
+                        sent = true;
+                    }
+                    if let (false, Some(s)) = (sent, &scope) {
+                        q.append_pair("scope", s);
+                    }
+                }
+                let realm_host = url.host_str().unwrap_or_default().to_string();
+                if url.scheme() == "http"
+                    && !self.plain_http(&realm_host)
+                    && !is_loopback_host(&realm_host)
+                {
+                    return Err(Error::new(ErrorKind::Auth, format!("registry {host}: token realm {realm} is plain HTTP; refusing to send credentials")));
+                }
+                let mut req = self.http(ep)?.get(url);
+                if let Some(c) = &credential {
+                    req = req.header(AUTHORIZATION, c.basic_header());
+                }
+                let resp = req.send().await.map_err(|e| {
+                    Error::new(
+                        ErrorKind::Network,
+                        format!("registry {host}: token request to {realm} failed"),
+                    )
+                    .with_source(e)
+                })?;
+                let status = resp.status();
+                let body = read_limited(resp, 1 << 20, "token response").await?;
+                if !status.is_success() {
+                    let who = credential
+                        .as_ref()
+                        .map_or("anonymous access".to_string(), |c| {
+                            format!("user {}", c.username)
+                        });
+                    return Err(Error::new(ErrorKind::Auth, format!("registry {host}: token server {realm} refused {who} (HTTP {status}: {})", registry_error_text(&body))));
+                }
+                #[derive(serde::Deserialize)]
+                struct Token {
+                    token: Option<String>,
+                    access_token: Option<String>,
+                    expires_in: Option<u64>,
+                }
+                let t: Token = serde_json::from_slice(&body).map_err(|e| {
+                    Error::new(
+                        ErrorKind::Auth,
+                        format!("registry {host}: token response is malformed: {e}"),
+                    )
+                })?;
+                let token = t
+                    .token
+                    .or(t.access_token)
+                    .filter(|t| !t.is_empty())
+                    .ok_or_else(|| {
+                        Error::new(
+                            ErrorKind::Auth,
+                            format!("registry {host}: token response has no token"),
+                        )
+                    })?;
+                let ttl = Duration::from_secs(t.expires_in.unwrap_or(60).clamp(10, 3600));
+                (
+                    format!("Bearer {token}"),
+                    Some(Instant::now() + ttl - Duration::from_secs(5)),
+                )
+            }
+        };
+        self.auth
+            .lock()
+            .expect("auth lock")
+            .insert((ep.base.clone(), scope_key.to_string()), (value, expiry));
+        Ok(())
+    }
+
+    fn cached_auth(&self, ep: &Endpoint, scope_key: &str) -> Option<String> {
+        let auth = self.auth.lock().expect("auth lock");
+        auth.get(&(ep.base.clone(), scope_key.to_string()))
+            .filter(|(_, exp)| exp.is_none_or(|e| e > Instant::now()))
+            .map(|(v, _)| v.clone())
+    }
+
+    /// Sends `req` to `ep` with auth and retries; returns the first response that is not a
+    /// retryable failure. Authentication failures become `Auth` errors naming the registry.
+    async fn send(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        access: Access,
+        req: &Req,
+    ) -> Result<reqwest::Response> {
+        let client = self.http(ep)?;
+        let mut scopes = vec![scope(&r.repository, access)];
+        scopes.extend(req.extra_scope.clone());
+        let scope_key = scopes.join(" ");
+        let policy = &self.config.retry;
+        let mut delay = policy.base_delay;
+        let mut authorized_now = false;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut builder = client
+                .request(req.method.clone(), &req.url)
+                .headers(req.headers.clone());
+            for (k, v) in &ep.headers {
+                builder = builder.header(k.as_str(), v.as_str());
+            }
+            if let Some(a) = self.cached_auth(ep, &scope_key) {
+                builder = builder.header(AUTHORIZATION, a);
+            }
+            if let Some(b) = &req.body {
+                builder = builder.body(b.clone());
+            }
+            let outcome = builder.send().await;
+            let retryable = match &outcome {
+                Ok(resp) if resp.status() == StatusCode::UNAUTHORIZED => {
+                    let challenge = resp
+                        .headers()
+                        .get(WWW_AUTHENTICATE)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string);
+                    match challenge {
+                        Some(c) if !authorized_now => {
+                            self.authorize(ep, r, &c, &scope_key, &scopes).await?;
+                            authorized_now = true;
+                            attempt -= 1;
+                            continue;
+                        }
+                        _ => {
+                            let who = match self.credentials.get(&r.registry)? {
+                                Some(c) => format!("the credentials of user {} were refused", c.username),
+                                None => "no credentials were found (REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json)".to_string(),
+                            };
+                            return Err(Error::new(
+                                ErrorKind::Auth,
+                                format!(
+                                    "registry {} requires authentication and {who} (HTTP 401)",
+                                    r.registry
+                                ),
+                            ));
+                        }
+                    }
+                }
+                Ok(resp) => {
+                    resp.status().is_server_error()
+                        || resp.status() == StatusCode::TOO_MANY_REQUESTS
+                }
+                Err(e) => e.is_connect() || e.is_timeout() || e.is_request(),
+            };
+            if !retryable || attempt >= policy.attempts.max(1) {
+                return match outcome {
+                    Ok(resp) => Ok(resp),
+                    Err(e) => Err(Error::new(
+                        ErrorKind::Network,
+                        format!(
+                            "registry {} is unreachable at {} after {attempt} tries",
+                            r.registry, ep.base
+                        ),
+                    )
+                    .with_source(e)),
+                };
+            }
+            match &outcome {
+                Ok(resp) => {
+                    tracing::warn!(registry = %r.registry, url = %req.url, status = %resp.status(), attempt, "retrying")
+                }
+                Err(e) => {
+                    tracing::warn!(registry = %r.registry, url = %req.url, error = %e, attempt, "retrying")
+                }
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(policy.max_delay);
+        }
+    }
+
+    async fn check(
+        resp: reqwest::Response,
+        what: &str,
+        r: &Reference,
+    ) -> Result<reqwest::Response> {
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let body = read_limited(resp, 64 << 10, "error body")
+            .await
+            .unwrap_or_default();
+        let detail = registry_error_text(&body);
+        let kind = match status {
+            StatusCode::NOT_FOUND => ErrorKind::NotFound,
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => ErrorKind::Auth,
+            s if s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS => ErrorKind::Network,
+            _ => ErrorKind::InvalidInput,
+        };
+        Err(Error::new(
+            kind,
+            format!(
+                "{what} in {}/{}: HTTP {status}{}",
+                r.registry,
+                r.repository,
+                if detail.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({detail})")
+                }
+            ),
+        ))
+    }
+
+    /// Tries each pull endpoint (mirrors first) until one answers successfully.
+    async fn pull_request(
+        &self,
+        r: &Reference,
+        what: &str,
+        make: impl Fn(&Endpoint) -> Req,
+    ) -> Result<reqwest::Response> {
+        let mut last = None;
+        for ep in self.endpoints(r, Access::Pull)? {
+            let req = make(&ep);
+            match self.send(&ep, r, Access::Pull, &req).await {
+                Ok(resp) => match Self::check(resp, what, r).await {
+                    Ok(resp) => return Ok(resp),
+                    Err(e) => {
+                        tracing::debug!(endpoint = %ep.base, error = %e.chain(), "endpoint failed, trying next");
+                        last = Some(e)
+                    }
+                },
+                Err(e) if e.kind() == ErrorKind::Auth => return Err(e),
+                Err(e) => {
+                    tracing::debug!(endpoint = %ep.base, error = %e.chain(), "endpoint failed, trying next");
+                    last = Some(e)
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            Error::new(
+                ErrorKind::Network,
+                format!("no endpoint for {}", r.registry),
+            )
+        }))
+    }
+
+    /// Fetches the manifest or index `r` names. Verified against the digest when `r` has one;
+    /// the returned digest is that of the bytes received.
+    pub async fn get_manifest(&self, r: &Reference) -> Result<FetchedManifest> {
+        let accept = [
+            oci::OCI_MANIFEST,
+            oci::OCI_INDEX,
+            oci::DOCKER_MANIFEST,
+            oci::DOCKER_MANIFEST_LIST,
+        ]
+        .join(", ");
+        let object = r.object();
+        let what = format!("manifest {object}");
+        let resp = self
+            .pull_request(r, &what, |ep| {
+                Req::new(
+                    Method::GET,
+                    ep.url(&format!("{}/manifests/{object}", r.repository)),
+                )
+                .header(ACCEPT, &accept)
+            })
+            .await?;
+        let media_type = resp
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string();
+        let bytes = read_limited(resp, oci::MAX_MANIFEST_SIZE, &what).await?;
+        let digest = Digest::of(&bytes);
+        if let Some(expected) = &r.digest {
+            expected.verify(&bytes, &format!("manifest of {r}"))?;
+        }
+        let manifest = oci::parse_manifest(&bytes, Some(&media_type))
+            .map_err(|e| e.context(format!("{r}")))?;
+        let media_type = match &manifest {
+            ManifestKind::Image(m) => m.media_type.clone().unwrap_or(if media_type.is_empty() {
+                oci::OCI_MANIFEST.into()
+            } else {
+                media_type
+            }),
+            ManifestKind::Index(i) => i.media_type.clone().unwrap_or(if media_type.is_empty() {
+                oci::OCI_INDEX.into()
+            } else {
+                media_type
+            }),
+        };
+        Ok(FetchedManifest {
+            digest,
+            media_type,
+            bytes,
+            manifest,
+        })
+    }
+
+    /// Fetches a whole blob of at most `limit` bytes and verifies it against `desc`.
+    pub async fn get_blob(&self, r: &Reference, desc: &Descriptor, limit: u64) -> Result<Vec<u8>> {
+        if desc.size > limit {
+            return Err(Error::corrupt(format!(
+                "blob {} is {} bytes, more than the {limit} accepted",
+                desc.digest, desc.size
+            )));
+        }
+        let what = format!("blob {}", desc.digest);
+        let resp = self
+            .pull_request(r, &what, |ep| {
+                Req::new(
+                    Method::GET,
+                    ep.url(&format!("{}/blobs/{}", r.repository, desc.digest)),
+                )
+            })
+            .await?;
+        let bytes = read_limited(resp, desc.size, &what).await?;
+        if bytes.len() as u64 != desc.size {
+            return Err(Error::corrupt(format!(
+                "{what} is {} bytes, the descriptor says {}",
+                bytes.len(),
+                desc.size
+            )));
+        }
+        desc.digest.verify(&bytes, &what)?;
+        Ok(bytes)
+    }
+
+    /// Fetches `range` of a blob with an HTTP Range request. The length is checked here; the
+    /// content must be verified by the caller (chunk digests).
+    pub async fn get_blob_range(
+        &self,
+        r: &Reference,
+        digest: &Digest,
+        range: std::ops::Range<u64>,
+    ) -> Result<Bytes> {
+        if range.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let what = format!("bytes {}-{} of blob {digest}", range.start, range.end - 1);
+        let header = format!("bytes={}-{}", range.start, range.end - 1);
+        let resp = self
+            .pull_request(r, &what, |ep| {
+                Req::new(
+                    Method::GET,
+                    ep.url(&format!("{}/blobs/{digest}", r.repository)),
+                )
+                .header(RANGE, &header)
+            })
+            .await?;
+        if resp.status() != StatusCode::PARTIAL_CONTENT {
+            return Err(Error::unsupported(format!("registry {} answered {what} with HTTP {} instead of 206: it does not support Range requests", r.registry, resp.status())));
+        }
+        let expected = range.end - range.start;
+        if let Some(cr) = resp
+            .headers()
+            .get(CONTENT_RANGE)
+            .and_then(|v| v.to_str().ok())
+        {
+            let ok = cr.strip_prefix("bytes ").and_then(|s| s.split('/').next())
+                == Some(&format!("{}-{}", range.start, range.end - 1));
+            if !ok {
+                return Err(Error::corrupt(format!(
+                    "registry {} answered {what} with Content-Range {cr:?}",
+                    r.registry
+                )));
+            }
+        }
+        let body = read_limited(resp, expected, &what).await?;
+        if body.len() as u64 != expected {
+            return Err(Error::corrupt(format!(
+                "{what}: got {} bytes, expected {expected}",
+                body.len()
+            )));
+        }
+        Ok(Bytes::from(body))
+    }
+
+    /// A blocking reader over a whole blob that fails at the end unless the content matches
+    /// `desc` (size and digest). Must be called inside a tokio runtime; read it from a
+    /// blocking thread.
+    pub async fn blob_reader(&self, r: &Reference, desc: &Descriptor) -> Result<BlobReader> {
+        let what = format!("blob {}", desc.digest);
+        let mut resp = self
+            .pull_request(r, &what, |ep| {
+                Req::new(
+                    Method::GET,
+                    ep.url(&format!("{}/blobs/{}", r.repository, desc.digest)),
+                )
+            })
+            .await?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<std::io::Result<Bytes>>(16);
+        tokio::spawn(async move {
+            loop {
+                let item = match resp.chunk().await {
+                    Ok(Some(b)) => Ok(b),
+                    Ok(None) => break,
+                    Err(e) => Err(std::io::Error::other(e)),
+                };
+                let failed = item.is_err();
+                if tx.send(item).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        Ok(BlobReader {
+            rx,
+            current: Bytes::new(),
+            hasher: Hasher::new(),
+            expected: desc.clone(),
+            done: false,
+        })
+    }
+
+    /// Whether the repository already has the blob.
+    pub async fn blob_exists(&self, r: &Reference, digest: &Digest) -> Result<bool> {
+        let ep = self.push_endpoint(r)?;
+        let req = Req::new(
+            Method::HEAD,
+            ep.url(&format!("{}/blobs/{digest}", r.repository)),
+        );
+        let resp = self.send(&ep, r, Access::Push, &req).await?;
+        match resp.status() {
+            s if s.is_success() => Ok(true),
+            StatusCode::NOT_FOUND => Ok(false),
+            _ => Self::check(resp, &format!("checking blob {digest}"), r)
+                .await
+                .map(|_| false),
+        }
+    }
+
+    fn push_endpoint(&self, r: &Reference) -> Result<Endpoint> {
+        Ok(self.endpoints(r, Access::Push)?.remove(0))
+    }
+
+    fn resolve_location(
+        ep: &Endpoint,
+        resp: &reqwest::Response,
+        r: &Reference,
+    ) -> Result<url::Url> {
+        let loc = resp
+            .headers()
+            .get(LOCATION)
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| {
+                Error::corrupt(format!(
+                    "registry {} started an upload without a Location header",
+                    r.registry
+                ))
+            })?;
+        let base = url::Url::parse(&ep.base)
+            .map_err(|e| Error::invalid(format!("endpoint {}: {e}", ep.base)))?;
+        base.join(loc).map_err(|e| {
+            Error::corrupt(format!(
+                "registry {} sent an invalid upload Location {loc:?}: {e}",
+                r.registry
+            ))
+        })
+    }
+
+    /// Starts an upload session.
+    pub async fn start_upload(&self, r: &Reference) -> Result<BlobUpload<'_>> {
+        let ep = self.push_endpoint(r)?;
+        let req = Req::new(
+            Method::POST,
+            ep.url(&format!("{}/blobs/uploads/", r.repository)),
+        )
+        .header(CONTENT_LENGTH, "0");
+        let resp = Self::check(
+            self.send(&ep, r, Access::Push, &req).await?,
+            "starting a blob upload",
+            r,
+        )
+        .await?;
+        let location = Self::resolve_location(&ep, &resp, r)?;
+        Ok(BlobUpload {
+            client: self,
+            ep,
+            reference: r.clone(),
+            location,
+            offset: 0,
+        })
+    }
+
+    /// Uploads `data` as one blob unless the repository has it already.
+    pub async fn push_blob(&self, r: &Reference, digest: &Digest, data: Bytes) -> Result<()> {
+        if self.blob_exists(r, digest).await? {
+            tracing::debug!(%digest, "blob exists, not uploading");
+            return Ok(());
+        }
+        let mut upload = self.start_upload(r).await?;
+        upload.write(data).await?;
+        upload.finish(digest).await
+    }
+
+    /// Mounts `digest` from repository `from` of the same registry. `Ok(false)` if the
+    /// registry would not mount it (the caller uploads instead).
+    pub async fn mount_blob(&self, r: &Reference, digest: &Digest, from: &str) -> Result<bool> {
+        let ep = self.push_endpoint(r)?;
+        let mut url = url::Url::parse(&ep.url(&format!("{}/blobs/uploads/", r.repository)))
+            .map_err(|e| Error::invalid(e.to_string()))?;
+        url.query_pairs_mut()
+            .append_pair("mount", &digest.to_string())
+            .append_pair("from", from);
+        let mut req = Req::new(Method::POST, url.to_string()).header(CONTENT_LENGTH, "0");
+        req.extra_scope = Some(scope(from, Access::Pull));
+        let resp = self.send(&ep, r, Access::Push, &req).await?;
+        match resp.status() {
+            StatusCode::CREATED => Ok(true),
+            StatusCode::ACCEPTED => {
+                // The registry opened an ordinary upload instead; cancel it.
+                if let Ok(loc) = Self::resolve_location(&ep, &resp, r) {
+                    let _ = self
+                        .send(
+                            &ep,
+                            r,
+                            Access::Push,
+                            &Req::new(Method::DELETE, loc.to_string()),
+                        )
+                        .await;
+                }
+                Ok(false)
+            }
+            _ => Self::check(resp, &format!("mounting blob {digest} from {from}"), r)
+                .await
+                .map(|_| false),
+        }
+    }
+
+    /// Uploads a manifest or index under `tag` (or its digest when `tag` is `None`); returns
+    /// its digest.
+    pub async fn put_manifest(
+        &self,
+        r: &Reference,
+        tag: Option<&str>,
+        media_type: &str,
+        bytes: Vec<u8>,
+    ) -> Result<Digest> {
+        let digest = Digest::of(&bytes);
+        let object = tag.map_or_else(|| digest.to_string(), str::to_string);
+        let ep = self.push_endpoint(r)?;
+        let req = Req::new(
+            Method::PUT,
+            ep.url(&format!("{}/manifests/{object}", r.repository)),
+        )
+        .header(CONTENT_TYPE, media_type)
+        .body(Bytes::from(bytes));
+        Self::check(
+            self.send(&ep, r, Access::Push, &req).await?,
+            &format!("uploading manifest {object}"),
+            r,
+        )
+        .await?;
+        Ok(digest)
+    }
+}
+
+/// An upload session (`POST`, then `PATCH` segments, then `PUT ?digest=`).
+pub struct BlobUpload<'a> {
+    client: &'a RegistryClient,
+    ep: Endpoint,
+    reference: Reference,
+    location: url::Url,
+    offset: u64,
+}
+
+impl BlobUpload<'_> {
+    /// Bytes the registry has accepted so far.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Appends `data`. If a PATCH fails, asks the registry how much it kept and resends the
+    /// rest, within the retry policy.
+    pub async fn write(&mut self, data: Bytes) -> Result<()> {
+        let r = self.reference.clone();
+        let start = self.offset;
+        let mut sent = 0usize;
+        let mut tries = 0;
+        while sent < data.len() {
+            tries += 1;
+            let part = data.slice(sent..);
+            let from = start + sent as u64;
+            let req = Req::new(Method::PATCH, self.location.to_string())
+                .header(CONTENT_TYPE, "application/octet-stream")
+                .header(
+                    CONTENT_RANGE,
+                    &format!("{}-{}", from, from + part.len() as u64 - 1),
+                )
+                .body(part);
+            let outcome = match self.client.send(&self.ep, &r, Access::Push, &req).await {
+                Ok(resp) => RegistryClient::check(resp, "uploading blob data", &r).await,
+                Err(e) => Err(e),
+            };
+            match outcome {
+                Ok(resp) => {
+                    self.location = RegistryClient::resolve_location(&self.ep, &resp, &r)?;
+                    sent = data.len();
+                }
+                Err(e)
+                    if tries < self.client.config.retry.attempts
+                        && e.kind() == ErrorKind::Network =>
+                {
+                    tracing::warn!(error = %e.chain(), "upload segment failed, asking the registry where to resume");
+                    let have = self.status().await?;
+                    if have < from || have > start + data.len() as u64 {
+                        return Err(
+                            e.context(format!("the registry kept {have} bytes, cannot resume"))
+                        );
+                    }
+                    sent = (have - start) as usize;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.offset = start + data.len() as u64;
+        Ok(())
+    }
+
+    /// How many bytes the registry holds for this upload (`GET` on the session).
+    async fn status(&mut self) -> Result<u64> {
+        let r = self.reference.clone();
+        let req = Req::new(Method::GET, self.location.to_string());
+        let resp = RegistryClient::check(
+            self.client.send(&self.ep, &r, Access::Push, &req).await?,
+            "querying an upload",
+            &r,
+        )
+        .await?;
+        let range = resp
+            .headers()
+            .get(RANGE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("0-0")
+            .to_string();
+        self.location =
+            RegistryClient::resolve_location(&self.ep, &resp, &r).unwrap_or(self.location.clone());
+        let end = range
+            .trim_start_matches("bytes=")
+            .split('-')
+            .nth(1)
+            .and_then(|e| e.parse::<u64>().ok())
+            .unwrap_or(0);
+        Ok(if range.ends_with("0-0") && end == 0 {
+            0
+        } else {
+            end + 1
+        })
+    }
+
+    /// Completes the upload as `digest`; the registry checks it too.
+    pub async fn finish(self, digest: &Digest) -> Result<()> {
+        let r = self.reference.clone();
+        let mut url = self.location.clone();
+        url.query_pairs_mut()
+            .append_pair("digest", &digest.to_string());
+        let req = Req::new(Method::PUT, url.to_string()).header(CONTENT_LENGTH, "0");
+        RegistryClient::check(
+            self.client.send(&self.ep, &r, Access::Push, &req).await?,
+            &format!("completing the upload of blob {digest}"),
+            &r,
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// A blocking `Read` over a whole blob; the final read fails unless size and digest match.
+pub struct BlobReader {
+    rx: std::sync::mpsc::Receiver<std::io::Result<Bytes>>,
+    current: Bytes,
+    hasher: Hasher,
+    expected: Descriptor,
+    done: bool,
+}
+
+impl Read for BlobReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.current.is_empty() {
+            if self.done {
+                return Ok(0);
+            }
+            match self.rx.recv() {
+                Ok(Ok(b)) => {
+                    self.hasher.update(&b);
+                    if self.hasher.len() > self.expected.size {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            format!(
+                                "blob {} is longer than its descriptor's {} bytes",
+                                self.expected.digest, self.expected.size
+                            ),
+                        ));
+                    }
+                    self.current = b;
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    self.done = true;
+                    let got = std::mem::take(&mut self.hasher);
+                    let len = got.len();
+                    let digest = got.finish();
+                    if len != self.expected.size || digest != self.expected.digest {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            format!("blob {} arrived as {len} bytes with digest {digest}: corrupt or truncated", self.expected.digest),
+                        ));
+                    }
+                    return Ok(0);
+                }
+            }
+        }
+        let n = buf.len().min(self.current.len());
+        buf[..n].copy_from_slice(&self.current[..n]);
+        let _ = self.current.split_to(n);
+        Ok(n)
+    }
+}
