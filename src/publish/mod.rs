@@ -22,7 +22,7 @@ use crate::format::qcow2;
 use crate::format::zstd_chunked::{clean_path, EntryMeta, TocLocation};
 use crate::oci::{self, Descriptor, ImageConfig, Manifest, ManifestKind, Platform, RootFs};
 use crate::reference::Reference;
-use crate::registry::{RegistryClient, UPLOAD_SEGMENT};
+use crate::registry::{BlobUpload, RegistryClient, UPLOAD_SEGMENT};
 
 /// Annotation (and snapshot label) prefix for our disk metadata.
 pub const ANN_PREFIX: &str = "containerd.io/snapshot/vmdisk.";
@@ -207,10 +207,15 @@ impl std::io::Write for SegmentSink {
 }
 
 /// Runs `build` on a blocking thread, streaming what it writes into a new blob of `target`.
-/// The upload session opens with the first segment, so a build that fails or finds nothing
-/// before writing leaves no trace in the registry. `build` reports the blob's digest, or
+/// Unless `started` is given, the upload session opens with the first segment, so a build
+/// that fails or finds nothing before writing leaves no trace in the registry. `build` reports the blob's digest, or
 /// `None` if it wrote nothing; the result comes back once the registry has accepted the blob.
-async fn upload_streamed<T, F>(client: &RegistryClient, target: &Reference, build: F) -> Result<T>
+async fn upload_streamed<'c, T, F>(
+    client: &'c RegistryClient,
+    target: &Reference,
+    started: Option<BlobUpload<'c>>,
+    build: F,
+) -> Result<T>
 where
     T: Send + 'static,
     F: FnOnce(SegmentSink) -> Result<(T, Option<Digest>, SegmentSink)> + Send + 'static,
@@ -225,7 +230,7 @@ where
             .map_err(|e| Error::io("uploading the layer", e))?;
         Ok((value, digest))
     });
-    let mut upload = None;
+    let mut upload = started;
     while let Some(segment) = rx.recv().await {
         if upload.is_none() {
             upload = Some(client.start_upload(target).await?);
@@ -241,7 +246,7 @@ where
         .map_err(|e| Error::new(ErrorKind::Io, "layer builder failed").with_source(e))??;
     match (upload, digest) {
         (Some(upload), Some(digest)) => upload.finish(&digest).await?,
-        (None, None) => {}
+        (_, None) => {}
         _ => {
             return Err(Error::new(
                 ErrorKind::Io,
@@ -394,7 +399,13 @@ pub async fn push_disk(
     let chunks = chunking(opts);
     let layer_file = path.clone();
     tracing::info!(disk = %shown, path = %path, format = format.name(), size, "publishing");
-    let built = upload_streamed(client, target, move |sink| {
+    // Open the upload first: an unreachable registry or missing push rights fail before the
+    // disk is read.
+    let upload = client
+        .start_upload(target)
+        .await
+        .context(format!("pushing {shown} to {target}"))?;
+    let built = upload_streamed(client, target, Some(upload), move |sink| {
         let reader = std::fs::File::open(&prepared.path)
             .map_err(|e| Error::io(format!("opening {}", prepared.path.display()), e))?;
         let content = LayerContent {
@@ -561,7 +572,7 @@ async fn convert_image(
         let blob = client.blob_reader(source, layer).await?;
         let chunks = chunking(opts);
         let wanted = wanted.clone();
-        let found = upload_streamed(client, target, move |sink| {
+        let found = upload_streamed(client, target, None, move |sink| {
             convert_layer(blob, compression, wanted, chunks, sink)
         })
         .await

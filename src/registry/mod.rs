@@ -470,23 +470,24 @@ impl RegistryClient {
             .await
             .unwrap_or_default();
         let detail = registry_error_text(&body);
-        let kind = match status {
-            StatusCode::NOT_FOUND => ErrorKind::NotFound,
-            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => ErrorKind::Auth,
-            s if s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS => ErrorKind::Network,
-            _ => ErrorKind::InvalidInput,
+        let (kind, outcome) = match status {
+            StatusCode::NOT_FOUND => (ErrorKind::NotFound, "not found"),
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => (ErrorKind::Auth, "denied"),
+            s if s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS => {
+                (ErrorKind::Network, "failed on the registry side")
+            }
+            _ => (ErrorKind::InvalidInput, "refused"),
+        };
+        let detail = if detail.is_empty() {
+            String::new()
+        } else {
+            format!(": {detail}")
         };
         Err(Error::new(
             kind,
             format!(
-                "{what} in {}/{}: HTTP {status}{}",
-                r.registry,
-                r.repository,
-                if detail.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({detail})")
-                }
+                "{what} {outcome} in {}/{} (HTTP {status}{detail})",
+                r.registry, r.repository
             ),
         ))
     }

@@ -1,0 +1,491 @@
+//! Real parts for the integration tests: a `docker-registry` process on a free loopback port
+//! (optionally with htpasswd auth), a containerd process with its own root, OCI image layouts
+//! written from code and pushed with skopeo, qemu tools. Everything lives in a scratch
+//! directory that is removed when the test ends; processes are killed on drop.
+
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest as _, Sha256};
+
+/// Fails the test with a clear message when a tool the suite needs is missing.
+pub fn require(tool: &str) {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+        .unwrap_or(false);
+    assert!(found, "{tool} is not installed: run `make test` (it installs the test dependencies) or see README.md");
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_for_port(port: u16, what: &str, log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!(
+        "{what} did not start listening on {port}: {}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+}
+
+/// A scratch directory for one test.
+pub struct Scratch {
+    pub dir: tempfile::TempDir,
+}
+
+impl Scratch {
+    pub fn new() -> Self {
+        let base = std::env::var_os("VMDISK_TEST_TMP")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        std::fs::create_dir_all(&base).unwrap();
+        Scratch {
+            dir: tempfile::Builder::new()
+                .prefix("vmdisk-it-")
+                .tempdir_in(base)
+                .unwrap(),
+        }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+/// A running CNCF distribution registry.
+pub struct Registry {
+    child: Child,
+    pub port: u16,
+    pub root: PathBuf,
+}
+
+impl Registry {
+    pub fn start(scratch: &Scratch) -> Self {
+        Self::start_with(scratch, "")
+    }
+
+    /// With `auth` YAML inserted (e.g. an htpasswd block).
+    pub fn start_with(scratch: &Scratch, auth: &str) -> Self {
+        require("docker-registry");
+        let port = free_port();
+        let root = scratch.path(&format!("registry-{port}"));
+        std::fs::create_dir_all(root.join("data")).unwrap();
+        let config = root.join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog: {{ level: warn }}\nstorage: {{ filesystem: {{ rootdirectory: {} }}, delete: {{ enabled: true }} }}\nhttp: {{ addr: 127.0.0.1:{port} }}\n{auth}",
+                root.join("data").display()
+            ),
+        )
+        .unwrap();
+        let log = root.join("registry.log");
+        let child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::create(root.join("registry.err")).unwrap())
+            .spawn()
+            .expect("start docker-registry");
+        wait_for_port(port, "docker-registry", &root.join("registry.err"));
+        Registry { child, port, root }
+    }
+
+    /// An htpasswd-protected registry; returns it and the htpasswd user/password.
+    pub fn start_htpasswd(scratch: &Scratch, user: &str, password: &str) -> Self {
+        require("htpasswd");
+        let file = scratch.path("htpasswd");
+        let out = Command::new("htpasswd")
+            .args(["-Bbn", user, password])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        std::fs::write(&file, out.stdout).unwrap();
+        Self::start_with(
+            scratch,
+            &format!(
+                "auth: {{ htpasswd: {{ realm: test, path: {} }} }}\n",
+                file.display()
+            ),
+        )
+    }
+
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Bytes the registry has served from blob GETs so far, from its access log is not
+    /// available in 2.8; the tests measure through a counting proxy instead where needed.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// Tags of a repository (empty if the repository does not exist).
+    pub fn tags(&self, repo: &str) -> Vec<String> {
+        let out = curl(&["-s", &self.url(&format!("/v2/{repo}/tags/list"))]);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or(serde_json::Value::Null);
+        v["tags"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|t| t.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn curl(args: &[&str]) -> Vec<u8> {
+    require("curl");
+    let out = Command::new("curl").args(args).output().expect("run curl");
+    assert!(
+        out.status.success(),
+        "curl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+/// A running containerd with its own root, state and socket.
+pub struct Containerd {
+    child: Child,
+    pub socket: PathBuf,
+    pub root: PathBuf,
+}
+
+impl Containerd {
+    pub fn start(scratch: &Scratch) -> Self {
+        require("containerd");
+        require("ctr");
+        let root = scratch.path("containerd");
+        std::fs::create_dir_all(&root).unwrap();
+        let socket = root.join("containerd.sock");
+        let config = root.join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "version = 2\nroot = \"{r}/root\"\nstate = \"{r}/state\"\n[grpc]\n  address = \"{s}\"\n[plugins.\"io.containerd.grpc.v1.cri\"]\n  disable_cgroup = true\n",
+                r = root.display(),
+                s = socket.display()
+            ),
+        )
+        .unwrap();
+        let log = root.join("containerd.log");
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start containerd");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !socket.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "containerd did not start: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let c = Containerd {
+            child,
+            socket,
+            root,
+        };
+        while !c.ctr(&["version"]).status.success() {
+            assert!(Instant::now() < deadline, "containerd did not answer");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        c
+    }
+
+    pub fn ctr(&self, args: &[&str]) -> Output {
+        Command::new("ctr")
+            .arg("-a")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("run ctr")
+    }
+
+    /// `ctr images pull` (plain HTTP), then mounts the image's rootfs at `at`.
+    pub fn pull_and_mount(
+        &self,
+        reference: &str,
+        platform: Option<&str>,
+        at: &Path,
+    ) -> Mounted<'_> {
+        let mut args = vec!["images", "pull", "--plain-http"];
+        if let Some(p) = platform {
+            args.extend(["--platform", p]);
+        }
+        args.push(reference);
+        let out = self.ctr(&args);
+        assert!(
+            out.status.success(),
+            "ctr pull failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::create_dir_all(at).unwrap();
+        let mut args = vec!["images", "mount"];
+        if let Some(p) = platform {
+            args.extend(["--platform", p]);
+        }
+        let at_s = at.to_str().unwrap();
+        args.extend([reference, at_s]);
+        let out = self.ctr(&args);
+        assert!(
+            out.status.success(),
+            "ctr images mount failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Mounted {
+            ctd: self,
+            at: at.to_path_buf(),
+        }
+    }
+}
+
+pub struct Mounted<'a> {
+    ctd: &'a Containerd,
+    pub at: PathBuf,
+}
+
+impl Drop for Mounted<'_> {
+    fn drop(&mut self) {
+        let _ = self
+            .ctd
+            .ctr(&["images", "unmount", self.at.to_str().unwrap()]);
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // Leftover overlay mounts under the root would keep the scratch directory busy.
+        let _ = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "grep -o ' {}[^ ]*' /proc/mounts | sort -r | xargs -r -n1 umount -l",
+                self.root.display()
+            ))
+            .status();
+    }
+}
+
+/// Runs the built `vmdisk` binary.
+pub fn vmdisk(args: &[&str]) -> Output {
+    vmdisk_env(args, &[])
+}
+
+pub fn vmdisk_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vmdisk"));
+    cmd.args(args)
+        .env("VMDISK_LOG", "warn")
+        .env_remove("DOCKER_CONFIG")
+        .env_remove("REGISTRY_AUTH_FILE")
+        .env("HOME", "/nonexistent");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run vmdisk")
+}
+
+/// Runs vmdisk and returns stdout, failing the test with stderr if it failed.
+pub fn vmdisk_ok(args: &[&str]) -> String {
+    let out = vmdisk(args);
+    assert!(
+        out.status.success(),
+        "vmdisk {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+pub fn run(program: &str, args: &[&str]) -> Vec<u8> {
+    require(program);
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run {program}: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+/// A qcow2 of `size` with pattern writes (`(offset, length, byte)`) at scattered places.
+pub fn make_qcow2(path: &Path, size: &str, writes: &[(u64, u64, u8)]) {
+    run(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", path.to_str().unwrap(), size],
+    );
+    let mut args = Vec::new();
+    for (off, len, byte) in writes {
+        args.push("-c".to_string());
+        args.push(format!("write -P {byte:#x} {off} {len}"));
+    }
+    args.push(path.to_str().unwrap().to_string());
+    run(
+        "qemu-io",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+}
+
+/// Writes `len` bytes of seeded pseudo-random data into the qcow2 at `offset` (incompressible
+/// content, unlike qemu-io patterns).
+pub fn write_random(qcow2: &Path, offset: u64, len: u64, seed: u64) {
+    let raw = qcow2.with_extension("chunk.raw");
+    let mut f = std::fs::File::create(&raw).unwrap();
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut buf = vec![0u8; 1 << 20];
+    let mut left = len;
+    while left > 0 {
+        for b in buf.iter_mut() {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            *b = state as u8;
+        }
+        let n = left.min(buf.len() as u64) as usize;
+        f.write_all(&buf[..n]).unwrap();
+        left -= n as u64;
+    }
+    drop(f);
+    // qemu-img dd cannot write at an offset into an existing image; use qemu-io's file load.
+    run(
+        "qemu-io",
+        &[
+            "-c",
+            &format!("write -s {} {offset} {len}", raw.display()),
+            qcow2.to_str().unwrap(),
+        ],
+    );
+    std::fs::remove_file(raw).unwrap();
+}
+
+pub fn sha256_file(path: &Path) -> String {
+    let mut f = std::fs::File::open(path).unwrap();
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h).unwrap();
+    format!("sha256:{}", hex::encode(h.finalize()))
+}
+
+pub fn sha256(data: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(data)))
+}
+
+/// How a test image layer is compressed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Layer {
+    Tar,
+    Gzip,
+}
+
+/// Writes an OCI image layout with one layer holding `disk` at `in_image` (e.g.
+/// `disk/fedora.qcow2`), owned by 107:107 like a KubeVirt containerDisk.
+pub fn oci_layout(dir: &Path, disk: &Path, in_image: &str, layer: Layer, arch: &str) {
+    let blobs = dir.join("blobs/sha256");
+    std::fs::create_dir_all(&blobs).unwrap();
+    let mut tar_bytes = Vec::new();
+    {
+        let mut b = tar::Builder::new(&mut tar_bytes);
+        let parent = Path::new(in_image).parent().unwrap().to_str().unwrap();
+        let mut h = tar::Header::new_ustar();
+        h.set_path(format!("{parent}/")).unwrap();
+        h.set_entry_type(tar::EntryType::Directory);
+        h.set_mode(0o755);
+        h.set_uid(107);
+        h.set_gid(107);
+        h.set_size(0);
+        h.set_cksum();
+        b.append(&h, std::io::empty()).unwrap();
+        let mut h = tar::Header::new_ustar();
+        h.set_path(in_image).unwrap();
+        h.set_mode(0o644);
+        h.set_uid(107);
+        h.set_gid(107);
+        h.set_size(std::fs::metadata(disk).unwrap().len());
+        h.set_cksum();
+        b.append(&h, std::fs::File::open(disk).unwrap()).unwrap();
+        b.finish().unwrap();
+    }
+    let diff_id = sha256(&tar_bytes);
+    let (layer_bytes, media_type) = match layer {
+        Layer::Tar => (tar_bytes, "application/vnd.oci.image.layer.v1.tar"),
+        Layer::Gzip => {
+            let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            e.write_all(&tar_bytes).unwrap();
+            (
+                e.finish().unwrap(),
+                "application/vnd.oci.image.layer.v1.tar+gzip",
+            )
+        }
+    };
+    let put = |data: &[u8]| -> String {
+        let d = sha256(data);
+        std::fs::write(blobs.join(d.trim_start_matches("sha256:")), data).unwrap();
+        d
+    };
+    let layer_digest = put(&layer_bytes);
+    let config = serde_json::json!({"architecture": arch, "os": "linux", "rootfs": {"type": "layers", "diff_ids": [diff_id]}, "config": {}});
+    let config_bytes = serde_json::to_vec(&config).unwrap();
+    let config_digest = put(&config_bytes);
+    let manifest = serde_json::json!({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config_bytes.len()},
+        "layers": [{"mediaType": media_type, "digest": layer_digest, "size": layer_bytes.len()}]
+    });
+    let manifest_bytes = serde_json::to_vec(&manifest).unwrap();
+    let manifest_digest = put(&manifest_bytes);
+    let index = serde_json::json!({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest, "size": manifest_bytes.len(), "annotations": {"org.opencontainers.image.ref.name": "latest"}}]});
+    std::fs::write(dir.join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
+    std::fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+}
+
+/// `skopeo copy` of an OCI layout to the registry, with extra flags (e.g. zstd:chunked).
+pub fn skopeo_push(layout: &Path, dest: &str, extra: &[&str]) {
+    let src = format!("oci:{}:latest", layout.display());
+    let dst = format!("docker://{dest}");
+    let mut args = vec!["copy", "--quiet", "--dest-tls-verify=false"];
+    args.extend_from_slice(extra);
+    args.extend([src.as_str(), dst.as_str()]);
+    run("skopeo", &args);
+}
+
+/// Parses `vmdisk inspect --json`.
+pub fn inspect_json(reference: &str) -> serde_json::Value {
+    serde_json::from_str(&vmdisk_ok(&["inspect", "--json", reference])).unwrap()
+}
+
+/// The last line of a command's output (push and convert print the digest there).
+pub fn last_line(text: &str) -> String {
+    text.lines().last().unwrap_or_default().trim().to_string()
+}

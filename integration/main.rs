@@ -1,0 +1,5 @@
+//! Integration tests: the real registry, containerd, skopeo and qemu tools on loopback.
+//! They need root (containerd mounts) and the packages `make test` installs.
+
+mod harness;
+mod publish;

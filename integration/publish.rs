@@ -1,0 +1,527 @@
+//! Publishing: `vmdisk push`, `convert` and `inspect` against a real registry, checked with
+//! tools that know nothing of vmdisk (containerd, curl, skopeo, qemu-img).
+
+use std::path::Path;
+
+use crate::harness::*;
+
+/// A 2 GiB-virtual qcow2 with data at scattered places, some incompressible.
+fn scattered_qcow2(path: &Path) {
+    make_qcow2(
+        path,
+        "2G",
+        &[
+            (0, 4 << 20, 0xab),
+            (700 << 20, 3 << 20, 0xcd),
+            ((2 << 30) - (1 << 20), 1 << 20, 0x11),
+        ],
+    );
+    write_random(path, 1 << 30, 8 << 20, 7);
+}
+
+#[test]
+fn pushed_qcow2_unpacks_identically_with_plain_containerd() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("fedora.qcow2");
+    scattered_qcow2(&disk);
+    let reference = format!("{}/vm/fedora:1", reg.host());
+    let out = vmdisk_ok(&["push", disk.to_str().unwrap(), &reference]);
+    assert!(
+        last_line(&out).starts_with("sha256:"),
+        "last line is the digest: {out}"
+    );
+
+    let ctd = Containerd::start(&scratch);
+    let mnt = ctd.pull_and_mount(&reference, None, &scratch.path("rootfs"));
+    let pulled = mnt.at.join("disk/fedora.qcow2");
+    let meta = std::fs::metadata(&pulled).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(
+        (meta.uid(), meta.gid(), meta.mode() & 0o777),
+        (107, 107, 0o644)
+    );
+    let cmp = run(
+        "qemu-img",
+        &["compare", pulled.to_str().unwrap(), disk.to_str().unwrap()],
+    );
+    assert!(String::from_utf8_lossy(&cmp).contains("identical"));
+    assert_eq!(sha256_file(&pulled), sha256_file(&disk));
+}
+
+#[test]
+fn every_chunk_and_the_toc_verify_through_range_requests() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.qcow2");
+    scattered_qcow2(&disk);
+    let reference = format!("{}/vm/ranges:1", reg.host());
+    vmdisk_ok(&[
+        "push",
+        "--chunk-size",
+        "1M",
+        disk.to_str().unwrap(),
+        &reference,
+    ]);
+
+    let accept = "Accept: application/vnd.oci.image.manifest.v1+json";
+    let manifest: serde_json::Value = serde_json::from_slice(&curl(&[
+        "-sf",
+        "-H",
+        accept,
+        &reg.url("/v2/vm/ranges/manifests/1"),
+    ]))
+    .unwrap();
+    let layer = &manifest["layers"][0];
+    assert_eq!(
+        layer["mediaType"],
+        "application/vnd.oci.image.layer.v1.tar+zstd"
+    );
+    let ann = &layer["annotations"];
+    for key in [
+        "io.github.containers.zstd-chunked.manifest-checksum",
+        "io.containers.zstd-chunked.manifest-position",
+        "containerd.io/snapshot/vmdisk.format",
+        "containerd.io/snapshot/vmdisk.virtual-size",
+        "containerd.io/snapshot/vmdisk.disk-digest",
+        "containerd.io/snapshot/vmdisk.path",
+    ] {
+        assert!(ann[key].is_string(), "annotation {key} missing: {ann}");
+    }
+    assert_eq!(ann["containerd.io/snapshot/vmdisk.format"], "qcow2");
+    assert_eq!(
+        ann["containerd.io/snapshot/vmdisk.virtual-size"],
+        (2u64 << 30).to_string()
+    );
+    assert_eq!(
+        ann["containerd.io/snapshot/vmdisk.disk-digest"],
+        sha256_file(&disk)
+    );
+    assert_eq!(ann["containerd.io/snapshot/vmdisk.path"], "disk/d.qcow2");
+
+    let blob_url = reg.url(&format!(
+        "/v2/vm/ranges/blobs/{}",
+        layer["digest"].as_str().unwrap()
+    ));
+    let pos: Vec<u64> = ann["io.github.containers.zstd-chunked.manifest-position"]
+        .as_str()
+        .unwrap()
+        .split(':')
+        .map(|f| f.parse().unwrap())
+        .collect();
+    let toc_z = curl(&[
+        "-sf",
+        "-r",
+        &format!("{}-{}", pos[0], pos[0] + pos[1] - 1),
+        &blob_url,
+    ]);
+    assert_eq!(
+        sha256(&toc_z),
+        ann["io.github.containers.zstd-chunked.manifest-checksum"]
+            .as_str()
+            .unwrap()
+    );
+    let toc: serde_json::Value =
+        serde_json::from_slice(&zstd::stream::decode_all(&toc_z[..]).unwrap()).unwrap();
+    let entries = toc["entries"].as_array().unwrap();
+    let reg_index = entries.iter().position(|e| e["type"] == "reg").unwrap();
+    let file_end = entries[reg_index]["endOffset"].as_u64().unwrap();
+    let chunks: Vec<&serde_json::Value> = entries[reg_index..]
+        .iter()
+        .take_while(|e| e["type"] == "reg" || e["type"] == "chunk")
+        .collect();
+    let file_size = std::fs::metadata(&disk).unwrap().len();
+    assert_eq!(chunks.len() as u64, file_size.div_ceil(1 << 20));
+    let original = std::fs::read(&disk).unwrap();
+    for (i, c) in chunks.iter().enumerate() {
+        let start = c["offset"].as_u64().unwrap();
+        let end = chunks
+            .get(i + 1)
+            .map_or(file_end, |n| n["offset"].as_u64().unwrap());
+        let frame = curl(&["-sf", "-r", &format!("{start}-{}", end - 1), &blob_url]);
+        let data = zstd::stream::decode_all(&frame[..]).unwrap();
+        assert_eq!(
+            sha256(&data),
+            c["chunkDigest"].as_str().unwrap(),
+            "chunk {i}"
+        );
+        let off = c["chunkOffset"].as_u64().unwrap_or(0) as usize;
+        assert_eq!(data.len() as u64, c["chunkSize"].as_u64().unwrap());
+        assert!(data == original[off..off + data.len()], "chunk {i} content");
+    }
+}
+
+#[test]
+fn skopeo_zstd_chunked_image_is_recognised_as_lazy() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("cirros.qcow2");
+    make_qcow2(&disk, "1G", &[(0, 2 << 20, 0x5a)]);
+    write_random(&disk, 300 << 20, 6 << 20, 3);
+    let layout = scratch.path("layout");
+    oci_layout(&layout, &disk, "disk/cirros.qcow2", Layer::Tar, "amd64");
+    let reference = format!("{}/vm/skopeo:zc", reg.host());
+    skopeo_push(
+        &layout,
+        &reference,
+        &["--dest-compress", "--dest-compress-format", "zstd:chunked"],
+    );
+
+    let report = inspect_json(&reference);
+    let layer = &report["platforms"][0]["layers"][0];
+    assert_eq!(layer["layout"], "zstd:chunked", "{report}");
+    assert_eq!(layer["lazy"], true, "{report}");
+    assert_eq!(layer["vmdisk_annotations"], false);
+    assert_eq!(layer["disk"]["path"], "disk/cirros.qcow2");
+    assert_eq!(layer["disk"]["format"], "qcow2");
+    assert_eq!(layer["disk"]["virtual_size"], 1u64 << 30);
+    assert_eq!(
+        layer["disk"]["size"],
+        std::fs::metadata(&disk).unwrap().len()
+    );
+    assert!(
+        layer["chunks"].as_u64().unwrap() > 1,
+        "content-defined chunks: {layer}"
+    );
+    assert!(layer["toc_size"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn plain_containerdisks_are_reported_not_lazy_and_convert_to_lazy_identical_disks() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("alpine.qcow2");
+    scattered_qcow2(&disk);
+    let layout = scratch.path("layout");
+    oci_layout(&layout, &disk, "disk/alpine.qcow2", Layer::Gzip, "amd64");
+    let source = format!("{}/vm/gzip:1", reg.host());
+    skopeo_push(&layout, &source, &[]);
+
+    let report = inspect_json(&source);
+    let layer = &report["platforms"][0]["layers"][0];
+    assert_eq!(
+        (layer["layout"].as_str(), layer["lazy"].as_bool()),
+        (Some("gzip"), Some(false)),
+        "{report}"
+    );
+    assert!(layer["reason"].as_str().unwrap().contains("vmdisk convert"));
+    assert_eq!(layer["disk"]["path"], "disk/alpine.qcow2");
+    assert_eq!(layer["disk"]["virtual_size"], 2u64 << 30);
+
+    let target = format!("{}/vm/converted:1", reg.host());
+    let out = vmdisk_ok(&["convert", &source, &target]);
+    assert!(last_line(&out).starts_with("sha256:"));
+    let report = inspect_json(&target);
+    let layer = &report["platforms"][0]["layers"][0];
+    assert_eq!(
+        (layer["layout"].as_str(), layer["lazy"].as_bool()),
+        (Some("zstd:chunked"), Some(true)),
+        "{report}"
+    );
+    assert_eq!(layer["disk"]["digest"], sha256_file(&disk));
+    assert_eq!(report["platforms"][0]["platform"], "linux/amd64");
+
+    let ctd = Containerd::start(&scratch);
+    let mnt = ctd.pull_and_mount(&target, None, &scratch.path("rootfs"));
+    assert_eq!(
+        sha256_file(&mnt.at.join("disk/alpine.qcow2")),
+        sha256_file(&disk)
+    );
+}
+
+#[test]
+fn multi_arch_push_builds_an_index_and_peer_pod_paths_work() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let amd = scratch.path("amd.qcow2");
+    let arm = scratch.path("arm.qcow2");
+    make_qcow2(&amd, "64M", &[(0, 1 << 20, 0x01)]);
+    make_qcow2(&arm, "128M", &[(0, 1 << 20, 0x02)]);
+    let reference = format!("{}/vm/podvm:multi", reg.host());
+    vmdisk_ok(&[
+        "push",
+        "--path",
+        "/image/podvm.qcow2",
+        "--platform",
+        "linux/amd64",
+        amd.to_str().unwrap(),
+        "--platform",
+        "linux/arm64",
+        arm.to_str().unwrap(),
+        &reference,
+    ]);
+    let report = inspect_json(&reference);
+    assert_eq!(
+        report["media_type"],
+        "application/vnd.oci.image.index.v1+json"
+    );
+    let platforms: Vec<&str> = report["platforms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["platform"].as_str().unwrap())
+        .collect();
+    assert_eq!(platforms, ["linux/amd64", "linux/arm64"]);
+    let arm_layer = &report["platforms"][1]["layers"][0];
+    assert_eq!(arm_layer["disk"]["path"], "image/podvm.qcow2");
+    assert_eq!(arm_layer["disk"]["virtual_size"], 128u64 << 20);
+
+    let ctd = Containerd::start(&scratch);
+    let mnt = ctd.pull_and_mount(&reference, Some("linux/arm64"), &scratch.path("rootfs"));
+    assert_eq!(
+        sha256_file(&mnt.at.join("image/podvm.qcow2")),
+        sha256_file(&arm)
+    );
+}
+
+#[test]
+fn raw_vmdk_and_ova_inputs_are_published() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    // A raw disk with a partition table.
+    let raw = scratch.path("disk.img");
+    let qcow = scratch.path("src.qcow2");
+    make_qcow2(&qcow, "32M", &[(0, 1 << 20, 0x33)]);
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "raw",
+            qcow.to_str().unwrap(),
+            raw.to_str().unwrap(),
+        ],
+    );
+    let mut bytes = std::fs::read(&raw).unwrap();
+    bytes[510] = 0x55;
+    bytes[511] = 0xaa;
+    std::fs::write(&raw, &bytes).unwrap();
+    let r_raw = format!("{}/vm/raw:1", reg.host());
+    vmdisk_ok(&["push", raw.to_str().unwrap(), &r_raw]);
+    let layer = &inspect_json(&r_raw)["platforms"][0]["layers"][0];
+    assert_eq!(
+        (
+            layer["disk"]["format"].as_str(),
+            layer["disk"]["virtual_size"].as_u64()
+        ),
+        (Some("raw"), Some(32 << 20))
+    );
+
+    // vmdk is converted to qcow2 with the same guest content.
+    let vmdk = scratch.path("appliance.vmdk");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "vmdk",
+            qcow.to_str().unwrap(),
+            vmdk.to_str().unwrap(),
+        ],
+    );
+    let r_vmdk = format!("{}/vm/vmdk:1", reg.host());
+    vmdisk_ok(&["push", vmdk.to_str().unwrap(), &r_vmdk]);
+    let layer = &inspect_json(&r_vmdk)["platforms"][0]["layers"][0];
+    assert_eq!(
+        (
+            layer["disk"]["path"].as_str(),
+            layer["disk"]["format"].as_str()
+        ),
+        (Some("disk/appliance.qcow2"), Some("qcow2"))
+    );
+
+    // An OVA: tar of an OVF naming a stream-optimized vmdk.
+    let ova_dir = scratch.path("ova");
+    std::fs::create_dir_all(&ova_dir).unwrap();
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "vmdk",
+            "-o",
+            "subformat=streamOptimized",
+            qcow.to_str().unwrap(),
+            ova_dir.join("vm-disk1.vmdk").to_str().unwrap(),
+        ],
+    );
+    std::fs::write(
+        ova_dir.join("vm.ovf"),
+        r#"<?xml version="1.0"?><Envelope xmlns="http://schemas.dmtf.org/ovf/envelope/1" xmlns:ovf="http://schemas.dmtf.org/ovf/envelope/1"><References><File ovf:id="file1" ovf:href="vm-disk1.vmdk"/></References><DiskSection><Disk ovf:diskId="vmdisk1" ovf:fileRef="file1" ovf:capacity="33554432"/></DiskSection></Envelope>"#,
+    )
+    .unwrap();
+    let ova = scratch.path("vm.ova");
+    run(
+        "tar",
+        &[
+            "-C",
+            ova_dir.to_str().unwrap(),
+            "-cf",
+            ova.to_str().unwrap(),
+            "vm.ovf",
+            "vm-disk1.vmdk",
+        ],
+    );
+    let r_ova = format!("{}/vm/ova:1", reg.host());
+    vmdisk_ok(&["push", ova.to_str().unwrap(), &r_ova]);
+    let layer = &inspect_json(&r_ova)["platforms"][0]["layers"][0];
+    assert_eq!(
+        (
+            layer["disk"]["path"].as_str(),
+            layer["disk"]["virtual_size"].as_u64()
+        ),
+        (Some("disk/vm-disk1.qcow2"), Some(32 << 20))
+    );
+    assert_eq!(layer["lazy"], true);
+}
+
+fn docker_config(dir: &Path, host: &str, user: &str, password: &str) -> std::path::PathBuf {
+    use base64::Engine as _;
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    let path = dir.join(format!("config-{user}-{password}.json"));
+    std::fs::write(
+        &path,
+        format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#),
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn htpasswd_registry_works_with_docker_config_credentials() {
+    let scratch = Scratch::new();
+    let reg = Registry::start_htpasswd(&scratch, "alice", "wonderland");
+    let disk = scratch.path("d.qcow2");
+    make_qcow2(&disk, "64M", &[(0, 1 << 20, 0x42)]);
+    let reference = format!("{}/vm/private:1", reg.host());
+
+    let good = docker_config(scratch.dir.path(), &reg.host(), "alice", "wonderland");
+    let env = [("DOCKER_CONFIG", scratch.dir.path().to_str().unwrap())];
+    std::fs::copy(&good, scratch.path("config.json")).unwrap();
+    let out = vmdisk_env(&["push", disk.to_str().unwrap(), &reference], &env);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = vmdisk_env(&["inspect", "--json", &reference], &env);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let bad = docker_config(scratch.dir.path(), &reg.host(), "alice", "wrong");
+    let out = vmdisk(&["--auth-file", bad.to_str().unwrap(), "inspect", &reference]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&reg.host()) && err.contains("alice") && err.contains("refused"),
+        "{err}"
+    );
+
+    let out = vmdisk(&[
+        "push",
+        disk.to_str().unwrap(),
+        &format!("{}/vm/private:2", reg.host()),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&reg.host()) && err.contains("requires credentials and none were found"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_input_fails_clearly_and_tags_nothing() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let target = format!("{}/vm/bad:1", reg.host());
+    let expect_failure = |args: &[&str], needle: &str| {
+        let out = vmdisk(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // Retries may log warnings first; the error itself is the one last line.
+        let err = stderr.lines().last().unwrap_or_default();
+        assert!(
+            err.starts_with("vmdisk: error: ") && err.contains(needle),
+            "{args:?}: expected {needle:?} in: {stderr}"
+        );
+    };
+
+    let text = scratch.path("notes.txt");
+    std::fs::write(&text, "not a disk\n".repeat(1000)).unwrap();
+    expect_failure(
+        &["push", text.to_str().unwrap(), &target],
+        "does not look like a VM disk",
+    );
+
+    let disk = scratch.path("full.qcow2");
+    make_qcow2(
+        &disk,
+        "256M",
+        &[(0, 8 << 20, 0x77), (200 << 20, 8 << 20, 0x78)],
+    );
+    let bytes = std::fs::read(&disk).unwrap();
+    let truncated = scratch.path("truncated.qcow2");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    expect_failure(&["push", truncated.to_str().unwrap(), &target], "truncated");
+
+    expect_failure(
+        &[
+            "push",
+            scratch.path("missing.qcow2").to_str().unwrap(),
+            &target,
+        ],
+        "cannot open disk",
+    );
+    expect_failure(
+        &[
+            "push",
+            disk.to_str().unwrap(),
+            &format!("127.0.0.1:{}/vm/x:1", free_port()),
+        ],
+        "unreachable",
+    );
+    expect_failure(
+        &["push", disk.to_str().unwrap(), "127.0.0.1:5000/Bad/Name:1"],
+        "malformed",
+    );
+    expect_failure(&["inspect", "not a reference"], "malformed");
+    expect_failure(
+        &["inspect", &format!("{}/vm/nothing:here", reg.host())],
+        "not found",
+    );
+
+    assert!(
+        reg.tags("vm/bad").is_empty(),
+        "nothing may be tagged after failed pushes"
+    );
+}
+
+#[test]
+fn mirrors_from_hosts_toml_serve_pulls() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.qcow2");
+    make_qcow2(&disk, "64M", &[(0, 1 << 20, 0x42)]);
+    vmdisk_ok(&[
+        "push",
+        disk.to_str().unwrap(),
+        &format!("{}/vm/mirrored:1", reg.host()),
+    ]);
+    // The upstream name does not resolve; only the mirror can answer.
+    let hosts = scratch.path("certs.d/registry.invalid:5000");
+    std::fs::create_dir_all(&hosts).unwrap();
+    std::fs::write(hosts.join("hosts.toml"), format!("server = \"https://registry.invalid:5000\"\n\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n", reg.host())).unwrap();
+    let out = vmdisk_ok(&[
+        "--hosts-dir",
+        scratch.path("certs.d").to_str().unwrap(),
+        "inspect",
+        "--json",
+        "registry.invalid:5000/vm/mirrored:1",
+    ]);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["platforms"][0]["layers"][0]["lazy"], true);
+}
