@@ -140,7 +140,7 @@ mod tests {
 
     #[test]
     fn chain_lists_causes_once() {
-        let io = std::io::Error::new(std::io::ErrorKind::Other, "disk on fire");
+        let io = std::io::Error::other("disk on fire");
         let err = Error::io("reading /x", io).context("pushing");
         assert_eq!(err.kind(), ErrorKind::Io);
         assert_eq!(err.chain(), "pushing: reading /x: disk on fire");

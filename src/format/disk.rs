@@ -69,7 +69,7 @@ pub fn sniff(head: &[u8], tail: &[u8], len: u64) -> Option<DiskFormat> {
 
 /// Reads what [`sniff`] needs from a file.
 pub fn sniff_file(file: &File) -> Result<Option<DiskFormat>> {
-    let len = ReadAt::len(file);
+    let len = ReadAt::size(file);
     let mut head = vec![0u8; len.min(66 * 1024) as usize];
     file.read_exact_at(&mut head, 0)
         .map_err(|e| Error::io("reading the disk header", e))?;

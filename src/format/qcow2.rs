@@ -13,7 +13,7 @@ pub trait ReadAt {
     /// Fills `buf` from `offset`; fails if the source is shorter.
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()>;
     /// Total length in bytes.
-    fn len(&self) -> u64;
+    fn size(&self) -> u64;
 }
 
 impl ReadAt for std::fs::File {
@@ -21,7 +21,7 @@ impl ReadAt for std::fs::File {
         std::os::unix::fs::FileExt::read_exact_at(self, buf, offset)
     }
 
-    fn len(&self) -> u64 {
+    fn size(&self) -> u64 {
         self.metadata().map(|m| m.len()).unwrap_or(0)
     }
 }
@@ -36,8 +36,8 @@ impl ReadAt for [u8] {
         Ok(())
     }
 
-    fn len(&self) -> u64 {
-        <[u8]>::len(self) as u64
+    fn size(&self) -> u64 {
+        self.len() as u64
     }
 }
 
@@ -73,7 +73,7 @@ impl Header {
     /// Parses and checks the header at the start of `src`.
     pub fn read(src: &(impl ReadAt + ?Sized)) -> Result<Self> {
         let mut b = [0u8; 104];
-        let short = src.len() < 72;
+        let short = src.size() < 72;
         if short || src.read_exact_at(&mut b[..72], 0).is_err() {
             return Err(Error::corrupt("qcow2 header is truncated"));
         }
@@ -154,7 +154,7 @@ impl Header {
 /// truncated or damaged image fails with a message that says where. Reads only metadata.
 pub fn check_complete(src: &(impl ReadAt + ?Sized)) -> Result<Header> {
     let h = Header::read(src)?;
-    let len = src.len();
+    let len = src.size();
     let cs = h.cluster_size();
     let truncated = |what: String| {
         Error::corrupt(format!("qcow2 image is truncated or damaged: {what} lies beyond the end of the file ({len} bytes)"))
@@ -236,8 +236,8 @@ mod tests {
         img[48..56].copy_from_slice(&(2 * cs as u64).to_be_bytes());
         img[56..60].copy_from_slice(&1u32.to_be_bytes());
         img[100..104].copy_from_slice(&104u32.to_be_bytes());
-        img[cs..cs + 8].copy_from_slice(&(3 * cs as u64 | 1 << 63).to_be_bytes());
-        img[3 * cs..3 * cs + 8].copy_from_slice(&(4 * cs as u64 | 1 << 63).to_be_bytes());
+        img[cs..cs + 8].copy_from_slice(&((3 * cs as u64) | (1 << 63)).to_be_bytes());
+        img[3 * cs..3 * cs + 8].copy_from_slice(&((4 * cs as u64) | (1 << 63)).to_be_bytes());
         img
     }
 

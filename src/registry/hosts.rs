@@ -26,6 +26,9 @@ pub struct Endpoint {
     pub skip_verify: bool,
     /// Extra CA certificate files (PEM).
     pub ca: Vec<PathBuf>,
+    /// Client certificate for mutual TLS: a PEM file with certificate and key, or a
+    /// certificate file and a key file.
+    pub client_cert: Option<(PathBuf, Option<PathBuf>)>,
     pub headers: BTreeMap<String, String>,
 }
 
@@ -41,6 +44,7 @@ impl Endpoint {
             override_path: false,
             skip_verify: false,
             ca: Vec::new(),
+            client_cert: None,
             headers: BTreeMap::new(),
         }
     }
@@ -55,6 +59,7 @@ impl Endpoint {
     }
 }
 
+/// The top level of a hosts.toml: the upstream `server` and its settings.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct HostsFile {
@@ -75,7 +80,8 @@ struct HostsFile {
     host: BTreeMap<String, HostEntry>,
 }
 
-#[derive(Deserialize)]
+/// One `[host."URL"]` table (and the settings shared with the top level).
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct HostEntry {
     #[serde(default)]
@@ -84,6 +90,7 @@ struct HostEntry {
     skip_verify: Option<bool>,
     #[serde(default)]
     ca: Option<StringOrList>,
+    /// `"both.pem"`, `["both.pem"]` or `[["cert.pem", "key.pem"]]`; the first is used.
     #[serde(default)]
     client: Option<toml::Value>,
     #[serde(default)]
@@ -117,17 +124,41 @@ fn resolve_path(base_dir: &Path, p: String) -> PathBuf {
     }
 }
 
-fn build(
-    base: &str,
-    capabilities: Option<Vec<String>>,
-    skip_verify: Option<bool>,
-    ca: Option<StringOrList>,
-    header: BTreeMap<String, StringOrList>,
-    override_path: Option<bool>,
+/// The first client certificate of a `client` setting.
+fn client_cert(
+    value: Option<toml::Value>,
     dir: &Path,
-    default_caps: &[&str],
-) -> Result<Endpoint> {
-    let caps = capabilities.unwrap_or_else(|| default_caps.iter().map(|s| s.to_string()).collect());
+    base: &str,
+) -> Result<Option<(PathBuf, Option<PathBuf>)>> {
+    use toml::Value;
+    let bad = || {
+        Error::invalid(format!("hosts.toml: client for {base} must be \"file.pem\", [\"file.pem\"] or [[\"cert.pem\", \"key.pem\"]]"))
+    };
+    let first = match value {
+        None => return Ok(None),
+        Some(Value::Array(items)) => match items.into_iter().next() {
+            Some(v) => v,
+            None => return Ok(None),
+        },
+        Some(v) => v,
+    };
+    match first {
+        Value::String(both) => Ok(Some((resolve_path(dir, both), None))),
+        Value::Array(pair) => match <[Value; 2]>::try_from(pair) {
+            Ok([Value::String(cert), Value::String(key)]) => Ok(Some((
+                resolve_path(dir, cert),
+                Some(resolve_path(dir, key)),
+            ))),
+            _ => Err(bad()),
+        },
+        _ => Err(bad()),
+    }
+}
+
+fn build(base: &str, entry: HostEntry, dir: &Path, default_caps: &[&str]) -> Result<Endpoint> {
+    let caps = entry
+        .capabilities
+        .unwrap_or_else(|| default_caps.iter().map(|s| s.to_string()).collect());
     for c in &caps {
         if !matches!(c.as_str(), "pull" | "resolve" | "push") {
             return Err(Error::invalid(format!(
@@ -148,15 +179,18 @@ fn build(
         pull: caps.iter().any(|c| c == "pull"),
         resolve: caps.iter().any(|c| c == "resolve"),
         push: caps.iter().any(|c| c == "push"),
-        override_path: override_path.unwrap_or(false),
-        skip_verify: skip_verify.unwrap_or(false),
-        ca: ca
+        override_path: entry.override_path.unwrap_or(false),
+        skip_verify: entry.skip_verify.unwrap_or(false),
+        client_cert: client_cert(entry.client, dir, base)?,
+        ca: entry
+            .ca
             .map(StringOrList::into_vec)
             .unwrap_or_default()
             .into_iter()
             .map(|p| resolve_path(dir, p))
             .collect(),
-        headers: header
+        headers: entry
+            .header
             .into_iter()
             .map(|(k, v)| (k, v.into_vec().join(", ")))
             .collect(),
@@ -171,33 +205,22 @@ pub fn parse_hosts_toml(text: &str, dir: &Path, upstream: Endpoint) -> Result<Ve
     // toml tables are sorted by key; containerd keeps file order. Recover it from the text.
     let mut mirrors: Vec<(usize, Endpoint)> = Vec::new();
     for (url, entry) in file.host {
-        let _ = entry.client;
         let pos = text.find(&format!("\"{url}\"")).unwrap_or(usize::MAX);
-        let ep = build(
-            &url,
-            entry.capabilities,
-            entry.skip_verify,
-            entry.ca,
-            entry.header,
-            entry.override_path,
-            dir,
-            &["pull", "resolve"],
-        )?;
-        mirrors.push((pos, ep));
+        mirrors.push((pos, build(&url, entry, dir, &["pull", "resolve"])?));
     }
     mirrors.sort_by_key(|(pos, _)| *pos);
-    let _ = file.client;
     let server = match file.server {
-        Some(s) => build(
-            &s,
-            file.capabilities,
-            file.skip_verify,
-            file.ca,
-            file.header,
-            file.override_path,
-            dir,
-            &["pull", "resolve", "push"],
-        )?,
+        Some(s) => {
+            let settings = HostEntry {
+                capabilities: file.capabilities,
+                skip_verify: file.skip_verify,
+                ca: file.ca,
+                client: file.client,
+                header: file.header,
+                override_path: file.override_path,
+            };
+            build(&s, settings, dir, &["pull", "resolve", "push"])?
+        }
         None => upstream,
     };
     let mut endpoints: Vec<Endpoint> = mirrors.into_iter().map(|(_, e)| e).collect();
@@ -244,6 +267,7 @@ server = "https://registry.example:5000"
   override_path = true
   skip_verify = true
   ca = "ca.pem"
+  client = [["client.cert", "client.key"]]
 "#;
         let eps = parse_hosts_toml(
             text,
@@ -264,6 +288,12 @@ server = "https://registry.example:5000"
             vec![PathBuf::from("/etc/containerd/certs.d/r/ca.pem")]
         );
         assert!(eps[1].skip_verify && !eps[1].resolve);
+        let certs = Path::new("/etc/containerd/certs.d/r");
+        assert_eq!(
+            eps[1].client_cert,
+            Some((certs.join("client.cert"), Some(certs.join("client.key"))))
+        );
+        assert_eq!(eps[0].client_cert, None);
         assert_eq!(
             eps[2].url("a/blobs/x"),
             "https://registry.example:5000/v2/a/blobs/x"
@@ -283,6 +313,9 @@ server = "https://registry.example:5000"
         )
         .is_err());
         assert!(parse_hosts_toml("bogus = 1", Path::new("/"), up()).is_err());
+        assert!(
+            parse_hosts_toml("[host.\"http://x\"]\nclient = 5\n", Path::new("/"), up()).is_err()
+        );
     }
 
     #[test]

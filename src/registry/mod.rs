@@ -71,9 +71,18 @@ pub const UPLOAD_SEGMENT: usize = 32 << 20;
 pub struct RegistryClient {
     config: RegistryConfig,
     credentials: CredentialStore,
-    clients: Mutex<HashMap<(bool, Vec<PathBuf>), reqwest::Client>>,
-    /// Authorization header values per endpoint base and scope.
-    auth: Mutex<HashMap<(String, String), (String, Option<Instant>)>>,
+    clients: Mutex<HashMap<TlsSettings, reqwest::Client>>,
+    /// Authorization per endpoint base and scope.
+    auth: Mutex<HashMap<(String, String), CachedAuth>>,
+}
+
+/// What distinguishes one HTTP client from another: TLS verification, CAs, client identity.
+type TlsSettings = (bool, Vec<PathBuf>, Option<(PathBuf, Option<PathBuf>)>);
+
+/// An `Authorization` header value and when it stops being valid (tokens expire).
+struct CachedAuth {
+    header: String,
+    expires: Option<Instant>,
 }
 
 /// Which access a request needs, for token scopes.
@@ -196,7 +205,7 @@ impl RegistryClient {
     }
 
     fn http(&self, ep: &Endpoint) -> Result<reqwest::Client> {
-        let key = (ep.skip_verify, ep.ca.clone());
+        let key = (ep.skip_verify, ep.ca.clone(), ep.client_cert.clone());
         let mut clients = self.clients.lock().expect("client cache lock");
         if let Some(c) = clients.get(&key) {
             return Ok(c.clone());
@@ -350,18 +359,21 @@ impl RegistryClient {
                 )
             }
         };
-        self.auth
-            .lock()
-            .expect("auth lock")
-            .insert((ep.base.clone(), scope_key.to_string()), (value, expiry));
+        self.auth.lock().expect("auth lock").insert(
+            (ep.base.clone(), scope_key.to_string()),
+            CachedAuth {
+                header: value,
+                expires: expiry,
+            },
+        );
         Ok(())
     }
 
     fn cached_auth(&self, ep: &Endpoint, scope_key: &str) -> Option<String> {
         let auth = self.auth.lock().expect("auth lock");
         auth.get(&(ep.base.clone(), scope_key.to_string()))
-            .filter(|(_, exp)| exp.is_none_or(|e| e > Instant::now()))
-            .map(|(v, _)| v.clone())
+            .filter(|a| a.expires.is_none_or(|e| e > Instant::now()))
+            .map(|a| a.header.clone())
     }
 
     /// Sends `req` to `ep` with auth and retries; returns the first response that is not a

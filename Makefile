@@ -1,0 +1,50 @@
+# vmdisk developer entry points. `make demo` runs the main job on an embedded default,
+# `make test` runs every test; both install what they need first (Debian 12, as root).
+
+SHELL := /bin/bash
+CARGO ?= cargo
+# qemu-utils: the machine's own (a 10.x backport) is kept when present; Debian's 7.2 otherwise.
+APT_PACKAGES := containerd docker-registry skopeo qemu-utils apache2-utils curl time python3 \
+	tar ca-certificates
+# Commands those packages provide, to skip apt when all are present.
+APT_COMMANDS := containerd ctr docker-registry skopeo qemu-img qemu-io htpasswd curl /usr/bin/time \
+	python3
+
+.PHONY: all deps build demo test unit integration lint bench clean
+
+all: build
+
+deps:
+	@missing=0; for c in $(APT_COMMANDS); do command -v $$c >/dev/null 2>&1 || missing=1; done; \
+	if [ $$missing = 1 ]; then \
+		echo "installing test dependencies with apt-get"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends $(APT_PACKAGES) >/dev/null; \
+	fi
+	@$(CARGO) nextest --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-nextest
+
+build:
+	$(CARGO) build --release --locked
+
+demo: deps build
+	integration/demo.sh
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --locked --all-targets -- -D warnings
+
+unit:
+	$(CARGO) nextest run --locked --lib --bins
+
+integration: deps
+	$(CARGO) nextest run --locked --test integration
+
+test: deps lint
+	$(CARGO) nextest run --locked --workspace --all-targets
+
+bench: deps build
+	integration/bench.sh
+
+clean:
+	$(CARGO) clean
+	rm -rf scratch
