@@ -489,3 +489,66 @@ pub fn inspect_json(reference: &str) -> serde_json::Value {
 pub fn last_line(text: &str) -> String {
     text.lines().last().unwrap_or_default().trim().to_string()
 }
+
+/// A TCP proxy in front of a registry that can cut the client-to-registry stream once, after
+/// a given number of bytes, as a connection reset in the middle of a request body would.
+pub struct FaultProxy {
+    pub port: u16,
+    pub cuts: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl FaultProxy {
+    pub fn start(upstream: u16, cut_after: Option<u64>) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let sent = Arc::new(AtomicU64::new(0));
+        let cut_done = Arc::new(AtomicBool::new(false));
+        let cuts = Arc::new(AtomicU64::new(0));
+        let cuts_out = Arc::clone(&cuts);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                let (sent, cut_done, cuts) =
+                    (Arc::clone(&sent), Arc::clone(&cut_done), Arc::clone(&cuts));
+                let (mut c_read, mut s_write) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let (mut s_read, mut c_write) = (server, client);
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let n = match std::io::Read::read(&mut c_read, &mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let total = sent.fetch_add(n as u64, Ordering::SeqCst) + n as u64;
+                        if cut_after.is_some_and(|limit| total > limit)
+                            && !cut_done.swap(true, Ordering::SeqCst)
+                        {
+                            cuts.fetch_add(1, Ordering::SeqCst);
+                            let _ = c_read.shutdown(std::net::Shutdown::Both);
+                            let _ = s_write.shutdown(std::net::Shutdown::Both);
+                            break;
+                        }
+                        if s_write.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = s_write.shutdown(std::net::Shutdown::Write);
+                });
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut s_read, &mut c_write);
+                    let _ = c_write.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        });
+        FaultProxy {
+            port,
+            cuts: cuts_out,
+        }
+    }
+}

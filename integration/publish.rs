@@ -525,3 +525,147 @@ fn mirrors_from_hosts_toml_serve_pulls() {
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["platforms"][0]["layers"][0]["lazy"], true);
 }
+
+#[test]
+fn bearer_token_registry_works_with_docker_config_credentials() {
+    let scratch = Scratch::new();
+    let tokens = crate::token::TokenServer::start(&scratch, "bob", "builder");
+    let reg = tokens.registry(&scratch);
+    let disk = scratch.path("d.qcow2");
+    make_qcow2(&disk, "64M", &[(0, 1 << 20, 0x42)]);
+    let reference = format!("{}/vm/token:1", reg.host());
+    let unauthenticated = curl(&[
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        &reg.url("/v2/vm/token/tags/list"),
+    ]);
+    assert_eq!(unauthenticated, b"401", "the registry must demand a token");
+
+    let good = docker_config(scratch.dir.path(), &reg.host(), "bob", "builder");
+    let out = vmdisk(&[
+        "--auth-file",
+        good.to_str().unwrap(),
+        "push",
+        disk.to_str().unwrap(),
+        &reference,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let issued_for_push = tokens.issued.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        (1..=3).contains(&issued_for_push),
+        "tokens are cached per scope, got {issued_for_push} for one push"
+    );
+    let out = vmdisk(&[
+        "--auth-file",
+        good.to_str().unwrap(),
+        "inspect",
+        "--json",
+        &reference,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["platforms"][0]["layers"][0]["lazy"], true);
+
+    let bad = docker_config(scratch.dir.path(), &reg.host(), "bob", "wrong");
+    let out = vmdisk(&["--auth-file", bad.to_str().unwrap(), "inspect", &reference]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&reg.host()) && err.contains("refused user bob"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_upload_cut_mid_body_is_resumed_or_restarted_and_lands_intact() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let proxy = FaultProxy::start(reg.port, Some(20 << 20));
+    let disk = scratch.path("d.qcow2");
+    make_qcow2(&disk, "256M", &[]);
+    write_random(&disk, 0, 48 << 20, 11); // incompressible: the layer spans two upload segments
+    let reference = format!("127.0.0.1:{}/vm/resume:1", proxy.port);
+    let out = vmdisk_env(
+        &["push", disk.to_str().unwrap(), &reference],
+        &[("VMDISK_LOG", "warn")],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        proxy.cuts.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the proxy cut the upload once"
+    );
+    assert!(
+        stderr.contains("asking the registry where to resume"),
+        "{stderr}"
+    );
+    // distribution 2.8 cancels a broken upload, so vmdisk starts the layer's upload anew.
+    assert!(stderr.contains("restarting it"), "{stderr}");
+    // The registry checked the blob digest when the upload completed; pull it to be sure.
+    let ctd = Containerd::start(&scratch);
+    let mnt = ctd.pull_and_mount(
+        &format!("{}/vm/resume:1", reg.host()),
+        None,
+        &scratch.path("rootfs"),
+    );
+    assert_eq!(
+        sha256_file(&mnt.at.join("disk/d.qcow2")),
+        sha256_file(&disk)
+    );
+}
+
+#[test]
+fn blobs_mount_across_repositories() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.qcow2");
+    make_qcow2(&disk, "64M", &[(0, 1 << 20, 0x42)]);
+    let source = format!("{}/vm/source:1", reg.host());
+    vmdisk_ok(&["push", disk.to_str().unwrap(), &source]);
+    let layer: vmdisk::digest::Digest = inspect_json(&source)["platforms"][0]["layers"][0]
+        ["digest"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    let client = vmdisk::registry::RegistryClient::new(vmdisk::registry::RegistryConfig {
+        auth_files: Some(vec![]),
+        ..Default::default()
+    })
+    .unwrap();
+    let target: vmdisk::reference::Reference =
+        format!("{}/vm/target:1", reg.host()).parse().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        assert!(!client.blob_exists(&target, &layer).await.unwrap());
+        assert!(
+            client
+                .mount_blob(&target, &layer, "vm/source")
+                .await
+                .unwrap(),
+            "registry mounts the blob"
+        );
+        assert!(client.blob_exists(&target, &layer).await.unwrap());
+        let absent = vmdisk::digest::Digest::of(b"never pushed");
+        assert!(
+            !client
+                .mount_blob(&target, &absent, "vm/source")
+                .await
+                .unwrap(),
+            "an unknown blob is not mounted"
+        );
+    });
+}

@@ -11,6 +11,7 @@ pub mod pipeline;
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -257,6 +258,29 @@ where
     Ok(value)
 }
 
+/// Runs `attempt` again when it fails with a network error, up to the client's retry
+/// attempts. Used around whole layer uploads: registries such as distribution 2.8 cancel an
+/// upload whose request broke part-way, and then only a new upload of the layer helps.
+async fn with_restarts<T, Fut>(
+    client: &RegistryClient,
+    mut attempt: impl FnMut() -> Fut,
+) -> Result<T>
+where
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let attempts = client.retry_policy().attempts.max(1);
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match attempt().await {
+            Err(e) if e.kind() == ErrorKind::Network && tries < attempts => {
+                tracing::warn!(error = %e.chain(), tries, "layer upload failed; restarting it");
+            }
+            other => return other,
+        }
+    }
+}
+
 fn entry_meta(path: &str, mode: u32, mtime: u64) -> EntryMeta {
     EntryMeta {
         path: path.to_string(),
@@ -399,25 +423,29 @@ pub async fn push_disk(
     let chunks = chunking(opts);
     let layer_file = path.clone();
     tracing::info!(disk = %shown, path = %path, format = format.name(), size, "publishing");
-    // Open the upload first: an unreachable registry or missing push rights fail before the
-    // disk is read.
-    let upload = client
-        .start_upload(target)
-        .await
-        .context(format!("pushing {shown} to {target}"))?;
-    let built = upload_streamed(client, target, Some(upload), move |sink| {
-        let reader = std::fs::File::open(&prepared.path)
-            .map_err(|e| Error::io(format!("opening {}", prepared.path.display()), e))?;
-        let content = LayerContent {
-            dirs: parent_dirs(&layer_file, mtime),
-            file: entry_meta(&layer_file, 0o644, mtime),
-            size,
-            reader,
-        };
-        let (built, sink) = build_layer(content, chunks, sink)?;
-        drop(prepared);
-        let digest = built.summary.digest;
-        Ok((built, Some(digest), sink))
+    let prepared = Arc::new(prepared);
+    let built = with_restarts(client, || {
+        let disk = Arc::clone(&prepared);
+        let layer_file = layer_file.clone();
+        async move {
+            // Open the upload first: an unreachable registry or missing push rights fail
+            // before the disk is read.
+            let upload = client.start_upload(target).await?;
+            upload_streamed(client, target, Some(upload), move |sink| {
+                let reader = std::fs::File::open(&disk.path)
+                    .map_err(|e| Error::io(format!("opening {}", disk.path.display()), e))?;
+                let content = LayerContent {
+                    dirs: parent_dirs(&layer_file, mtime),
+                    file: entry_meta(&layer_file, 0o644, mtime),
+                    size,
+                    reader,
+                };
+                let (built, sink) = build_layer(content, chunks, sink)?;
+                let digest = built.summary.digest;
+                Ok((built, Some(digest), sink))
+            })
+            .await
+        }
     })
     .await
     .context(format!("pushing {shown} to {target}"))?;
@@ -569,11 +597,16 @@ async fn convert_image(
         let Some(compression) = oci::layer_compression(&layer.media_type) else {
             continue;
         };
-        let blob = client.blob_reader(source, layer).await?;
         let chunks = chunking(opts);
-        let wanted = wanted.clone();
-        let found = upload_streamed(client, target, None, move |sink| {
-            convert_layer(blob, compression, wanted, chunks, sink)
+        let found = with_restarts(client, || {
+            let wanted = wanted.clone();
+            async move {
+                let blob = client.blob_reader(source, layer).await?;
+                upload_streamed(client, target, None, move |sink| {
+                    convert_layer(blob, compression, wanted, chunks, sink)
+                })
+                .await
+            }
         })
         .await
         .context(format!("converting layer {} of {source}", layer.digest))?;

@@ -64,6 +64,13 @@ pub struct RegistryConfig {
     pub retry: RetryPolicy,
 }
 
+impl RegistryClient {
+    /// The retry policy in force, for callers that retry whole operations.
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        &self.config.retry
+    }
+}
+
 /// Largest upload segment sent in one PATCH.
 pub const UPLOAD_SEGMENT: usize = 32 << 20;
 
@@ -100,6 +107,8 @@ fn scope(repo: &str, access: Access) -> String {
 }
 
 /// A request to send, rebuilt for every try (bodies are cheap `Bytes` clones).
+/// Only idempotent requests are retried here; a PATCH that fails part-way changes the
+/// upload's state, so [`BlobUpload::write`] resumes it instead.
 struct Req {
     method: Method,
     url: String,
@@ -107,16 +116,18 @@ struct Req {
     body: Option<Bytes>,
     /// Extra scopes the token must cover (cross-repository mount source).
     extra_scope: Option<String>,
+    retry: bool,
 }
 
 impl Req {
     fn new(method: Method, url: String) -> Self {
         Req {
-            method,
             url,
             headers: HeaderMap::new(),
             body: None,
             extra_scope: None,
+            retry: method != Method::PATCH,
+            method,
         }
     }
 
@@ -443,7 +454,7 @@ impl RegistryClient {
                 }
                 Err(e) => e.is_connect() || e.is_timeout() || e.is_request(),
             };
-            if !retryable || attempt >= policy.attempts.max(1) {
+            if !req.retry || !retryable || attempt >= policy.attempts.max(1) {
                 return match outcome {
                     Ok(resp) => Ok(resp),
                     Err(e) => Err(Error::new(
@@ -869,7 +880,8 @@ impl BlobUpload<'_> {
     }
 
     /// Appends `data`. If a PATCH fails, asks the registry how much it kept and resends the
-    /// rest, within the retry policy.
+    /// rest, within the retry policy. If the registry cannot resume, the error is a `Network`
+    /// error and the caller may start a new upload.
     pub async fn write(&mut self, data: Bytes) -> Result<()> {
         let r = self.reference.clone();
         let start = self.offset;
@@ -900,7 +912,18 @@ impl BlobUpload<'_> {
                         && e.kind() == ErrorKind::Network =>
                 {
                     tracing::warn!(error = %e.chain(), "upload segment failed, asking the registry where to resume");
-                    let have = self.status().await?;
+                    tokio::time::sleep(self.client.config.retry.base_delay * tries).await;
+                    // Some registries (distribution 2.8) cancel an upload whose PATCH broke
+                    // part-way; then only a new upload helps, which the caller decides.
+                    let have = match self.status().await {
+                        Ok(have) => have,
+                        Err(status_error) => {
+                            return Err(e.context(format!(
+                                "the registry cannot resume the upload ({})",
+                                status_error.chain()
+                            )))
+                        }
+                    };
                     if have < from || have > start + data.len() as u64 {
                         return Err(
                             e.context(format!("the registry kept {have} bytes, cannot resume"))
