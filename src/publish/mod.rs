@@ -221,7 +221,7 @@ where
     T: Send + 'static,
     F: FnOnce(SegmentSink) -> Result<(T, Option<Digest>, SegmentSink)> + Send + 'static,
 {
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(1);
     let worker = tokio::task::spawn_blocking(move || -> Result<(T, Option<Digest>)> {
         let (value, digest, mut sink) = build(SegmentSink {
             tx,

@@ -71,8 +71,10 @@ impl RegistryClient {
     }
 }
 
-/// Largest upload segment sent in one PATCH.
-pub const UPLOAD_SEGMENT: usize = 32 << 20;
+/// Upload segment sent in one PATCH. Three are alive at most while pushing (one on the wire,
+/// one queued, one filling), so this bounds the push's buffer memory at 24 MiB; smaller
+/// segments cost more round trips.
+pub const UPLOAD_SEGMENT: usize = 8 << 20;
 
 /// A registry client. Cheap to share behind an `Arc`; all methods take `&self`.
 pub struct RegistryClient {
