@@ -412,6 +412,18 @@ pub enum Layer {
 /// Writes an OCI image layout with one layer holding `disk` at `in_image` (e.g.
 /// `disk/fedora.qcow2`), owned by 107:107 like a KubeVirt containerDisk.
 pub fn oci_layout(dir: &Path, disk: &Path, in_image: &str, layer: Layer, arch: &str) {
+    oci_layout_annotated(dir, disk, in_image, layer, arch, serde_json::json!({}));
+}
+
+/// [`oci_layout`] with annotations on the layer descriptor.
+pub fn oci_layout_annotated(
+    dir: &Path,
+    disk: &Path,
+    in_image: &str,
+    layer: Layer,
+    arch: &str,
+    annotations: serde_json::Value,
+) {
     let blobs = dir.join("blobs/sha256");
     std::fs::create_dir_all(&blobs).unwrap();
     let mut tar_bytes = Vec::new();
@@ -461,7 +473,7 @@ pub fn oci_layout(dir: &Path, disk: &Path, in_image: &str, layer: Layer, arch: &
     let manifest = serde_json::json!({
         "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
         "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config_bytes.len()},
-        "layers": [{"mediaType": media_type, "digest": layer_digest, "size": layer_bytes.len()}]
+        "layers": [{"mediaType": media_type, "digest": layer_digest, "size": layer_bytes.len(), "annotations": annotations}]
     });
     let manifest_bytes = serde_json::to_vec(&manifest).unwrap();
     let manifest_digest = put(&manifest_bytes);

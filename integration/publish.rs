@@ -669,3 +669,94 @@ fn blobs_mount_across_repositories() {
         );
     });
 }
+
+#[test]
+fn zstd_sources_convert_and_estargz_is_recognised() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.qcow2");
+    make_qcow2(&disk, "512M", &[(0, 2 << 20, 0x21)]);
+    write_random(&disk, 100 << 20, 4 << 20, 5);
+
+    // A plain zstd containerDisk (no TOC): not lazy, converts to a lazy identical disk.
+    let layout = scratch.path("plain");
+    oci_layout(&layout, &disk, "disk/d.qcow2", Layer::Tar, "amd64");
+    let source = format!("{}/vm/zstd:1", reg.host());
+    skopeo_push(
+        &layout,
+        &source,
+        &["--dest-compress", "--dest-compress-format", "zstd"],
+    );
+    let layer = &inspect_json(&source)["platforms"][0]["layers"][0];
+    assert_eq!(
+        (layer["layout"].as_str(), layer["lazy"].as_bool()),
+        (Some("zstd"), Some(false)),
+        "{layer}"
+    );
+    let target = format!("{}/vm/zstd:lazy", reg.host());
+    vmdisk_ok(&["convert", &source, &target]);
+    let layer = &inspect_json(&target)["platforms"][0]["layers"][0];
+    assert_eq!(layer["lazy"], true, "{layer}");
+    assert_eq!(layer["disk"]["digest"], sha256_file(&disk));
+
+    // An eStargz-annotated layer is recognised and reported, not misread.
+    let layout = scratch.path("estargz");
+    let toc = format!("sha256:{}", "ab".repeat(32));
+    oci_layout_annotated(
+        &layout,
+        &disk,
+        "disk/d.qcow2",
+        Layer::Gzip,
+        "amd64",
+        serde_json::json!({"containerd.io/snapshot/stargz/toc.digest": toc}),
+    );
+    let esgz = format!("{}/vm/estargz:1", reg.host());
+    skopeo_push(&layout, &esgz, &[]);
+    let layer = &inspect_json(&esgz)["platforms"][0]["layers"][0];
+    assert_eq!(
+        (layer["layout"].as_str(), layer["lazy"].as_bool()),
+        (Some("estargz"), Some(false)),
+        "{layer}"
+    );
+    assert!(layer["reason"].as_str().unwrap().contains("eStargz"));
+}
+
+#[test]
+fn convert_republishes_every_platform_of_an_index() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let amd = scratch.path("amd.qcow2");
+    let arm = scratch.path("arm.qcow2");
+    make_qcow2(&amd, "64M", &[(0, 1 << 20, 0x01)]);
+    make_qcow2(&arm, "96M", &[(0, 1 << 20, 0x02)]);
+    let source = format!("{}/vm/podvm:src", reg.host());
+    vmdisk_ok(&[
+        "push",
+        "--path",
+        "/image/podvm.qcow2",
+        "--platform",
+        "linux/amd64",
+        amd.to_str().unwrap(),
+        "--platform",
+        "linux/arm64",
+        arm.to_str().unwrap(),
+        &source,
+    ]);
+    let converted = format!("{}/vm/podvm:converted", reg.host());
+    vmdisk_ok(&["convert", "--chunk-size", "64K", &source, &converted]);
+    let report = inspect_json(&converted);
+    assert_eq!(
+        report["media_type"],
+        "application/vnd.oci.image.index.v1+json"
+    );
+    for (i, (platform, file)) in [("linux/amd64", &amd), ("linux/arm64", &arm)]
+        .into_iter()
+        .enumerate()
+    {
+        let layer = &report["platforms"][i]["layers"][0];
+        assert_eq!(report["platforms"][i]["platform"], platform);
+        assert_eq!(layer["disk"]["path"], "image/podvm.qcow2");
+        assert_eq!(layer["disk"]["digest"], sha256_file(file));
+        assert_eq!(layer["chunk_size"]["max"], 64 << 10);
+    }
+}
