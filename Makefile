@@ -10,7 +10,7 @@ APT_PACKAGES := containerd docker-registry skopeo qemu-utils apache2-utils curl 
 APT_COMMANDS := containerd ctr docker-registry skopeo qemu-img qemu-io htpasswd curl /usr/bin/time \
 	python3
 
-.PHONY: all deps build demo test unit integration lint bench clean
+.PHONY: all deps build demo test unit integration lint bench fuzz clean
 
 all: build
 
@@ -44,6 +44,13 @@ test: deps lint
 
 bench: deps build
 	integration/bench.sh
+
+# Each fuzz target for FUZZ_SECONDS (nightly toolchain and cargo-fuzz, installed if missing).
+FUZZ_SECONDS ?= 60
+fuzz:
+	@cargo +nightly fuzz --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-fuzz
+	cd fuzz && for t in toc qcow2 manifest text_parsers; do \
+		cargo +nightly fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; done
 
 clean:
 	$(CARGO) clean

@@ -129,8 +129,7 @@ impl Registry {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// Bytes the registry has served from blob GETs so far, from its access log is not
-    /// available in 2.8; the tests measure through a counting proxy instead where needed.
+    /// URL of `path` on this registry.
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
     }

@@ -611,8 +611,8 @@ fn an_upload_cut_mid_body_is_resumed_or_restarted_and_lands_intact() {
         stderr.contains("asking the registry where to resume"),
         "{stderr}"
     );
-    // distribution 2.8 cancels a broken upload, so vmdisk starts the layer's upload anew.
-    assert!(stderr.contains("restarting it"), "{stderr}");
+    // Whether the registry let the upload resume, or cancelled it (distribution 2.8 usually
+    // does) and vmdisk uploaded the layer anew, depends on timing; both must land intact.
     // The registry checked the blob digest when the upload completed; pull it to be sure.
     let ctd = Containerd::start(&scratch);
     let mnt = ctd.pull_and_mount(

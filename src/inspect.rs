@@ -8,7 +8,6 @@
 //! reported as not lazily loadable, with the reason; for those the disk is located by reading
 //! the start of the layer stream only (informational, not verified: nothing is served from it).
 
-use std::collections::BTreeMap;
 use std::io::Read;
 
 use serde::Serialize;
@@ -474,13 +473,4 @@ pub fn render_text(report: &Report) -> String {
         }
     }
     out
-}
-
-/// Annotations to labels view, for tests and callers that want the raw metadata.
-pub fn vmdisk_annotations(desc: &Descriptor) -> BTreeMap<String, String> {
-    desc.annotations
-        .iter()
-        .filter(|(k, _)| k.starts_with(publish::ANN_PREFIX))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect()
 }

@@ -138,16 +138,12 @@ pub fn layer_path(path: Option<&str>, file_name: &str) -> Result<String> {
     }
 }
 
-fn source_date(mtime: Option<std::time::SystemTime>) -> u64 {
-    if let Some(epoch) = std::env::var("SOURCE_DATE_EPOCH")
+/// The mtime to record: `SOURCE_DATE_EPOCH` if set (reproducible layers), else `fallback`.
+fn source_date(fallback: u64) -> u64 {
+    std::env::var("SOURCE_DATE_EPOCH")
         .ok()
         .and_then(|v| v.parse().ok())
-    {
-        return epoch;
-    }
-    mtime
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_secs())
+        .unwrap_or(fallback)
 }
 
 /// Facts about the disk, recorded in annotations and the config.
@@ -320,28 +316,30 @@ async fn finish_image(
 ) -> Result<(Published, Vec<u8>)> {
     let summary = &built.summary;
     let loc: TocLocation = summary.toc_location;
-    let facts: [(&str, String); 7] = [
-        ("format", disk.format.name().to_string()),
-        ("virtual-size", disk.virtual_size.to_string()),
-        ("disk-size", disk.size.to_string()),
-        ("disk-digest", disk.digest.to_string()),
-        ("path", disk.path.clone()),
-        ("chunk-size", chunk_size.to_string()),
-        ("toc-digest", loc.checksum.to_string()),
+    let position = format!(
+        "{}:{}:{}:1",
+        loc.offset, loc.length, loc.uncompressed_length
+    );
+    let facts = [
+        (ANN_FORMAT, disk.format.name().to_string()),
+        (ANN_VIRTUAL_SIZE, disk.virtual_size.to_string()),
+        (ANN_DISK_SIZE, disk.size.to_string()),
+        (ANN_DISK_DIGEST, disk.digest.to_string()),
+        (ANN_PATH, disk.path.clone()),
+        (ANN_CHUNK_SIZE, chunk_size.to_string()),
+        (ANN_TOC_DIGEST, loc.checksum.to_string()),
+        (ANN_TOC_POSITION, position),
     ];
     let mut annotations = summary.annotations.clone();
     let mut labels = BTreeMap::new();
-    for (key, value) in &facts {
-        annotations.insert(format!("{ANN_PREFIX}{key}"), value.clone());
-        labels.insert(format!("{LABEL_PREFIX}{key}"), value.clone());
+    for (key, value) in facts {
+        // The config carries the same facts as labels: vmdisk.io/<name>.
+        let name = key
+            .strip_prefix(ANN_PREFIX)
+            .expect("vmdisk annotation keys share the prefix");
+        labels.insert(format!("{LABEL_PREFIX}{name}"), value.clone());
+        annotations.insert(key.to_string(), value);
     }
-    annotations.insert(
-        ANN_TOC_POSITION.to_string(),
-        format!(
-            "{}:{}:{}:1",
-            loc.offset, loc.length, loc.uncompressed_length
-        ),
-    );
 
     let config = ImageConfig {
         created: None,
@@ -410,15 +408,17 @@ pub async fn push_disk(
 ) -> Result<(Published, Vec<u8>)> {
     let forced = opts.format;
     let shown = file.display().to_string();
+    // The input's mtime, also for disks converted from vmdk or an OVA.
+    let modified = std::fs::metadata(&file).and_then(|m| m.modified()).ok();
+    let mtime = source_date(
+        modified
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_secs()),
+    );
     let prepared = tokio::task::spawn_blocking(move || disk::prepare(&file, forced))
         .await
         .map_err(|e| Error::new(ErrorKind::Io, "disk preparation failed").with_source(e))??;
     let path = layer_path(opts.path.as_deref(), &prepared.file_name)?;
-    let mtime = source_date(
-        std::fs::metadata(&prepared.path)
-            .and_then(|m| m.modified())
-            .ok(),
-    );
     let (format, virtual_size, size) = (prepared.format, prepared.virtual_size, prepared.size);
     let chunks = chunking(opts);
     let layer_file = path.clone();
@@ -552,7 +552,7 @@ fn convert_layer(
                 continue;
             }
             let size = entry.size();
-            let mtime = source_date(None).max(entry.header().mtime().unwrap_or(0));
+            let mtime = source_date(entry.header().mtime().unwrap_or(0));
             let target_path = wanted.clone().unwrap_or(path.clone());
             let content = LayerContent {
                 dirs: parent_dirs(&target_path, mtime),

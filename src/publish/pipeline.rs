@@ -75,11 +75,14 @@ pub fn build_layer<R: Read, W: Write + Send>(
     writer.begin_file(&file, size)?;
 
     let (raw_tx, raw_rx) = mpsc::sync_channel::<(u64, Arc<Vec<u8>>)>(threads * 2);
+    // The scope owns the receiver and hands it to the workers only: when they stop (because
+    // the writer failed), the channel disconnects and the reading loop stops instead of
+    // blocking forever on a full channel.
     let raw_rx = Arc::new(Mutex::new(raw_rx));
     let (enc_tx, enc_rx) = mpsc::sync_channel::<Result<(u64, EncodedChunk)>>(threads * 2);
 
     let (writer, disk_digest, head) =
-        std::thread::scope(|scope| -> Result<(LayerWriter<W>, Digest, Vec<u8>)> {
+        std::thread::scope(move |scope| -> Result<(LayerWriter<W>, Digest, Vec<u8>)> {
             for _ in 0..threads {
                 let rx = Arc::clone(&raw_rx);
                 let tx = enc_tx.clone();
@@ -103,6 +106,7 @@ pub fn build_layer<R: Read, W: Write + Send>(
                 });
             }
             drop(enc_tx);
+            drop(raw_rx);
             let writer_thread =
                 scope.spawn(move || -> Result<(LayerWriter<W>, Digest, Vec<u8>)> {
                     let mut head = Vec::new();
@@ -244,5 +248,59 @@ mod tests {
             err.to_string().contains("ended after 1000 of 5000"),
             "{err}"
         );
+    }
+
+    /// A sink that fails after `limit` bytes, as an aborted upload does.
+    struct FailingSink {
+        limit: usize,
+        written: usize,
+    }
+
+    impl Write for FailingSink {
+        fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+            if self.written + data.len() > self.limit {
+                return Err(std::io::Error::other("upload aborted"));
+            }
+            self.written += data.len();
+            Ok(data.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_failing_sink_stops_the_build_instead_of_hanging_it() {
+        let (done_tx, done_rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            // Much more data than the pipeline's queues hold, so the reader would block.
+            let data = vec![7u8; 8 << 20];
+            let content = LayerContent {
+                dirs: vec![],
+                file: meta("d"),
+                size: data.len() as u64,
+                reader: &data[..],
+            };
+            let result = build_layer(
+                content,
+                ChunkingOptions {
+                    chunk_size: 4096,
+                    level: 1,
+                    threads: 2,
+                },
+                FailingSink {
+                    limit: 10_000,
+                    written: 0,
+                },
+            );
+            let _ = done_tx.send(result.err().map(|e| e.chain()));
+        });
+        let outcome = done_rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("build_layer hung after its sink failed");
+        assert!(outcome
+            .expect("the build must fail")
+            .contains("upload aborted"));
     }
 }

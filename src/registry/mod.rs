@@ -790,6 +790,7 @@ impl RegistryClient {
             reference: r.clone(),
             location,
             offset: 0,
+            disturbed: false,
         })
     }
 
@@ -873,9 +874,27 @@ pub struct BlobUpload<'a> {
     reference: Reference,
     location: url::Url,
     offset: u64,
+    /// A request of this upload broke part-way and it was resumed: the registry's view of it
+    /// may differ from ours, so its later refusals mean "start this blob again".
+    disturbed: bool,
 }
 
 impl BlobUpload<'_> {
+    /// After a broken request, a refusal (other than authentication) means the registry lost
+    /// or distrusts the session: report it as a network failure so the caller uploads the
+    /// blob again. The registry's digest check on completion keeps corrupt data out.
+    fn after_disturbance(&self, e: Error) -> Error {
+        if self.disturbed && e.kind() != ErrorKind::Auth && e.kind() != ErrorKind::Network {
+            Error::new(
+                ErrorKind::Network,
+                "the registry rejected an upload that a broken request had disturbed",
+            )
+            .with_source(e)
+        } else {
+            e
+        }
+    }
+
     /// Bytes the registry has accepted so far.
     pub fn offset(&self) -> u64 {
         self.offset
@@ -932,8 +951,9 @@ impl BlobUpload<'_> {
                         );
                     }
                     sent = (have - start) as usize;
+                    self.disturbed = true;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(self.after_disturbance(e)),
             }
         }
         self.offset = start + data.len() as u64;
@@ -978,13 +998,14 @@ impl BlobUpload<'_> {
         url.query_pairs_mut()
             .append_pair("digest", &digest.to_string());
         let req = Req::new(Method::PUT, url.to_string()).header(CONTENT_LENGTH, "0");
-        RegistryClient::check(
-            self.client.send(&self.ep, &r, Access::Push, &req).await?,
-            &format!("completing the upload of blob {digest}"),
-            &r,
-        )
-        .await?;
-        Ok(())
+        let outcome = match self.client.send(&self.ep, &r, Access::Push, &req).await {
+            Ok(resp) => {
+                RegistryClient::check(resp, &format!("completing the upload of blob {digest}"), &r)
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        outcome.map(drop).map_err(|e| self.after_disturbance(e))
     }
 }
 
