@@ -60,6 +60,47 @@ pub enum Command {
     Convert(ConvertArgs),
     /// Show an image's layers, disks and whether they can be loaded lazily.
     Inspect(InspectArgs),
+    /// Mount an image's disk layer read-only, fetching chunks as they are read (foreground).
+    Mount(MountArgs),
+}
+
+/// How `vmdisk mount` fetches what nobody read yet.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hydrate {
+    /// Only what is read (plus read-ahead and qcow2 metadata).
+    Off,
+    /// Everything, in the background, at most --hydrate-rate.
+    Background,
+    /// Everything, at full speed.
+    Eager,
+}
+
+#[derive(Args, Debug)]
+pub struct MountArgs {
+    /// Cache directory.
+    #[arg(long, default_value = crate::cache::DEFAULT_ROOT)]
+    pub cache: PathBuf,
+    /// Whether to fetch the whole disk in the background.
+    #[arg(long, value_enum, default_value = "off")]
+    pub hydrate: Hydrate,
+    /// Bandwidth limit of background hydration, in MB/s of disk data.
+    #[arg(long, default_value_t = 50, value_name = "MB/S")]
+    pub hydrate_rate: u64,
+    /// Evict cached layers that are not mounted, least recently used first, until the cache
+    /// holds at most this much (e.g. 20G).
+    #[arg(long, value_name = "SIZE")]
+    pub cache_size: Option<String>,
+    /// Seconds a read keeps retrying a failing fetch before it fails with EIO.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub fetch_timeout: u64,
+    /// Never hand complete files to the kernel with FUSE passthrough.
+    #[arg(long)]
+    pub no_passthrough: bool,
+    /// Print the counters as JSON on unmount.
+    #[arg(long)]
+    pub stats: bool,
+    pub reference: String,
+    pub dir: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -187,6 +228,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             let digest = publish::convert(&client, &source, &target, &opts).await?;
             println!("{digest}");
         }
+        Command::Mount(args) => mount(&cli.registry, args).await?,
         Command::Inspect(args) => {
             let reference: Reference = args.reference.parse()?;
             let client = cli.registry.client()?;
@@ -200,6 +242,97 @@ pub async fn run(cli: Cli) -> Result<()> {
                 print!("{}", crate::inspect::render_text(&report));
             }
         }
+    }
+    Ok(())
+}
+
+async fn wait_for_signal() -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())
+        .map_err(|e| Error::io("installing the SIGTERM handler", e))?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+/// `vmdisk mount`: serves the disk layer at `dir` until SIGINT or SIGTERM.
+async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
+    use crate::engine::{Engine, EngineOptions};
+    let reference: Reference = args.reference.parse()?;
+    let client = std::sync::Arc::new(registry.client()?);
+    let cache = crate::cache::CacheRoot::open(&args.cache)?;
+    if let Some(limit) = &args.cache_size {
+        let freed = cache.evict(publish::parse_size(limit)? as u64)?;
+        tracing::info!(freed, "cache eviction done");
+    }
+    let opts = EngineOptions {
+        fetch_deadline: std::time::Duration::from_secs(args.fetch_timeout),
+        ..EngineOptions::default()
+    };
+    let engine = Engine::open(client, &cache, &reference, opts).await?;
+    let fs = crate::fuse::LayerFs::new(
+        std::sync::Arc::clone(&engine),
+        tokio::runtime::Handle::current(),
+        !args.no_passthrough,
+    );
+    let session = crate::fuse::mount(fs, &args.dir)?;
+    let layer = &engine.layer;
+    println!(
+        "ready: {} at {} ({} of {} chunks cached)",
+        reference,
+        args.dir
+            .join(&layer.nodes[layer.files[layer.disk].node].path)
+            .display(),
+        engine.cache.present_count(),
+        layer.chunks.len()
+    );
+
+    let mut tasks = Vec::new();
+    let e = std::sync::Arc::clone(&engine);
+    tasks.push(tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            let e = std::sync::Arc::clone(&e);
+            if let Ok(Err(err)) = tokio::task::spawn_blocking(move || e.cache.flush()).await {
+                tracing::warn!(error = %err.chain(), "flushing the cache failed");
+            }
+        }
+    }));
+    let e = std::sync::Arc::clone(&engine);
+    tasks.push(tokio::spawn(async move {
+        if let Err(err) = e.prefetch_qcow2().await {
+            tracing::warn!(error = %err.chain(), "qcow2 metadata prefetch failed");
+        }
+    }));
+    let rate = (args.hydrate != Hydrate::Off).then_some(args.hydrate);
+    if let Some(mode) = rate {
+        let e = std::sync::Arc::clone(&engine);
+        let limit = (mode == Hydrate::Background).then_some(args.hydrate_rate * 1_000_000);
+        tasks.push(tokio::spawn(async move {
+            let concurrency = if limit.is_some() { 2 } else { 4 };
+            match e.hydrate(concurrency, limit).await {
+                Ok(()) => println!("hydrated: {} chunks cached", e.cache.present_count()),
+                Err(err) => tracing::warn!(error = %err.chain(), "hydration stopped"),
+            }
+        }));
+    }
+
+    wait_for_signal().await?;
+    for task in &tasks {
+        task.abort();
+    }
+    tokio::task::spawn_blocking(move || session.umount_and_join())
+        .await
+        .map_err(|e| Error::new(crate::error::ErrorKind::Io, "unmounting").with_source(e))?
+        .map_err(|e| Error::io(format!("unmounting {}", args.dir.display()), e))?;
+    engine.cache.flush()?;
+    if args.stats {
+        println!(
+            "{}",
+            serde_json::to_string(&engine.stats.snapshot()).expect("stats serialise")
+        );
     }
     Ok(())
 }

@@ -5,14 +5,19 @@
 //! - [`format`]: layer and disk formats (zstd:chunked, tar-split, qcow2, disk detection).
 //! - [`publish`]: building and pushing lazily loadable images (`vmdisk push`, `convert`).
 //! - [`inspect`]: reading any image and describing how lazily loadable it is.
+//! - [`cache`]: the persistent block cache (data files, presence bitmaps, eviction).
 //! - [`oci`], [`reference`], [`digest`], [`error`]: the shared vocabulary.
 
+pub mod cache;
 pub mod cli;
 pub mod digest;
+pub mod engine;
 pub mod error;
 pub mod format;
+pub mod fuse;
 pub mod inspect;
 pub mod oci;
 pub mod publish;
 pub mod reference;
 pub mod registry;
+pub mod remote;

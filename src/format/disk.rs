@@ -64,7 +64,7 @@ pub fn sniff(head: &[u8], tail: &[u8], len: u64) -> Option<DiskFormat> {
         || at(0, b"hsqs")                            // squashfs
         || at(32769, b"CD001")                       // ISO 9660
         || at(65600, b"_BHRfS_M"); // btrfs
-    (raw_marks && len % 512 == 0).then_some(DiskFormat::Raw)
+    (raw_marks && len.is_multiple_of(512)).then_some(DiskFormat::Raw)
 }
 
 /// Reads what [`sniff`] needs from a file.

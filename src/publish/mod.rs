@@ -82,16 +82,18 @@ pub fn parse_size(s: &str) -> Result<usize> {
     let (num, unit) = t.split_at(split);
     let n: usize = num.parse().map_err(|_| {
         Error::invalid(format!(
-            "size {s:?} is not a number with an optional K/M suffix"
+            "size {s:?} is not a number with an optional K, M, G or T suffix"
         ))
     })?;
     let mult = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
         _ => {
             return Err(Error::invalid(format!(
-                "size {s:?}: unknown unit {unit:?} (use K or M)"
+                "size {s:?}: unknown unit {unit:?} (use K, M, G or T)"
             )))
         }
     };
@@ -689,7 +691,8 @@ mod tests {
         assert_eq!(parse_size("256K").unwrap(), 256 << 10);
         assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
         assert_eq!(parse_size("65536").unwrap(), 65536);
-        assert!(parse_size("1G").is_err());
+        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
+        assert!(parse_size("1P").is_err());
         assert!(parse_size("abc").is_err());
         assert!(check_chunk_size(100_000).is_err());
         assert!(check_chunk_size(32 << 10).is_err());

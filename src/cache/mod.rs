@@ -1,0 +1,198 @@
+//! The persistent local block cache: what is kept, and what is known to be present.
+//!
+//! Layout under the cache root (default `/var/lib/vmdisk/cache`):
+//!
+//! ```text
+//! layers/<blob sha256 hex>/
+//!     meta.json     where the layer comes from and where its TOC is (see LayerMeta)
+//!     toc.zst       the TOC exactly as fetched; re-verified against meta.json on load
+//!     data/<n>      one sparse file per regular file n of the layer, full size
+//!     bitmap        durable presence bits, one per chunk (written after the data: see below)
+//!     lock          held shared while mounted, so eviction skips the layer
+//!     last-used     its mtime orders eviction
+//! refs/<sha256 of the reference>.json   the last resolution of an image reference
+//! ```
+//!
+//! **Crash ordering.** A chunk is written into its data file, and marked present in memory at
+//! once (later reads in this process see the page cache). A flusher then `fdatasync`s the data
+//! files and only afterwards writes the bitmap bytes and `fdatasync`s the bitmap. A crash can
+//! therefore lose recently fetched chunks (they are fetched again) but can never leave a bit
+//! set for data that did not reach the disk. `docs/cache.md` has the details.
+//!
+//! The cache directory is trusted (root-owned): data read back from it is not re-verified.
+
+pub mod layer;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::digest::Digest;
+use crate::error::{Error, Result};
+
+pub use layer::LayerCache;
+
+/// The default cache root.
+pub const DEFAULT_ROOT: &str = "/var/lib/vmdisk/cache";
+
+/// Where a cached layer comes from, persisted as `meta.json`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LayerMeta {
+    /// Registry and repository to fetch chunks from (the reference it was resolved from).
+    pub reference: String,
+    pub layer_digest: Digest,
+    pub layer_size: u64,
+    pub toc_offset: u64,
+    pub toc_length: u64,
+    pub toc_uncompressed_length: u64,
+    pub toc_digest: Digest,
+}
+
+/// The last resolution of an image reference, for offline re-mounts.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RefRecord {
+    pub reference: String,
+    pub manifest_digest: Digest,
+    pub layer_digest: Digest,
+    pub platform: String,
+}
+
+/// The cache root.
+#[derive(Clone, Debug)]
+pub struct CacheRoot {
+    root: PathBuf,
+}
+
+fn write_atomically(path: &Path, data: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, data).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    let f = std::fs::File::open(&tmp)
+        .map_err(|e| Error::io(format!("opening {}", tmp.display()), e))?;
+    f.sync_all()
+        .map_err(|e| Error::io(format!("syncing {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("renaming {}", tmp.display()), e))
+}
+
+impl CacheRoot {
+    /// Opens (creating if needed) the cache at `root`, mode 0700.
+    pub fn open(root: &Path) -> Result<Self> {
+        for sub in ["layers", "refs"] {
+            std::fs::create_dir_all(root.join(sub)).map_err(|e| {
+                Error::io(format!("creating cache directory {}", root.display()), e)
+            })?;
+        }
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700));
+        Ok(CacheRoot {
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// The directory of a layer.
+    pub fn layer_dir(&self, digest: &Digest) -> PathBuf {
+        self.root.join("layers").join(digest.hex())
+    }
+
+    fn ref_path(&self, reference: &str) -> PathBuf {
+        self.root
+            .join("refs")
+            .join(format!("{}.json", Digest::of(reference.as_bytes()).hex()))
+    }
+
+    /// Remembers how `record.reference` resolved.
+    pub fn save_ref(&self, record: &RefRecord) -> Result<()> {
+        write_atomically(
+            &self.ref_path(&record.reference),
+            &serde_json::to_vec(record).expect("record serialises"),
+        )
+    }
+
+    /// How `reference` resolved last time, if it did.
+    pub fn load_ref(&self, reference: &str) -> Option<RefRecord> {
+        let bytes = std::fs::read(self.ref_path(reference)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    /// Stores a verified TOC and the layer's metadata (the TOC first, so `meta.json` only ever
+    /// names a TOC that is on disk).
+    pub fn save_layer_meta(&self, meta: &LayerMeta, toc: &[u8]) -> Result<()> {
+        let dir = self.layer_dir(&meta.layer_digest);
+        std::fs::create_dir_all(dir.join("data"))
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        write_atomically(&dir.join("toc.zst"), toc)?;
+        write_atomically(
+            &dir.join("meta.json"),
+            &serde_json::to_vec_pretty(meta).expect("meta serialises"),
+        )
+    }
+
+    /// The stored metadata and TOC bytes of a layer, if complete and consistent.
+    pub fn load_layer_meta(&self, digest: &Digest) -> Option<(LayerMeta, Vec<u8>)> {
+        let dir = self.layer_dir(digest);
+        let meta: LayerMeta =
+            serde_json::from_slice(&std::fs::read(dir.join("meta.json")).ok()?).ok()?;
+        let toc = std::fs::read(dir.join("toc.zst")).ok()?;
+        (meta.layer_digest == *digest && meta.toc_digest.verify(&toc, "cached TOC").is_ok())
+            .then_some((meta, toc))
+    }
+
+    /// All cached layers.
+    pub fn layers(&self) -> Vec<Digest> {
+        let Ok(entries) = std::fs::read_dir(self.root.join("layers")) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                format!("sha256:{}", e.file_name().to_string_lossy())
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    }
+
+    /// Evicts least recently used layers that are not mounted until the cache's data takes at
+    /// most `limit` bytes. Returns the bytes freed.
+    pub fn evict(&self, limit: u64) -> Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        let mut layers: Vec<(std::time::SystemTime, u64, PathBuf)> = Vec::new();
+        let mut total = 0;
+        for digest in self.layers() {
+            let dir = self.layer_dir(&digest);
+            let mut size = 0;
+            if let Ok(files) = std::fs::read_dir(dir.join("data")) {
+                for f in files.filter_map(|f| f.ok()) {
+                    size += f.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
+                }
+            }
+            let used = std::fs::metadata(dir.join("last-used"))
+                .and_then(|m| m.modified())
+                .unwrap_or(std::time::UNIX_EPOCH);
+            total += size;
+            layers.push((used, size, dir));
+        }
+        layers.sort();
+        let mut freed = 0;
+        for (_, size, dir) in layers {
+            if total <= limit {
+                break;
+            }
+            // A mounted layer holds its lock shared; only an unused one can be locked here.
+            let lock = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(dir.join("lock"));
+            let Ok(lock) = lock else { continue };
+            if lock.try_lock().is_err() {
+                continue;
+            }
+            std::fs::remove_dir_all(&dir)
+                .map_err(|e| Error::io(format!("evicting {}", dir.display()), e))?;
+            tracing::info!(layer = %dir.display(), bytes = size, "evicted");
+            total -= size;
+            freed += size;
+        }
+        Ok(freed)
+    }
+}

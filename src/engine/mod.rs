@@ -1,0 +1,519 @@
+//! The lazy disk engine: turns reads of a remote layer's files into verified chunk fetches
+//! and cached data, and nothing else.
+//!
+//! - **One fetch per chunk.** A read claims the missing chunks it needs; concurrent readers of
+//!   a claimed chunk wait for that fetch instead of starting their own.
+//! - **Coalescing.** Adjacent missing chunks become one HTTP Range request (bounded in size);
+//!   fetches run with bounded concurrency.
+//! - **Verification.** Every chunk is decompressed within its announced size and checked
+//!   against its `chunkDigest` before it is written to the cache. A chunk that fails is
+//!   fetched once more on its own, then the read fails (EIO): unverified bytes are never
+//!   served. `zeros` chunks are never fetched (data-file holes read as zeros).
+//! - **Faults.** Network errors and truncated answers are retried with backoff until a
+//!   deadline; then the read fails.
+//! - **Dedup.** A chunk whose digest is already cached under another layer is copied locally.
+//!
+//! The engine is async (tokio); the FUSE layer calls it from its threads through a runtime
+//! handle and answers from the task, so a missing chunk never blocks reads of cached data.
+
+pub mod stats;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{watch, Semaphore};
+
+use self::stats::Stats;
+use crate::cache::{CacheRoot, LayerCache};
+use crate::digest::Digest;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::qcow2;
+use crate::format::zstd_chunked::{decompress_bounded, Chunk};
+use crate::reference::Reference;
+use crate::registry::RegistryClient;
+use crate::remote::{self, RemoteLayer};
+
+/// Tunables of the engine.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// How long a read keeps retrying a failing fetch before it fails with EIO.
+    pub fetch_deadline: Duration,
+    /// Range requests in flight at once.
+    pub max_concurrent_fetches: usize,
+    /// Largest coalesced request, in compressed bytes.
+    pub max_request_bytes: u64,
+    /// Chunks fetched ahead of a sequential reader.
+    pub readahead_chunks: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            fetch_deadline: Duration::from_secs(30),
+            max_concurrent_fetches: 4,
+            max_request_bytes: 4 << 20,
+            readahead_chunks: 8,
+        }
+    }
+}
+
+/// Where a chunk with a given digest can be copied from.
+struct DedupSource {
+    path: PathBuf,
+    offset: u64,
+    size: u64,
+}
+
+/// A lazily loaded layer: its chunk index, its cache and the fetch machinery.
+pub struct Engine {
+    pub layer: RemoteLayer,
+    pub cache: LayerCache,
+    pub stats: Stats,
+    client: Arc<RegistryClient>,
+    inflight: Mutex<HashMap<usize, watch::Sender<Option<bool>>>>,
+    fetch_slots: Semaphore,
+    dedup: HashMap<Digest, DedupSource>,
+    opts: EngineOptions,
+}
+
+/// Completes claimed chunks exactly once, also when the fetching future is dropped.
+struct Claim<'a> {
+    engine: &'a Engine,
+    chunks: Vec<usize>,
+}
+
+impl Claim<'_> {
+    fn complete(mut self, ok: bool) {
+        self.finish(ok);
+    }
+
+    fn finish(&mut self, ok: bool) {
+        let mut inflight = self.engine.inflight.lock().expect("inflight lock");
+        for idx in self.chunks.drain(..) {
+            if let Some(tx) = inflight.remove(&idx) {
+                let _ = tx.send(Some(ok && self.engine.cache.is_present(idx)));
+            }
+        }
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.finish(false);
+    }
+}
+
+/// Decompresses a chunk's frame within its size and checks its digest.
+fn decode_verified(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
+    let data = decompress_bounded(frame, chunk.size)?;
+    if data.len() as u64 != chunk.size {
+        return Err(Error::corrupt(format!(
+            "chunk at {} decompressed to {} bytes, expected {}",
+            chunk.offset,
+            data.len(),
+            chunk.size
+        )));
+    }
+    match chunk.digest {
+        Some(d) => d.verify(&data, &format!("chunk at offset {}", chunk.offset))?,
+        None => {
+            return Err(Error::corrupt(format!(
+                "chunk at {} has no digest",
+                chunk.offset
+            )))
+        }
+    }
+    Ok(data)
+}
+
+/// Reads the durable presence bits of another cached layer (for dedup).
+fn durable_bits(dir: &std::path::Path, chunks: usize) -> Option<Vec<u8>> {
+    let bytes = std::fs::read(dir.join("bitmap")).ok()?;
+    (bytes.len() >= 16 + chunks.div_ceil(8)
+        && &bytes[..8] == b"VMDKBMP1"
+        && u64::from_le_bytes(bytes[8..16].try_into().ok()?) == chunks as u64)
+        .then(|| bytes[16..].to_vec())
+}
+
+fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> {
+    let mut map = HashMap::new();
+    for digest in cache.layers().into_iter().filter(|d| d != own) {
+        let Some((meta, toc)) = cache.load_layer_meta(&digest) else {
+            continue;
+        };
+        let Ok(reference) = meta.reference.parse::<Reference>() else {
+            continue;
+        };
+        let Ok(layer) = RemoteLayer::index(reference, meta, &toc) else {
+            continue;
+        };
+        let dir = cache.layer_dir(&digest);
+        let Some(bits) = durable_bits(&dir, layer.chunks.len()) else {
+            continue;
+        };
+        for (idx, (file, chunk)) in layer.chunks.iter().enumerate() {
+            if chunk.zeros || bits[idx / 8] & (1 << (idx % 8)) == 0 {
+                continue;
+            }
+            if let Some(d) = chunk.digest {
+                map.entry(d).or_insert(DedupSource {
+                    path: dir.join("data").join(file.to_string()),
+                    offset: chunk.offset,
+                    size: chunk.size,
+                });
+            }
+        }
+    }
+    map
+}
+
+impl Engine {
+    /// Resolves `reference` and opens its layer's cache.
+    pub async fn open(
+        client: Arc<RegistryClient>,
+        cache: &CacheRoot,
+        reference: &Reference,
+        opts: EngineOptions,
+    ) -> Result<Arc<Engine>> {
+        let layer = remote::resolve(&client, cache, reference).await?;
+        let dir = cache.layer_dir(&layer.meta.layer_digest);
+        let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
+        let zeros = layer
+            .chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, c))| c.zeros)
+            .map(|(i, _)| i);
+        let layer_cache = LayerCache::open(&dir, &sizes, layer.chunks.len(), zeros)?;
+        let dedup = build_dedup(cache, &layer.meta.layer_digest);
+        tracing::info!(%reference, layer = %layer.meta.layer_digest, chunks = layer.chunks.len(), present = layer_cache.present_count(), dedup_sources = dedup.len(), online = layer.online, "layer opened");
+        Ok(Arc::new(Engine {
+            layer,
+            cache: layer_cache,
+            stats: Stats::default(),
+            client,
+            inflight: Mutex::new(HashMap::new()),
+            fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
+            dedup,
+            opts,
+        }))
+    }
+
+    /// The engine's options.
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    /// Whether all of `chunks` are present.
+    pub fn all_present(&self, chunks: Range<usize>) -> bool {
+        chunks.into_iter().all(|i| self.cache.is_present(i))
+    }
+
+    /// Makes every chunk in `chunks` present: fetches what is missing (claiming it), waits for
+    /// what others are fetching. Fails if any chunk could not be fetched and verified.
+    pub async fn ensure(&self, chunks: Range<usize>) -> Result<()> {
+        let mut waits = Vec::new();
+        let mut claimed = Vec::new();
+        {
+            let mut inflight = self.inflight.lock().expect("inflight lock");
+            for idx in chunks {
+                if self.cache.is_present(idx) {
+                    continue;
+                }
+                match inflight.get(&idx) {
+                    Some(tx) => waits.push((idx, tx.subscribe())),
+                    None => {
+                        inflight.insert(idx, watch::channel(None).0);
+                        claimed.push(idx);
+                    }
+                }
+            }
+        }
+        let runs = self.runs(&claimed);
+        let fetches = runs.into_iter().map(|run| async move {
+            let claim = Claim {
+                engine: self,
+                chunks: run.clone(),
+            };
+            let result = self.fetch_run(&run).await;
+            claim.complete(result.is_ok());
+            result
+        });
+        let results = futures_util::future::join_all(fetches).await;
+        let mut first_error = results.into_iter().find_map(|r| r.err());
+        for (idx, mut rx) in waits {
+            let ok = matches!(
+                rx.wait_for(|v| v.is_some()).await.map(|v| *v),
+                Ok(Some(true))
+            );
+            if !ok && first_error.is_none() && !self.cache.is_present(idx) {
+                first_error = Some(Error::new(
+                    ErrorKind::Network,
+                    format!("chunk {idx} could not be fetched (by a concurrent read)"),
+                ));
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Groups claimed chunk indices into runs that one Range request can fetch: adjacent in
+    /// the blob, same file, bounded size.
+    fn runs(&self, claimed: &[usize]) -> Vec<Vec<usize>> {
+        let mut sorted = claimed.to_vec();
+        sorted.sort_unstable();
+        let mut runs: Vec<Vec<usize>> = Vec::new();
+        for idx in sorted {
+            let (file, chunk) = &self.layer.chunks[idx];
+            if let Some(run) = runs.last_mut() {
+                let last = *run.last().expect("runs are never empty");
+                let (last_file, last_chunk) = &self.layer.chunks[last];
+                let first = &self.layer.chunks[run[0]].1;
+                if last + 1 == idx
+                    && last_file == file
+                    && last_chunk.compressed.end == chunk.compressed.start
+                    && chunk.compressed.end - first.compressed.start <= self.opts.max_request_bytes
+                {
+                    run.push(idx);
+                    continue;
+                }
+            }
+            runs.push(vec![idx]);
+        }
+        runs
+    }
+
+    /// Fetches one run: copies what another cached layer has, fetches the rest.
+    async fn fetch_run(&self, run: &[usize]) -> Result<()> {
+        let _slot = self
+            .fetch_slots
+            .acquire()
+            .await
+            .expect("semaphore never closed");
+        let mut need: Vec<usize> = Vec::new();
+        for &idx in run {
+            if !self.copy_from_dedup(idx) {
+                need.push(idx);
+            }
+        }
+        let mut start = 0;
+        while start < need.len() {
+            let mut end = start + 1;
+            while end < need.len() && need[end] == need[end - 1] + 1 {
+                end += 1;
+            }
+            self.fetch_verified(&need[start..end]).await?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    fn copy_from_dedup(&self, idx: usize) -> bool {
+        let (file, chunk) = &self.layer.chunks[idx];
+        let Some(source) = chunk.digest.and_then(|d| self.dedup.get(&d)) else {
+            return false;
+        };
+        if source.size != chunk.size {
+            return false;
+        }
+        let mut data = vec![0u8; chunk.size as usize];
+        let read = std::fs::File::open(&source.path)
+            .and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut data, source.offset));
+        // Verify anyway: the other layer's bytes are ours, but cheap to check.
+        if read.is_err()
+            || chunk
+                .digest
+                .is_some_and(|d| d.verify(&data, "dedup copy").is_err())
+        {
+            return false;
+        }
+        if self
+            .cache
+            .write_chunk(idx, *file, chunk.offset, &data)
+            .is_err()
+        {
+            return false;
+        }
+        Stats::add(&self.stats.chunks_deduplicated, 1);
+        Stats::add(&self.stats.bytes_deduplicated, chunk.size);
+        true
+    }
+
+    /// Fetches contiguous chunks with one request, verifies each, refetches failures once.
+    async fn fetch_verified(&self, run: &[usize]) -> Result<()> {
+        let first = &self.layer.chunks[run[0]].1;
+        let last = &self.layer.chunks[run[run.len() - 1]].1;
+        let range = first.compressed.start..last.compressed.end;
+        let bytes = self.fetch_range(range.clone()).await?;
+        let mut failed = Vec::new();
+        for &idx in run {
+            let (file, chunk) = &self.layer.chunks[idx];
+            let frame = &bytes[(chunk.compressed.start - range.start) as usize
+                ..(chunk.compressed.end - range.start) as usize];
+            match decode_verified(frame, chunk) {
+                Ok(data) => self.store(idx, *file, chunk, &data)?,
+                Err(e) => {
+                    Stats::add(&self.stats.verify_failures, 1);
+                    tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, offset = chunk.offset, digest = ?chunk.digest, error = %e.chain(), "chunk failed verification; fetching it again");
+                    failed.push(idx);
+                }
+            }
+        }
+        for idx in failed {
+            let (file, chunk) = &self.layer.chunks[idx];
+            let frame = self.fetch_range(chunk.compressed.clone()).await?;
+            let data = decode_verified(&frame, chunk).map_err(|e| {
+                Stats::add(&self.stats.verify_failures, 1);
+                e.context(format!(
+                    "chunk {idx} (offset {} of {}, digest {:?}) failed verification twice",
+                    chunk.offset, self.layer.nodes[self.layer.files[*file].node].path, chunk.digest
+                ))
+            })?;
+            self.store(idx, *file, chunk, &data)?;
+        }
+        Ok(())
+    }
+
+    fn store(&self, idx: usize, file: usize, chunk: &Chunk, data: &[u8]) -> Result<()> {
+        self.cache.write_chunk(idx, file, chunk.offset, data)?;
+        Stats::add(&self.stats.chunks_fetched, 1);
+        Ok(())
+    }
+
+    /// One Range request, retried on network errors and short answers until the deadline.
+    async fn fetch_range(&self, range: Range<u64>) -> Result<bytes::Bytes> {
+        let deadline = Instant::now() + self.opts.fetch_deadline;
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let started = Instant::now();
+            Stats::add(&self.stats.fetch_requests, 1);
+            match self
+                .client
+                .get_blob_range(
+                    &self.layer.reference,
+                    &self.layer.meta.layer_digest,
+                    range.clone(),
+                )
+                .await
+            {
+                Ok(bytes) => {
+                    Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
+                    Stats::add(
+                        &self.stats.fetch_micros,
+                        started.elapsed().as_micros() as u64,
+                    );
+                    return Ok(bytes);
+                }
+                Err(e) => {
+                    Stats::add(&self.stats.fetch_errors, 1);
+                    let retryable = matches!(e.kind(), ErrorKind::Network | ErrorKind::Corrupt);
+                    if !retryable || Instant::now() + delay > deadline {
+                        return Err(e.context(format!(
+                            "fetching bytes {}..{} of layer {}",
+                            range.start, range.end, self.layer.meta.layer_digest
+                        )));
+                    }
+                    tracing::warn!(layer = %self.layer.meta.layer_digest, start = range.start, end = range.end, error = %e.chain(), "chunk fetch failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    /// Reads `size` bytes of file `file` at `offset` (short at the end of the file),
+    /// fetching what is missing.
+    pub async fn read(&self, file: usize, offset: u64, size: u64) -> Result<Vec<u8>> {
+        let end = (offset + size).min(self.layer.file_size(file));
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        self.ensure(self.layer.chunks_for(file, offset..end))
+            .await?;
+        let mut buf = vec![0u8; (end - offset) as usize];
+        self.cache.read_at(file, &mut buf, offset)?;
+        Ok(buf)
+    }
+
+    /// Reads from the cache only; `None` if any needed chunk is missing.
+    pub fn read_cached(&self, file: usize, offset: u64, size: u64) -> Option<Result<Vec<u8>>> {
+        let end = (offset + size).min(self.layer.file_size(file));
+        if offset >= end {
+            return Some(Ok(Vec::new()));
+        }
+        if !self.all_present(self.layer.chunks_for(file, offset..end)) {
+            return None;
+        }
+        let mut buf = vec![0u8; (end - offset) as usize];
+        Some(self.cache.read_at(file, &mut buf, offset).map(|()| buf))
+    }
+
+    /// Fetches what qemu reads first from a qcow2 disk: header, L1 table, refcount table and
+    /// every L2 table. Does nothing for raw disks.
+    pub async fn prefetch_qcow2(&self) -> Result<()> {
+        let disk = self.layer.disk;
+        let head = self.read(disk, 0, 104).await?;
+        if head.len() < 4 || head[..4] != qcow2::MAGIC {
+            return Ok(());
+        }
+        let header = qcow2::Header::read(&head[..])?;
+        let cluster = header.cluster_size();
+        let l1_bytes = u64::from(header.l1_size) * 8;
+        let refcount_bytes = u64::from(header.refcount_table_clusters) * cluster;
+        let (l1, _) = futures_util::future::join(
+            self.read(disk, header.l1_table_offset, l1_bytes),
+            self.read(disk, header.refcount_table_offset, refcount_bytes),
+        )
+        .await;
+        let l1 = l1?;
+        let tables: Vec<u64> = l1
+            .chunks_exact(8)
+            .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")) & 0x00ff_ffff_ffff_fe00)
+            .filter(|&o| o != 0)
+            .collect();
+        let ranges: Vec<Range<usize>> = tables
+            .iter()
+            .map(|&o| self.layer.chunks_for(disk, o..o + cluster))
+            .collect();
+        futures_util::future::try_join_all(ranges.into_iter().map(|r| self.ensure(r))).await?;
+        Ok(())
+    }
+
+    /// Fetches the whole layer in order, `concurrency` batches at a time, at most
+    /// `bytes_per_second` (uncompressed) if given.
+    pub async fn hydrate(&self, concurrency: usize, bytes_per_second: Option<u64>) -> Result<()> {
+        use futures_util::StreamExt;
+        let started = Instant::now();
+        let total = self.layer.chunks.len();
+        let batch = 16;
+        let mut done_bytes = 0u64;
+        let batches: Vec<Range<usize>> = (0..total)
+            .step_by(batch)
+            .map(|s| s..(s + batch).min(total))
+            .collect();
+        let mut stream = futures_util::stream::iter(batches.into_iter().map(|r| {
+            let bytes: u64 = self.layer.chunks[r.clone()]
+                .iter()
+                .filter(|(_, c)| !c.zeros)
+                .map(|(_, c)| c.size)
+                .sum();
+            async move { self.ensure(r).await.map(|()| bytes) }
+        }))
+        .buffered(concurrency.max(1));
+        while let Some(result) = stream.next().await {
+            done_bytes += result?;
+            if let Some(rate) = bytes_per_second.filter(|&r| r > 0) {
+                let due = Duration::from_secs_f64(done_bytes as f64 / rate as f64);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,246 @@
+//! A remote layer: an image reference resolved to the zstd:chunked layer that holds a disk,
+//! with its validated TOC turned into a chunk index.
+//!
+//! Resolution prefers the registry (manifest, then the TOC by one Range request, verified
+//! against the annotation) and records the outcome in the cache; when the registry cannot be
+//! reached, the last recorded resolution and the cached TOC are used, so a node can re-mount
+//! what it has without network.
+
+use std::ops::Range;
+
+use crate::cache::{CacheRoot, LayerMeta, RefRecord};
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
+use crate::oci::{self, Descriptor, ManifestKind, Platform};
+use crate::publish;
+use crate::reference::Reference;
+use crate::registry::RegistryClient;
+
+/// A regular file of the layer and its place in the chunk table.
+#[derive(Clone, Debug)]
+pub struct FileChunks {
+    /// Index into [`RemoteLayer::nodes`].
+    pub node: usize,
+    /// Its chunks are `chunks[first..first + count]`.
+    pub first: usize,
+    pub count: usize,
+}
+
+/// A resolved layer and its chunk table.
+#[derive(Debug)]
+pub struct RemoteLayer {
+    /// Where chunks are fetched from (registry and repository; the object is the blob).
+    pub reference: Reference,
+    pub meta: LayerMeta,
+    pub nodes: Vec<Node>,
+    /// Regular files with content, in TOC order; "file number" n is `files[n]`.
+    pub files: Vec<FileChunks>,
+    /// Every chunk of every file: (file number, chunk).
+    pub chunks: Vec<(usize, Chunk)>,
+    /// The file number of the disk (under `disk/` or `image/`, or the annotated path).
+    pub disk: usize,
+    /// Whether this came from the registry (false: offline, from the cache).
+    pub online: bool,
+}
+
+impl RemoteLayer {
+    /// The chunk index of a cached layer (for dedup lookups), without resolving anything.
+    pub fn index(reference: Reference, meta: LayerMeta, toc_bytes: &[u8]) -> Result<Self> {
+        Self::build(reference, meta, toc_bytes, None, false)
+    }
+
+    fn build(
+        reference: Reference,
+        meta: LayerMeta,
+        toc_bytes: &[u8],
+        disk_path: Option<&str>,
+        online: bool,
+    ) -> Result<Self> {
+        let loc = TocLocation {
+            offset: meta.toc_offset,
+            length: meta.toc_length,
+            uncompressed_length: meta.toc_uncompressed_length,
+            checksum: meta.toc_digest,
+        };
+        let toc = zstd_chunked::decode_toc(toc_bytes, &loc)?;
+        let nodes = toc.nodes(loc.offset.saturating_sub(8))?;
+        let mut files = Vec::new();
+        let mut chunks = Vec::new();
+        for (i, node) in nodes.iter().enumerate() {
+            if node.kind == NodeKind::Regular && node.size > 0 {
+                if !node.verifiable() {
+                    return Err(Error::unsupported(format!("{}: some chunks have no digest and cannot be verified; republish with `vmdisk convert`", node.path)));
+                }
+                let file_no = files.len();
+                files.push(FileChunks {
+                    node: i,
+                    first: chunks.len(),
+                    count: node.chunks.len(),
+                });
+                chunks.extend(node.chunks.iter().cloned().map(|c| (file_no, c)));
+            }
+        }
+        let disk = files
+            .iter()
+            .position(|f| {
+                let path = &nodes[f.node].path;
+                match disk_path {
+                    Some(p) => path == p,
+                    None => path.starts_with("disk/") || path.starts_with("image/"),
+                }
+            })
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotFound,
+                    "the layer has no regular file under /disk/ or /image/",
+                )
+            })?;
+        Ok(RemoteLayer {
+            reference,
+            meta,
+            nodes,
+            files,
+            chunks,
+            disk,
+            online,
+        })
+    }
+
+    /// The chunks of file `file` that overlap `range` (file offsets), as global indices.
+    pub fn chunks_for(&self, file: usize, range: Range<u64>) -> Range<usize> {
+        let f = &self.files[file];
+        let slice = &self.chunks[f.first..f.first + f.count];
+        if range.is_empty() {
+            return f.first..f.first;
+        }
+        let start = slice.partition_point(|(_, c)| c.offset + c.size <= range.start);
+        let end = slice.partition_point(|(_, c)| c.offset < range.end);
+        f.first + start..f.first + end
+    }
+
+    /// Size of regular file `file`.
+    pub fn file_size(&self, file: usize) -> u64 {
+        self.nodes[self.files[file].node].size
+    }
+
+    /// The file number of node `node`, if it is a regular file with content.
+    pub fn file_of_node(&self, node: usize) -> Option<usize> {
+        self.files.iter().position(|f| f.node == node)
+    }
+}
+
+/// Picks the disk layer of a manifest: the topmost zstd:chunked layer that has a TOC.
+fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
+    m.layers.iter().rev().find(|l| {
+        oci::layer_compression(&l.media_type) == Some(oci::LayerCompression::Zstd)
+            && TocLocation::from_annotations(&l.annotations)
+                .ok()
+                .flatten()
+                .is_some()
+    })
+}
+
+async fn resolve_online(
+    client: &RegistryClient,
+    cache: &CacheRoot,
+    reference: &Reference,
+) -> Result<RemoteLayer> {
+    let fetched = client.get_manifest(reference).await?;
+    let (manifest, manifest_digest, platform) = match fetched.manifest {
+        ManifestKind::Image(m) => (m, fetched.digest, Platform::host()),
+        ManifestKind::Index(index) => {
+            let host = Platform::host();
+            let desc = index
+                .manifests
+                .iter()
+                .find(|d| {
+                    d.platform
+                        .as_ref()
+                        .is_some_and(|p| p.os == host.os && p.architecture == host.architecture)
+                })
+                .ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::NotFound,
+                        format!("{reference} has no image for {host}"),
+                    )
+                })?;
+            let child = client
+                .get_manifest(&reference.with_digest(desc.digest))
+                .await?;
+            match child.manifest {
+                ManifestKind::Image(m) => (m, desc.digest, host),
+                ManifestKind::Index(_) => {
+                    return Err(Error::unsupported(format!("{reference}: nested index")))
+                }
+            }
+        }
+    };
+    let layer = disk_layer(&manifest).ok_or_else(|| {
+        Error::unsupported(format!("{reference} has no lazily loadable (zstd:chunked) layer; publish it with `vmdisk push` or `vmdisk convert`"))
+    })?;
+    let loc = TocLocation::from_annotations(&layer.annotations)?
+        .expect("disk_layer checked the TOC annotations");
+    if loc.range().end > layer.size || loc.offset < 8 {
+        return Err(Error::corrupt(format!(
+            "TOC range {:?} lies outside the {}-byte layer",
+            loc.range(),
+            layer.size
+        )));
+    }
+    let meta = LayerMeta {
+        reference: reference.to_string(),
+        layer_digest: layer.digest,
+        layer_size: layer.size,
+        toc_offset: loc.offset,
+        toc_length: loc.length,
+        toc_uncompressed_length: loc.uncompressed_length,
+        toc_digest: loc.checksum,
+    };
+    let toc = match cache.load_layer_meta(&layer.digest) {
+        Some((_, toc)) => toc,
+        None => {
+            let toc = client
+                .get_blob_range(reference, &layer.digest, loc.range())
+                .await?
+                .to_vec();
+            loc.checksum.verify(&toc, "zstd:chunked TOC")?;
+            cache.save_layer_meta(&meta, &toc)?;
+            toc
+        }
+    };
+    let disk_path = layer.annotations.get(publish::ANN_PATH).map(String::as_str);
+    let remote = RemoteLayer::build(reference.clone(), meta, &toc, disk_path, true)?;
+    cache.save_ref(&RefRecord {
+        reference: reference.to_string(),
+        manifest_digest,
+        layer_digest: layer.digest,
+        platform: platform.to_string(),
+    })?;
+    Ok(remote)
+}
+
+/// Resolves `reference` to its disk layer: from the registry, or from the cache when the
+/// registry is unreachable and this reference was resolved before.
+pub async fn resolve(
+    client: &RegistryClient,
+    cache: &CacheRoot,
+    reference: &Reference,
+) -> Result<RemoteLayer> {
+    match resolve_online(client, cache, reference).await {
+        Ok(layer) => Ok(layer),
+        Err(e) if e.kind() == ErrorKind::Network => {
+            let record = cache.load_ref(&reference.to_string()).ok_or(e)?;
+            let (meta, toc) = cache.load_layer_meta(&record.layer_digest).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Network,
+                    format!(
+                        "{reference}: the registry is unreachable and the cache has no TOC for it"
+                    ),
+                )
+            })?;
+            tracing::warn!(%reference, layer = %record.layer_digest, "registry unreachable; using the cached resolution");
+            RemoteLayer::build(reference.clone(), meta, &toc, None, false)
+        }
+        Err(e) => Err(e),
+    }
+}
