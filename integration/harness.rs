@@ -501,15 +501,47 @@ pub fn last_line(text: &str) -> String {
     text.lines().last().unwrap_or_default().trim().to_string()
 }
 
-/// A TCP proxy in front of a registry that can cut the client-to-registry stream once, after
-/// a given number of bytes, as a connection reset in the middle of a request body would.
+/// Faults a [`FaultProxy`] injects.
+#[derive(Clone, Copy, Default)]
+pub struct Faults {
+    /// Cut the client-to-registry stream once, after this many bytes.
+    pub cut_request_after: Option<u64>,
+    /// Per registry-to-client buffer (up to 64 KiB): probability of a fault.
+    pub response_fault_rate: f64,
+    /// The response fault flips a byte (true) or cuts the connection mid-stream (false).
+    pub flip: bool,
+    pub seed: u64,
+}
+
+/// A TCP proxy in front of a registry: counts the bytes in each direction (the registry-side
+/// measurement of what a client fetched) and injects faults: a request cut once, responses
+/// truncated, reset or bit-flipped at random.
 pub struct FaultProxy {
     pub port: u16,
     pub cuts: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Bytes the registry sent to clients through this proxy.
+    pub to_client: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Response faults injected.
+    pub response_faults: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl FaultProxy {
     pub fn start(upstream: u16, cut_after: Option<u64>) -> Self {
+        Self::start_with(
+            upstream,
+            Faults {
+                cut_request_after: cut_after,
+                ..Faults::default()
+            },
+        )
+    }
+
+    /// A proxy that only counts.
+    pub fn counting(upstream: u16) -> Self {
+        Self::start_with(upstream, Faults::default())
+    }
+
+    pub fn start_with(upstream: u16, faults: Faults) -> Self {
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
         use std::sync::Arc;
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -517,15 +549,25 @@ impl FaultProxy {
         let sent = Arc::new(AtomicU64::new(0));
         let cut_done = Arc::new(AtomicBool::new(false));
         let cuts = Arc::new(AtomicU64::new(0));
-        let cuts_out = Arc::clone(&cuts);
+        let to_client = Arc::new(AtomicU64::new(0));
+        let response_faults = Arc::new(AtomicU64::new(0));
+        let (cuts_out, to_client_out, faults_out) = (
+            Arc::clone(&cuts),
+            Arc::clone(&to_client),
+            Arc::clone(&response_faults),
+        );
         std::thread::spawn(move || {
+            let mut conn_no = 0u64;
             for client in listener.incoming() {
                 let Ok(client) = client else { continue };
                 let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else {
                     continue;
                 };
+                conn_no += 1;
                 let (sent, cut_done, cuts) =
                     (Arc::clone(&sent), Arc::clone(&cut_done), Arc::clone(&cuts));
+                let (to_client, response_faults) =
+                    (Arc::clone(&to_client), Arc::clone(&response_faults));
                 let (mut c_read, mut s_write) =
                     (client.try_clone().unwrap(), server.try_clone().unwrap());
                 let (mut s_read, mut c_write) = (server, client);
@@ -537,7 +579,7 @@ impl FaultProxy {
                             Ok(n) => n,
                         };
                         let total = sent.fetch_add(n as u64, Ordering::SeqCst) + n as u64;
-                        if cut_after.is_some_and(|limit| total > limit)
+                        if faults.cut_request_after.is_some_and(|limit| total > limit)
                             && !cut_done.swap(true, Ordering::SeqCst)
                         {
                             cuts.fetch_add(1, Ordering::SeqCst);
@@ -552,7 +594,40 @@ impl FaultProxy {
                     let _ = s_write.shutdown(std::net::Shutdown::Write);
                 });
                 std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut s_read, &mut c_write);
+                    let mut rng = faults.seed ^ conn_no.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                    let mut next = move || {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        rng
+                    };
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let n = match std::io::Read::read(&mut s_read, &mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let fault = faults.response_fault_rate > 0.0
+                            && (next() % 1_000_000) as f64 / 1e6 < faults.response_fault_rate;
+                        if fault {
+                            response_faults.fetch_add(1, Ordering::SeqCst);
+                            if faults.flip {
+                                let at = (next() % n as u64) as usize;
+                                buf[at] ^= 1 << (next() % 8);
+                            } else {
+                                let keep = (next() % n as u64) as usize;
+                                let _ = c_write.write_all(&buf[..keep]);
+                                to_client.fetch_add(keep as u64, Ordering::SeqCst);
+                                let _ = c_write.shutdown(std::net::Shutdown::Both);
+                                let _ = s_read.shutdown(std::net::Shutdown::Both);
+                                break;
+                            }
+                        }
+                        to_client.fetch_add(n as u64, Ordering::SeqCst);
+                        if c_write.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
                     let _ = c_write.shutdown(std::net::Shutdown::Write);
                 });
             }
@@ -560,6 +635,172 @@ impl FaultProxy {
         FaultProxy {
             port,
             cuts: cuts_out,
+            to_client: to_client_out,
+            response_faults: faults_out,
         }
     }
+
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn bytes_to_client(&self) -> u64 {
+        self.to_client.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A running `vmdisk mount` in the foreground, stopped with SIGINT.
+pub struct Mount {
+    child: Option<Child>,
+    lines: std::sync::mpsc::Receiver<String>,
+    pub dir: PathBuf,
+    /// The disk's path on the mount, from the ready line.
+    pub disk: PathBuf,
+}
+
+impl Mount {
+    /// Mounts `reference` at `dir` with cache `cache` and extra flags; waits until ready.
+    pub fn start(reference: &str, cache: &Path, dir: &Path, extra: &[&str]) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_vmdisk"));
+        cmd.arg("mount")
+            .arg("--stats")
+            .arg("--cache")
+            .arg(cache)
+            .args(extra)
+            .arg(reference)
+            .arg(dir);
+        cmd.env("VMDISK_LOG", "warn")
+            .env("HOME", "/nonexistent")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("start vmdisk mount");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in
+                std::io::BufRead::lines(std::io::BufReader::new(stdout)).map_while(|l| l.ok())
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut mount = Mount {
+            child: Some(child),
+            lines,
+            dir: dir.to_path_buf(),
+            disk: PathBuf::new(),
+        };
+        let ready = mount.wait_for("ready: ", Duration::from_secs(60));
+        let path = ready
+            .split(" at ")
+            .nth(1)
+            .unwrap()
+            .split(" (")
+            .next()
+            .unwrap();
+        mount.disk = PathBuf::from(path);
+        mount
+    }
+
+    /// Waits for a stdout line starting with `prefix`.
+    pub fn wait_for(&mut self, prefix: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => return line,
+                Ok(_) => continue,
+                Err(_) => {
+                    let status = self
+                        .child
+                        .as_mut()
+                        .and_then(|c| c.try_wait().ok().flatten());
+                    panic!("vmdisk mount printed no {prefix:?} line in {timeout:?} (exit status {status:?})");
+                }
+            }
+        }
+    }
+
+    /// Unmounts with SIGINT and returns the counters it printed.
+    pub fn stop(mut self) -> serde_json::Value {
+        let mut child = self.child.take().unwrap();
+        let _ = Command::new("kill")
+            .arg("-INT")
+            .arg(child.id().to_string())
+            .status();
+        let status = child.wait().unwrap();
+        assert!(status.success(), "vmdisk mount exited with {status}");
+        let last = self.lines.iter().last().expect("stats line");
+        serde_json::from_str(&last).unwrap_or_else(|e| panic!("stats line {last:?}: {e}"))
+    }
+
+    /// SIGKILL, as a crash; the stale FUSE mount is detached.
+    pub fn kill(mut self) {
+        let mut child = self.child.take().unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .arg("-INT")
+                .arg(child.id().to_string())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+        }
+    }
+}
+
+/// Drops the kernel's page cache, so the next reads reach the filesystem.
+pub fn drop_caches() {
+    std::fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches (needs root)");
+}
+
+/// Writes a file of `len` seeded pseudo-random bytes.
+pub fn random_file(path: &Path, len: u64, seed: u64) {
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407)
+        | 1;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut left = len;
+    while left > 0 {
+        for word in buf.chunks_exact_mut(8) {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            word.copy_from_slice(&state.to_le_bytes());
+        }
+        let n = left.min(buf.len() as u64) as usize;
+        f.write_all(&buf[..n]).unwrap();
+        left -= n as u64;
+    }
+    f.flush().unwrap();
+}
+
+/// A 2 GiB-virtual qcow2 with data at scattered places, some incompressible.
+pub fn scattered_qcow2(path: &Path) {
+    make_qcow2(
+        path,
+        "2G",
+        &[
+            (0, 4 << 20, 0xab),
+            (700 << 20, 3 << 20, 0xcd),
+            ((2 << 30) - (1 << 20), 1 << 20, 0x11),
+        ],
+    );
+    write_random(path, 1 << 30, 8 << 20, 7);
 }

@@ -2,5 +2,6 @@
 //! They need root (containerd mounts) and the packages `make test` installs.
 
 mod harness;
+mod mount;
 mod publish;
 mod token;

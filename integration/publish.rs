@@ -5,20 +5,6 @@ use std::path::Path;
 
 use crate::harness::*;
 
-/// A 2 GiB-virtual qcow2 with data at scattered places, some incompressible.
-fn scattered_qcow2(path: &Path) {
-    make_qcow2(
-        path,
-        "2G",
-        &[
-            (0, 4 << 20, 0xab),
-            (700 << 20, 3 << 20, 0xcd),
-            ((2 << 30) - (1 << 20), 1 << 20, 0x11),
-        ],
-    );
-    write_random(path, 1 << 30, 8 << 20, 7);
-}
-
 #[test]
 fn pushed_qcow2_unpacks_identically_with_plain_containerd() {
     let scratch = Scratch::new();

@@ -319,14 +319,36 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
         }));
     }
 
-    wait_for_signal().await?;
+    // Unmount on SIGINT/SIGTERM; while files on the mount are open, refuse and keep serving.
+    loop {
+        wait_for_signal().await?;
+        match nix::mount::umount2(&args.dir, nix::mount::MntFlags::empty()) {
+            Ok(()) => break,
+            Err(nix::errno::Errno::EBUSY) => eprintln!(
+                "vmdisk: {} is busy; close the files using it (`fuser -vm {}`) and signal again",
+                args.dir.display(),
+                args.dir.display()
+            ),
+            Err(e) => {
+                return Err(Error::io(
+                    format!("unmounting {}", args.dir.display()),
+                    e.into(),
+                ))
+            }
+        }
+    }
     for task in &tasks {
         task.abort();
     }
-    tokio::task::spawn_blocking(move || session.umount_and_join())
+    tokio::task::spawn_blocking(move || session.join())
         .await
         .map_err(|e| Error::new(crate::error::ErrorKind::Io, "unmounting").with_source(e))?
-        .map_err(|e| Error::io(format!("unmounting {}", args.dir.display()), e))?;
+        .map_err(|e| {
+            Error::io(
+                format!("ending the FUSE session of {}", args.dir.display()),
+                e,
+            )
+        })?;
     engine.cache.flush()?;
     if args.stats {
         println!(

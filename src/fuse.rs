@@ -42,7 +42,13 @@ struct Inode {
 struct OpenFile {
     /// Where the last read ended, to detect sequential reading.
     next_offset: u64,
+    /// Bytes read back to back so far; read-ahead starts past [`SEQUENTIAL_THRESHOLD`].
+    sequential_bytes: u64,
 }
+
+/// A reader must read this much back to back before read-ahead starts: the kernel splits one
+/// large read into several FUSE requests, which alone must not look like a stream.
+const SEQUENTIAL_THRESHOLD: u64 = 1 << 20;
 
 /// The filesystem of one mounted layer.
 pub struct LayerFs {
@@ -298,10 +304,13 @@ impl fuser::Filesystem for LayerFs {
             return reply.error(Errno::EROFS);
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.open
-            .lock()
-            .expect("open lock")
-            .insert(fh, OpenFile { next_offset: 0 });
+        self.open.lock().expect("open lock").insert(
+            fh,
+            OpenFile {
+                next_offset: 0,
+                sequential_bytes: 0,
+            },
+        );
         if let Some(id) = inode.file.and_then(|file| self.backing(file, &reply)) {
             Stats::add(&self.engine.stats.passthrough_opens, 1);
             // The kernel accepts no caching flags with passthrough (it uses the backing file's).
@@ -330,9 +339,13 @@ impl fuser::Filesystem for LayerFs {
             let mut open = self.open.lock().expect("open lock");
             match open.get_mut(&fh.0) {
                 Some(state) => {
-                    let seq = state.next_offset == offset && offset > 0;
+                    state.sequential_bytes = if state.next_offset == offset {
+                        state.sequential_bytes + u64::from(size)
+                    } else {
+                        0
+                    };
                     state.next_offset = offset + u64::from(size);
-                    seq
+                    state.sequential_bytes >= SEQUENTIAL_THRESHOLD
                 }
                 None => false,
             }

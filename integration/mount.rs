@@ -1,0 +1,425 @@
+//! The lazy disk engine through `vmdisk mount`: real registry, real FUSE, qemu tools.
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::harness::*;
+
+fn rng(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
+/// Reads `(offset, len)` from both files and asserts they are equal.
+fn assert_same_range(mounted: &std::fs::File, original: &std::fs::File, offset: u64, len: usize) {
+    let mut a = vec![0u8; len];
+    let mut b = vec![0u8; len];
+    let n = read_at_most(mounted, &mut a, offset);
+    let m = read_at_most(original, &mut b, offset);
+    assert_eq!(n, m, "length read at {offset}+{len}");
+    assert!(a[..n] == b[..m], "bytes differ at {offset}+{len}");
+}
+
+fn read_at_most(f: &std::fs::File, buf: &mut [u8], offset: u64) -> usize {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], offset + done as u64).unwrap() {
+            0 => break,
+            n => done += n,
+        }
+    }
+    done
+}
+
+fn push_raw(reg_host: &str, repo: &str, disk: &Path) -> String {
+    let reference = format!("{reg_host}/{repo}");
+    vmdisk_ok(&[
+        "push",
+        "--format",
+        "raw",
+        disk.to_str().unwrap(),
+        &reference,
+    ]);
+    reference
+}
+
+#[test]
+fn mounted_qcow2_equals_the_original_under_qemu_img_and_random_reads() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.qcow2");
+    scattered_qcow2(&disk);
+    let reference = format!("{}/vm/mount:1", reg.host());
+    vmdisk_ok(&["push", disk.to_str().unwrap(), &reference]);
+
+    let mount = Mount::start(
+        &reference,
+        &scratch.path("cache"),
+        &scratch.path("mnt"),
+        &[],
+    );
+    assert_eq!(mount.disk, scratch.path("mnt/disk/d.qcow2"));
+    let cmp = run(
+        "qemu-img",
+        &[
+            "compare",
+            mount.disk.to_str().unwrap(),
+            disk.to_str().unwrap(),
+        ],
+    );
+    assert!(String::from_utf8_lossy(&cmp).contains("identical"));
+    run("qemu-img", &["check", mount.disk.to_str().unwrap()]);
+
+    drop_caches();
+    let mounted = std::fs::File::open(&mount.disk).unwrap();
+    let original = std::fs::File::open(&disk).unwrap();
+    let size = original.metadata().unwrap().len();
+    assert_eq!(mounted.metadata().unwrap().len(), size);
+    let mut next = rng(42);
+    for i in 0..3000 {
+        let len = match i % 4 {
+            0 => (next() % 512 + 1) as usize,         // small, unaligned
+            1 => (next() % (600 << 10) + 1) as usize, // straddling chunks
+            2 => 4096,
+            _ => (next() % (4 << 20) + 1) as usize, // large
+        };
+        let offset = if i % 50 == 0 {
+            size - (next() % 4096)
+        } else {
+            next() % size
+        };
+        assert_same_range(&mounted, &original, offset, len);
+    }
+    assert_same_range(&mounted, &original, size, 100); // at EOF: nothing
+    drop(mounted);
+    let stats = mount.stop();
+    assert_eq!(stats["read_errors"], 0, "{stats}");
+    assert_eq!(stats["verify_failures"], 0, "{stats}");
+}
+
+#[test]
+fn reading_one_percent_fetches_at_most_three_percent_and_offline_remount_serves_it() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("big.raw");
+    let size: u64 = 2 << 30;
+    random_file(&disk, size, 9);
+    let proxy = FaultProxy::counting(reg.port);
+    let reference = push_raw(&proxy.host(), "vm/big:1", &disk);
+    let pushed = proxy.bytes_to_client();
+
+    let cache = scratch.path("cache");
+    let mount = Mount::start(
+        &reference,
+        &cache,
+        &scratch.path("mnt"),
+        &["--fetch-timeout", "3"],
+    );
+    let mounted = std::fs::File::open(&mount.disk).unwrap();
+    let original = std::fs::File::open(&disk).unwrap();
+    let mut next = rng(7);
+    let read_len = 256 << 10;
+    let reads = (size / 100).div_ceil(read_len as u64);
+    let mut offsets = Vec::new();
+    for _ in 0..reads {
+        let offset = next() % (size - read_len as u64) / 4096 * 4096;
+        assert_same_range(&mounted, &original, offset, read_len);
+        offsets.push(offset);
+    }
+    drop(mounted);
+    let stats = mount.stop();
+    let fetched = proxy.bytes_to_client() - pushed;
+    let pct = fetched as f64 * 100.0 / size as f64;
+    eprintln!("reading {} bytes (1%) of a {size}-byte disk: {fetched} bytes from the registry ({pct:.2}% of the disk), {} range requests", reads * read_len as u64, stats["fetch_requests"]);
+    assert!(pct <= 3.0, "fetched {pct:.2}% of the disk for a 1% read");
+
+    // The registry goes away; everything read before is served from the cache alone.
+    drop(proxy);
+    drop(reg);
+    let mount = Mount::start(
+        &reference,
+        &cache,
+        &scratch.path("mnt"),
+        &["--fetch-timeout", "2"],
+    );
+    let mounted = std::fs::File::open(&mount.disk).unwrap();
+    for &offset in &offsets {
+        assert_same_range(&mounted, &original, offset, read_len);
+    }
+    // Never-fetched data cannot be served: EIO, not zeros.
+    // (The first chunk is always fetched at mount, to recognise qcow2.)
+    let untouched = (1..size / (1 << 20))
+        .map(|mb| mb << 20)
+        .find(|o| {
+            offsets
+                .iter()
+                .all(|&r| r + (1 << 20) < *o || *o + (2 << 20) < r)
+        })
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let err = mounted.read_at(&mut buf, untouched).unwrap_err();
+    assert_eq!(
+        err.raw_os_error(),
+        Some(5),
+        "EIO for data that is not cached: {err}"
+    );
+    drop(mounted);
+    let stats = mount.stop();
+    assert_eq!(stats["bytes_fetched"], 0, "offline: {stats}");
+    assert!(stats["read_errors"].as_u64().unwrap() >= 1);
+}
+
+#[test]
+fn faulty_responses_never_yield_wrong_bytes() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.raw");
+    random_file(&disk, 96 << 20, 3);
+    let reference = push_raw(&reg.host(), "vm/faults:1", &disk);
+    let original = std::fs::File::open(&disk).unwrap();
+    let size = original.metadata().unwrap().len();
+
+    for (flip, seed) in [(true, 1u64), (false, 2u64)] {
+        // Per 64 KiB of response: bit flips are frequent; cuts rarer (each one costs a retry
+        // of the whole coalesced request).
+        let rate = if flip { 0.15 } else { 0.03 };
+        let proxy = FaultProxy::start_with(
+            reg.port,
+            Faults {
+                response_fault_rate: rate,
+                flip,
+                seed,
+                ..Faults::default()
+            },
+        );
+        let faulty_ref = format!("{}/vm/faults:1", proxy.host());
+        let cache = scratch.path(&format!("cache-{flip}"));
+        // The TOC itself may be hit by a fault; the mount then fails cleanly and is retried.
+        let mount = (0..10)
+            .find_map(|_| {
+                std::panic::catch_unwind(|| {
+                    Mount::start(
+                        &faulty_ref,
+                        &cache,
+                        &scratch.path("mnt"),
+                        &["--fetch-timeout", "5"],
+                    )
+                })
+                .ok()
+            })
+            .expect("mount through the faulty proxy");
+        let mounted = std::fs::File::open(&mount.disk).unwrap();
+        let (mut good, mut eio) = (0, 0);
+        let mut next = rng(seed);
+        for _ in 0..120 {
+            let offset = next() % size;
+            let len = (next() % (1 << 20) + 1) as usize;
+            let mut a = vec![0u8; len];
+            match mounted.read_at(&mut a, offset) {
+                Ok(n) => {
+                    let mut b = vec![0u8; n];
+                    original.read_exact_at(&mut b, offset).unwrap();
+                    assert!(a[..n] == b[..], "wrong bytes at {offset}+{n} (flip={flip})");
+                    good += 1;
+                }
+                Err(e) => {
+                    assert_eq!(e.raw_os_error(), Some(5), "only EIO may fail a read: {e}");
+                    eio += 1;
+                }
+            }
+        }
+        drop(mounted);
+        let stats = mount.stop();
+        eprintln!(
+            "flip={flip}: {good} reads correct, {eio} EIO, {} faults injected, stats {stats}",
+            proxy
+                .response_faults
+                .load(std::sync::atomic::Ordering::SeqCst)
+        );
+        assert!(
+            proxy
+                .response_faults
+                .load(std::sync::atomic::Ordering::SeqCst)
+                > 0,
+            "faults were injected"
+        );
+        assert!(
+            good > 60,
+            "most reads succeed through retries and refetches"
+        );
+        if flip {
+            assert!(
+                stats["verify_failures"].as_u64().unwrap() > 0
+                    || stats["fetch_errors"].as_u64().unwrap() > 0,
+                "{stats}"
+            );
+        }
+
+        // What the faulty run cached is sound: read everything again straight from the registry.
+        let mount = Mount::start(&reference, &cache, &scratch.path("mnt"), &[]);
+        let cmp = std::process::Command::new("cmp")
+            .arg(&mount.disk)
+            .arg(&disk)
+            .status()
+            .unwrap();
+        assert!(cmp.success(), "the cache holds only verified bytes");
+        mount.stop();
+    }
+}
+
+#[test]
+fn a_second_image_sharing_chunks_fetches_only_the_difference() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let v1 = scratch.path("v1.raw");
+    random_file(&v1, 64 << 20, 5);
+    let v2 = scratch.path("v2.raw");
+    std::fs::copy(&v1, &v2).unwrap();
+    // Change three 256 KiB-aligned regions: 3 chunks (one spans two) differ.
+    let f = std::fs::OpenOptions::new().write(true).open(&v2).unwrap();
+    for (offset, len) in [
+        (1u64 << 20, 4096usize),
+        (20 << 20, 100_000),
+        ((40 << 20) + (200 << 10), 100 << 10),
+    ] {
+        f.write_all_at(&vec![0x5a; len], offset).unwrap();
+    }
+    drop(f);
+    let proxy = FaultProxy::counting(reg.port);
+    let r1 = push_raw(&proxy.host(), "vm/v:1", &v1);
+    let r2 = push_raw(&proxy.host(), "vm/v:2", &v2);
+    let cache = scratch.path("cache");
+
+    let mount = Mount::start(&r1, &cache, &scratch.path("mnt"), &["--hydrate", "eager"]);
+    let mut mount = mount;
+    mount.wait_for("hydrated", Duration::from_secs(120));
+    mount.stop();
+
+    let before = proxy.bytes_to_client();
+    let mut mount = Mount::start(&r2, &cache, &scratch.path("mnt"), &["--hydrate", "eager"]);
+    mount.wait_for("hydrated", Duration::from_secs(120));
+    let cmp = std::process::Command::new("cmp")
+        .arg(&mount.disk)
+        .arg(&v2)
+        .status()
+        .unwrap();
+    assert!(cmp.success());
+    let stats = mount.stop();
+    let fetched_chunks = stats["chunks_fetched"].as_u64().unwrap();
+    let network = proxy.bytes_to_client() - before;
+    eprintln!("second image: {fetched_chunks} chunks fetched, {} deduplicated, {network} bytes from the registry (TOC included)", stats["chunks_deduplicated"]);
+    assert_eq!(fetched_chunks, 4, "only the changed chunks: {stats}");
+    assert_eq!(stats["chunks_deduplicated"].as_u64().unwrap(), 256 - 4);
+    assert!(
+        network < 2 << 20,
+        "{network} bytes for a 4-chunk difference"
+    );
+}
+
+#[test]
+fn kill_during_hydration_refetches_nothing_marked_present() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.raw");
+    random_file(&disk, 128 << 20, 8);
+    let reference = push_raw(&reg.host(), "vm/crash:1", &disk);
+    let cache = scratch.path("cache");
+
+    let mount = Mount::start(
+        &reference,
+        &cache,
+        &scratch.path("mnt"),
+        &["--hydrate", "background", "--hydrate-rate", "30"],
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+    mount.kill();
+
+    // What the crashed process made durable.
+    let layer_dir = std::fs::read_dir(cache.join("layers"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let bitmap = std::fs::read(layer_dir.join("bitmap")).unwrap();
+    let total = 512u64;
+    assert_eq!(u64::from_le_bytes(bitmap[8..16].try_into().unwrap()), total);
+    let durable: u64 = bitmap[16..].iter().map(|b| u64::from(b.count_ones())).sum();
+    eprintln!("{durable} of {total} chunks were durable when the mount was killed");
+    assert!(
+        durable > 0 && durable < total,
+        "the kill landed mid-hydration ({durable})"
+    );
+
+    let mut mount = Mount::start(
+        &reference,
+        &cache,
+        &scratch.path("mnt"),
+        &["--hydrate", "eager"],
+    );
+    mount.wait_for("hydrated", Duration::from_secs(120));
+    let cmp = std::process::Command::new("cmp")
+        .arg(&mount.disk)
+        .arg(&disk)
+        .status()
+        .unwrap();
+    assert!(cmp.success(), "nothing served is corrupt");
+    let stats = mount.stop();
+    assert_eq!(
+        stats["chunks_fetched"].as_u64().unwrap(),
+        total - durable,
+        "only what was not durable is fetched again: {stats}"
+    );
+}
+
+#[test]
+fn complete_files_are_read_through_passthrough() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.raw");
+    random_file(&disk, 32 << 20, 4);
+    let reference = push_raw(&reg.host(), "vm/pt:1", &disk);
+    let cache = scratch.path("cache");
+
+    // Without passthrough every read of the cached file reaches the daemon.
+    let mut mount = Mount::start(
+        &reference,
+        &cache,
+        &scratch.path("mnt"),
+        &["--hydrate", "eager", "--no-passthrough"],
+    );
+    mount.wait_for("hydrated", Duration::from_secs(60));
+    drop_caches();
+    assert!(std::process::Command::new("cmp")
+        .arg(&mount.disk)
+        .arg(&disk)
+        .status()
+        .unwrap()
+        .success());
+    let without = mount.stop();
+    assert!(without["read_calls"].as_u64().unwrap() > 0, "{without}");
+    assert_eq!(without["passthrough_opens"], 0);
+
+    // With passthrough, the kernel reads the cache file directly: no read reaches the daemon.
+    let mount = Mount::start(&reference, &cache, &scratch.path("mnt"), &[]);
+    drop_caches();
+    assert!(std::process::Command::new("cmp")
+        .arg(&mount.disk)
+        .arg(&disk)
+        .status()
+        .unwrap()
+        .success());
+    let with = mount.stop();
+    eprintln!(
+        "daemon read calls for a full read: {} without passthrough, {} with",
+        without["read_calls"], with["read_calls"]
+    );
+    assert!(with["passthrough_opens"].as_u64().unwrap() >= 1, "{with}");
+    assert_eq!(with["read_calls"], 0, "{with}");
+}
