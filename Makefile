@@ -4,10 +4,10 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 # qemu-utils: the machine's own (a 10.x backport) is kept when present; Debian's 7.2 otherwise.
-APT_PACKAGES := containerd docker-registry skopeo qemu-utils apache2-utils curl time python3 \
+APT_PACKAGES := containerd docker-registry skopeo qemu-utils apache2-utils curl time python3 fuse3 nbdkit fio \
 	tar ca-certificates
 # Commands those packages provide, to skip apt when all are present.
-APT_COMMANDS := containerd ctr docker-registry skopeo qemu-img qemu-io htpasswd curl /usr/bin/time \
+APT_COMMANDS := containerd ctr docker-registry skopeo qemu-img qemu-io htpasswd curl /usr/bin/time fusermount3 nbdkit fio \
 	python3
 
 .PHONY: all deps build demo test unit integration lint bench fuzz clean

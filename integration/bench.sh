@@ -92,3 +92,5 @@ gib = size / 2**30
 print(f"  chunk {cs:>5}: {layer['chunks']:6d} chunks, TOC {layer['toc_size'] / gib / 1024:8.1f} KiB/GiB compressed, {layer['toc_uncompressed_size'] / gib / 1024:8.1f} KiB/GiB JSON")
 PY
 done
+
+integration/bench-engine.sh

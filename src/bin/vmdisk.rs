@@ -4,8 +4,14 @@ use clap::Parser;
 
 fn main() -> std::process::ExitCode {
     let cli = vmdisk::cli::Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // fuser warns about its own second unmount attempt after ours; keep it at error unless asked.
+    let directives = if cli.log_level.contains("fuser") {
+        cli.log_level.clone()
+    } else {
+        format!("{},fuser=error", cli.log_level)
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&directives)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,fuser=error"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -196,3 +196,52 @@ impl CacheRoot {
         Ok(freed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fill_layer(root: &CacheRoot, name: &[u8], bytes: usize) -> (Digest, PathBuf) {
+        let digest = Digest::of(name);
+        let dir = root.layer_dir(&digest);
+        std::fs::create_dir_all(dir.join("data")).unwrap();
+        std::fs::write(dir.join("data/0"), vec![1u8; bytes]).unwrap();
+        std::fs::write(dir.join("last-used"), b"").unwrap();
+        (digest, dir)
+    }
+
+    #[test]
+    fn eviction_removes_least_recently_used_unmounted_layers_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = CacheRoot::open(tmp.path()).unwrap();
+        let (_, oldest) = fill_layer(&root, b"oldest", 1 << 20);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let (_, mounted) = fill_layer(&root, b"mounted", 1 << 20);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let (_, newest) = fill_layer(&root, b"newest", 1 << 20);
+        // "mounted" is open (its lock held shared) and older than "newest".
+        let held = LayerCache::open(&mounted, &[1 << 20], 4, []).unwrap();
+        std::fs::write(newest.join("last-used"), b"").unwrap();
+        // Make "mounted" the least recently used on disk: eviction must still skip it.
+        let old = std::fs::File::options()
+            .write(true)
+            .open(mounted.join("last-used"))
+            .unwrap();
+        old.set_modified(std::time::UNIX_EPOCH).unwrap();
+
+        let freed = root.evict(2 << 20).unwrap();
+        assert!(mounted.exists(), "a mounted layer is never evicted");
+        assert!(
+            !oldest.exists(),
+            "the least recently used unmounted layer goes first"
+        );
+        assert!(newest.exists(), "eviction stops once under the limit");
+        assert!(freed >= 1 << 20);
+        drop(held);
+        root.evict(0).unwrap();
+        assert!(
+            !mounted.exists() && !newest.exists(),
+            "unmounted layers can all go"
+        );
+    }
+}

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# `make bench`, part 2: the lazy disk engine (`vmdisk mount`), each figure beside its baseline
+# from the same run. Appends to scratch/bench/results.txt. Needs root (FUSE, containerd).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
+mkdir -p scratch/bench
+B=$(mktemp -d "$PWD/scratch/bench-engine-XXXXXX")
+RESULTS=$PWD/scratch/bench/results.txt
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+PORT=$(free_port)
+PIDS=()
+cleanup() {
+  for m in "$B"/mnt*; do mountpoint -q "$m" 2>/dev/null && umount -l "$m"; done
+  [ -d "$B/ctd" ] && grep -o " $B/ctd[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount -l
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$B"
+}
+trap cleanup EXIT
+
+mkdir -p "$B/registry"
+printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\n' "$B/registry" "$PORT" > "$B/registry.yml"
+docker-registry serve "$B/registry.yml" > "$B/registry.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:$PORT/v2/" >/dev/null && break; sleep 0.1; done
+REG=127.0.0.1:$PORT
+
+# Registry-side byte count: sum of response bodies of blob GETs logged since a mark.
+mark() { wc -c < "$B/registry.log"; }
+served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | grep 'http.request.method=GET' | grep -o 'http.response.written=[0-9]*' | cut -d= -f2 | awk '{s+=$1} END {print s+0}'; }
+now() { date +%s.%N; }
+secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
+
+# ---------------------------------------------------------------------------------------
+# Cold boot-like access on a 2 GiB disk: qemu-img info, then 5% of the guest's clusters read
+# at scattered offsets (seeded), through qemu's qcow2 driver.
+DISK=$B/boot.qcow2
+qemu-img create -q -f qcow2 "$DISK" 2G
+for i in $(seq 0 15); do
+  head -c 64M /dev/urandom > "$B/piece"
+  qemu-io -c "write -s $B/piece $((i * 128))M 64M" "$DISK" > /dev/null
+done
+rm "$B/piece"
+DSIZE=$(stat -c %s "$DISK")
+python3 - "$B/workload" <<'PY'
+import random, sys
+random.seed(2026)
+clusters = (2 << 30) // 65536
+picks = random.sample(range(clusters), clusters * 5 // 100)
+with open(sys.argv[1], "w") as f:
+    for c in picks:
+        f.write(f"read -q {c * 65536} 65536\n")
+PY
+workload() {  # workload FORMAT TARGET
+  qemu-img info -f "$1" "$2" > /dev/null
+  qemu-io -r -f "$1" "$2" < "$B/workload" > /dev/null
+}
+"$VMDISK" push "$DISK" "$REG/bench/boot:1" > /dev/null
+LAYER_SIZE=$(curl -s -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$REG/v2/bench/boot/manifests/1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["layers"][0]["size"])')
+
+# (a) vmdisk mount, cold cache.
+sync; echo 3 > /proc/sys/vm/drop_caches
+M=$(mark); T0=$(now)
+mkdir -p "$B/mnt"
+"$VMDISK" mount --stats --cache "$B/cache" "$REG/bench/boot:1" "$B/mnt" > "$B/mount.out" 2> "$B/mount.err" &
+MPID=$!; PIDS+=($MPID)
+for _ in $(seq 300); do grep -q '^ready' "$B/mount.out" && break; sleep 0.05; done
+workload qcow2 "$B/mnt/disk/boot.qcow2"
+T1=$(now); LAZY_T=$(secs "$T0" "$T1"); LAZY_B=$(served_since "$M")
+kill -INT $MPID; wait $MPID || true
+
+# (b) full download: containerd pulls and unpacks the same image (overlayfs), then the
+#     workload runs on the local file.
+mkdir -p "$B/ctd"
+printf 'version = 2\nroot = "%s/root"\nstate = "%s/state"\n[grpc]\n  address = "%s/sock"\n' "$B/ctd" "$B/ctd" "$B/ctd" > "$B/ctd.toml"
+containerd --config "$B/ctd.toml" > "$B/ctd.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 100); do ctr -a "$B/ctd/sock" version > /dev/null 2>&1 && break; sleep 0.1; done
+sync; echo 3 > /proc/sys/vm/drop_caches
+M=$(mark); T0=$(now)
+ctr -a "$B/ctd/sock" images pull --plain-http "$REG/bench/boot:1" > /dev/null
+mkdir -p "$B/mnt-ctd"
+ctr -a "$B/ctd/sock" images mount "$REG/bench/boot:1" "$B/mnt-ctd" > /dev/null
+workload qcow2 "$B/mnt-ctd/disk/boot.qcow2"
+T1=$(now); FULL_T=$(secs "$T0" "$T1"); FULL_B=$(served_since "$M")
+ctr -a "$B/ctd/sock" images unmount "$B/mnt-ctd" > /dev/null
+
+# (c) nbdkit's curl plugin over an uncompressed copy of the disk (one blob, Range reads),
+#     qemu over nbd://.
+DIGEST=sha256:$(sha256sum "$DISK" | cut -d' ' -f1)
+LOC=$(curl -si -X POST "http://$REG/v2/bench/raw/blobs/uploads/" | tr -d '\r' | sed -n 's/^[Ll]ocation: //p')
+curl -sf -X PUT -H 'Content-Type: application/octet-stream' -T "$DISK" "$LOC&digest=$DIGEST" > /dev/null
+NBD_PORT=$(free_port)
+M=$(mark); T0=$(now)
+nbdkit -f -r -p "$NBD_PORT" -i 127.0.0.1 curl "http://$REG/v2/bench/raw/blobs/$DIGEST" > "$B/nbdkit.log" 2>&1 &
+NPID=$!; PIDS+=($NPID)
+for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$NBD_PORT) 2>/dev/null && break; sleep 0.05; done
+workload qcow2 "nbd://127.0.0.1:$NBD_PORT"
+T1=$(now); NBD_T=$(secs "$T0" "$T1"); NBD_B=$(served_since "$M")
+kill $NPID; wait $NPID 2>/dev/null || true
+
+pct() { python3 -c "print(f'{$1 * 100 / $2:.2f}')"; }
+{
+  echo
+  echo "cold boot-like access, 2 GiB-virtual qcow2 ($((DSIZE >> 20)) MiB file, layer $((LAYER_SIZE >> 20)) MiB): qemu-img info + 5% of clusters (1638 x 64 KiB) at scattered offsets"
+  printf '  %-52s %8s %14s %10s\n' method seconds "registry bytes" "% of file"
+  printf '  %-52s %8s %14s %10s\n' "vmdisk mount (cold cache)" "$LAZY_T" "$LAZY_B" "$(pct "$LAZY_B" "$DSIZE")"
+  printf '  %-52s %8s %14s %10s\n' "containerd pull + unpack (overlayfs), then local read" "$FULL_T" "$FULL_B" "$(pct "$FULL_B" "$DSIZE")"
+  printf '  %-52s %8s %14s %10s\n' "nbdkit curl plugin over the raw file (nbd://)" "$NBD_T" "$NBD_B" "$(pct "$NBD_B" "$DSIZE")"
+} | tee -a "$RESULTS"
+
+# ---------------------------------------------------------------------------------------
+# Warm reads: the disk fully cached, through the mount with and without passthrough, and the
+# same file on local disk. Page cache dropped before each run.
+mount_warm() {  # mount_warm EXTRA_FLAGS...
+  "$VMDISK" mount --stats --cache "$B/cache" "$@" "$REG/bench/boot:1" "$B/mnt" > "$B/mount.out" 2> "$B/mount.err" &
+  MPID=$!; PIDS+=($MPID)
+  for _ in $(seq 600); do grep -q '^hydrated' "$B/mount.out" && break; sleep 0.1; done
+}
+# Reads use O_DIRECT, so they measure the I/O path (FUSE daemon, passthrough, or plain file)
+# rather than page-cache and read-ahead effects (fadvise hints do not cross passthrough).
+# This machine's disk is itself cached by its host, so every measurement first reads the
+# cached data file once (same host-cache state for all) and drops the guest's page cache.
+prime() { dd if="$DATA" of=/dev/null bs=4M status=none; sync; echo 3 > /proc/sys/vm/drop_caches; }
+seq_read() { prime; dd if="$1" of=/dev/null bs=1M iflag=direct 2>&1 | tail -1 | python3 -c 'import sys,re; l=sys.stdin.read(); b,s=re.search(r"^(\d+) bytes.*, ([\d.]+) s", l).groups(); print(f"{int(b)/float(s)/1e6:.0f}")'; }
+rand_iops() { prime; fio --name=r --filename="$1" --readonly --rw=randread --bs=4k --ioengine=psync --direct=1 --runtime=5 --time_based --output-format=json 2>/dev/null | python3 -c 'import json,sys; print(int(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))'; }
+
+mount_warm --hydrate eager
+DATA=$(ls "$B"/cache/layers/*/data/0 | head -1)
+PT_SEQ=$(seq_read "$B/mnt/disk/boot.qcow2"); PT_IOPS=$(rand_iops "$B/mnt/disk/boot.qcow2")
+kill -INT $MPID; wait $MPID || true
+PT_CALLS=$(tail -1 "$B/mount.out" | python3 -c 'import json,sys; print(json.load(sys.stdin)["read_calls"])')
+mount_warm --hydrate eager --no-passthrough
+NOPT_SEQ=$(seq_read "$B/mnt/disk/boot.qcow2"); NOPT_IOPS=$(rand_iops "$B/mnt/disk/boot.qcow2")
+kill -INT $MPID; wait $MPID || true
+# Baseline: the cache's own data file read directly (the same blocks the mount serves), so the
+# ratio is the cost of the FUSE path alone.
+LOCAL_SEQ=$(seq_read "$DATA"); LOCAL_IOPS=$(rand_iops "$DATA")
+ratio() { python3 -c "print(f'{$1 / $2:.2f}')"; }
+{
+  echo
+  echo "warm reads of the cached 2 GiB-virtual disk, O_DIRECT (guest page cache dropped, host cache primed, before each run):"
+  printf '  %-44s %14s %8s %16s %8s\n' "" "seq MB/s" ratio "rand 4K IOPS" ratio
+  printf '  %-44s %14s %8s %16s %8s\n' "the cached file read directly (baseline)" "$LOCAL_SEQ" 1.00 "$LOCAL_IOPS" 1.00
+  printf '  %-44s %14s %8s %16s %8s\n' "vmdisk mount, passthrough ($PT_CALLS daemon reads)" "$PT_SEQ" "$(ratio "$PT_SEQ" "$LOCAL_SEQ")" "$PT_IOPS" "$(ratio "$PT_IOPS" "$LOCAL_IOPS")"
+  printf '  %-44s %14s %8s %16s %8s\n' "vmdisk mount, no passthrough" "$NOPT_SEQ" "$(ratio "$NOPT_SEQ" "$LOCAL_SEQ")" "$NOPT_IOPS" "$(ratio "$NOPT_IOPS" "$LOCAL_IOPS")"
+} | tee -a "$RESULTS"
+
+# ---------------------------------------------------------------------------------------
+# Peak RSS of the mount serving a 10 GiB disk: whole disk hydrated and read through the
+# daemon (no passthrough, so every read is served by it).
+BIG=$B/big.raw
+truncate -s 10G "$BIG"
+printf '\x55\xaa' | dd of="$BIG" bs=1 seek=510 conv=notrunc status=none
+for i in $(seq 0 7); do head -c 64M /dev/urandom | dd of="$BIG" bs=1M seek=$((i * 1280 + 1)) conv=notrunc status=none; done
+"$VMDISK" push "$BIG" "$REG/bench/big:1" > /dev/null
+rm -f "$BIG"
+"$VMDISK" mount --stats --cache "$B/cache" --hydrate eager --no-passthrough "$REG/bench/big:1" "$B/mnt" > "$B/mount.out" 2> "$B/mount.err" &
+MPID=$!; PIDS+=($MPID)
+for _ in $(seq 1200); do grep -q '^hydrated' "$B/mount.out" && break; sleep 0.1; done
+sync; echo 3 > /proc/sys/vm/drop_caches
+dd if="$B/mnt/disk/big.raw" of=/dev/null bs=1M status=none
+RSS=$(awk '/VmHWM/ {print int($2 / 1024)}' /proc/$MPID/status)
+kill -INT $MPID; wait $MPID || true
+{
+  echo
+  echo "vmdisk mount serving a 10 GiB raw disk (40960 chunks, hydrated and read in full through the daemon): peak RSS $RSS MiB"
+} | tee -a "$RESULTS"
