@@ -46,14 +46,13 @@ pub struct RemoteLayer {
 impl RemoteLayer {
     /// The chunk index of a cached layer (for dedup lookups), without resolving anything.
     pub fn index(reference: Reference, meta: LayerMeta, toc_bytes: &[u8]) -> Result<Self> {
-        Self::build(reference, meta, toc_bytes, None, false)
+        Self::build(reference, meta, toc_bytes, false)
     }
 
     fn build(
         reference: Reference,
         meta: LayerMeta,
         toc_bytes: &[u8],
-        disk_path: Option<&str>,
         online: bool,
     ) -> Result<Self> {
         let loc = TocLocation {
@@ -63,10 +62,10 @@ impl RemoteLayer {
             checksum: meta.toc_digest,
         };
         let toc = zstd_chunked::decode_toc(toc_bytes, &loc)?;
-        let nodes = toc.nodes(loc.offset.saturating_sub(8))?;
+        let mut nodes = toc.nodes(loc.offset.saturating_sub(8))?;
         let mut files = Vec::new();
         let mut chunks = Vec::new();
-        for (i, node) in nodes.iter().enumerate() {
+        for (i, node) in nodes.iter_mut().enumerate() {
             if node.kind == NodeKind::Regular && node.size > 0 {
                 if !node.verifiable() {
                     return Err(Error::unsupported(format!("{}: some chunks have no digest and cannot be verified; republish with `vmdisk convert`", node.path)));
@@ -77,14 +76,19 @@ impl RemoteLayer {
                     first: chunks.len(),
                     count: node.chunks.len(),
                 });
-                chunks.extend(node.chunks.iter().cloned().map(|c| (file_no, c)));
+                // The flat table is the one copy of the chunks from here on.
+                chunks.extend(
+                    std::mem::take(&mut node.chunks)
+                        .into_iter()
+                        .map(|c| (file_no, c)),
+                );
             }
         }
         let disk = files
             .iter()
             .position(|f| {
                 let path = &nodes[f.node].path;
-                match disk_path {
+                match &meta.disk_path {
                     Some(p) => path == p,
                     None => path.starts_with("disk/") || path.starts_with("image/"),
                 }
@@ -195,6 +199,7 @@ async fn resolve_online(
         toc_length: loc.length,
         toc_uncompressed_length: loc.uncompressed_length,
         toc_digest: loc.checksum,
+        disk_path: layer.annotations.get(publish::ANN_PATH).cloned(),
     };
     let toc = match cache.load_layer_meta(&layer.digest) {
         Some((_, toc)) => toc,
@@ -208,8 +213,7 @@ async fn resolve_online(
             toc
         }
     };
-    let disk_path = layer.annotations.get(publish::ANN_PATH).map(String::as_str);
-    let remote = RemoteLayer::build(reference.clone(), meta, &toc, disk_path, true)?;
+    let remote = RemoteLayer::build(reference.clone(), meta, &toc, true)?;
     cache.save_ref(&RefRecord {
         reference: reference.to_string(),
         manifest_digest,
@@ -239,7 +243,7 @@ pub async fn resolve(
                 )
             })?;
             tracing::warn!(%reference, layer = %record.layer_digest, "registry unreachable; using the cached resolution");
-            RemoteLayer::build(reference.clone(), meta, &toc, None, false)
+            RemoteLayer::build(reference.clone(), meta, &toc, false)
         }
         Err(e) => Err(e),
     }

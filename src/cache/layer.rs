@@ -39,6 +39,26 @@ pub struct LayerCache {
     _lock: File,
 }
 
+/// The durable presence bits in a bitmap file, if its header matches `chunks`.
+fn read_bitmap(file: &File, chunks: usize) -> Option<Vec<u8>> {
+    let mut header = [0u8; BITMAP_HEADER as usize];
+    file.read_exact_at(&mut header, 0).ok()?;
+    if &header[..8] != BITMAP_MAGIC
+        || u64::from_le_bytes(header[8..].try_into().ok()?) != chunks as u64
+    {
+        return None;
+    }
+    let mut bits = vec![0u8; chunks.div_ceil(8)];
+    file.read_exact_at(&mut bits, BITMAP_HEADER).ok()?;
+    Some(bits)
+}
+
+/// The durable presence bits of the layer cached in `dir`, without opening it for use (dedup
+/// looks at other layers this way).
+pub fn durable_bits(dir: &Path, chunks: usize) -> Option<Vec<u8>> {
+    read_bitmap(&File::open(dir.join("bitmap")).ok()?, chunks)
+}
+
 fn io(what: String) -> impl FnOnce(std::io::Error) -> Error {
     move |e| Error::io(what, e)
 }
@@ -88,29 +108,22 @@ impl LayerCache {
             .write(true)
             .open(&bitmap_path)
             .map_err(io(format!("opening {}", bitmap_path.display())))?;
-        let mut bits = vec![0u8; chunks.div_ceil(8)];
-        let mut header = [0u8; BITMAP_HEADER as usize];
-        let valid = bitmap.read_exact_at(&mut header, 0).is_ok()
-            && &header[..8] == BITMAP_MAGIC
-            && u64::from_le_bytes(header[8..].try_into().expect("8 bytes")) == chunks as u64
-            && bitmap.read_exact_at(&mut bits, BITMAP_HEADER).is_ok();
-        if !valid {
-            bits.fill(0);
-            header[..8].copy_from_slice(BITMAP_MAGIC);
-            header[8..].copy_from_slice(&(chunks as u64).to_le_bytes());
-            bitmap
-                .set_len(0)
-                .map_err(io(format!("resetting {}", bitmap_path.display())))?;
-            bitmap
-                .write_all_at(&header, 0)
-                .map_err(io(format!("writing {}", bitmap_path.display())))?;
-            bitmap
-                .write_all_at(&bits, BITMAP_HEADER)
-                .map_err(io(format!("writing {}", bitmap_path.display())))?;
-            bitmap
-                .sync_all()
-                .map_err(io(format!("syncing {}", bitmap_path.display())))?;
-        }
+        let bits = match read_bitmap(&bitmap, chunks) {
+            Some(bits) => bits,
+            None => {
+                // Missing, or for another layout: start empty.
+                let bits = vec![0u8; chunks.div_ceil(8)];
+                let mut header = [0u8; BITMAP_HEADER as usize];
+                header[..8].copy_from_slice(BITMAP_MAGIC);
+                header[8..].copy_from_slice(&(chunks as u64).to_le_bytes());
+                let reset = |e| Error::io(format!("resetting {}", bitmap_path.display()), e);
+                bitmap.set_len(0).map_err(reset)?;
+                bitmap.write_all_at(&header, 0).map_err(reset)?;
+                bitmap.write_all_at(&bits, BITMAP_HEADER).map_err(reset)?;
+                bitmap.sync_all().map_err(reset)?;
+                bits
+            }
+        };
         let present: Vec<AtomicU64> = (0..chunks.div_ceil(64))
             .map(|_| AtomicU64::new(0))
             .collect();

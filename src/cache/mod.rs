@@ -46,6 +46,9 @@ pub struct LayerMeta {
     pub toc_length: u64,
     pub toc_uncompressed_length: u64,
     pub toc_digest: Digest,
+    /// The disk's path in the layer, when an annotation named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_path: Option<String>,
 }
 
 /// The last resolution of an image reference, for offline re-mounts.

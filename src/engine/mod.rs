@@ -129,15 +129,6 @@ fn decode_verified(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
     Ok(data)
 }
 
-/// Reads the durable presence bits of another cached layer (for dedup).
-fn durable_bits(dir: &std::path::Path, chunks: usize) -> Option<Vec<u8>> {
-    let bytes = std::fs::read(dir.join("bitmap")).ok()?;
-    (bytes.len() >= 16 + chunks.div_ceil(8)
-        && &bytes[..8] == b"VMDKBMP1"
-        && u64::from_le_bytes(bytes[8..16].try_into().ok()?) == chunks as u64)
-        .then(|| bytes[16..].to_vec())
-}
-
 fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> {
     let mut map = HashMap::new();
     for digest in cache.layers().into_iter().filter(|d| d != own) {
@@ -151,7 +142,7 @@ fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> 
             continue;
         };
         let dir = cache.layer_dir(&digest);
-        let Some(bits) = durable_bits(&dir, layer.chunks.len()) else {
+        let Some(bits) = crate::cache::layer::durable_bits(&dir, layer.chunks.len()) else {
             continue;
         };
         for (idx, (file, chunk)) in layer.chunks.iter().enumerate() {
