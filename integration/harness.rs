@@ -511,6 +511,8 @@ pub struct Faults {
     /// The response fault flips a byte (true) or cuts the connection mid-stream (false).
     pub flip: bool,
     pub seed: u64,
+    /// Held before forwarding each registry-to-client buffer (a slow registry).
+    pub response_delay: Option<Duration>,
 }
 
 /// A TCP proxy in front of a registry: counts the bytes in each direction (the registry-side
@@ -607,6 +609,9 @@ impl FaultProxy {
                             Ok(0) | Err(_) => break,
                             Ok(n) => n,
                         };
+                        if let Some(delay) = faults.response_delay {
+                            std::thread::sleep(delay);
+                        }
                         let fault = faults.response_fault_rate > 0.0
                             && (next() % 1_000_000) as f64 / 1e6 < faults.response_fault_rate;
                         if fault {

@@ -423,3 +423,129 @@ fn complete_files_are_read_through_passthrough() {
     assert!(with["passthrough_opens"].as_u64().unwrap() >= 1, "{with}");
     assert_eq!(with["read_calls"], 0, "{with}");
 }
+
+/// Reads one 4 KiB page with O_DIRECT through `dd`, so the kernel neither caches nor merges it.
+fn direct_read_page(path: &Path, page: u64) -> std::process::Child {
+    std::process::Command::new("dd")
+        .arg(format!("if={}", path.display()))
+        .args([
+            "of=/dev/null",
+            "bs=4096",
+            "count=1",
+            "iflag=direct",
+            "status=none",
+            &format!("skip={page}"),
+        ])
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn concurrent_reads_of_a_missing_chunk_fetch_it_once() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.raw");
+    random_file(&disk, 16 << 20, 12);
+    let reference = push_raw(&reg.host(), "vm/concurrent:1", &disk);
+    let mount = Mount::start(
+        &reference,
+        &scratch.path("cache"),
+        &scratch.path("mnt"),
+        &[],
+    );
+    // 32 readers, 8 different pages in each of chunks 4..8 (1 MiB..2 MiB), all at once.
+    let readers: Vec<_> = (0..32u64)
+        .map(|i| direct_read_page(&mount.disk, 256 + (i % 4) * 64 + (i / 4) * 8))
+        .collect();
+    for mut r in readers {
+        assert!(r.wait().unwrap().success());
+    }
+    let stats = mount.stop();
+    // Chunk 0 is fetched at mount (format detection); chunks 4..8 once each.
+    assert_eq!(stats["chunks_fetched"], 5, "{stats}");
+    assert!(
+        stats["read_calls"].as_u64().unwrap() >= 32,
+        "the reads reached the daemon separately: {stats}"
+    );
+}
+
+#[test]
+fn a_read_waiting_for_the_registry_does_not_hold_up_cached_reads() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.raw");
+    random_file(&disk, 16 << 20, 13);
+    push_raw(&reg.host(), "vm/slow:1", &disk);
+    let slow = FaultProxy::start_with(
+        reg.port,
+        Faults {
+            response_delay: Some(Duration::from_millis(1500)),
+            ..Faults::default()
+        },
+    );
+    let mount = Mount::start(
+        &format!("{}/vm/slow:1", slow.host()),
+        &scratch.path("cache"),
+        &scratch.path("mnt"),
+        &[],
+    );
+    // Chunk 0 is cached (fetched at mount). Start a read of an uncached chunk, then read the
+    // cached one: the cached read must finish while the slow one is still waiting.
+    let mut missing = direct_read_page(&mount.disk, 2048);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut cached = direct_read_page(&mount.disk, 0);
+    assert!(cached.wait().unwrap().success());
+    assert!(
+        missing.try_wait().unwrap().is_none(),
+        "the slow read is still waiting for the registry"
+    );
+    assert!(missing.wait().unwrap().success());
+    mount.stop();
+}
+
+#[test]
+fn zero_chunks_are_never_fetched() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("d.raw");
+    random_file(&disk, 16 << 20, 14);
+    // Chunks 8..24 (2 MiB..6 MiB) are all zeros.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&disk)
+        .unwrap()
+        .write_all_at(&vec![0u8; 4 << 20], 2 << 20)
+        .unwrap();
+    let reference = push_raw(&reg.host(), "vm/zeros:1", &disk);
+    let mount = Mount::start(
+        &reference,
+        &scratch.path("cache"),
+        &scratch.path("mnt"),
+        &[],
+    );
+    // Scattered single pages inside the zero region, O_DIRECT: no read-ahead pulls in the
+    // random data around it.
+    for page in [520u64, 700, 901, 1111, 1300, 1530] {
+        let out = std::process::Command::new("dd")
+            .arg(format!("if={}", mount.disk.display()))
+            .args([
+                "bs=4096",
+                "count=1",
+                "iflag=direct",
+                "status=none",
+                &format!("skip={page}"),
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success() && out.stdout.len() == 4096 && out.stdout.iter().all(|&b| b == 0)
+        );
+    }
+    let stats = mount.stop();
+    assert_eq!(
+        stats["chunks_fetched"], 1,
+        "only chunk 0, at mount: {stats}"
+    );
+    assert_eq!(stats["fetch_requests"], 1, "{stats}");
+    assert_eq!(stats["bytes_served"], 6 * 4096);
+}
