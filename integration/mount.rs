@@ -49,6 +49,21 @@ fn push_raw(reg_host: &str, repo: &str, disk: &Path) -> String {
     reference
 }
 
+/// A registry holding a pseudo-random raw disk of `len` bytes at `repo`: the registry, the
+/// disk file and the reference.
+fn random_raw_image(
+    scratch: &Scratch,
+    len: u64,
+    seed: u64,
+    repo: &str,
+) -> (Registry, std::path::PathBuf, String) {
+    let reg = Registry::start(scratch);
+    let disk = scratch.path("d.raw");
+    random_file(&disk, len, seed);
+    let reference = push_raw(&reg.host(), repo, &disk);
+    (reg, disk, reference)
+}
+
 #[test]
 fn mounted_qcow2_equals_the_original_under_qemu_img_and_random_reads() {
     let scratch = Scratch::new();
@@ -178,10 +193,7 @@ fn reading_one_percent_fetches_at_most_three_percent_and_offline_remount_serves_
 #[test]
 fn faulty_responses_never_yield_wrong_bytes() {
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("d.raw");
-    random_file(&disk, 96 << 20, 3);
-    let reference = push_raw(&reg.host(), "vm/faults:1", &disk);
+    let (reg, disk, reference) = random_raw_image(&scratch, 96 << 20, 3, "vm/faults:1");
     let original = std::fs::File::open(&disk).unwrap();
     let size = original.metadata().unwrap().len();
 
@@ -325,10 +337,7 @@ fn a_second_image_sharing_chunks_fetches_only_the_difference() {
 #[test]
 fn kill_during_hydration_refetches_nothing_marked_present() {
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("d.raw");
-    random_file(&disk, 128 << 20, 8);
-    let reference = push_raw(&reg.host(), "vm/crash:1", &disk);
+    let (_reg, disk, reference) = random_raw_image(&scratch, 128 << 20, 8, "vm/crash:1");
     let cache = scratch.path("cache");
 
     let mount = Mount::start(
@@ -381,10 +390,7 @@ fn kill_during_hydration_refetches_nothing_marked_present() {
 #[test]
 fn complete_files_are_read_through_passthrough() {
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("d.raw");
-    random_file(&disk, 32 << 20, 4);
-    let reference = push_raw(&reg.host(), "vm/pt:1", &disk);
+    let (_reg, disk, reference) = random_raw_image(&scratch, 32 << 20, 4, "vm/pt:1");
     let cache = scratch.path("cache");
 
     // Without passthrough every read of the cached file reaches the daemon.
@@ -443,10 +449,7 @@ fn direct_read_page(path: &Path, page: u64) -> std::process::Child {
 #[test]
 fn concurrent_reads_of_a_missing_chunk_fetch_it_once() {
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("d.raw");
-    random_file(&disk, 16 << 20, 12);
-    let reference = push_raw(&reg.host(), "vm/concurrent:1", &disk);
+    let (_reg, _disk, reference) = random_raw_image(&scratch, 16 << 20, 12, "vm/concurrent:1");
     let mount = Mount::start(
         &reference,
         &scratch.path("cache"),

@@ -5,6 +5,31 @@ use std::path::Path;
 
 use crate::harness::*;
 
+/// Pushes a two-platform peer-pod image (`/image/podvm.qcow2`); returns the disks.
+fn push_podvm_pair(
+    scratch: &Scratch,
+    reference: &str,
+    arm_size: &str,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let amd = scratch.path("amd.qcow2");
+    let arm = scratch.path("arm.qcow2");
+    make_qcow2(&amd, "64M", &[(0, 1 << 20, 0x01)]);
+    make_qcow2(&arm, arm_size, &[(0, 1 << 20, 0x02)]);
+    vmdisk_ok(&[
+        "push",
+        "--path",
+        "/image/podvm.qcow2",
+        "--platform",
+        "linux/amd64",
+        amd.to_str().unwrap(),
+        "--platform",
+        "linux/arm64",
+        arm.to_str().unwrap(),
+        reference,
+    ]);
+    (amd, arm)
+}
+
 #[test]
 fn pushed_qcow2_unpacks_identically_with_plain_containerd() {
     let scratch = Scratch::new();
@@ -219,23 +244,8 @@ fn plain_containerdisks_are_reported_not_lazy_and_convert_to_lazy_identical_disk
 fn multi_arch_push_builds_an_index_and_peer_pod_paths_work() {
     let scratch = Scratch::new();
     let reg = Registry::start(&scratch);
-    let amd = scratch.path("amd.qcow2");
-    let arm = scratch.path("arm.qcow2");
-    make_qcow2(&amd, "64M", &[(0, 1 << 20, 0x01)]);
-    make_qcow2(&arm, "128M", &[(0, 1 << 20, 0x02)]);
     let reference = format!("{}/vm/podvm:multi", reg.host());
-    vmdisk_ok(&[
-        "push",
-        "--path",
-        "/image/podvm.qcow2",
-        "--platform",
-        "linux/amd64",
-        amd.to_str().unwrap(),
-        "--platform",
-        "linux/arm64",
-        arm.to_str().unwrap(),
-        &reference,
-    ]);
+    let (_amd, arm) = push_podvm_pair(&scratch, &reference, "128M");
     let report = inspect_json(&reference);
     assert_eq!(
         report["media_type"],
@@ -711,23 +721,8 @@ fn zstd_sources_convert_and_estargz_is_recognised() {
 fn convert_republishes_every_platform_of_an_index() {
     let scratch = Scratch::new();
     let reg = Registry::start(&scratch);
-    let amd = scratch.path("amd.qcow2");
-    let arm = scratch.path("arm.qcow2");
-    make_qcow2(&amd, "64M", &[(0, 1 << 20, 0x01)]);
-    make_qcow2(&arm, "96M", &[(0, 1 << 20, 0x02)]);
     let source = format!("{}/vm/podvm:src", reg.host());
-    vmdisk_ok(&[
-        "push",
-        "--path",
-        "/image/podvm.qcow2",
-        "--platform",
-        "linux/amd64",
-        amd.to_str().unwrap(),
-        "--platform",
-        "linux/arm64",
-        arm.to_str().unwrap(),
-        &source,
-    ]);
+    let (amd, arm) = push_podvm_pair(&scratch, &source, "96M");
     let converted = format!("{}/vm/podvm:converted", reg.host());
     vmdisk_ok(&["convert", "--chunk-size", "64K", &source, &converted]);
     let report = inspect_json(&converted);
