@@ -809,3 +809,13 @@ pub fn scattered_qcow2(path: &Path) {
     );
     write_random(path, 1 << 30, 8 << 20, 7);
 }
+
+/// Whether two files have the same bytes (`cmp`).
+pub fn files_identical(a: &Path, b: &Path) -> bool {
+    Command::new("cmp")
+        .arg(a)
+        .arg(b)
+        .status()
+        .expect("run cmp")
+        .success()
+}

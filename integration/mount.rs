@@ -275,12 +275,10 @@ fn faulty_responses_never_yield_wrong_bytes() {
 
         // What the faulty run cached is sound: read everything again straight from the registry.
         let mount = Mount::start(&reference, &cache, &scratch.path("mnt"), &[]);
-        let cmp = std::process::Command::new("cmp")
-            .arg(&mount.disk)
-            .arg(&disk)
-            .status()
-            .unwrap();
-        assert!(cmp.success(), "the cache holds only verified bytes");
+        assert!(
+            files_identical(&mount.disk, &disk),
+            "the cache holds only verified bytes"
+        );
         mount.stop();
     }
 }
@@ -316,12 +314,7 @@ fn a_second_image_sharing_chunks_fetches_only_the_difference() {
     let before = proxy.bytes_to_client();
     let mut mount = Mount::start(&r2, &cache, &scratch.path("mnt"), &["--hydrate", "eager"]);
     mount.wait_for("hydrated", Duration::from_secs(120));
-    let cmp = std::process::Command::new("cmp")
-        .arg(&mount.disk)
-        .arg(&v2)
-        .status()
-        .unwrap();
-    assert!(cmp.success());
+    assert!(files_identical(&mount.disk, &v2));
     let stats = mount.stop();
     let fetched_chunks = stats["chunks_fetched"].as_u64().unwrap();
     let network = proxy.bytes_to_client() - before;
@@ -373,12 +366,10 @@ fn kill_during_hydration_refetches_nothing_marked_present() {
         &["--hydrate", "eager"],
     );
     mount.wait_for("hydrated", Duration::from_secs(120));
-    let cmp = std::process::Command::new("cmp")
-        .arg(&mount.disk)
-        .arg(&disk)
-        .status()
-        .unwrap();
-    assert!(cmp.success(), "nothing served is corrupt");
+    assert!(
+        files_identical(&mount.disk, &disk),
+        "nothing served is corrupt"
+    );
     let stats = mount.stop();
     assert_eq!(
         stats["chunks_fetched"].as_u64().unwrap(),
@@ -402,12 +393,7 @@ fn complete_files_are_read_through_passthrough() {
     );
     mount.wait_for("hydrated", Duration::from_secs(60));
     drop_caches();
-    assert!(std::process::Command::new("cmp")
-        .arg(&mount.disk)
-        .arg(&disk)
-        .status()
-        .unwrap()
-        .success());
+    assert!(files_identical(&mount.disk, &disk));
     let without = mount.stop();
     assert!(without["read_calls"].as_u64().unwrap() > 0, "{without}");
     assert_eq!(without["passthrough_opens"], 0);
@@ -415,12 +401,7 @@ fn complete_files_are_read_through_passthrough() {
     // With passthrough, the kernel reads the cache file directly: no read reaches the daemon.
     let mount = Mount::start(&reference, &cache, &scratch.path("mnt"), &[]);
     drop_caches();
-    assert!(std::process::Command::new("cmp")
-        .arg(&mount.disk)
-        .arg(&disk)
-        .status()
-        .unwrap()
-        .success());
+    assert!(files_identical(&mount.disk, &disk));
     let with = mount.stop();
     eprintln!(
         "daemon read calls for a full read: {} without passthrough, {} with",
