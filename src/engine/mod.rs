@@ -36,6 +36,31 @@ use crate::reference::Reference;
 use crate::registry::RegistryClient;
 use crate::remote::{self, RemoteLayer};
 
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// Where a layer's bytes come from: ranges of one blob. The registry in production
+/// ([`RegistrySource`]); an in-memory blob in unit tests.
+pub trait BlobSource: Send + Sync {
+    /// The bytes of `range`; the length is checked by the source, the content by the engine.
+    fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>>;
+}
+
+/// A layer blob in a registry, read with HTTP Range requests.
+pub struct RegistrySource {
+    client: Arc<RegistryClient>,
+    reference: Reference,
+    blob: Digest,
+}
+
+impl BlobSource for RegistrySource {
+    fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
+        Box::pin(
+            self.client
+                .get_blob_range(&self.reference, &self.blob, range),
+        )
+    }
+}
+
 /// Tunables of the engine.
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -72,7 +97,7 @@ pub struct Engine {
     pub layer: RemoteLayer,
     pub cache: LayerCache,
     pub stats: Stats,
-    client: Arc<RegistryClient>,
+    source: Box<dyn BlobSource>,
     inflight: Mutex<HashMap<usize, watch::Sender<Option<bool>>>>,
     fetch_slots: Semaphore,
     dedup: HashMap<Digest, DedupSource>,
@@ -181,16 +206,37 @@ impl Engine {
         let layer_cache = LayerCache::open(&dir, &sizes, layer.chunks.len(), zeros)?;
         let dedup = build_dedup(cache, &layer.meta.layer_digest);
         tracing::info!(%reference, layer = %layer.meta.layer_digest, chunks = layer.chunks.len(), present = layer_cache.present_count(), dedup_sources = dedup.len(), online = layer.online, "layer opened");
-        Ok(Arc::new(Engine {
-            layer,
-            cache: layer_cache,
-            stats: Stats::default(),
+        let source = RegistrySource {
             client,
+            reference: layer.reference.clone(),
+            blob: layer.meta.layer_digest,
+        };
+        Ok(Self::with_source(
+            layer,
+            layer_cache,
+            Box::new(source),
+            dedup,
+            opts,
+        ))
+    }
+
+    fn with_source(
+        layer: RemoteLayer,
+        cache: LayerCache,
+        source: Box<dyn BlobSource>,
+        dedup: HashMap<Digest, DedupSource>,
+        opts: EngineOptions,
+    ) -> Arc<Engine> {
+        Arc::new(Engine {
+            layer,
+            cache,
+            stats: Stats::default(),
+            source,
             inflight: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             dedup,
             opts,
-        }))
+        })
     }
 
     /// The engine's options.
@@ -383,15 +429,7 @@ impl Engine {
         loop {
             let started = Instant::now();
             Stats::add(&self.stats.fetch_requests, 1);
-            match self
-                .client
-                .get_blob_range(
-                    &self.layer.reference,
-                    &self.layer.meta.layer_digest,
-                    range.clone(),
-                )
-                .await
-            {
+            match self.source.fetch(range.clone()).await {
                 Ok(bytes) => {
                     Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
                     Stats::add(
@@ -506,5 +544,249 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::LayerMeta;
+    use crate::format::zstd_chunked::{EncodedChunk, EntryMeta, LayerWriter};
+
+    /// A blob in memory that records requests and can fail or corrupt the next answers.
+    #[derive(Default)]
+    struct FakeBlob {
+        blob: Vec<u8>,
+        calls: Mutex<Vec<Range<u64>>>,
+        failures: Mutex<u32>,
+        corruptions: Mutex<u32>,
+    }
+
+    impl BlobSource for Arc<FakeBlob> {
+        fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
+            self.calls.lock().unwrap().push(range.clone());
+            let fail = std::mem::replace(&mut *self.failures.lock().unwrap(), 0);
+            if fail > 0 {
+                *self.failures.lock().unwrap() = fail - 1;
+                return Box::pin(async {
+                    Err(Error::new(ErrorKind::Network, "injected network failure"))
+                });
+            }
+            let mut bytes = self.blob[range.start as usize..range.end as usize].to_vec();
+            let mut corrupt = self.corruptions.lock().unwrap();
+            if *corrupt > 0 {
+                *corrupt -= 1;
+                let mid = bytes.len() / 2;
+                bytes[mid] ^= 0x40;
+            }
+            Box::pin(async move { Ok(bytes::Bytes::from(bytes)) })
+        }
+    }
+
+    const CHUNK: usize = 4096;
+
+    /// Content of `chunks` chunks; chunk 3 is all zeros.
+    fn content(chunks: usize) -> Vec<u8> {
+        let mut v: Vec<u8> = (0..chunks * CHUNK)
+            .map(|i| (i.wrapping_mul(2654435761) >> 7) as u8)
+            .collect();
+        v[3 * CHUNK..4 * CHUNK].fill(0);
+        v
+    }
+
+    fn engine(data: &[u8], opts: EngineOptions) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
+        let meta = |p: &str| EntryMeta {
+            path: p.into(),
+            mode: 0o644,
+            uid: 107,
+            gid: 107,
+            mtime: 0,
+        };
+        let mut w = LayerWriter::new(Vec::new(), 1).unwrap();
+        let mut c = zstd::bulk::Compressor::new(1).unwrap();
+        w.add_dir(&meta("disk")).unwrap();
+        w.begin_file(&meta("disk/d.raw"), data.len() as u64)
+            .unwrap();
+        for part in data.chunks(CHUNK) {
+            w.add_chunk(&EncodedChunk::encode(Arc::new(part.to_vec()), &mut c).unwrap())
+                .unwrap();
+        }
+        w.end_file().unwrap();
+        let (summary, blob) = w.finish().unwrap();
+        let loc = summary.toc_location;
+        let meta = LayerMeta {
+            reference: "127.0.0.1:1/test/t:1".into(),
+            layer_digest: summary.digest,
+            layer_size: blob.len() as u64,
+            toc_offset: loc.offset,
+            toc_length: loc.length,
+            toc_uncompressed_length: loc.uncompressed_length,
+            toc_digest: loc.checksum,
+            disk_path: None,
+        };
+        let toc = blob[loc.offset as usize..(loc.offset + loc.length) as usize].to_vec();
+        let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &toc).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
+        let zeros: Vec<usize> = layer
+            .chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, c))| c.zeros)
+            .map(|(i, _)| i)
+            .collect();
+        let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len(), zeros).unwrap();
+        let source = Arc::new(FakeBlob {
+            blob,
+            ..FakeBlob::default()
+        });
+        let engine = Engine::with_source(
+            layer,
+            cache,
+            Box::new(Arc::clone(&source)),
+            HashMap::new(),
+            opts,
+        );
+        (engine, source, dir)
+    }
+
+    fn calls(source: &FakeBlob) -> usize {
+        source.calls.lock().unwrap().len()
+    }
+
+    #[tokio::test]
+    async fn adjacent_missing_chunks_are_one_request_and_fetched_once() {
+        let data = content(8);
+        let (engine, source, _dir) = engine(&data, EngineOptions::default());
+        let disk = engine.layer.disk;
+        assert_eq!(
+            engine.read(disk, 0, 3 * CHUNK as u64).await.unwrap(),
+            data[..3 * CHUNK]
+        );
+        assert_eq!(
+            calls(&source),
+            1,
+            "chunks 0..3 coalesced into one Range request"
+        );
+        assert_eq!(engine.read(disk, 100, 5000).await.unwrap(), data[100..5100]);
+        assert_eq!(calls(&source), 1, "cached chunks are not fetched again");
+        // Chunk 3 is zeros: present from the start, never fetched.
+        assert_eq!(
+            engine
+                .read(disk, 3 * CHUNK as u64, CHUNK as u64)
+                .await
+                .unwrap(),
+            vec![0u8; CHUNK]
+        );
+        assert_eq!(calls(&source), 1);
+        // Reading past the end is short, not an error.
+        assert_eq!(
+            engine
+                .read(disk, data.len() as u64 - 10, 100)
+                .await
+                .unwrap(),
+            data[data.len() - 10..]
+        );
+    }
+
+    #[tokio::test]
+    async fn requests_are_bounded_in_size() {
+        let data = content(8);
+        let opts = EngineOptions {
+            max_request_bytes: 1,
+            ..EngineOptions::default()
+        };
+        let (engine, source, _dir) = engine(&data, opts);
+        engine
+            .read(engine.layer.disk, 0, data.len() as u64)
+            .await
+            .unwrap();
+        assert_eq!(
+            calls(&source),
+            7,
+            "one request per non-zero chunk when requests may not grow"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_chunk_is_fetched_once_more() {
+        let data = content(4);
+        let (engine, source, _dir) = engine(&data, EngineOptions::default());
+        *source.corruptions.lock().unwrap() = 1;
+        assert_eq!(
+            engine
+                .read(engine.layer.disk, 0, CHUNK as u64)
+                .await
+                .unwrap(),
+            data[..CHUNK]
+        );
+        assert_eq!(engine.stats.snapshot().verify_failures, 1);
+        assert_eq!(calls(&source), 2);
+    }
+
+    #[tokio::test]
+    async fn persistent_corruption_fails_and_caches_nothing() {
+        let data = content(4);
+        let (engine, source, _dir) = engine(&data, EngineOptions::default());
+        *source.corruptions.lock().unwrap() = 100;
+        let err = engine
+            .read(engine.layer.disk, 0, CHUNK as u64)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{}", err.chain());
+        assert!(err.chain().contains("failed verification twice"));
+        assert!(
+            !engine.cache.is_present(0),
+            "unverified bytes are never cached"
+        );
+        assert_eq!(calls(&source), 2);
+    }
+
+    #[tokio::test]
+    async fn network_errors_are_retried_until_the_deadline() {
+        let data = content(4);
+        let opts = EngineOptions {
+            fetch_deadline: Duration::from_secs(1),
+            ..EngineOptions::default()
+        };
+        let (engine, source, _dir) = engine(&data, opts);
+        *source.failures.lock().unwrap() = 2;
+        assert_eq!(
+            engine.read(engine.layer.disk, 0, 10).await.unwrap(),
+            data[..10]
+        );
+        assert_eq!(calls(&source), 3);
+        *source.failures.lock().unwrap() = 1000;
+        let err = engine
+            .read(engine.layer.disk, CHUNK as u64, 10)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Network);
+        assert!(!engine.cache.is_present(1));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_reads_of_the_same_chunks_fetch_each_once() {
+        let data = content(16);
+        let (engine, source, _dir) = engine(
+            &data,
+            EngineOptions {
+                max_request_bytes: 1,
+                ..EngineOptions::default()
+            },
+        );
+        let disk = engine.layer.disk;
+        let reads = (0..8).map(|i| {
+            let engine = Arc::clone(&engine);
+            tokio::spawn(
+                async move { engine.read(disk, (i * 100) as u64, 12 * CHUNK as u64).await },
+            )
+        });
+        for r in futures_util::future::join_all(reads).await {
+            r.unwrap().unwrap();
+        }
+        // 13 chunks touched (0..13), chunk 3 is zeros: 12 fetches, however many readers.
+        assert_eq!(engine.stats.snapshot().chunks_fetched, 12);
+        assert_eq!(calls(&source), 12);
     }
 }
