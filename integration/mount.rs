@@ -533,3 +533,42 @@ fn zero_chunks_are_never_fetched() {
     assert_eq!(stats["fetch_requests"], 1, "{stats}");
     assert_eq!(stats["bytes_served"], 6 * 4096);
 }
+
+#[test]
+fn cache_size_evicts_unmounted_layers_but_never_the_mounted_one() {
+    let scratch = Scratch::new();
+    let (reg, _disk, first) = random_raw_image(&scratch, 8 << 20, 15, "vm/evict:1");
+    let second_disk = scratch.path("second.raw");
+    random_file(&second_disk, 8 << 20, 16);
+    let second = push_raw(&reg.host(), "vm/evict:2", &second_disk);
+    let cache = scratch.path("cache");
+    let layers = || {
+        std::fs::read_dir(cache.join("layers"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+
+    let mut mount = Mount::start(
+        &first,
+        &cache,
+        &scratch.path("mnt"),
+        &["--hydrate", "eager"],
+    );
+    mount.wait_for("hydrated", Duration::from_secs(60));
+    mount.stop();
+    assert_eq!(layers(), 1);
+
+    // A 1-byte limit: everything not mounted goes, the layer being mounted stays.
+    let mount = Mount::start(
+        &second,
+        &cache,
+        &scratch.path("mnt"),
+        &["--cache-size", "1"],
+    );
+    assert_eq!(layers(), 1, "the first image's layer was evicted");
+    assert!(
+        files_identical(&mount.disk, &second_disk),
+        "the mounted layer is intact"
+    );
+    mount.stop();
+}

@@ -263,15 +263,16 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
     let reference: Reference = args.reference.parse()?;
     let client = std::sync::Arc::new(registry.client()?);
     let cache = crate::cache::CacheRoot::open(&args.cache)?;
-    if let Some(limit) = &args.cache_size {
-        let freed = cache.evict(publish::parse_size(limit)? as u64)?;
-        tracing::info!(freed, "cache eviction done");
-    }
     let opts = EngineOptions {
         fetch_deadline: std::time::Duration::from_secs(args.fetch_timeout),
         ..EngineOptions::default()
     };
     let engine = Engine::open(client, &cache, &reference, opts).await?;
+    // Evict only now: the layer being mounted holds its lock and cannot be chosen.
+    if let Some(limit) = &args.cache_size {
+        let freed = cache.evict(publish::parse_size(limit)? as u64)?;
+        tracing::info!(freed, "cache eviction done");
+    }
     let fs = crate::fuse::LayerFs::new(
         std::sync::Arc::clone(&engine),
         tokio::runtime::Handle::current(),
@@ -306,8 +307,8 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
             tracing::warn!(error = %err.chain(), "qcow2 metadata prefetch failed");
         }
     }));
-    let rate = (args.hydrate != Hydrate::Off).then_some(args.hydrate);
-    if let Some(mode) = rate {
+    let hydration = (args.hydrate != Hydrate::Off).then_some(args.hydrate);
+    if let Some(mode) = hydration {
         let e = std::sync::Arc::clone(&engine);
         let limit = (mode == Hydrate::Background).then_some(args.hydrate_rate * 1_000_000);
         tasks.push(tokio::spawn(async move {

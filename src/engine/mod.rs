@@ -387,6 +387,14 @@ impl Engine {
         let last = &self.layer.chunks[run[run.len() - 1]].1;
         let range = first.compressed.start..last.compressed.end;
         let bytes = self.fetch_range(range.clone()).await?;
+        if bytes.len() as u64 != range.end - range.start {
+            return Err(Error::corrupt(format!(
+                "asked for {} bytes at {}, got {}",
+                range.end - range.start,
+                range.start,
+                bytes.len()
+            )));
+        }
         let mut failed = Vec::new();
         for &idx in run {
             let (file, chunk) = &self.layer.chunks[idx];
