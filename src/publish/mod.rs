@@ -426,13 +426,23 @@ pub async fn push_disk(
     let layer_file = path.clone();
     tracing::info!(disk = %shown, path = %path, format = format.name(), size, "publishing");
     let prepared = Arc::new(prepared);
+    // Open the first upload before anything else: an unreachable registry or missing push
+    // rights fail at once, before the disk is read and without whole-layer restarts.
+    let mut first_upload = Some(
+        client
+            .start_upload(target)
+            .await
+            .context(format!("pushing {shown} to {target}"))?,
+    );
     let built = with_restarts(client, || {
         let disk = Arc::clone(&prepared);
         let layer_file = layer_file.clone();
+        let started = first_upload.take();
         async move {
-            // Open the upload first: an unreachable registry or missing push rights fail
-            // before the disk is read.
-            let upload = client.start_upload(target).await?;
+            let upload = match started {
+                Some(upload) => upload,
+                None => client.start_upload(target).await?,
+            };
             upload_streamed(client, target, Some(upload), move |sink| {
                 let reader = std::fs::File::open(&disk.path)
                     .map_err(|e| Error::io(format!("opening {}", disk.path.display()), e))?;
@@ -646,6 +656,12 @@ pub async fn convert(
 ) -> Result<Digest> {
     check_target(target)?;
     let fetched = client.get_manifest(source).await?;
+    // Pre-flight: reach the target with push rights before any layer is streamed, so an
+    // unreachable registry or refused credentials fail at once rather than after restarts.
+    client
+        .blob_exists(target, &Digest::of(b""))
+        .await
+        .context(format!("checking access to {target}"))?;
     let mut images = Vec::new();
     match fetched.manifest {
         ManifestKind::Image(m) => {
