@@ -49,9 +49,9 @@ pub struct LayerReport {
     /// `zstd:chunked`, `estargz`, `gzip`, `zstd`, `tar` or `unknown`.
     pub layout: String,
     pub lazy: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Why the layer is not lazily loadable (`null` when it is).
     pub reason: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// The disk found in the layer (`null` if none).
     pub disk: Option<DiskReport>,
     pub chunks: u64,
     pub zero_chunks: u64,
