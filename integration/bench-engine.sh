@@ -17,7 +17,7 @@ cleanup() {
   wait 2>/dev/null || true
   rm -rf "$B"
 }
-trap cleanup EXIT
+trap 'status=$?; cleanup; exit $status' EXIT
 
 mkdir -p "$B/registry"
 printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\n' "$B/registry" "$PORT" > "$B/registry.yml"
