@@ -13,7 +13,7 @@ mkdir -p "$(dirname "$RESULTS")"
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 REG_PID=
 cleanup() { [ -n "$REG_PID" ] && kill "$REG_PID" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$B"; }
-trap 'status=$?; cleanup; exit $status' EXIT
+trap 'status=$?; cleanup || true; exit $status' EXIT
 
 mkdir -p "$B/registry"
 printf 'version: 0.1\nlog: { level: error }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\n' "$B/registry" "$PORT" > "$B/registry.yml"

@@ -18,7 +18,7 @@ cleanup() {
   mountpoint -q "$SCRATCH/mnt" 2>/dev/null && umount -l "$SCRATCH/mnt"
   true
 }
-trap 'status=$?; cleanup; exit $status' EXIT
+trap 'status=$?; cleanup || true; exit $status' EXIT
 
 echo "== scratch directory: $SCRATCH"
 mkdir -p "$SCRATCH/registry"
