@@ -301,24 +301,27 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
             }
         }
     }));
+    // Background work, in order and off the start-up path: index the other cached layers'
+    // chunks for dedup (reads every cached TOC), fetch what qemu reads first from a qcow2,
+    // then hydrate if asked. Reads meanwhile are served as usual.
     let e = std::sync::Arc::clone(&engine);
+    let index_cache = cache.clone();
+    let limit = (args.hydrate == Hydrate::Background).then_some(args.hydrate_rate * 1_000_000);
+    let hydrate = args.hydrate != Hydrate::Off;
     tasks.push(tokio::spawn(async move {
+        let indexer = std::sync::Arc::clone(&e);
+        let _ = tokio::task::spawn_blocking(move || indexer.index_other_layers(&index_cache)).await;
         if let Err(err) = e.prefetch_qcow2().await {
             tracing::warn!(error = %err.chain(), "qcow2 metadata prefetch failed");
         }
-    }));
-    let hydration = (args.hydrate != Hydrate::Off).then_some(args.hydrate);
-    if let Some(mode) = hydration {
-        let e = std::sync::Arc::clone(&engine);
-        let limit = (mode == Hydrate::Background).then_some(args.hydrate_rate * 1_000_000);
-        tasks.push(tokio::spawn(async move {
+        if hydrate {
             let concurrency = if limit.is_some() { 2 } else { 4 };
             match e.hydrate(concurrency, limit).await {
                 Ok(()) => println!("hydrated: {} chunks cached", e.cache.present_count()),
                 Err(err) => tracing::warn!(error = %err.chain(), "hydration stopped"),
             }
-        }));
-    }
+        }
+    }));
 
     // Unmount on SIGINT/SIGTERM; while files on the mount are open, refuse and keep serving.
     loop {

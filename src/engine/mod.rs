@@ -100,7 +100,9 @@ pub struct Engine {
     source: Box<dyn BlobSource>,
     inflight: Mutex<HashMap<usize, watch::Sender<Option<bool>>>>,
     fetch_slots: Semaphore,
-    dedup: HashMap<Digest, DedupSource>,
+    /// Chunks of other cached layers by digest; built after the mount is ready
+    /// ([`Engine::index_other_layers`]), empty until then.
+    dedup: std::sync::OnceLock<HashMap<Digest, DedupSource>>,
     opts: EngineOptions,
 }
 
@@ -204,8 +206,7 @@ impl Engine {
             .filter(|(_, (_, c))| c.zeros)
             .map(|(i, _)| i);
         let layer_cache = LayerCache::open(&dir, &sizes, layer.chunks.len(), zeros)?;
-        let dedup = build_dedup(cache, &layer.meta.layer_digest);
-        tracing::info!(%reference, layer = %layer.meta.layer_digest, chunks = layer.chunks.len(), present = layer_cache.present_count(), dedup_sources = dedup.len(), online = layer.online, "layer opened");
+        tracing::info!(%reference, layer = %layer.meta.layer_digest, chunks = layer.chunks.len(), present = layer_cache.present_count(), online = layer.online, "layer opened");
         let source = RegistrySource {
             client,
             reference: layer.reference.clone(),
@@ -215,7 +216,6 @@ impl Engine {
             layer,
             layer_cache,
             Box::new(source),
-            dedup,
             opts,
         ))
     }
@@ -224,7 +224,6 @@ impl Engine {
         layer: RemoteLayer,
         cache: LayerCache,
         source: Box<dyn BlobSource>,
-        dedup: HashMap<Digest, DedupSource>,
         opts: EngineOptions,
     ) -> Arc<Engine> {
         Arc::new(Engine {
@@ -234,9 +233,21 @@ impl Engine {
             source,
             inflight: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
-            dedup,
+            dedup: std::sync::OnceLock::new(),
             opts,
         })
+    }
+
+    /// Indexes the chunks of the other layers in `cache` by digest, so chunks they share
+    /// with this one are copied instead of fetched. Reads every cached TOC: run it off the
+    /// start-up path (blocking I/O); until it is done, shared chunks are simply fetched.
+    pub fn index_other_layers(&self, cache: &CacheRoot) {
+        let index = build_dedup(cache, &self.layer.meta.layer_digest);
+        tracing::info!(
+            sources = index.len(),
+            "indexed chunks of other cached layers"
+        );
+        let _ = self.dedup.set(index);
     }
 
     /// The engine's options.
@@ -352,7 +363,7 @@ impl Engine {
 
     fn copy_from_dedup(&self, idx: usize) -> bool {
         let (file, chunk) = &self.layer.chunks[idx];
-        let Some(source) = chunk.digest.and_then(|d| self.dedup.get(&d)) else {
+        let Some(source) = chunk.digest.and_then(|d| self.dedup.get()?.get(&d)) else {
             return false;
         };
         if source.size != chunk.size {
@@ -648,13 +659,7 @@ mod tests {
             blob,
             ..FakeBlob::default()
         });
-        let engine = Engine::with_source(
-            layer,
-            cache,
-            Box::new(Arc::clone(&source)),
-            HashMap::new(),
-            opts,
-        );
+        let engine = Engine::with_source(layer, cache, Box::new(Arc::clone(&source)), opts);
         (engine, source, dir)
     }
 
