@@ -14,7 +14,6 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::format::disk::{self, DiskFormat};
-use crate::format::qcow2;
 use crate::format::zstd_chunked::{self, decompress_bounded, NodeKind, TocLocation};
 use crate::oci::{
     self, Descriptor, ImageConfig, LayerCompression, Manifest, ManifestKind, Platform,
@@ -294,14 +293,11 @@ async fn inspect_chunked(
                 }
                 data
             };
-            match disk::sniff(&head, &[], disk.size) {
-                Some(DiskFormat::Qcow2) => {
-                    ("qcow2".into(), qcow2::Header::read(&head[..])?.virtual_size)
-                }
-                Some(DiskFormat::Raw) => ("raw".into(), disk.size),
-                Some(other) => (other.name().into(), 0),
-                None => ("unknown".into(), 0),
-            }
+            let (format, virtual_size) = disk::identify(&head, disk.size)?;
+            (
+                format.map_or("unknown", |f| f.name()).to_string(),
+                virtual_size,
+            )
         }
     };
     rep.disk = Some(DiskReport {
@@ -336,13 +332,7 @@ async fn peek_stream_disk(
 ) -> Result<Option<DiskReport>> {
     let blob = client.blob_reader(r, desc).await?;
     tokio::task::spawn_blocking(move || -> Result<Option<DiskReport>> {
-        let decoder: Box<dyn Read> = match compression {
-            LayerCompression::None => Box::new(blob),
-            LayerCompression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(blob)),
-            LayerCompression::Zstd => Box::new(
-                zstd::stream::read::Decoder::new(blob).map_err(|e| Error::io("zstd decoder", e))?,
-            ),
-        };
+        let decoder = crate::format::layer_decoder(compression, blob)?;
         let mut archive = tar::Archive::new(decoder);
         let mut skipped = 0u64;
         for entry in archive
@@ -364,17 +354,10 @@ async fn peek_stream_disk(
                 entry
                     .read_exact(&mut head)
                     .map_err(|e| Error::io("reading the disk header", e))?;
-                let (format, virtual_size) = match disk::sniff(&head, &[], size) {
-                    Some(DiskFormat::Qcow2) => (
-                        "qcow2".to_string(),
-                        qcow2::Header::read(&head[..])
-                            .map(|h| h.virtual_size)
-                            .unwrap_or(0),
-                    ),
-                    Some(DiskFormat::Raw) => ("raw".to_string(), size),
-                    Some(other) => (other.name().to_string(), 0),
-                    None => ("unknown".to_string(), 0),
-                };
+                // Informational only: an unreadable qcow2 header reports size 0, not an error.
+                let (format, virtual_size) =
+                    disk::identify(&head, size).unwrap_or((Some(DiskFormat::Qcow2), 0));
+                let format = format.map_or("unknown", |f| f.name()).to_string();
                 return Ok(Some(DiskReport {
                     path,
                     format,

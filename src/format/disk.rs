@@ -67,6 +67,20 @@ pub fn sniff(head: &[u8], tail: &[u8], len: u64) -> Option<DiskFormat> {
     (raw_marks && len.is_multiple_of(512)).then_some(DiskFormat::Raw)
 }
 
+/// What the first bytes of a disk of `size` bytes say: its format, if recognised, and its
+/// guest-visible size (0 when the format does not tell). Fails only on a malformed qcow2
+/// header.
+pub fn identify(head: &[u8], size: u64) -> Result<(Option<DiskFormat>, u64)> {
+    match sniff(head, &[], size) {
+        Some(DiskFormat::Qcow2) => Ok((
+            Some(DiskFormat::Qcow2),
+            qcow2::Header::read(head)?.virtual_size,
+        )),
+        Some(DiskFormat::Raw) => Ok((Some(DiskFormat::Raw), size)),
+        other => Ok((other, 0)),
+    }
+}
+
 /// Reads what [`sniff`] needs from a file.
 pub fn sniff_file(file: &File) -> Result<Option<DiskFormat>> {
     let len = ReadAt::size(file);

@@ -10,3 +10,19 @@ pub mod disk;
 pub mod qcow2;
 pub mod tarsplit;
 pub mod zstd_chunked;
+
+/// A reader of the uncompressed tar stream of a layer blob read from `blob`.
+pub fn layer_decoder<'a>(
+    compression: crate::oci::LayerCompression,
+    blob: impl std::io::Read + 'a,
+) -> crate::error::Result<Box<dyn std::io::Read + 'a>> {
+    use crate::oci::LayerCompression;
+    Ok(match compression {
+        LayerCompression::None => Box::new(blob),
+        LayerCompression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(blob)),
+        LayerCompression::Zstd => Box::new(
+            zstd::stream::read::Decoder::new(blob)
+                .map_err(|e| crate::error::Error::io("starting the zstd decoder", e))?,
+        ),
+    })
+}

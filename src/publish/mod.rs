@@ -9,7 +9,6 @@
 pub mod pipeline;
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -19,7 +18,6 @@ use self::pipeline::{build_layer, BuiltLayer, ChunkingOptions, LayerContent};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::disk::{self, DiskFormat};
-use crate::format::qcow2;
 use crate::format::zstd_chunked::{clean_path, EntryMeta, TocLocation};
 use crate::oci::{self, Descriptor, ImageConfig, Manifest, ManifestKind, Platform, RootFs};
 use crate::reference::Reference;
@@ -299,11 +297,10 @@ fn parent_dirs(path: &str, mtime: u64) -> Vec<EntryMeta> {
 
 /// Format and virtual size from the first bytes of a disk.
 fn disk_facts_from_head(head: &[u8], size: u64) -> Result<(DiskFormat, u64)> {
-    match disk::sniff(head, &[], size) {
-        Some(DiskFormat::Qcow2) => Ok((DiskFormat::Qcow2, qcow2::Header::read(head)?.virtual_size)),
-        Some(DiskFormat::Raw) => Ok((DiskFormat::Raw, size)),
-        Some(other) => Err(Error::unsupported(format!("the disk is in {} format; publish it with `vmdisk push`, which converts it", other.name()))),
-        None => Err(Error::invalid("the file does not look like a VM disk (not qcow2, no partition table or filesystem signature)")),
+    match disk::identify(head, size)? {
+        (Some(format @ (DiskFormat::Qcow2 | DiskFormat::Raw)), virtual_size) => Ok((format, virtual_size)),
+        (Some(other), _) => Err(Error::unsupported(format!("the disk is in {} format; publish it with `vmdisk push`, which converts it", other.name()))),
+        (None, _) => Err(Error::invalid("the file does not look like a VM disk (not qcow2, no partition table or filesystem signature)")),
     }
 }
 
@@ -533,14 +530,7 @@ fn convert_layer(
     let mut found = None;
     let mut sink = Some(sink);
     {
-        let decoder: Box<dyn Read> = match compression {
-            oci::LayerCompression::None => Box::new(&mut blob),
-            oci::LayerCompression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(&mut blob)),
-            oci::LayerCompression::Zstd => Box::new(
-                zstd::stream::read::Decoder::new(&mut blob)
-                    .map_err(|e| Error::io("zstd decoder", e))?,
-            ),
-        };
+        let decoder = crate::format::layer_decoder(compression, &mut blob)?;
         let mut archive = tar::Archive::new(decoder);
         let entries = archive
             .entries()
