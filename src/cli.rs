@@ -12,6 +12,7 @@ use crate::oci::Platform;
 use crate::publish::{self, PublishOptions};
 use crate::reference::Reference;
 use crate::registry::{RegistryClient, RegistryConfig};
+use crate::serve::{Hydrate, ServeOptions};
 
 /// VM disks from container registries, loaded lazily.
 #[derive(Parser, Debug)]
@@ -62,17 +63,6 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Mount an image's disk layer read-only, fetching chunks as they are read (foreground).
     Mount(MountArgs),
-}
-
-/// How `vmdisk mount` fetches what nobody read yet.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Hydrate {
-    /// Only what is read (plus read-ahead and qcow2 metadata).
-    Off,
-    /// Everything, in the background, at most --hydrate-rate.
-    Background,
-    /// Everything, at full speed.
-    Eager,
 }
 
 #[derive(Args, Debug)]
@@ -246,17 +236,6 @@ pub async fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-async fn wait_for_signal() -> Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())
-        .map_err(|e| Error::io("installing the SIGTERM handler", e))?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    Ok(())
-}
-
 /// `vmdisk mount`: serves the disk layer at `dir` until SIGINT or SIGTERM.
 async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
     use crate::engine::{Engine, EngineOptions};
@@ -273,91 +252,31 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
         let freed = cache.evict(publish::parse_size(limit)? as u64)?;
         tracing::info!(freed, "cache eviction done");
     }
-    let fs = crate::fuse::LayerFs::new(
+    let serving = crate::serve::start(
         std::sync::Arc::clone(&engine),
-        tokio::runtime::Handle::current(),
-        !args.no_passthrough,
-    );
-    let session = crate::fuse::mount(fs, &args.dir)?;
-    let layer = &engine.layer;
+        &cache,
+        &args.dir,
+        &ServeOptions {
+            hydrate: args.hydrate,
+            hydrate_rate: args.hydrate_rate,
+            passthrough: !args.no_passthrough,
+            stats_file: None,
+            announce: true,
+        },
+    )?;
     println!(
         "ready: {} at {} ({} of {} chunks cached)",
         reference,
-        args.dir
-            .join(&layer.nodes[layer.files[layer.disk].node].path)
-            .display(),
+        serving.disk_path().display(),
         engine.cache.present_count(),
-        layer.chunks.len()
+        engine.layer.chunks.len()
     );
-
-    let mut tasks = Vec::new();
-    let e = std::sync::Arc::clone(&engine);
-    tasks.push(tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-            let e = std::sync::Arc::clone(&e);
-            if let Ok(Err(err)) = tokio::task::spawn_blocking(move || e.cache.flush()).await {
-                tracing::warn!(error = %err.chain(), "flushing the cache failed");
-            }
-        }
-    }));
-    // Background work, in order and off the start-up path: index the other cached layers'
-    // chunks for dedup (reads every cached TOC), fetch what qemu reads first from a qcow2,
-    // then hydrate if asked. Reads meanwhile are served as usual.
-    let e = std::sync::Arc::clone(&engine);
-    let index_cache = cache.clone();
-    let limit = (args.hydrate == Hydrate::Background).then_some(args.hydrate_rate * 1_000_000);
-    let hydrate = args.hydrate != Hydrate::Off;
-    tasks.push(tokio::spawn(async move {
-        let indexer = std::sync::Arc::clone(&e);
-        let _ = tokio::task::spawn_blocking(move || indexer.index_other_layers(&index_cache)).await;
-        if let Err(err) = e.prefetch_qcow2().await {
-            tracing::warn!(error = %err.chain(), "qcow2 metadata prefetch failed");
-        }
-        if hydrate {
-            let concurrency = if limit.is_some() { 2 } else { 4 };
-            match e.hydrate(concurrency, limit).await {
-                Ok(()) => println!("hydrated: {} chunks cached", e.cache.present_count()),
-                Err(err) => tracing::warn!(error = %err.chain(), "hydration stopped"),
-            }
-        }
-    }));
-
-    // Unmount on SIGINT/SIGTERM; while files on the mount are open, refuse and keep serving.
-    loop {
-        wait_for_signal().await?;
-        match nix::mount::umount2(&args.dir, nix::mount::MntFlags::empty()) {
-            Ok(()) => break,
-            Err(nix::errno::Errno::EBUSY) => eprintln!(
-                "vmdisk: {} is busy; close the files using it (`fuser -vm {}`) and signal again",
-                args.dir.display(),
-                args.dir.display()
-            ),
-            Err(e) => {
-                return Err(Error::io(
-                    format!("unmounting {}", args.dir.display()),
-                    e.into(),
-                ))
-            }
-        }
-    }
-    for task in &tasks {
-        task.abort();
-    }
-    tokio::task::spawn_blocking(move || session.join())
-        .await
-        .map_err(|e| Error::new(crate::error::ErrorKind::Io, "unmounting").with_source(e))?
-        .map_err(|e| {
-            Error::io(
-                format!("ending the FUSE session of {}", args.dir.display()),
-                e,
-            )
-        })?;
-    engine.cache.flush()?;
+    serving.serve_until_signalled().await?;
+    let stats = serving.finish().await?;
     if args.stats {
         println!(
             "{}",
-            serde_json::to_string(&engine.stats.snapshot()).expect("stats serialise")
+            serde_json::to_string(&stats).expect("stats serialise")
         );
     }
     Ok(())

@@ -2,8 +2,8 @@
 //!
 //! Every failure carries a small, matchable [`ErrorKind`] (what went wrong, in terms a caller can
 //! act on), a human sentence of context (which registry, digest, offset or path) and, where there
-//! is one, the underlying source. Binaries turn kinds into exit codes; the daemon (later) maps
-//! them to gRPC status and errno in exactly one place each.
+//! is one, the underlying source. Binaries turn kinds into exit codes; the daemon maps them to gRPC
+//! status in one place (`snapshotter::grpc::status`), the FUSE layer answers EIO.
 
 use std::fmt;
 
@@ -24,6 +24,11 @@ pub enum ErrorKind {
     Unsupported,
     /// Local I/O (files, child processes).
     Io,
+    /// The thing to create exists already (a snapshot key).
+    AlreadyExists,
+    /// The request is valid but the state forbids it (a snapshot with children, a parent that is
+    /// not committed).
+    FailedPrecondition,
 }
 
 impl fmt::Display for ErrorKind {
@@ -36,6 +41,8 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Network => "network error",
             ErrorKind::Unsupported => "unsupported",
             ErrorKind::Io => "I/O error",
+            ErrorKind::AlreadyExists => "already exists",
+            ErrorKind::FailedPrecondition => "failed precondition",
         })
     }
 }
@@ -99,6 +106,10 @@ impl Error {
             next = err.source();
         }
         out
+    }
+
+    pub(crate) fn not_found(context: impl Into<String>) -> Self {
+        Error::new(ErrorKind::NotFound, context)
     }
 
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {

@@ -6,8 +6,12 @@
 //! - [`publish`]: building and pushing lazily loadable images (`vmdisk push`, `convert`).
 //! - [`inspect`]: reading any image and describing how lazily loadable it is.
 //! - [`cache`]: the persistent block cache (data files, presence bitmaps, eviction).
+//! - [`remote`], [`engine`], [`fuse`], [`serve`]: a lazily loaded layer, from chunk index to
+//!   FUSE mount.
+//! - [`snapshotter`]: the containerd proxy snapshotter daemon; [`api`]: its gRPC definitions.
 //! - [`oci`], [`reference`], [`digest`], [`error`]: the shared vocabulary.
 
+pub mod api;
 pub mod cache;
 pub mod cli;
 pub mod digest;
@@ -21,3 +25,5 @@ pub mod publish;
 pub mod reference;
 pub mod registry;
 pub mod remote;
+pub mod serve;
+pub mod snapshotter;

@@ -134,7 +134,7 @@ impl RemoteLayer {
 }
 
 /// Picks the disk layer of a manifest: the topmost zstd:chunked layer that has a TOC.
-fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
+pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
     m.layers.iter().rev().find(|l| {
         oci::layer_compression(&l.media_type) == Some(oci::LayerCompression::Zstd)
             && TocLocation::from_annotations(&l.annotations)

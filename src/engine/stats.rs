@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Live counters (all monotonic).
 #[derive(Default, Debug)]
@@ -39,7 +39,7 @@ pub struct Stats {
 }
 
 /// A point-in-time copy of [`Stats`], for printing.
-#[derive(Debug, Serialize, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Serialize, Deserialize, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StatsSnapshot {
     pub read_calls: u64,
     pub bytes_served: u64,

@@ -1,0 +1,92 @@
+//! `vmdisk-snapshotter`: the containerd proxy snapshotter daemon. All logic lives in the
+//! library (`vmdisk::snapshotter`).
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use vmdisk::snapshotter::config::Config;
+
+/// containerd proxy snapshotter that serves VM-disk layers lazily.
+#[derive(Parser, Debug)]
+#[command(name = "vmdisk-snapshotter", version, about)]
+struct Args {
+    /// TOML configuration (config/vmdisk-snapshotter.toml documents every field).
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// State directory (overrides `root`).
+    #[arg(long, global = true, value_name = "DIR")]
+    root: Option<PathBuf>,
+    /// Snapshots API socket (overrides `address`).
+    #[arg(long, value_name = "SOCK")]
+    address: Option<PathBuf>,
+    /// Log level or tracing filter (overrides `log_level`).
+    #[arg(long, global = true, value_name = "LEVEL")]
+    log_level: Option<String>,
+    #[command(subcommand)]
+    command: Option<Internal>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Internal {
+    /// Internal: serve one remote layer's FUSE mount (started by the daemon).
+    #[command(hide = true)]
+    ServeLayer {
+        #[arg(long)]
+        reference: String,
+        #[arg(long)]
+        layer: String,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let mut config = match Config::load(args.config.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("vmdisk-snapshotter: error: {}", e.chain());
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    if let Some(root) = args.root {
+        config.root = root;
+    }
+    if let Some(address) = args.address {
+        config.address = address;
+    }
+    if let Some(level) = args.log_level {
+        config.log_level = level;
+    }
+    let directives = format!("{},fuser=error,h2=warn,tower=warn", config.log_level);
+    let filter = tracing_subscriber::EnvFilter::try_new(&directives)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,fuser=error"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("vmdisk-snapshotter: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match args.command {
+            None => vmdisk::snapshotter::daemon::run(config, args.config).await,
+            Some(Internal::ServeLayer { reference, layer }) => {
+                let layer = layer.parse()?;
+                vmdisk::snapshotter::daemon::serve_layer(&config, &reference, &layer).await
+            }
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vmdisk-snapshotter: error: {}", e.chain());
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

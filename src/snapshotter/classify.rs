@@ -1,0 +1,148 @@
+//! Deciding, during containerd's unpack, whether a layer is a lazily loadable VM disk.
+//!
+//! The CRI labels name the image (`cri.image-ref`), its platform manifest
+//! (`cri.manifest-digest`) and the layer (`cri.layer-digest`). The manifest, fetched by digest
+//! and so verified, is the only authority: a layer is remote when it is the manifest's disk
+//! layer (zstd:chunked with a TOC, the topmost such layer). Our own `vmdisk.*` labels only mark
+//! the layer as a candidate, so a fallback for a published disk is logged as a warning; labels
+//! never decide alone, because they are caller-supplied text.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use crate::digest::Digest;
+use crate::error::Result;
+use crate::oci::{self, ManifestKind};
+use crate::publish;
+use crate::reference::Reference;
+use crate::registry::RegistryClient;
+
+pub const LABEL_TARGET: &str = "containerd.io/snapshot.ref";
+pub const LABEL_IMAGE_REF: &str = "containerd.io/snapshot/cri.image-ref";
+pub const LABEL_MANIFEST: &str = "containerd.io/snapshot/cri.manifest-digest";
+pub const LABEL_LAYER: &str = "containerd.io/snapshot/cri.layer-digest";
+/// Set on snapshots served lazily (the remote-snapshotter convention).
+pub const LABEL_REMOTE: &str = "containerd.io/snapshot/remote";
+
+/// The outcome for one layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Serve the layer lazily from `reference` (repository@manifest digest).
+    Remote { reference: Reference, layer: Digest },
+    /// Let containerd download and apply it. `candidate`: the layer looked like a published
+    /// disk (our labels), so this is a fallback worth a warning.
+    Ordinary {
+        reason: &'static str,
+        detail: String,
+        candidate: bool,
+    },
+}
+
+/// Manifests kept in memory, by reference; bounded because the labels come from outside.
+const MANIFEST_CACHE: usize = 64;
+
+/// Fetches manifests (once per digest) and classifies layers.
+pub struct Classifier {
+    client: Arc<RegistryClient>,
+    manifests: Mutex<HashMap<String, Arc<oci::Manifest>>>,
+}
+
+impl Classifier {
+    pub fn new(client: Arc<RegistryClient>) -> Self {
+        Classifier {
+            client,
+            manifests: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn manifest(&self, reference: &Reference) -> Result<Arc<oci::Manifest>> {
+        let key = reference.to_string();
+        if let Some(m) = self.manifests.lock().expect("manifest cache").get(&key) {
+            return Ok(Arc::clone(m));
+        }
+        let fetched = self.client.get_manifest(reference).await?;
+        let manifest = match fetched.manifest {
+            ManifestKind::Image(m) => Arc::new(m),
+            ManifestKind::Index(_) => {
+                return Err(crate::error::Error::unsupported(format!(
+                    "{reference} is an index, not the platform manifest CRI names"
+                )))
+            }
+        };
+        let mut cache = self.manifests.lock().expect("manifest cache");
+        if cache.len() >= MANIFEST_CACHE {
+            cache.clear();
+        }
+        cache.insert(key, Arc::clone(&manifest));
+        Ok(manifest)
+    }
+
+    /// Classifies the layer a Prepare with `labels` is about to unpack.
+    pub async fn classify(&self, labels: &BTreeMap<String, String>) -> Decision {
+        let candidate = labels.keys().any(|k| k.starts_with(publish::ANN_PREFIX));
+        let ordinary = |reason: &'static str, detail: String| Decision::Ordinary {
+            reason,
+            detail,
+            candidate,
+        };
+        let (Some(image), Some(manifest), Some(layer)) = (
+            labels.get(LABEL_IMAGE_REF),
+            labels.get(LABEL_MANIFEST),
+            labels.get(LABEL_LAYER),
+        ) else {
+            return ordinary(
+                "no_cri_labels",
+                "no CRI image labels (a `ctr` pull, or disable_snapshot_annotations = true)".into(),
+            );
+        };
+        let parsed = (|| -> Result<(Reference, Digest)> {
+            let image: Reference = image.parse()?;
+            let manifest: Digest = manifest.parse()?;
+            let layer: Digest = layer.parse()?;
+            Ok((image.with_digest(manifest), layer))
+        })();
+        let (reference, layer) = match parsed {
+            Ok(p) => p,
+            Err(e) => return ordinary("malformed_labels", e.chain()),
+        };
+        let manifest = match self.manifest(&reference).await {
+            Ok(m) => m,
+            Err(e) => return ordinary("registry_error", e.chain()),
+        };
+        if !manifest.layers.iter().any(|l| l.digest == layer) {
+            return ordinary(
+                "layer_not_in_manifest",
+                format!("{reference} has no layer {layer}"),
+            );
+        }
+        match crate::remote::disk_layer(&manifest) {
+            Some(disk) if disk.digest == layer => Decision::Remote { reference, layer },
+            Some(_) => ordinary("not_disk_layer", "another layer holds the disk".into()),
+            None => ordinary(
+                "not_lazy",
+                "no zstd:chunked layer with a TOC in the manifest".into(),
+            ),
+        }
+    }
+}
+
+/// Counted decisions, by "remote", "reused" or "ordinary:<reason>"/"fallback:<reason>".
+#[derive(Default)]
+pub struct Decisions {
+    counts: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Decisions {
+    pub fn count(&self, what: &str) {
+        *self
+            .counts
+            .lock()
+            .expect("decision counts")
+            .entry(what.to_string())
+            .or_default() += 1;
+    }
+
+    pub fn snapshot(&self) -> BTreeMap<String, u64> {
+        self.counts.lock().expect("decision counts").clone()
+    }
+}

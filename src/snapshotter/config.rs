@@ -1,0 +1,229 @@
+//! The daemon's configuration: a TOML file whose every field has a working default
+//! (`config/vmdisk-snapshotter.toml` is those defaults, commented). Unknown fields are refused,
+//! so a typo is an error at start, not a silently ignored setting.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::registry::RegistryConfig;
+use crate::serve::Hydrate;
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Metadata, snapshot directories, mount points and (by default) the cache.
+    pub root: PathBuf,
+    /// The containerd snapshots API socket (mode 0660).
+    pub address: PathBuf,
+    /// The management API socket (mode 0600).
+    pub manage_address: PathBuf,
+    /// tracing filter: error, warn, info, debug, trace, or directives.
+    pub log_level: String,
+    pub cache: CacheConfig,
+    pub registry: RegistrySettings,
+    pub metrics: MetricsConfig,
+}
+
+/// The block cache.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Cache directory; empty means `<root>/cache`.
+    pub dir: PathBuf,
+    /// Upper bound (e.g. "50G"); layers of mounted disks are never evicted. Empty: no bound.
+    pub size: String,
+    /// What a mounted disk fetches beyond what is read.
+    pub hydrate: Hydrate,
+    /// Bandwidth limit of background hydration, MB/s.
+    pub hydrate_rate: u64,
+    /// Hand complete files to the kernel with FUSE passthrough.
+    pub passthrough: bool,
+}
+
+/// How registries are reached.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RegistrySettings {
+    /// containerd `hosts.toml` directory (mirrors, CAs, client certificates).
+    pub hosts_dir: PathBuf,
+    /// Docker config files with credentials; empty means the usual search path
+    /// (REGISTRY_AUTH_FILE, $DOCKER_CONFIG, ~/.docker/config.json).
+    pub auth_files: Vec<PathBuf>,
+    /// Registries (host[:port]) spoken to over plain HTTP; loopback always may.
+    pub plain_http_hosts: Vec<String>,
+    /// Seconds a read keeps retrying a failing chunk fetch before it fails with EIO.
+    pub fetch_timeout: u64,
+    /// Seconds Prepare waits for a disk to be mounted before falling back to a normal pull.
+    pub mount_timeout: u64,
+}
+
+/// The Prometheus endpoint.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// "" (off), "unix:/path/to.sock", or a loopback "127.0.0.1:PORT".
+    pub address: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            root: PathBuf::from("/var/lib/vmdisk-snapshotter"),
+            address: PathBuf::from("/run/vmdisk/snapshotter.sock"),
+            manage_address: PathBuf::from("/run/vmdisk/manage.sock"),
+            log_level: "info".into(),
+            cache: CacheConfig::default(),
+            registry: RegistrySettings::default(),
+            metrics: MetricsConfig::default(),
+        }
+    }
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            dir: PathBuf::new(),
+            size: String::new(),
+            hydrate: Hydrate::Off,
+            hydrate_rate: 50,
+            passthrough: true,
+        }
+    }
+}
+
+impl Default for RegistrySettings {
+    fn default() -> Self {
+        RegistrySettings {
+            hosts_dir: PathBuf::from("/etc/containerd/certs.d"),
+            auth_files: Vec::new(),
+            plain_http_hosts: Vec::new(),
+            fetch_timeout: 30,
+            mount_timeout: 60,
+        }
+    }
+}
+
+/// Where the metrics endpoint listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetricsAddress {
+    Off,
+    Unix(PathBuf),
+    Tcp(std::net::SocketAddr),
+}
+
+impl Config {
+    /// Reads `path`, or the defaults when there is none.
+    pub fn load(path: Option<&Path>) -> Result<Config> {
+        let Some(path) = path else {
+            return Ok(Config::default());
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("reading the configuration {}", path.display()), e))?;
+        let config: Config = toml::from_str(&text).map_err(|e| {
+            Error::invalid(format!(
+                "configuration {}: {}",
+                path.display(),
+                e.to_string().trim_end()
+            ))
+        })?;
+        config.metrics_address()?;
+        if !config.cache.size.is_empty() {
+            crate::publish::parse_size(&config.cache.size)
+                .map_err(|e| e.context(format!("configuration {}: cache.size", path.display())))?;
+        }
+        Ok(config)
+    }
+
+    /// The cache directory.
+    pub fn cache_dir(&self) -> PathBuf {
+        if self.cache.dir.as_os_str().is_empty() {
+            self.root.join("cache")
+        } else {
+            self.cache.dir.clone()
+        }
+    }
+
+    /// The cache bound in bytes, if any.
+    pub fn cache_limit(&self) -> Result<Option<u64>> {
+        if self.cache.size.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(crate::publish::parse_size(&self.cache.size)? as u64))
+    }
+
+    /// The registry client settings.
+    pub fn registry_config(&self) -> RegistryConfig {
+        RegistryConfig {
+            plain_http_hosts: self.registry.plain_http_hosts.clone(),
+            hosts_dir: Some(self.registry.hosts_dir.clone()).filter(|d| d.is_dir()),
+            auth_files: Some(self.registry.auth_files.clone()).filter(|f| !f.is_empty()),
+            ..RegistryConfig::default()
+        }
+    }
+
+    /// The parsed metrics address; a TCP address must be loopback.
+    pub fn metrics_address(&self) -> Result<MetricsAddress> {
+        let a = self.metrics.address.trim();
+        if a.is_empty() {
+            return Ok(MetricsAddress::Off);
+        }
+        if let Some(path) = a.strip_prefix("unix:") {
+            return Ok(MetricsAddress::Unix(PathBuf::from(path)));
+        }
+        let addr: std::net::SocketAddr = a.parse().map_err(|_| {
+            Error::invalid(format!(
+                "metrics.address {a:?} is neither unix:/path nor IP:PORT"
+            ))
+        })?;
+        if !addr.ip().is_loopback() {
+            return Err(Error::invalid(format!(
+                "metrics.address {a:?} is not a loopback address; the endpoint is unauthenticated, expose it through a unix socket or a local proxy"
+            )));
+        }
+        Ok(MetricsAddress::Tcp(addr))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, text).unwrap();
+        Config::load(Some(&path))
+    }
+
+    #[test]
+    fn shipped_config_is_the_defaults() {
+        let shipped = Config::load(Some(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/vmdisk-snapshotter.toml"
+        ))))
+        .unwrap();
+        let d = Config::default();
+        assert_eq!(format!("{shipped:?}"), format!("{d:?}"));
+    }
+
+    #[test]
+    fn refuses_unknown_fields_and_bad_values() {
+        let e = parse("roots = \"/x\"").unwrap_err();
+        assert!(e.to_string().contains("unknown field"), "{e}");
+        let e = parse("[metrics]\naddress = \"0.0.0.0:9100\"").unwrap_err();
+        assert!(e.to_string().contains("loopback"), "{e}");
+        let e = parse("[cache]\nsize = \"lots\"").unwrap_err();
+        assert!(e.to_string().contains("cache.size"), "{e}");
+        let c =
+            parse("[metrics]\naddress = \"unix:/run/m.sock\"\n[cache]\nhydrate = \"background\"")
+                .unwrap();
+        assert_eq!(
+            c.metrics_address().unwrap(),
+            MetricsAddress::Unix(PathBuf::from("/run/m.sock"))
+        );
+        assert_eq!(c.cache.hydrate, Hydrate::Background);
+    }
+}

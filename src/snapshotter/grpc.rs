@@ -1,0 +1,347 @@
+//! The gRPC faces of the daemon: containerd's snapshots service and vmdisk's management API.
+//! Requests are translated to [`Snapshotter`] calls; errors become gRPC status here and only
+//! here ([`status`]), with the codes containerd's `errdefs` turns back into its own errors.
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use super::filter;
+use super::store::{Kind, Record};
+use super::{blocking, Mount, Snapshotter};
+use crate::api::containerd::services::snapshots::v1 as pb;
+use crate::api::containerd::types::Mount as PbMount;
+use crate::api::vmdisk::v1 as mpb;
+use crate::error::{Error, ErrorKind};
+
+/// The one mapping from error kinds to gRPC codes.
+pub fn status(e: Error) -> Status {
+    let code = match e.kind() {
+        ErrorKind::NotFound => tonic::Code::NotFound,
+        ErrorKind::AlreadyExists => tonic::Code::AlreadyExists,
+        ErrorKind::FailedPrecondition => tonic::Code::FailedPrecondition,
+        ErrorKind::InvalidInput => tonic::Code::InvalidArgument,
+        ErrorKind::Unsupported => tonic::Code::Unimplemented,
+        ErrorKind::Network => tonic::Code::Unavailable,
+        ErrorKind::Auth => tonic::Code::Unauthenticated,
+        ErrorKind::Corrupt => tonic::Code::DataLoss,
+        ErrorKind::Io => tonic::Code::Internal,
+    };
+    Status::new(code, e.chain())
+}
+
+/// Calls per method and failures, for metrics.
+#[derive(Default)]
+pub struct CallCounts {
+    pub calls: BTreeMap<&'static str, AtomicU64>,
+    pub errors: BTreeMap<&'static str, AtomicU64>,
+}
+
+const METHODS: [&str; 10] = [
+    "Prepare", "View", "Mounts", "Commit", "Remove", "Stat", "Update", "List", "Usage", "Cleanup",
+];
+
+impl CallCounts {
+    pub fn new() -> Self {
+        CallCounts {
+            calls: METHODS.iter().map(|m| (*m, AtomicU64::new(0))).collect(),
+            errors: METHODS.iter().map(|m| (*m, AtomicU64::new(0))).collect(),
+        }
+    }
+
+    fn record<T>(&self, method: &'static str, r: &Result<T, Status>) {
+        self.calls[method].fetch_add(1, Ordering::Relaxed);
+        if let Err(s) = r {
+            // AlreadyExists from Prepare is the remote-snapshot handshake, not a failure.
+            if !(method == "Prepare" && s.code() == tonic::Code::AlreadyExists) {
+                self.errors[method].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The snapshots service.
+pub struct SnapshotsService {
+    pub snapshotter: Arc<Snapshotter>,
+    pub calls: Arc<CallCounts>,
+}
+
+fn mounts(ms: Vec<Mount>) -> Vec<PbMount> {
+    ms.into_iter()
+        .map(|m| PbMount {
+            r#type: m.kind,
+            source: m.source,
+            target: String::new(),
+            options: m.options,
+        })
+        .collect()
+}
+
+fn timestamp(nanos: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: nanos.div_euclid(1_000_000_000),
+        nanos: nanos.rem_euclid(1_000_000_000) as i32,
+    }
+}
+
+fn info(name: String, r: &Record) -> pb::Info {
+    pb::Info {
+        name,
+        parent: r.parent.clone(),
+        kind: match r.kind {
+            Kind::View => pb::Kind::View,
+            Kind::Active => pb::Kind::Active,
+            Kind::Committed => pb::Kind::Committed,
+        } as i32,
+        created_at: Some(timestamp(r.created)),
+        updated_at: Some(timestamp(r.updated)),
+        labels: r.labels.clone().into_iter().collect(),
+    }
+}
+
+fn sorted(labels: std::collections::HashMap<String, String>) -> BTreeMap<String, String> {
+    labels.into_iter().collect()
+}
+
+type ListStream =
+    Pin<Box<dyn futures_util::Stream<Item = Result<pb::ListSnapshotsResponse, Status>> + Send>>;
+
+impl SnapshotsService {
+    async fn run<T: Send + 'static>(
+        &self,
+        method: &'static str,
+        f: impl FnOnce(Arc<Snapshotter>) -> crate::error::Result<T> + Send + 'static,
+    ) -> Result<T, Status> {
+        let s = Arc::clone(&self.snapshotter);
+        let r = blocking(move || f(s)).await.map_err(status);
+        self.calls.record(method, &r);
+        if let Err(e) = &r {
+            tracing::debug!(method, error = %e.message(), "snapshots call failed");
+        }
+        r
+    }
+}
+
+#[tonic::async_trait]
+impl pb::snapshots_server::Snapshots for SnapshotsService {
+    async fn prepare(
+        &self,
+        request: Request<pb::PrepareSnapshotRequest>,
+    ) -> Result<Response<pb::PrepareSnapshotResponse>, Status> {
+        let req = request.into_inner();
+        let r = self
+            .snapshotter
+            .prepare(&req.key, &req.parent, sorted(req.labels))
+            .await
+            .map_err(status)
+            .and_then(|m| match m {
+                Some(m) => Ok(m),
+                None => Err(Status::already_exists(format!(
+                    "target snapshot of {:?}: already exists (served lazily by vmdisk)",
+                    req.key
+                ))),
+            });
+        self.calls.record("Prepare", &r);
+        Ok(Response::new(pb::PrepareSnapshotResponse {
+            mounts: mounts(r?),
+        }))
+    }
+
+    async fn view(
+        &self,
+        request: Request<pb::ViewSnapshotRequest>,
+    ) -> Result<Response<pb::ViewSnapshotResponse>, Status> {
+        let req = request.into_inner();
+        let m = self
+            .run("View", move |s| {
+                s.create(&req.key, &req.parent, Kind::View, sorted(req.labels))
+            })
+            .await?;
+        Ok(Response::new(pb::ViewSnapshotResponse {
+            mounts: mounts(m),
+        }))
+    }
+
+    async fn mounts(
+        &self,
+        request: Request<pb::MountsRequest>,
+    ) -> Result<Response<pb::MountsResponse>, Status> {
+        let key = request.into_inner().key;
+        let m = self.run("Mounts", move |s| s.mounts(&key)).await?;
+        Ok(Response::new(pb::MountsResponse { mounts: mounts(m) }))
+    }
+
+    async fn commit(
+        &self,
+        request: Request<pb::CommitSnapshotRequest>,
+    ) -> Result<Response<()>, Status> {
+        let req = request.into_inner();
+        self.run("Commit", move |s| {
+            s.commit(&req.name, &req.key, sorted(req.labels))
+                .map(|_| ())
+        })
+        .await?;
+        Ok(Response::new(()))
+    }
+
+    async fn remove(
+        &self,
+        request: Request<pb::RemoveSnapshotRequest>,
+    ) -> Result<Response<()>, Status> {
+        let key = request.into_inner().key;
+        let unused = self.run("Remove", move |s| s.remove(&key)).await?;
+        if let Some(layer) = unused {
+            self.snapshotter.servers.stop(&layer).await;
+        }
+        Ok(Response::new(()))
+    }
+
+    async fn stat(
+        &self,
+        request: Request<pb::StatSnapshotRequest>,
+    ) -> Result<Response<pb::StatSnapshotResponse>, Status> {
+        let key = request.into_inner().key;
+        let (key, r) = self
+            .run("Stat", move |s| s.stat(&key).map(|r| (key, r)))
+            .await?;
+        Ok(Response::new(pb::StatSnapshotResponse {
+            info: Some(info(key, &r)),
+        }))
+    }
+
+    async fn update(
+        &self,
+        request: Request<pb::UpdateSnapshotRequest>,
+    ) -> Result<Response<pb::UpdateSnapshotResponse>, Status> {
+        let req = request.into_inner();
+        let Some(new) = req.info else {
+            return Err(Status::invalid_argument("Update needs the snapshot's info"));
+        };
+        let paths = req.update_mask.map(|m| m.paths).unwrap_or_default();
+        let (key, r) = self
+            .run("Update", move |s| {
+                let labels = sorted(new.labels);
+                s.update(&new.name, &labels, &paths).map(|r| (new.name, r))
+            })
+            .await?;
+        Ok(Response::new(pb::UpdateSnapshotResponse {
+            info: Some(info(key, &r)),
+        }))
+    }
+
+    type ListStream = ListStream;
+
+    async fn list(
+        &self,
+        request: Request<pb::ListSnapshotsRequest>,
+    ) -> Result<Response<Self::ListStream>, Status> {
+        let filters = request.into_inner().filters;
+        let infos = self
+            .run("List", move |s| {
+                let filters = filter::parse_all(&filters)?;
+                Ok(s.list()?
+                    .into_iter()
+                    .filter(|(k, r)| {
+                        filter::any_matches(
+                            &filters,
+                            &filter::Fields {
+                                name: k,
+                                parent: &r.parent,
+                                kind: r.kind.name(),
+                                labels: &r.labels,
+                            },
+                        )
+                    })
+                    .map(|(k, r)| info(k, &r))
+                    .collect::<Vec<_>>())
+            })
+            .await?;
+        // Batches keep each message far below gRPC's 4 MiB limit.
+        let batches: Vec<Result<pb::ListSnapshotsResponse, Status>> = infos
+            .chunks(100)
+            .map(|c| Ok(pb::ListSnapshotsResponse { info: c.to_vec() }))
+            .collect();
+        Ok(Response::new(Box::pin(tokio_stream::iter(batches))))
+    }
+
+    async fn usage(
+        &self,
+        request: Request<pb::UsageRequest>,
+    ) -> Result<Response<pb::UsageResponse>, Status> {
+        let key = request.into_inner().key;
+        let u = self.run("Usage", move |s| s.usage(&key)).await?;
+        Ok(Response::new(pb::UsageResponse {
+            size: i64::try_from(u.size).unwrap_or(i64::MAX),
+            inodes: i64::try_from(u.inodes).unwrap_or(i64::MAX),
+        }))
+    }
+
+    async fn cleanup(&self, _request: Request<pb::CleanupRequest>) -> Result<Response<()>, Status> {
+        let unused = self.run("Cleanup", |s| s.cleanup()).await?;
+        for layer in unused {
+            self.snapshotter.servers.stop(&layer).await;
+        }
+        Ok(Response::new(()))
+    }
+}
+
+/// The management service.
+pub struct ManageService {
+    pub snapshotter: Arc<Snapshotter>,
+}
+
+/// What the management API and the metrics report about remote layers.
+pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>> {
+    let me = Arc::clone(s);
+    let layers = blocking(move || me.remote_layers()).await?;
+    let mut out = Vec::new();
+    for (layer, (reference, snapshots)) in layers {
+        let paths = s.servers.paths(&layer);
+        let pid = s.servers.pid(&layer).await;
+        let status = paths.stats().unwrap_or_default();
+        out.push(mpb::Disk {
+            reference,
+            layer_digest: layer.to_string(),
+            mountpoint: paths.mountpoint.display().to_string(),
+            disk_path: status.disk_path,
+            chunks: status.chunks,
+            chunks_cached: status.chunks_cached,
+            registry_bytes: status.counters.bytes_fetched,
+            snapshots,
+            serving: pid.is_some(),
+            server_pid: pid.unwrap_or(0),
+        });
+    }
+    Ok(out)
+}
+
+#[tonic::async_trait]
+impl mpb::manage_server::Manage for ManageService {
+    async fn status(
+        &self,
+        _request: Request<mpb::StatusRequest>,
+    ) -> Result<Response<mpb::StatusResponse>, Status> {
+        let s = Arc::clone(&self.snapshotter);
+        let count = blocking(move || s.list().map(|l| l.len() as u64))
+            .await
+            .map_err(status)?;
+        let remote = disks(&self.snapshotter).await.map_err(status)?.len() as u64;
+        Ok(Response::new(mpb::StatusResponse {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            decisions: self.snapshotter.decisions.snapshot().into_iter().collect(),
+            snapshots: count,
+            remote_layers: remote,
+        }))
+    }
+
+    async fn list_disks(
+        &self,
+        _request: Request<mpb::ListDisksRequest>,
+    ) -> Result<Response<mpb::ListDisksResponse>, Status> {
+        let disks = disks(&self.snapshotter).await.map_err(status)?;
+        Ok(Response::new(mpb::ListDisksResponse { disks }))
+    }
+}
