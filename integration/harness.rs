@@ -423,8 +423,6 @@ pub fn oci_layout_annotated(
     arch: &str,
     annotations: serde_json::Value,
 ) {
-    let blobs = dir.join("blobs/sha256");
-    std::fs::create_dir_all(&blobs).unwrap();
     let mut tar_bytes = Vec::new();
     {
         let mut b = tar::Builder::new(&mut tar_bytes);
@@ -460,19 +458,43 @@ pub fn oci_layout_annotated(
             )
         }
     };
+    write_layout(
+        dir,
+        &[(layer_bytes, media_type, diff_id, annotations)],
+        arch,
+        serde_json::json!({}),
+    );
+}
+
+/// Writes an OCI image layout at `dir` (tag `latest`): the layers as given
+/// (`(blob, media type, diff id, annotations)`), a config with `image_config`.
+pub fn write_layout(
+    dir: &Path,
+    layers: &[(Vec<u8>, &str, String, serde_json::Value)],
+    arch: &str,
+    image_config: serde_json::Value,
+) {
+    let blobs = dir.join("blobs/sha256");
+    std::fs::create_dir_all(&blobs).unwrap();
     let put = |data: &[u8]| -> String {
         let d = sha256(data);
         std::fs::write(blobs.join(d.trim_start_matches("sha256:")), data).unwrap();
         d
     };
-    let layer_digest = put(&layer_bytes);
-    let config = serde_json::json!({"architecture": arch, "os": "linux", "rootfs": {"type": "layers", "diff_ids": [diff_id]}, "config": {}});
+    let mut descriptors = Vec::new();
+    let mut diff_ids = Vec::new();
+    for (bytes, media_type, diff_id, annotations) in layers {
+        let digest = put(bytes);
+        descriptors.push(serde_json::json!({"mediaType": media_type, "digest": digest, "size": bytes.len(), "annotations": annotations}));
+        diff_ids.push(diff_id.clone());
+    }
+    let config = serde_json::json!({"architecture": arch, "os": "linux", "rootfs": {"type": "layers", "diff_ids": diff_ids}, "config": image_config});
     let config_bytes = serde_json::to_vec(&config).unwrap();
     let config_digest = put(&config_bytes);
     let manifest = serde_json::json!({
         "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
         "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config_bytes.len()},
-        "layers": [{"mediaType": media_type, "digest": layer_digest, "size": layer_bytes.len(), "annotations": annotations}]
+        "layers": descriptors
     });
     let manifest_bytes = serde_json::to_vec(&manifest).unwrap();
     let manifest_digest = put(&manifest_bytes);

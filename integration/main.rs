@@ -1,7 +1,9 @@
 //! Integration tests: the real registry, containerd, skopeo and qemu tools on loopback.
 //! They need root (containerd mounts) and the packages `make test` installs.
 
+mod cri;
 mod harness;
 mod mount;
 mod publish;
+mod snapshotter;
 mod token;

@@ -1,0 +1,617 @@
+//! Real parts for the snapshotter tests: the `vmdisk-snapshotter` daemon in a scratch root,
+//! containerd 1.6 with the CRI plugin using it as its snapshotter (host networking, a local
+//! sandbox image), a CRI client the way kubelet drives containerd, and small images built from
+//! the host's busybox.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_cri::v1 as cri;
+use k8s_cri::v1::image_service_client::ImageServiceClient;
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use tonic::transport::Channel;
+use vmdisk::api::containerd::services::snapshots::v1 as pb;
+use vmdisk::api::containerd::services::snapshots::v1::snapshots_client::SnapshotsClient;
+use vmdisk::api::vmdisk::v1 as mpb;
+use vmdisk::api::vmdisk::v1::manage_client::ManageClient;
+
+use crate::harness::{require, sha256, Scratch};
+
+/// A running `vmdisk-snapshotter`. Dropping it kills the daemon and its mount servers and
+/// detaches their mounts.
+pub struct Daemon {
+    child: Option<Child>,
+    pub root: PathBuf,
+    pub socket: PathBuf,
+    pub manage: PathBuf,
+    pub config: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    /// Writes a configuration under `scratch` (with `extra` TOML appended) and starts.
+    pub fn start(scratch: &Scratch, extra: &str) -> Self {
+        let root = scratch.path("vmdisk");
+        std::fs::create_dir_all(&root).unwrap();
+        let config = root.join("config.toml");
+        let socket = root.join("snapshotter.sock");
+        let manage = root.join("manage.sock");
+        std::fs::write(
+            &config,
+            format!(
+                "root = \"{r}/state\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[registry]\nhosts_dir = \"{r}/no-hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
+                r = root.display(),
+                s = socket.display(),
+                m = manage.display()
+            ),
+        )
+        .unwrap();
+        let mut d = Daemon {
+            child: None,
+            root: root.join("state"),
+            socket,
+            manage,
+            config,
+            log: root.join("daemon.log"),
+        };
+        d.restart();
+        d
+    }
+
+    /// Starts the daemon (again) and waits for its socket to answer.
+    pub fn restart(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let _ = std::fs::remove_file(&self.socket);
+        let child = Command::new(env!("CARGO_BIN_EXE_vmdisk-snapshotter"))
+            .arg("--config")
+            .arg(&self.config)
+            .env("HOME", "/nonexistent")
+            .env_remove("DOCKER_CONFIG")
+            .env_remove("REGISTRY_AUTH_FILE")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start vmdisk-snapshotter");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "vmdisk-snapshotter exited with {status}: {}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "vmdisk-snapshotter did not start: {}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills the daemon with SIGKILL (a crash), leaving its mount servers.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Stops the daemon with SIGTERM and waits for it.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("daemon running");
+        run_quiet("kill", &["-TERM", &c.id().to_string()]);
+        c.wait().unwrap()
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Pids of the mount servers, from their pid files.
+    pub fn server_pids(&self) -> Vec<u32> {
+        let mut out = Vec::new();
+        if let Ok(dirs) = std::fs::read_dir(self.root.join("servers")) {
+            for d in dirs.flatten() {
+                if let Ok(p) = std::fs::read_to_string(d.path().join("pid")) {
+                    out.extend(p.trim().parse::<u32>().ok());
+                }
+            }
+        }
+        out
+    }
+
+    pub async fn snapshots(&self) -> SnapshotsClient<Channel> {
+        SnapshotsClient::new(vmdisk::api::unix_channel(&self.socket).await.unwrap())
+    }
+
+    pub async fn manage(&self) -> ManageClient<Channel> {
+        ManageClient::new(vmdisk::api::unix_channel(&self.manage).await.unwrap())
+    }
+
+    /// Management `ListDisks`.
+    pub fn disks(&self) -> Vec<mpb::Disk> {
+        rt().block_on(async {
+            self.manage()
+                .await
+                .list_disks(mpb::ListDisksRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .disks
+        })
+    }
+
+    /// Management `Status` decisions.
+    pub fn decisions(&self) -> std::collections::HashMap<String, u64> {
+        rt().block_on(async {
+            self.manage()
+                .await
+                .status(mpb::StatusRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .decisions
+        })
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+        for pid in self.server_pids() {
+            run_quiet("kill", &["-KILL", &pid.to_string()]);
+        }
+        unmount_under(&self.root);
+    }
+}
+
+/// Detaches every mount below `dir` (deepest first).
+pub fn unmount_under(dir: &Path) {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let prefix = dir.display().to_string();
+    let mut points: Vec<&str> = mounts
+        .lines()
+        .filter_map(|l| l.split(' ').nth(1))
+        .filter(|p| p.starts_with(&prefix))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for p in points {
+        run_quiet("umount", &["-l", p]);
+    }
+}
+
+pub fn run_quiet(program: &str, args: &[&str]) -> bool {
+    Command::new(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// A current-thread runtime for one blocking call from a synchronous test.
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Performs containerd mounts at `target` the way containerd does (relative lower dirs when
+/// the option string would pass the kernel's page limit).
+pub fn mount_all(mounts: &[vmdisk::api::containerd::types::Mount], target: &Path, base: &Path) {
+    for m in mounts {
+        let mut opts = m.options.join(",");
+        let mut cwd = PathBuf::from("/");
+        if opts.len() > 3000 {
+            let prefix = format!("{}/", base.display());
+            opts = opts.replace(&prefix, "");
+            cwd = base.to_path_buf();
+        }
+        let out = if m.r#type == "bind" {
+            let ro = m.options.iter().any(|o| o == "ro");
+            Command::new("mount")
+                .args(["--rbind", &m.source, target.to_str().unwrap()])
+                .output()
+                .and_then(|o| {
+                    if o.status.success() && ro {
+                        Command::new("mount")
+                            .args(["-o", "remount,bind,ro", target.to_str().unwrap()])
+                            .output()
+                    } else {
+                        Ok(o)
+                    }
+                })
+                .unwrap()
+        } else {
+            Command::new("mount")
+                .current_dir(&cwd)
+                .args([
+                    "-t",
+                    &m.r#type,
+                    &m.source,
+                    "-o",
+                    &opts,
+                    target.to_str().unwrap(),
+                ])
+                .output()
+                .unwrap()
+        };
+        assert!(
+            out.status.success(),
+            "mount {m:?} at {}: {}",
+            target.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+pub fn labels(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// A Prepare request.
+pub fn prepare_req(key: &str, parent: &str, l: &[(&str, &str)]) -> pb::PrepareSnapshotRequest {
+    pb::PrepareSnapshotRequest {
+        snapshotter: "vmdisk".into(),
+        key: key.into(),
+        parent: parent.into(),
+        labels: labels(l),
+    }
+}
+
+/// containerd 1.6 with the CRI plugin using vmdisk as its snapshotter.
+pub struct CriContainerd {
+    child: Child,
+    pub dir: PathBuf,
+    pub socket: PathBuf,
+    pub log: PathBuf,
+}
+
+impl CriContainerd {
+    /// `mirror_ports`: loopback registries reachable over plain HTTP.
+    pub fn start(
+        scratch: &Scratch,
+        snapshotter: &Path,
+        sandbox_image: &str,
+        mirror_ports: &[u16],
+    ) -> Self {
+        require("containerd");
+        require("runc");
+        let dir = scratch.path("ctd");
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("containerd.sock");
+        let mut mirrors = String::new();
+        for p in mirror_ports {
+            mirrors.push_str(&format!(
+                "[plugins.\"io.containerd.grpc.v1.cri\".registry.mirrors.\"127.0.0.1:{p}\"]\n  endpoint = [\"http://127.0.0.1:{p}\"]\n"
+            ));
+        }
+        let config = format!(
+            r#"version = 2
+root = "{d}/root"
+state = "{d}/state"
+[grpc]
+  address = "{s}"
+[proxy_plugins.vmdisk]
+  type = "snapshot"
+  address = "{snap}"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{sandbox_image}"
+  restrict_oom_score_adj = true
+  disable_cgroup = true
+[plugins."io.containerd.grpc.v1.cri".containerd]
+  snapshotter = "vmdisk"
+  disable_snapshot_annotations = false
+{mirrors}"#,
+            d = dir.display(),
+            s = socket.display(),
+            snap = snapshotter.display(),
+        );
+        std::fs::write(dir.join("config.toml"), config).unwrap();
+        let log = dir.join("containerd.log");
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(dir.join("config.toml"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start containerd");
+        let c = CriContainerd {
+            child,
+            dir,
+            socket,
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ok = rt().block_on(async {
+                match c.runtime().await {
+                    Ok(mut r) => r.version(cri::VersionRequest::default()).await.is_ok(),
+                    Err(_) => false,
+                }
+            });
+            if ok {
+                return c;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "containerd's CRI did not answer: {}",
+                c.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    async fn channel(&self) -> Result<Channel, vmdisk::error::Error> {
+        vmdisk::api::unix_channel(&self.socket).await
+    }
+
+    pub async fn runtime(&self) -> Result<RuntimeServiceClient<Channel>, vmdisk::error::Error> {
+        Ok(RuntimeServiceClient::new(self.channel().await?))
+    }
+
+    pub async fn images(&self) -> Result<ImageServiceClient<Channel>, vmdisk::error::Error> {
+        Ok(ImageServiceClient::new(self.channel().await?))
+    }
+
+    /// CRI `PullImage`; returns the image id and the time it took.
+    pub fn pull(&self, image: &str) -> Result<(String, Duration), tonic::Status> {
+        rt().block_on(async {
+            let t = Instant::now();
+            let r = self
+                .images()
+                .await
+                .unwrap()
+                .pull_image(cri::PullImageRequest {
+                    image: Some(cri::ImageSpec {
+                        image: image.into(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .await?;
+            Ok((r.into_inner().image_ref, t.elapsed()))
+        })
+    }
+
+    /// CRI `RemoveImage`.
+    pub fn remove_image(&self, image: &str) {
+        rt().block_on(async {
+            self.images()
+                .await
+                .unwrap()
+                .remove_image(cri::RemoveImageRequest {
+                    image: Some(cri::ImageSpec {
+                        image: image.into(),
+                        ..Default::default()
+                    }),
+                })
+                .await
+                .unwrap();
+        })
+    }
+
+    /// `ctr` against this containerd.
+    pub fn ctr(&self, args: &[&str]) -> std::process::Output {
+        Command::new("ctr")
+            .arg("-a")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    /// A host-network pod sandbox; returns its id and config.
+    pub fn run_sandbox(&self, name: &str, logs: &Path) -> (String, cri::PodSandboxConfig) {
+        std::fs::create_dir_all(logs).unwrap();
+        let config = cri::PodSandboxConfig {
+            metadata: Some(cri::PodSandboxMetadata {
+                name: name.into(),
+                uid: format!("uid-{name}"),
+                namespace: "default".into(),
+                attempt: 0,
+            }),
+            log_directory: logs.display().to_string(),
+            linux: Some(cri::LinuxPodSandboxConfig {
+                security_context: Some(cri::LinuxSandboxSecurityContext {
+                    namespace_options: Some(cri::NamespaceOption {
+                        network: cri::NamespaceMode::Node as i32,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        // containerd redials a restarted snapshotter with backoff; until then its calls fail
+        // with Unavailable, and kubelet retries. So does this.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let id = loop {
+            let r = rt().block_on(async {
+                self.runtime()
+                    .await
+                    .unwrap()
+                    .run_pod_sandbox(cri::RunPodSandboxRequest {
+                        config: Some(config.clone()),
+                        runtime_handler: String::new(),
+                    })
+                    .await
+            });
+            match r {
+                Ok(r) => break r.into_inner().pod_sandbox_id,
+                Err(e) if e.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(500))
+                }
+                Err(e) => panic!("RunPodSandbox: {e}\n{}", self.log_text()),
+            }
+        };
+        (id, config)
+    }
+
+    /// Creates and starts a container with the host's busybox at /busybox; returns its id.
+    pub fn start_container(
+        &self,
+        sandbox: &(String, cri::PodSandboxConfig),
+        name: &str,
+        image: &str,
+        command: &[&str],
+    ) -> String {
+        rt().block_on(async {
+            let mut rtc = self.runtime().await.unwrap();
+            let config = cri::ContainerConfig {
+                metadata: Some(cri::ContainerMetadata {
+                    name: name.into(),
+                    attempt: 0,
+                }),
+                image: Some(cri::ImageSpec {
+                    image: image.into(),
+                    ..Default::default()
+                }),
+                command: command.iter().map(|s| s.to_string()).collect(),
+                log_path: format!("{name}.log"),
+                mounts: vec![cri::Mount {
+                    container_path: "/busybox".into(),
+                    host_path: "/bin/busybox".into(),
+                    readonly: true,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            let id = rtc
+                .create_container(cri::CreateContainerRequest {
+                    pod_sandbox_id: sandbox.0.clone(),
+                    config: Some(config),
+                    sandbox_config: Some(sandbox.1.clone()),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", self.log_text()))
+                .into_inner()
+                .container_id;
+            rtc.start_container(cri::StartContainerRequest {
+                container_id: id.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", self.log_text()));
+            id
+        })
+    }
+
+    /// Waits for a container to exit; returns its exit code.
+    pub fn wait_exit(&self, id: &str, timeout: Duration) -> i32 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let status = rt().block_on(async {
+                self.runtime()
+                    .await
+                    .unwrap()
+                    .container_status(cri::ContainerStatusRequest {
+                        container_id: id.into(),
+                        verbose: false,
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .status
+                    .unwrap()
+            });
+            if status.state == cri::ContainerState::ContainerExited as i32 {
+                return status.exit_code;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "container {id} did not exit in {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Stops and removes a sandbox with its containers.
+    pub fn remove_sandbox(&self, id: &str) {
+        rt().block_on(async {
+            let mut r = self.runtime().await.unwrap();
+            r.stop_pod_sandbox(cri::StopPodSandboxRequest {
+                pod_sandbox_id: id.into(),
+            })
+            .await
+            .unwrap();
+            r.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+                pod_sandbox_id: id.into(),
+            })
+            .await
+            .unwrap();
+        })
+    }
+}
+
+impl Drop for CriContainerd {
+    fn drop(&mut self) {
+        // Stop every task's processes first so nothing keeps the rootfs mounts busy.
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-f", &self.dir.display().to_string()])
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        unmount_under(&self.dir);
+    }
+}
+
+/// The lines a container wrote, from a CRI log file (`<time> stdout F <line>`).
+pub fn container_output(log: &Path) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.splitn(4, ' ').nth(3).map(str::to_string))
+        .collect()
+}
+
+/// An OCI layout at `dir` of a busybox image: `/bin/busybox` plus `/bin/sh` and `/bin/sleep`
+/// links, running `cmd`.
+pub fn busybox_layout(dir: &Path, cmd: &[&str]) {
+    require("busybox");
+    let root = dir.with_extension("rootfs");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    for link in ["sh", "sleep", "echo", "cat", "sha256sum"] {
+        let _ = std::os::unix::fs::symlink("busybox", root.join("bin").join(link));
+    }
+    let tar = Command::new("tar")
+        .args(["--owner=0", "--group=0", "-C"])
+        .arg(&root)
+        .args(["-cf", "-", "bin"])
+        .output()
+        .unwrap();
+    assert!(tar.status.success());
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, &tar.stdout).unwrap();
+    let layer = gz.finish().unwrap();
+    crate::harness::write_layout(
+        dir,
+        &[(
+            layer,
+            "application/vnd.oci.image.layer.v1.tar+gzip",
+            sha256(&tar.stdout),
+            serde_json::json!({}),
+        )],
+        "amd64",
+        serde_json::json!({"Cmd": cmd}),
+    );
+}
