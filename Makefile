@@ -5,10 +5,10 @@ SHELL := /bin/bash
 CARGO ?= cargo
 # qemu-utils: the machine's own (a 10.x backport) is kept when present; Debian's 7.2 otherwise.
 APT_PACKAGES := containerd docker-registry skopeo qemu-utils apache2-utils curl time python3 fuse3 nbdkit fio \
-	tar ca-certificates
+	tar ca-certificates busybox-static protobuf-compiler
 # Commands those packages provide, to skip apt when all are present.
-APT_COMMANDS := containerd ctr docker-registry skopeo qemu-img qemu-io htpasswd curl /usr/bin/time fusermount3 nbdkit fio \
-	python3
+APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io htpasswd curl /usr/bin/time fusermount3 nbdkit fio \
+	python3 busybox protoc
 
 .PHONY: all deps build demo test unit integration lint bench fuzz clean
 
@@ -24,7 +24,7 @@ deps:
 	@$(CARGO) nextest --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-nextest
 
 build:
-	$(CARGO) build --release --locked
+	$(CARGO) build --release --locked --bins --example cri-pull
 
 demo: deps build
 	integration/demo.sh

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# The main job on an embedded default: a registry on loopback in a scratch directory, a sample
-# VM disk generated, pushed as a lazily loadable containerDisk, inspected, and mounted lazily:
-# the ready disk path and the bytes fetched are printed. Needs root (FUSE).
+# The main job on an embedded default: in a scratch directory, a registry on loopback,
+# vmdisk-snapshotter and containerd 1.6 using it as the CRI snapshotter; a sample VM disk is
+# generated, pushed as a lazily loadable containerDisk and pulled through CRI (as kubelet
+# does): containerd gets a remote snapshot instead of downloading the disk. The ready disk
+# path and the bytes fetched are printed. Needs root (FUSE, containerd).
 # Usage: integration/demo.sh   (run by `make demo`; needs the packages `make deps` installs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-target/release/vmdisk}
+SNAPSHOTTER=${SNAPSHOTTER:-target/release/vmdisk-snapshotter}
+CRI_PULL=${CRI_PULL:-target/release/examples/cri-pull}
 mkdir -p scratch
 SCRATCH=$(mktemp -d "$PWD/scratch/demo-XXXXXX")
 PORT=${PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
-REGISTRY_PID=
-MOUNT_PID=
+PIDS=()
 cleanup() {
-  [ -n "$MOUNT_PID" ] && kill -INT "$MOUNT_PID" 2>/dev/null
-  [ -n "$REGISTRY_PID" ] && kill "$REGISTRY_PID" 2>/dev/null
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
+  # Mount servers outlive the daemon by design; stop them with the demo.
+  for f in "$SCRATCH"/vmdisk/servers/*/pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null; done
   wait 2>/dev/null || true
-  mountpoint -q "$SCRATCH/mnt" 2>/dev/null && umount -l "$SCRATCH/mnt"
+  grep -o " $SCRATCH[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
   true
 }
 trap 'status=$?; cleanup || true; exit $status' EXIT
@@ -29,7 +33,7 @@ storage: { filesystem: { rootdirectory: $SCRATCH/registry } }
 http: { addr: 127.0.0.1:$PORT }
 YML
 docker-registry serve "$SCRATCH/registry.yml" > "$SCRATCH/registry.log" 2>&1 &
-REGISTRY_PID=$!
+PIDS+=($!)
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$PORT/v2/" >/dev/null && break; sleep 0.1; done
 echo "== registry listening on 127.0.0.1:$PORT"
 
@@ -46,25 +50,55 @@ echo "== vmdisk push $DISK $REF"
 echo "== vmdisk inspect $REF"
 "$VMDISK" inspect "$REF"
 
-echo "== vmdisk mount $REF $SCRATCH/mnt (cold cache in $SCRATCH/cache)"
-mkdir -p "$SCRATCH/mnt"
-"$VMDISK" mount --stats --cache "$SCRATCH/cache" "$REF" "$SCRATCH/mnt" > "$SCRATCH/mount.out" &
-MOUNT_PID=$!
-for _ in $(seq 300); do grep -q '^ready' "$SCRATCH/mount.out" && break; sleep 0.05; done
-READY=$(grep '^ready' "$SCRATCH/mount.out")
-echo "$READY"
-DISK_PATH=$(echo "$READY" | sed -E 's/^ready: .* at (.*) \(.*$/\1/')
-echo "== qemu-img info on the lazily loaded disk, then qemu reads 8 MiB of it"
+echo "== vmdisk-snapshotter and containerd (CRI snapshotter = vmdisk) in $SCRATCH"
+cat > "$SCRATCH/vmdisk.toml" <<TOML
+root = "$SCRATCH/vmdisk"
+address = "$SCRATCH/vmdisk.sock"
+manage_address = "$SCRATCH/manage.sock"
+[registry]
+hosts_dir = "$SCRATCH/no-hosts.d"
+TOML
+"$SNAPSHOTTER" --config "$SCRATCH/vmdisk.toml" 2> "$SCRATCH/vmdisk.log" &
+PIDS+=($!)
+for _ in $(seq 100); do [ -S "$SCRATCH/vmdisk.sock" ] && break; sleep 0.05; done
+cat > "$SCRATCH/containerd.toml" <<TOML
+version = 2
+root = "$SCRATCH/containerd/root"
+state = "$SCRATCH/containerd/state"
+[grpc]
+  address = "$SCRATCH/containerd.sock"
+[proxy_plugins.vmdisk]
+  type = "snapshot"
+  address = "$SCRATCH/vmdisk.sock"
+[plugins."io.containerd.grpc.v1.cri"]
+  restrict_oom_score_adj = true
+  disable_cgroup = true
+[plugins."io.containerd.grpc.v1.cri".containerd]
+  snapshotter = "vmdisk"
+  disable_snapshot_annotations = false
+[plugins."io.containerd.grpc.v1.cri".registry.mirrors."127.0.0.1:$PORT"]
+  endpoint = ["http://127.0.0.1:$PORT"]
+TOML
+containerd --config "$SCRATCH/containerd.toml" 2> "$SCRATCH/containerd.log" &
+PIDS+=($!)
+for _ in $(seq 200); do [ -S "$SCRATCH/containerd.sock" ] && break; sleep 0.05; done
+sleep 0.5
+
+echo "== CRI PullImage $REF (what kubelet does for a KubeVirt containerDisk)"
+"$CRI_PULL" --address "$SCRATCH/containerd.sock" "$REF"
+export VMDISK_MANAGE="$SCRATCH/manage.sock"
+echo "== vmdisk ls: the disk is mounted lazily; nothing of it was downloaded yet"
+"$VMDISK" ls
+DISK_PATH=$("$VMDISK" ls --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["path"])')
+echo "== qemu-img info on the ready disk, then qemu reads 8 MiB of it"
 qemu-img info "$DISK_PATH" | sed -n '1,4p'
 qemu-io -r -f qcow2 -c "read -q 0 4M" -c "read -q 1G 4M" "$DISK_PATH"
-kill -INT "$MOUNT_PID"; wait "$MOUNT_PID"; MOUNT_PID=
-STATS=$(tail -1 "$SCRATCH/mount.out")
-python3 - "$STATS" "$(stat -c %s "$DISK")" <<'PY'
+sleep 1.2   # the mount server publishes its counters every second
+"$VMDISK" ls --json > "$SCRATCH/ls.json"
+python3 - "$SCRATCH/ls.json" "$(stat -c %s "$DISK")" <<'PY'
 import json, sys
-s, size = json.loads(sys.argv[1]), int(sys.argv[2])
-print("== ", end="")
-print(f"fetched {s['bytes_fetched']} bytes in {s['fetch_requests']} range requests "
-      f"({s['bytes_fetched'] * 100 / size:.1f}% of the {size}-byte disk file); "
-      f"served {s['bytes_served']} bytes")
+d, size = json.load(open(sys.argv[1]))[0], int(sys.argv[2])
+print(f"== ready disk path: {d['path']}")
+print(f"== fetched {d['registry_bytes']} bytes of the {size}-byte disk file "
+      f"({d['registry_bytes'] * 100 / size:.1f}%); {d['chunks_cached']} of {d['chunks']} chunks cached")
 PY
-echo "== ready disk path was: $DISK_PATH (unmounted now; the cache in $SCRATCH/cache keeps what was fetched)"

@@ -63,6 +63,23 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Mount an image's disk layer read-only, fetching chunks as they are read (foreground).
     Mount(MountArgs),
+    /// List the disks vmdisk-snapshotter serves lazily on this node (management API).
+    Ls(LsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct LsArgs {
+    /// The daemon's management socket.
+    #[arg(
+        long,
+        default_value = "/run/vmdisk/manage.sock",
+        value_name = "SOCK",
+        env = "VMDISK_MANAGE"
+    )]
+    pub manage: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -219,6 +236,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             println!("{digest}");
         }
         Command::Mount(args) => mount(&cli.registry, args).await?,
+        Command::Ls(args) => ls(args).await?,
         Command::Inspect(args) => {
             let reference: Reference = args.reference.parse()?;
             let client = cli.registry.client()?;
@@ -232,6 +250,57 @@ pub async fn run(cli: Cli) -> Result<()> {
                 print!("{}", crate::inspect::render_text(&report));
             }
         }
+    }
+    Ok(())
+}
+
+/// `vmdisk ls`: the daemon's remote disks, one line each (or JSON).
+async fn ls(args: LsArgs) -> Result<()> {
+    use crate::api::vmdisk::v1::{manage_client::ManageClient, ListDisksRequest};
+    let mut client = ManageClient::new(crate::api::unix_channel(&args.manage).await?);
+    let disks = client
+        .list_disks(ListDisksRequest {})
+        .await
+        .map_err(|s| {
+            Error::new(
+                crate::error::ErrorKind::Network,
+                format!("{}: ListDisks: {}", args.manage.display(), s.message()),
+            )
+        })?
+        .into_inner()
+        .disks;
+    if args.json {
+        let rows: Vec<serde_json::Value> = disks
+            .iter()
+            .map(|d| {
+                serde_json::json!({
+                    "reference": d.reference, "layer": d.layer_digest,
+                    "path": format!("{}/{}", d.mountpoint, d.disk_path),
+                    "chunks": d.chunks, "chunks_cached": d.chunks_cached,
+                    "registry_bytes": d.registry_bytes, "snapshots": d.snapshots,
+                    "serving": d.serving, "server_pid": d.server_pid,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows).expect("JSON"));
+        return Ok(());
+    }
+    println!("REFERENCE\tPATH\tCACHED\tFETCHED\tSNAPSHOTS\tSERVING");
+    for d in disks {
+        let pct = if d.chunks == 0 {
+            100.0
+        } else {
+            d.chunks_cached as f64 * 100.0 / d.chunks as f64
+        };
+        println!(
+            "{}\t{}/{}\t{pct:.1}%\t{} bytes\t{}\t{}",
+            d.reference,
+            d.mountpoint,
+            d.disk_path,
+            d.registry_bytes,
+            d.snapshots.len(),
+            if d.serving { "yes" } else { "no" }
+        );
     }
     Ok(())
 }
