@@ -689,7 +689,11 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     oci_layout(&gz, &disk, "disk/small.qcow2", Layer::Gzip, "amd64");
     skopeo_push(&gz, &format!("{}/gz:1", reg.host()), &[]);
     let gz_report = inspect_json(&format!("{}/gz:1", reg.host()));
-    let daemon = Daemon::start(&scratch, "");
+    let metrics = scratch.path("metrics.sock");
+    let daemon = Daemon::start(
+        &scratch,
+        &format!("[metrics]\naddress = \"unix:{}\"\n", metrics.display()),
+    );
     let mut s = Suite::new(&daemon, &scratch);
 
     let cri = |image: &str, manifest: &str, layer: &str| -> Vec<(String, String)> {
@@ -794,6 +798,27 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
         ("ordinary:not_lazy", 1),
     ] {
         assert_eq!(d.get(k), Some(&n), "{k}: {d:?}");
+    }
+
+    // The same decisions on the metrics endpoint.
+    let text = String::from_utf8(curl(&[
+        "-sf",
+        "--unix-socket",
+        metrics.to_str().unwrap(),
+        "http://localhost/metrics",
+    ]))
+    .unwrap();
+    for line in [
+        "vmdisk_prepare_decisions_total{decision=\"remote\",reason=\"\"} 1",
+        "vmdisk_prepare_decisions_total{decision=\"fallback\",reason=\"registry_error\"} 1",
+        "vmdisk_snapshots{kind=\"remote\"} 1",
+        "vmdisk_remote_layers{state=\"serving\"} 1",
+        "# TYPE vmdisk_registry_bytes_total counter",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line} missing from:\n{text}"
+        );
     }
 
     // Removing the remote snapshot stops its server and unmounts the layer.

@@ -193,9 +193,10 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
     ) -> Result<Response<()>, Status> {
         let key = request.into_inner().key;
         let unused = self.run("Remove", move |s| s.remove(&key)).await?;
-        if let Some(layer) = unused {
-            self.snapshotter.servers.stop(&layer).await;
-        }
+        self.snapshotter
+            .stop_unused(unused.into_iter().collect())
+            .await
+            .map_err(status)?;
         Ok(Response::new(()))
     }
 
@@ -281,9 +282,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
 
     async fn cleanup(&self, _request: Request<pb::CleanupRequest>) -> Result<Response<()>, Status> {
         let unused = self.run("Cleanup", |s| s.cleanup()).await?;
-        for layer in unused {
-            self.snapshotter.servers.stop(&layer).await;
-        }
+        self.snapshotter.stop_unused(unused).await.map_err(status)?;
         Ok(Response::new(()))
     }
 }

@@ -47,6 +47,9 @@ pub struct Snapshotter {
     /// Serialises every change to the store and the snapshot directories.
     lock: Mutex<()>,
     pub servers: LayerServers,
+    /// Held while a layer's server is started or stopped together with the records that use
+    /// it, so a removal never stops a server a concurrent Prepare just recorded a use of.
+    remote_lock: tokio::sync::Mutex<()>,
     classifier: Classifier,
     pub decisions: Decisions,
     overlay_index_off: bool,
@@ -70,6 +73,7 @@ impl Snapshotter {
             store,
             lock: Mutex::new(()),
             servers,
+            remote_lock: tokio::sync::Mutex::new(()),
             classifier,
             decisions: Decisions::default(),
             overlay_index_off: Path::new("/sys/module/overlay/parameters/index").exists(),
@@ -385,6 +389,7 @@ impl Snapshotter {
                 format!("a different snapshot is named {target:?} already"),
             ));
         }
+        let _remote = self.remote_lock.lock().await;
         self.servers.ensure(&reference.to_string(), &layer).await?;
         let mut labels = labels.clone();
         labels.insert(LABEL_REMOTE.to_string(), "vmdisk".to_string());
@@ -401,6 +406,22 @@ impl Snapshotter {
             Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok("reused"),
             Err(e) => Err(e),
         }
+    }
+}
+
+impl Snapshotter {
+    /// Stops the servers of `layers` that no snapshot uses (after Remove or Cleanup).
+    pub async fn stop_unused(self: &Arc<Self>, layers: Vec<crate::digest::Digest>) -> Result<()> {
+        if layers.is_empty() {
+            return Ok(());
+        }
+        let _remote = self.remote_lock.lock().await;
+        let me = Arc::clone(self);
+        let used = blocking(move || me.remote_layers()).await?;
+        for layer in layers.iter().filter(|l| !used.contains_key(l)) {
+            self.servers.stop(layer).await;
+        }
+        Ok(())
     }
 }
 
