@@ -36,35 +36,7 @@ for _ in $(seq 100); do curl -sf "http://$REG/v2/" >/dev/null && break; sleep 0.
 mark() { wc -c < "$B/registry.log"; }
 served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | grep 'http.request.method=GET' | grep -o 'http.response.written=[0-9]*' | cut -d= -f2 | awk '{s+=$1} END {printf "%d\n", s}'; }
 
-# containerd NAME SNAPSHOTTER_SOCK|"": a CRI containerd in $B/NAME (overlayfs when no socket).
-start_containerd() {
-  local dir=$B/$1 proxy="" snapshotter=overlayfs
-  mkdir -p "$dir"
-  if [ -n "$2" ]; then
-    snapshotter=vmdisk
-    proxy=$(printf '[proxy_plugins.vmdisk]\n  type = "snapshot"\n  address = "%s"\n' "$2")
-  fi
-  cat > "$dir/containerd.toml" <<TOML
-version = 2
-root = "$dir/root"
-state = "$dir/state"
-[grpc]
-  address = "$dir/containerd.sock"
-$proxy
-[plugins."io.containerd.grpc.v1.cri"]
-  restrict_oom_score_adj = true
-  disable_cgroup = true
-[plugins."io.containerd.grpc.v1.cri".containerd]
-  snapshotter = "$snapshotter"
-  disable_snapshot_annotations = false
-[plugins."io.containerd.grpc.v1.cri".registry.mirrors."$REG"]
-  endpoint = ["http://$REG"]
-TOML
-  containerd --config "$dir/containerd.toml" 2> "$dir/containerd.log" &
-  PIDS+=($!)
-  for _ in $(seq 200); do [ -S "$dir/containerd.sock" ] && break; sleep 0.05; done
-  sleep 0.5
-}
+source integration/containerd.sh
 
 mkdir -p "$B/lazy"
 cat > "$B/lazy/vmdisk.toml" <<TOML
@@ -78,8 +50,8 @@ TOML
 "$SNAPSHOTTER" --config "$B/lazy/vmdisk.toml" 2> "$B/lazy/vmdisk.log" &
 PIDS+=($!)
 for _ in $(seq 100); do [ -S "$B/lazy/vmdisk.sock" ] && break; sleep 0.05; done
-start_containerd lazy-ctd "$B/lazy/vmdisk.sock"
-start_containerd full-ctd ""
+start_containerd "$B/lazy-ctd" "$REG" "$B/lazy/vmdisk.sock"
+start_containerd "$B/full-ctd" "$REG" ""
 
 # pull CONTAINERD_DIR IMAGE: prints "seconds registry_bytes"
 pull() {

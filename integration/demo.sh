@@ -61,31 +61,11 @@ TOML
 "$SNAPSHOTTER" --config "$SCRATCH/vmdisk.toml" 2> "$SCRATCH/vmdisk.log" &
 PIDS+=($!)
 for _ in $(seq 100); do [ -S "$SCRATCH/vmdisk.sock" ] && break; sleep 0.05; done
-cat > "$SCRATCH/containerd.toml" <<TOML
-version = 2
-root = "$SCRATCH/containerd/root"
-state = "$SCRATCH/containerd/state"
-[grpc]
-  address = "$SCRATCH/containerd.sock"
-[proxy_plugins.vmdisk]
-  type = "snapshot"
-  address = "$SCRATCH/vmdisk.sock"
-[plugins."io.containerd.grpc.v1.cri"]
-  restrict_oom_score_adj = true
-  disable_cgroup = true
-[plugins."io.containerd.grpc.v1.cri".containerd]
-  snapshotter = "vmdisk"
-  disable_snapshot_annotations = false
-[plugins."io.containerd.grpc.v1.cri".registry.mirrors."127.0.0.1:$PORT"]
-  endpoint = ["http://127.0.0.1:$PORT"]
-TOML
-containerd --config "$SCRATCH/containerd.toml" 2> "$SCRATCH/containerd.log" &
-PIDS+=($!)
-for _ in $(seq 200); do [ -S "$SCRATCH/containerd.sock" ] && break; sleep 0.05; done
-sleep 0.5
+source integration/containerd.sh
+start_containerd "$SCRATCH/containerd" "127.0.0.1:$PORT" "$SCRATCH/vmdisk.sock"
 
 echo "== CRI PullImage $REF (what kubelet does for a KubeVirt containerDisk)"
-"$CRI_PULL" --address "$SCRATCH/containerd.sock" "$REF"
+"$CRI_PULL" --address "$SCRATCH/containerd/containerd.sock" "$REF"
 export VMDISK_MANAGE="$SCRATCH/manage.sock"
 echo "== vmdisk ls: the disk is mounted lazily; nothing of it was downloaded yet"
 "$VMDISK" ls

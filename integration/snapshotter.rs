@@ -137,6 +137,22 @@ impl Suite {
         self.commit(name, &key, &[]).unwrap();
     }
 
+    /// Unmounts everything this suite mounted and removes every view.
+    fn drop_views(&mut self) {
+        for m in self.mounted.clone() {
+            self.unmount(&m);
+        }
+        let views: Vec<String> = self
+            .list(&["kind==View"])
+            .unwrap()
+            .into_iter()
+            .map(|i| i.name)
+            .collect();
+        for v in views {
+            self.remove(&v).unwrap();
+        }
+    }
+
     /// A read-only view of `parent`, mounted; returns the directory.
     fn look(&mut self, parent: &str) -> PathBuf {
         self.n += 1;
@@ -260,15 +276,7 @@ fn snapshots_api_lifecycle() {
         s.remove("mid").unwrap_err().code(),
         Code::FailedPrecondition
     );
-    let views: Vec<String> = s
-        .list(&["kind==View"])
-        .unwrap()
-        .into_iter()
-        .map(|i| i.name)
-        .collect();
-    for v in views {
-        s.remove(&v).unwrap();
-    }
+    s.drop_views();
     s.remove("top").unwrap();
     s.remove("mid").unwrap();
     assert_eq!(s.remove("mid").unwrap_err().code(), Code::NotFound);
@@ -822,18 +830,7 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     }
 
     // Removing the remote snapshot stops its server and unmounts the layer.
-    for m in s.mounted.clone() {
-        s.unmount(&m);
-    }
-    let views: Vec<String> = s
-        .list(&["kind==View"])
-        .unwrap()
-        .into_iter()
-        .map(|i| i.name)
-        .collect();
-    for v in views {
-        s.remove(&v).unwrap();
-    }
+    s.drop_views();
     s.remove(&target).unwrap();
     assert!(daemon.disks().is_empty());
     std::thread::sleep(std::time::Duration::from_millis(300));

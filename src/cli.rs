@@ -193,6 +193,47 @@ pub fn pair_platforms(platforms: &[String], files: &[String]) -> Result<Vec<(Pla
     Ok(pairs)
 }
 
+/// The body of each binary's `main`: logs to stderr filtered by `directives` (fuser's own
+/// messages at error unless named), runs `body` on a multi-threaded runtime, and prints an
+/// error as one line, `NAME: error: context: cause`.
+pub fn main_with<F>(
+    name: &str,
+    directives: &str,
+    body: impl FnOnce() -> F,
+) -> std::process::ExitCode
+where
+    F: std::future::Future<Output = Result<()>>,
+{
+    let directives = if directives.contains("fuser") {
+        directives.to_string()
+    } else {
+        format!("{directives},fuser=error")
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&directives)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,fuser=error"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{name}: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(body()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: error: {}", e.chain());
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Runs a parsed command; what it prints goes to stdout.
 pub async fn run(cli: Cli) -> Result<()> {
     match cli.command {

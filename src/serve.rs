@@ -195,7 +195,8 @@ impl Serving {
     }
 }
 
-async fn wait_for_signal() -> Result<()> {
+/// Waits for SIGINT or SIGTERM.
+pub async fn wait_for_signal() -> Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())
         .map_err(|e| Error::io("installing the SIGTERM handler", e))?;

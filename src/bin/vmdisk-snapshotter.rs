@@ -56,24 +56,9 @@ fn main() -> std::process::ExitCode {
     if let Some(level) = args.log_level {
         config.log_level = level;
     }
-    let directives = format!("{},fuser=error,h2=warn,tower=warn", config.log_level);
-    let filter = tracing_subscriber::EnvFilter::try_new(&directives)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,fuser=error"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("vmdisk-snapshotter: cannot start the async runtime: {e}");
-            return std::process::ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
+    // h2 and tower log every connection at debug; keep them at warn unless asked.
+    let directives = format!("{},h2=warn,tower=warn", config.log_level);
+    vmdisk::cli::main_with("vmdisk-snapshotter", &directives, || async move {
         match args.command {
             None => vmdisk::snapshotter::daemon::run(config, args.config).await,
             Some(Internal::ServeLayer { reference, layer }) => {
@@ -81,12 +66,5 @@ fn main() -> std::process::ExitCode {
                 vmdisk::snapshotter::daemon::serve_layer(&config, &reference, &layer).await
             }
         }
-    });
-    match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("vmdisk-snapshotter: error: {}", e.chain());
-            std::process::ExitCode::FAILURE
-        }
-    }
+    })
 }

@@ -122,7 +122,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     });
     tracing::info!(address = %config.address.display(), manage = %config.manage_address.display(), remote_layers = layers.len(), "vmdisk-snapshotter ready");
     let shutdown = async {
-        if let Err(e) = wait_for_signal().await {
+        if let Err(e) = crate::serve::wait_for_signal().await {
             tracing::error!(error = %e.chain(), "signal handling failed");
         }
     };
@@ -154,17 +154,6 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
         let _ = std::fs::remove_file(path);
     }
     tracing::info!("vmdisk-snapshotter stopped; mount servers keep serving");
-    Ok(())
-}
-
-async fn wait_for_signal() -> Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())
-        .map_err(|e| Error::io("installing the SIGTERM handler", e))?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
     Ok(())
 }
 
