@@ -5,5 +5,6 @@ mod cri;
 mod harness;
 mod mount;
 mod publish;
+mod rawview;
 mod snapshotter;
 mod token;

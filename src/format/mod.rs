@@ -8,6 +8,7 @@
 
 pub mod disk;
 pub mod qcow2;
+pub mod qcow2_raw;
 pub mod tarsplit;
 pub mod zstd_chunked;
 

@@ -16,6 +16,16 @@ pub trait ReadAt {
     fn size(&self) -> u64;
 }
 
+impl<T: ReadAt + ?Sized> ReadAt for &T {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        (**self).read_exact_at(buf, offset)
+    }
+
+    fn size(&self) -> u64 {
+        (**self).size()
+    }
+}
+
 impl ReadAt for std::fs::File {
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
         std::os::unix::fs::FileExt::read_exact_at(self, buf, offset)

@@ -1,0 +1,162 @@
+//! The raw view of qcow2 images (`format::qcow2_raw`) against qemu-img's own conversion:
+//! v2 and v3 images, deflate and zstd compressed clusters, zero clusters, sparse regions.
+
+use std::path::Path;
+
+use vmdisk::format::qcow2_raw::RawView;
+
+use crate::harness::*;
+
+/// Reads the whole raw view in odd-sized pieces and compares it with `qemu-img convert -O raw`.
+fn assert_view_equals_qemu(image: &Path) {
+    let raw = image.with_extension("raw");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "raw",
+            image.to_str().unwrap(),
+            raw.to_str().unwrap(),
+        ],
+    );
+    let want = std::fs::read(&raw).unwrap();
+    let file = std::fs::File::open(image).unwrap();
+    let view = RawView::open(&file).unwrap();
+    assert_eq!(view.size(), want.len() as u64);
+    let mut got = vec![0u8; want.len()];
+    // 300 KiB pieces straddle cluster boundaries of every cluster size used here.
+    for (i, piece) in got.chunks_mut(300 << 10).enumerate() {
+        view.read_at(piece, i as u64 * (300 << 10)).unwrap();
+    }
+    assert!(
+        got == want,
+        "raw view of {} differs from qemu-img's conversion",
+        image.display()
+    );
+    std::fs::remove_file(raw).unwrap();
+}
+
+#[test]
+fn raw_view_equals_qemu_img_convert() {
+    let scratch = Scratch::new();
+    // A source with data, zeros and holes.
+    let src = scratch.path("src.qcow2");
+    make_qcow2(
+        &src,
+        "96M",
+        &[(0, 4 << 20, 0xab), (40 << 20, 1 << 20, 0x00)],
+    );
+    write_random(&src, 10 << 20, 6 << 20, 3);
+    write_random(&src, (95 << 20) + 4096, 512 << 10, 4);
+    // v3 zero clusters over allocated data.
+    run(
+        "qemu-io",
+        &[
+            "-c",
+            "write -z 1M 1M",
+            "-c",
+            "write -z -u 11M 64k",
+            src.to_str().unwrap(),
+        ],
+    );
+    assert_view_equals_qemu(&src);
+
+    let v2 = scratch.path("v2.qcow2");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "qcow2",
+            "-o",
+            "compat=0.10,cluster_size=4096",
+            src.to_str().unwrap(),
+            v2.to_str().unwrap(),
+        ],
+    );
+    assert_view_equals_qemu(&v2);
+
+    let deflate = scratch.path("deflate.qcow2");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-c",
+            "-O",
+            "qcow2",
+            src.to_str().unwrap(),
+            deflate.to_str().unwrap(),
+        ],
+    );
+    assert_view_equals_qemu(&deflate);
+
+    let big = scratch.path("big-clusters.qcow2");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-c",
+            "-O",
+            "qcow2",
+            "-o",
+            "cluster_size=2M",
+            src.to_str().unwrap(),
+            big.to_str().unwrap(),
+        ],
+    );
+    assert_view_equals_qemu(&big);
+
+    let zstd = scratch.path("zstd.qcow2");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-c",
+            "-O",
+            "qcow2",
+            "-o",
+            "compression_type=zstd",
+            src.to_str().unwrap(),
+            zstd.to_str().unwrap(),
+        ],
+    );
+    assert_view_equals_qemu(&zstd);
+}
+
+#[test]
+fn raw_view_refuses_what_it_cannot_map() {
+    let scratch = Scratch::new();
+    let base = scratch.path("base.qcow2");
+    make_qcow2(&base, "8M", &[(0, 1 << 20, 0x11)]);
+    let overlay = scratch.path("overlay.qcow2");
+    run(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            base.to_str().unwrap(),
+            "-F",
+            "qcow2",
+            overlay.to_str().unwrap(),
+        ],
+    );
+    let err = RawView::open(std::fs::File::open(&overlay).unwrap())
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("backing file"), "{err}");
+    // Truncated: the data cluster lies past the end; the read fails, never zeros.
+    let bytes = std::fs::read(&base).unwrap();
+    let cut = &bytes[..bytes.len() - 4096];
+    let view = RawView::open(cut).unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    let err = view.read_at(&mut buf, 0).unwrap_err();
+    assert!(err.to_string().contains("beyond the end"), "{err}");
+    assert!(
+        view.read_at(&mut buf, 8 << 20).is_err(),
+        "reads past the disk fail"
+    );
+}
