@@ -52,7 +52,15 @@ impl<S: ReadAt> RawView<S> {
                 header.l1_size, header.virtual_size
             )));
         }
-        let mut raw = vec![0u8; header.l1_size as usize * 8];
+        let l1_bytes = u64::from(header.l1_size) * 8;
+        if header.l1_table_offset.saturating_add(l1_bytes) > src.size() {
+            return Err(Error::corrupt(format!(
+                "qcow2 L1 table at {} lies beyond the end of the image ({} bytes)",
+                header.l1_table_offset,
+                src.size()
+            )));
+        }
+        let mut raw = vec![0u8; l1_bytes as usize];
         read(&src, &mut raw, header.l1_table_offset, "the L1 table")?;
         let l1 = raw
             .chunks_exact(8)
