@@ -42,7 +42,7 @@ impl Daemon {
         std::fs::write(
             &config,
             format!(
-                "root = \"{r}/state\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[registry]\nhosts_dir = \"{r}/no-hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
+                "root = \"{r}/state\"\nready_dir = \"{r}/state/disks\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[registry]\nhosts_dir = \"{r}/no-hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
                 r = root.display(),
                 s = socket.display(),
                 m = manage.display()

@@ -770,6 +770,44 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     assert!(files_identical(&v.join("disk/small.qcow2"), &disk));
     let servers = daemon.server_pids();
     assert_eq!(servers.len(), 1);
+    // The ready-disk directory: the disk as published, its raw view, its metadata, an alias.
+    let disks = daemon.disks();
+    let ready = PathBuf::from(&disks[0].ready_dir);
+    assert!(files_identical(&ready.join("small.qcow2"), &disk));
+    let raw = scratch.path("small.raw");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "raw",
+            disk.to_str().unwrap(),
+            raw.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        files_identical(&ready.join("disk.raw"), &raw),
+        "disk.raw differs from qemu-img's conversion"
+    );
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ready.join("metadata.json")).unwrap()).unwrap();
+    assert_eq!(
+        (
+            meta["format"].as_str(),
+            meta["virtual_size"].as_u64(),
+            meta["layer_digest"].as_str()
+        ),
+        (Some("qcow2"), Some(64 << 20), Some(layer.as_str())),
+        "{meta}"
+    );
+    let alias = daemon
+        .root
+        .join("disks/by-name")
+        .join(vmdisk::snapshotter::daemon::alias_name(&format!(
+            "{}/small:1",
+            reg.host()
+        )));
+    assert_eq!(std::fs::read_link(&alias).unwrap(), ready);
 
     // Unreachable registry, malformed labels, an ordinary layer: an ordinary active snapshot.
     let dead = format!("127.0.0.1:{}/small:1", free_port());
@@ -837,5 +875,9 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     assert!(
         !Path::new(&format!("/proc/{}", servers[0])).exists(),
         "mount server still running"
+    );
+    assert!(
+        !ready.join("metadata.json").exists() && !alias.exists(),
+        "ready directory left behind"
     );
 }

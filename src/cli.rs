@@ -372,8 +372,10 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
             passthrough: !args.no_passthrough,
             stats_file: None,
             announce: true,
+            ready: None,
         },
-    )?;
+    )
+    .await?;
     println!(
         "ready: {} at {} ({} of {} chunks cached)",
         reference,

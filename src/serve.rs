@@ -17,6 +17,9 @@ use crate::cache::CacheRoot;
 use crate::engine::stats::StatsSnapshot;
 use crate::engine::Engine;
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::qcow2::ReadAt;
+use crate::format::qcow2_raw::RawView;
+use crate::fuse::EngineFile;
 
 /// How a mount fetches what nobody read yet.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -42,19 +45,90 @@ pub struct ServeOptions {
     pub stats_file: Option<PathBuf>,
     /// Print `hydrated: …` on stdout when hydration completes (the interactive mount does).
     pub announce: bool,
+    /// Also mount the layer's ready-disk directory.
+    pub ready: Option<ReadyDir>,
+}
+
+/// Where a layer's ready-disk directory goes (see [`crate::fuse::LayerFs::ready`]).
+#[derive(Clone, Debug)]
+pub struct ReadyDir {
+    /// The mount point, e.g. `/run/vmdisk/disks/<manifest digest hex>`.
+    pub dir: PathBuf,
+    /// A readable name for it (a symlink to `dir`), e.g. `/run/vmdisk/disks/by-name/<ref>`.
+    pub alias: Option<PathBuf>,
+    /// The reference the layer was resolved from, for `metadata.json`.
+    pub reference: String,
+    /// The image's platform, for `metadata.json`.
+    pub platform: String,
+}
+
+/// `metadata.json` of a ready-disk directory.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReadyMetadata {
+    pub reference: String,
+    pub layer_digest: String,
+    pub platform: String,
+    /// `qcow2` or `raw`.
+    pub format: String,
+    pub virtual_size: u64,
+    /// Size of the disk file as published.
+    pub disk_size: u64,
+    /// The published disk's file name in this directory; the raw view is `disk.raw`.
+    pub disk: String,
+    /// The disk's path inside the image.
+    pub path_in_image: String,
+}
+
+/// The raw view (qcow2 only) and the metadata of `engine`'s disk; reads the disk's first
+/// bytes and, for qcow2, its L1 table. Blocks: call from a blocking thread.
+fn describe(
+    engine: &Arc<Engine>,
+    runtime: &tokio::runtime::Handle,
+    ready: &ReadyDir,
+) -> Result<(Option<Arc<RawView<EngineFile>>>, ReadyMetadata)> {
+    let layer = &engine.layer;
+    let disk = layer.disk;
+    let path = layer.nodes[layer.files[disk].node].path.clone();
+    let file = EngineFile::new(Arc::clone(engine), disk, runtime.clone());
+    let mut magic = [0u8; 4];
+    let is_qcow2 = file.size() >= 4
+        && file.read_exact_at(&mut magic, 0).is_ok()
+        && magic == crate::format::qcow2::MAGIC;
+    let disk_size = file.size();
+    let (raw, format, virtual_size) = if is_qcow2 {
+        let view =
+            RawView::open(file).map_err(|e| e.context(format!("the raw view of /{path}")))?;
+        let size = view.size();
+        (Some(Arc::new(view)), "qcow2", size)
+    } else {
+        (None, "raw", disk_size)
+    };
+    let metadata = ReadyMetadata {
+        reference: ready.reference.clone(),
+        layer_digest: layer.meta.layer_digest.to_string(),
+        platform: ready.platform.clone(),
+        format: format.into(),
+        virtual_size,
+        disk_size,
+        disk: path.rsplit('/').next().unwrap_or("disk").to_string(),
+        path_in_image: format!("/{path}"),
+    };
+    Ok((raw, metadata))
 }
 
 /// A layer being served.
 pub struct Serving {
     engine: Arc<Engine>,
     session: fuser::BackgroundSession,
+    ready: Option<(fuser::BackgroundSession, ReadyDir)>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     dir: PathBuf,
     stats_file: Option<PathBuf>,
 }
 
-/// Mounts `engine`'s layer at `dir` and starts its background work.
-pub fn start(
+/// Mounts `engine`'s layer at `dir` (and its ready-disk directory, if asked) and starts its
+/// background work.
+pub async fn start(
     engine: Arc<Engine>,
     cache: &CacheRoot,
     dir: &Path,
@@ -66,6 +140,10 @@ pub fn start(
         opts.passthrough,
     );
     let session = crate::fuse::mount(fs, dir)?;
+    let ready = match &opts.ready {
+        Some(r) => Some((mount_ready(&engine, r, opts.passthrough).await?, r.clone())),
+        None => None,
+    };
     let mut tasks = Vec::new();
     let e = Arc::clone(&engine);
     let stats_file = opts.stats_file.clone();
@@ -112,10 +190,42 @@ pub fn start(
     Ok(Serving {
         engine,
         session,
+        ready,
         tasks,
         dir: dir.to_path_buf(),
         stats_file: opts.stats_file.clone(),
     })
+}
+
+/// Mounts the ready-disk directory and points its alias at it.
+async fn mount_ready(
+    engine: &Arc<Engine>,
+    ready: &ReadyDir,
+    passthrough: bool,
+) -> Result<fuser::BackgroundSession> {
+    let runtime = tokio::runtime::Handle::current();
+    let (e, rt, r) = (Arc::clone(engine), runtime.clone(), ready.clone());
+    let (raw, metadata) = tokio::task::spawn_blocking(move || describe(&e, &rt, &r))
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, "describing the disk").with_source(e))??;
+    let json = serde_json::to_vec_pretty(&metadata).expect("metadata serialises");
+    let fs = crate::fuse::LayerFs::ready(Arc::clone(engine), runtime, passthrough, raw, json);
+    let _ = nix::mount::umount2(&ready.dir, nix::mount::MntFlags::MNT_DETACH);
+    std::fs::create_dir_all(&ready.dir)
+        .map_err(|e| Error::io(format!("creating {}", ready.dir.display()), e))?;
+    let session = crate::fuse::mount(fs, &ready.dir)?;
+    if let Some(alias) = &ready.alias {
+        if let Some(parent) = alias.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
+        }
+        let tmp = alias.with_extension("new");
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(&ready.dir, &tmp)
+            .and_then(|()| std::fs::rename(&tmp, alias))
+            .map_err(|e| Error::io(format!("linking {}", alias.display()), e))?;
+    }
+    Ok(session)
 }
 
 /// What a server reports about its layer (the stats file).
@@ -160,6 +270,24 @@ impl Serving {
     pub async fn serve_until_signalled(&self) -> Result<()> {
         loop {
             wait_for_signal().await?;
+            if let Some((_, ready)) = &self.ready {
+                match nix::mount::umount2(&ready.dir, nix::mount::MntFlags::empty()) {
+                    Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
+                    Err(nix::errno::Errno::EBUSY) => {
+                        eprintln!(
+                            "vmdisk: {} is busy (a VM uses the disk); signal again when it is closed",
+                            ready.dir.display()
+                        );
+                        continue;
+                    }
+                    Err(e) => {
+                        return Err(Error::io(
+                            format!("unmounting {}", ready.dir.display()),
+                            e.into(),
+                        ))
+                    }
+                }
+            }
             match nix::mount::umount2(&self.dir, nix::mount::MntFlags::empty()) {
                 Ok(()) => return Ok(()),
                 Err(nix::errno::Errno::EBUSY) => eprintln!(
@@ -183,6 +311,15 @@ impl Serving {
             task.abort();
         }
         let dir = self.dir.clone();
+        if let Some((session, ready)) = self.ready {
+            if let Some(alias) = &ready.alias {
+                if std::fs::read_link(alias).is_ok_and(|t| t == ready.dir) {
+                    let _ = std::fs::remove_file(alias);
+                }
+            }
+            let _ = tokio::task::spawn_blocking(move || session.join()).await;
+            let _ = std::fs::remove_dir(&ready.dir);
+        }
         tokio::task::spawn_blocking(move || self.session.join())
             .await
             .map_err(|e| Error::new(ErrorKind::Io, "unmounting").with_source(e))?

@@ -35,6 +35,9 @@ enum Internal {
         reference: String,
         #[arg(long)]
         layer: String,
+        /// A readable name for the ready-disk directory (the image reference pulled).
+        #[arg(long)]
+        alias: Option<String>,
     },
 }
 
@@ -61,9 +64,19 @@ fn main() -> std::process::ExitCode {
     vmdisk::cli::main_with("vmdisk-snapshotter", &directives, || async move {
         match args.command {
             None => vmdisk::snapshotter::daemon::run(config, args.config).await,
-            Some(Internal::ServeLayer { reference, layer }) => {
+            Some(Internal::ServeLayer {
+                reference,
+                layer,
+                alias,
+            }) => {
                 let layer = layer.parse()?;
-                vmdisk::snapshotter::daemon::serve_layer(&config, &reference, &layer).await
+                vmdisk::snapshotter::daemon::serve_layer(
+                    &config,
+                    &reference,
+                    &layer,
+                    alias.as_deref(),
+                )
+                .await
             }
         }
     })

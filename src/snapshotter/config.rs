@@ -22,6 +22,9 @@ pub struct Config {
     pub manage_address: PathBuf,
     /// tracing filter: error, warn, info, debug, trace, or directives.
     pub log_level: String,
+    /// Ready-disk directories: `<ready_dir>/<manifest digest hex>/` with the disk as
+    /// published, `disk.raw` and `metadata.json`; `<ready_dir>/by-name/<image>` links to them.
+    pub ready_dir: PathBuf,
     pub cache: CacheConfig,
     pub registry: RegistrySettings,
     pub metrics: MetricsConfig,
@@ -75,6 +78,7 @@ impl Default for Config {
             address: PathBuf::from("/run/vmdisk/snapshotter.sock"),
             manage_address: PathBuf::from("/run/vmdisk/manage.sock"),
             log_level: "info".into(),
+            ready_dir: PathBuf::from("/run/vmdisk/disks"),
             cache: CacheConfig::default(),
             registry: RegistrySettings::default(),
             metrics: MetricsConfig::default(),

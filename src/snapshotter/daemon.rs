@@ -27,6 +27,21 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
 
+/// A file name for an image reference: `/` and `:` become `_`, anything but
+/// `[A-Za-z0-9._@-]` is dropped, and the result is at most 200 bytes.
+pub fn alias_name(reference: &str) -> String {
+    let mut name: String = reference
+        .chars()
+        .map(|c| if c == '/' || c == ':' { '_' } else { c })
+        .filter(|c| c.is_ascii_alphanumeric() || "._@-".contains(*c))
+        .collect();
+    name.truncate(200);
+    if name.is_empty() || name.starts_with('.') {
+        name.insert(0, '_');
+    }
+    name
+}
+
 /// Binds a unix socket at `path` with `mode`, replacing a stale socket file.
 pub fn bind_unix(path: &Path, mode: u32) -> Result<tokio::net::UnixListener> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -74,6 +89,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
             .map_err(|e| Error::io("finding the daemon's own executable", e))?,
         config: config_path,
         root: config.root.clone(),
+        ready_dir: config.ready_dir.clone(),
         mount_timeout: Duration::from_secs(config.registry.mount_timeout),
     });
     let snapshotter = Arc::new(Snapshotter::open(
@@ -85,8 +101,12 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     // Remote snapshots come back before containerd can ask for them.
     let me = Arc::clone(&snapshotter);
     let layers = super::blocking(move || me.remote_layers()).await?;
-    for (layer, (reference, snapshots)) in &layers {
-        match snapshotter.servers.ensure(reference, layer).await {
+    for (layer, (remote, snapshots)) in &layers {
+        match snapshotter
+            .servers
+            .ensure(&remote.reference, layer, remote.alias.as_deref())
+            .await
+        {
             Ok(mnt) => {
                 tracing::info!(%layer, mountpoint = %mnt.display(), snapshots = snapshots.len(), "remote snapshot layer mounted")
             }
@@ -160,7 +180,12 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
 /// The `serve-layer` mount server: resolves `reference`, checks that its disk layer is
 /// `layer`, mounts it at `<root>/mounts/<hex>`, prints [`READY_LINE`] and serves until
 /// SIGTERM (refused while the mount is busy).
-pub async fn serve_layer(config: &Config, reference: &str, layer: &Digest) -> Result<()> {
+pub async fn serve_layer(
+    config: &Config,
+    reference: &str,
+    layer: &Digest,
+    alias: Option<&str>,
+) -> Result<()> {
     let reference: Reference = reference.parse()?;
     let paths = LayerPaths::new(&config.root, layer);
     let client = Arc::new(RegistryClient::new(config.registry_config())?);
@@ -176,6 +201,21 @@ pub async fn serve_layer(config: &Config, reference: &str, layer: &Digest) -> Re
             engine.layer.meta.layer_digest
         )));
     }
+    let digest = reference.digest.ok_or_else(|| {
+        Error::invalid(format!(
+            "{reference}: serve-layer needs a reference by digest"
+        ))
+    })?;
+    let platform = cache
+        .load_ref(&reference.to_string())
+        .map(|r| r.platform)
+        .unwrap_or_default();
+    let ready = crate::serve::ReadyDir {
+        dir: config.ready_dir.join(digest.hex()),
+        alias: alias.map(|a| config.ready_dir.join("by-name").join(alias_name(a))),
+        reference: reference.to_string(),
+        platform,
+    };
     let serving = crate::serve::start(
         Arc::clone(&engine),
         &cache,
@@ -186,8 +226,10 @@ pub async fn serve_layer(config: &Config, reference: &str, layer: &Digest) -> Re
             passthrough: config.cache.passthrough,
             stats_file: Some(paths.stats_file()),
             announce: false,
+            ready: Some(ready),
         },
-    )?;
+    )
+    .await?;
     crate::serve::write_stats(&paths.stats_file(), &engine)?;
     // The only line this process writes to stdout; the daemon may be gone later.
     println!("{READY_LINE} {}", serving.disk_path().display());

@@ -297,12 +297,18 @@ pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>>
     let me = Arc::clone(s);
     let layers = blocking(move || me.remote_layers()).await?;
     let mut out = Vec::new();
-    for (layer, (reference, snapshots)) in layers {
+    for (layer, (remote, snapshots)) in layers {
         let paths = s.servers.paths(&layer);
         let pid = s.servers.pid(&layer).await;
         let status = paths.stats().unwrap_or_default();
+        let ready_dir = s
+            .servers
+            .ready_dir(&remote.reference)
+            .map(|d| d.display().to_string())
+            .unwrap_or_default();
         out.push(mpb::Disk {
-            reference,
+            ready_dir,
+            reference: remote.reference,
             layer_digest: layer.to_string(),
             mountpoint: paths.mountpoint.display().to_string(),
             disk_path: status.disk_path,

@@ -67,6 +67,8 @@ pub struct ServerCommand {
     pub exe: PathBuf,
     pub config: Option<PathBuf>,
     pub root: PathBuf,
+    /// Where servers mount ready-disk directories (`ready_dir` of the configuration).
+    pub ready_dir: PathBuf,
     pub mount_timeout: Duration,
 }
 
@@ -126,6 +128,12 @@ impl LayerServers {
         LayerPaths::new(&self.command.root, layer)
     }
 
+    /// The ready-disk directory of a layer resolved from `reference` (by digest).
+    pub fn ready_dir(&self, reference: &str) -> Option<PathBuf> {
+        let reference: crate::reference::Reference = reference.parse().ok()?;
+        Some(self.command.ready_dir.join(reference.digest?.hex()))
+    }
+
     /// The pid of `layer`'s server, if one is running.
     pub async fn pid(&self, layer: &Digest) -> Option<u32> {
         let running = self.running.lock().await;
@@ -137,7 +145,12 @@ impl LayerServers {
 
     /// Makes sure `layer` (of `reference`) is mounted, adopting a running server or starting
     /// one; returns the mount point.
-    pub async fn ensure(&self, reference: &str, layer: &Digest) -> Result<PathBuf> {
+    pub async fn ensure(
+        &self,
+        reference: &str,
+        layer: &Digest,
+        alias: Option<&str>,
+    ) -> Result<PathBuf> {
         let paths = self.paths(layer);
         let mut running = self.running.lock().await;
         if let Some(pid) = running_server(&paths) {
@@ -157,12 +170,18 @@ impl LayerServers {
             std::fs::create_dir_all(dir)
                 .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         }
-        let pid = self.spawn(reference, layer, &paths).await?;
+        let pid = self.spawn(reference, layer, alias, &paths).await?;
         running.insert(*layer, pid);
         Ok(paths.mountpoint)
     }
 
-    async fn spawn(&self, reference: &str, layer: &Digest, paths: &LayerPaths) -> Result<u32> {
+    async fn spawn(
+        &self,
+        reference: &str,
+        layer: &Digest,
+        alias: Option<&str>,
+        paths: &LayerPaths,
+    ) -> Result<u32> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -179,8 +198,11 @@ impl LayerServers {
             .arg("--reference")
             .arg(reference)
             .arg("--layer")
-            .arg(layer.to_string())
-            .stdin(std::process::Stdio::null())
+            .arg(layer.to_string());
+        if let Some(alias) = alias {
+            cmd.arg("--alias").arg(alias);
+        }
+        cmd.stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(log)
             // Its own process group: a signal to the daemon's group does not stop it.

@@ -304,13 +304,17 @@ impl Snapshotter {
         Ok(unused)
     }
 
-    /// The remote layers recorded in the store, with the reference each was resolved from.
-    pub fn remote_layers(&self) -> Result<BTreeMap<crate::digest::Digest, (String, Vec<String>)>> {
-        let mut out: BTreeMap<crate::digest::Digest, (String, Vec<String>)> = BTreeMap::new();
+    /// The remote layers recorded in the store (each with the first record's reference and
+    /// alias) and the snapshots using them.
+    pub fn remote_layers(
+        &self,
+    ) -> Result<BTreeMap<crate::digest::Digest, (RemoteLayerRef, Vec<String>)>> {
+        let mut out: BTreeMap<crate::digest::Digest, (RemoteLayerRef, Vec<String>)> =
+            BTreeMap::new();
         for (key, r) in self.store.list()? {
             if let Some(remote) = r.remote {
                 out.entry(remote.layer)
-                    .or_insert_with(|| (remote.reference.clone(), Vec::new()))
+                    .or_insert_with(|| (remote.clone(), Vec::new()))
                     .1
                     .push(key);
             }
@@ -389,13 +393,17 @@ impl Snapshotter {
                 format!("a different snapshot is named {target:?} already"),
             ));
         }
+        let alias = labels.get(classify::LABEL_IMAGE_REF).cloned();
         let _remote = self.remote_lock.lock().await;
-        self.servers.ensure(&reference.to_string(), &layer).await?;
+        self.servers
+            .ensure(&reference.to_string(), &layer, alias.as_deref())
+            .await?;
         let mut labels = labels.clone();
         labels.insert(LABEL_REMOTE.to_string(), "vmdisk".to_string());
         let remote = RemoteLayerRef {
             reference: reference.to_string(),
             layer,
+            alias,
         };
         let _g = self.guard();
         match self

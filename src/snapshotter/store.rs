@@ -43,6 +43,9 @@ pub struct RemoteLayerRef {
     /// `registry/repository@manifest-digest` the layer was resolved from.
     pub reference: String,
     pub layer: Digest,
+    /// The image name it was pulled as (the ready-disk directory's readable alias).
+    #[serde(default)]
+    pub alias: Option<String>,
 }
 
 /// Disk usage of a snapshot's own directory.
