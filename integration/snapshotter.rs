@@ -881,3 +881,92 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
         "ready directory left behind"
     );
 }
+
+/// The node commands over the management API: `path` makes a disk ready without fetching it,
+/// `path --raw` is qemu-img's raw conversion, `ls` shows it, `prefetch --wait` caches all of
+/// it, `rm` unmounts it, `gc` evicts it, `stats` answers; a non-lazy image is a clear error.
+#[test]
+fn node_commands_make_disks_ready_and_clean_up() {
+    use crate::harness::*;
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("node.qcow2");
+    make_qcow2(&disk, "256M", &[(0, 1 << 20, 0x42)]);
+    write_random(&disk, 64 << 20, 32 << 20, 8);
+    let image = format!("{}/node:1", reg.host());
+    vmdisk_ok(&["push", disk.to_str().unwrap(), &image]);
+    let gz = scratch.path("gz");
+    oci_layout(&gz, &disk, "disk/node.qcow2", Layer::Gzip, "amd64");
+    skopeo_push(&gz, &format!("{}/gz:1", reg.host()), &[]);
+    let daemon = Daemon::start(&scratch, "");
+    let sock = daemon.manage.to_str().unwrap().to_string();
+    let cmd = |args: &[&str]| {
+        let mut a = args.to_vec();
+        a.extend(["--manage", &sock]);
+        vmdisk(&a)
+    };
+    let ok = |args: &[&str]| {
+        let out = cmd(args);
+        assert!(
+            out.status.success(),
+            "vmdisk {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+
+    let path = PathBuf::from(ok(&["path", &image]).trim());
+    assert_eq!(path.file_name().unwrap(), "node.qcow2");
+    let d = &daemon.disks()[0];
+    assert_eq!(d.snapshots, [format!("pin:{image}")]);
+    assert!(
+        d.chunks_cached * 10 < d.chunks,
+        "`path` fetched {} of {} chunks",
+        d.chunks_cached,
+        d.chunks
+    );
+    assert!(files_identical(&path, &disk));
+    let raw_path = PathBuf::from(ok(&["path", "--raw", &image]).trim());
+    let raw = scratch.path("node.raw");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "raw",
+            disk.to_str().unwrap(),
+            raw.to_str().unwrap(),
+        ],
+    );
+    assert!(files_identical(&raw_path, &raw));
+    let ls: serde_json::Value = serde_json::from_str(&ok(&["ls", "--json"])).unwrap();
+    assert_eq!(ls[0]["raw"].as_str(), raw_path.to_str());
+    assert_eq!(
+        ls[0]["disk_size"].as_u64(),
+        Some(std::fs::metadata(&disk).unwrap().len())
+    );
+    assert!(ok(&["ls"]).contains(&image));
+
+    let out = ok(&["prefetch", "--wait", &image]);
+    let d = &daemon.disks()[0];
+    assert_eq!(d.chunks_cached, d.chunks, "{out}");
+    let stats: serde_json::Value = serde_json::from_str(&ok(&["stats"])).unwrap();
+    assert_eq!(stats["remote_layers"], 1);
+
+    ok(&["rm", &image]);
+    assert!(daemon.disks().is_empty());
+    assert!(!path.exists(), "the ready directory is gone with the mount");
+    let err = cmd(&["rm", &image]);
+    assert!(!err.status.success());
+    assert!(String::from_utf8_lossy(&err.stderr).contains("not a disk kept by"));
+    let freed = ok(&["gc", "--limit", "1"]);
+    assert!(!freed.starts_with("freed 0 "), "{freed}");
+
+    let err = cmd(&["path", &format!("{}/gz:1", reg.host())]);
+    assert!(!err.status.success());
+    let text = String::from_utf8_lossy(&err.stderr);
+    assert!(
+        text.contains("no lazily loadable disk layer") && text.contains("vmdisk convert"),
+        "{text}"
+    );
+}

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::api::vmdisk::v1::{DiskRequest, GcRequest, ListDisksRequest, StatusRequest};
 use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
@@ -63,12 +64,23 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Mount an image's disk layer read-only, fetching chunks as they are read (foreground).
     Mount(MountArgs),
-    /// List the disks vmdisk-snapshotter serves lazily on this node (management API).
+    /// List the disks vmdisk-snapshotter serves lazily on this node.
     Ls(LsArgs),
+    /// Make an image's disk ready on this node (manifest and TOC only) and print its path.
+    Path(PathArgs),
+    /// Make an image's disk ready and fetch all of it in the background.
+    Prefetch(PrefetchArgs),
+    /// Forget a disk made ready by `path` or `prefetch` (its mount stops when unused).
+    Rm(RefArgs),
+    /// Stop unused mounts and evict unused cached layers down to the cache size.
+    Gc(GcArgs),
+    /// The daemon's version and counters.
+    Stats(ManageArgs),
 }
 
-#[derive(Args, Debug)]
-pub struct LsArgs {
+/// How to reach vmdisk-snapshotter.
+#[derive(Args, Debug, Clone)]
+pub struct ManageArgs {
     /// The daemon's management socket.
     #[arg(
         long,
@@ -77,9 +89,51 @@ pub struct LsArgs {
         env = "VMDISK_MANAGE"
     )]
     pub manage: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct LsArgs {
+    #[command(flatten)]
+    pub daemon: ManageArgs,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct RefArgs {
+    #[command(flatten)]
+    pub daemon: ManageArgs,
+    pub reference: String,
+}
+
+#[derive(Args, Debug)]
+pub struct PathArgs {
+    #[command(flatten)]
+    pub daemon: ManageArgs,
+    /// Print the raw view (`disk.raw`: what Kata boots) instead of the disk as published.
+    #[arg(long)]
+    pub raw: bool,
+    pub reference: String,
+}
+
+#[derive(Args, Debug)]
+pub struct PrefetchArgs {
+    #[command(flatten)]
+    pub daemon: ManageArgs,
+    /// Wait until the whole disk is cached.
+    #[arg(long)]
+    pub wait: bool,
+    pub reference: String,
+}
+
+#[derive(Args, Debug)]
+pub struct GcArgs {
+    #[command(flatten)]
+    pub daemon: ManageArgs,
+    /// Evict down to this size (e.g. 20G) instead of the configured cache.size.
+    #[arg(long, value_name = "SIZE")]
+    pub limit: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -278,6 +332,89 @@ pub async fn run(cli: Cli) -> Result<()> {
         }
         Command::Mount(args) => mount(&cli.registry, args).await?,
         Command::Ls(args) => ls(args).await?,
+        Command::Path(args) => {
+            let disk = manage(&args.daemon, |mut c| async move {
+                c.ensure_disk(DiskRequest {
+                    reference: args.reference,
+                })
+                .await
+            })
+            .await?;
+            println!("{}", ready_path(&disk, args.raw));
+        }
+        Command::Prefetch(args) => {
+            let reference = args.reference.clone();
+            let mut disk = manage(&args.daemon, |mut c| async move {
+                c.prefetch_disk(DiskRequest { reference }).await
+            })
+            .await?;
+            while args.wait && disk.chunks_cached < disk.chunks {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                let layer = disk.layer_digest.clone();
+                disk = list_disks(&args.daemon)
+                    .await?
+                    .into_iter()
+                    .find(|d| d.layer_digest == layer)
+                    .ok_or_else(|| {
+                        Error::not_found(format!("{} is no longer served", args.reference))
+                    })?;
+                if !disk.serving {
+                    return Err(Error::new(
+                        crate::error::ErrorKind::Io,
+                        format!("the mount of {} stopped while prefetching", args.reference),
+                    ));
+                }
+            }
+            println!(
+                "{}: {} of {} chunks cached{}",
+                ready_path(&disk, false),
+                disk.chunks_cached,
+                disk.chunks,
+                if args.wait {
+                    ""
+                } else {
+                    "; fetching the rest in the background"
+                }
+            );
+        }
+        Command::Rm(args) => {
+            let r = manage(&args.daemon, |mut c| async move {
+                c.remove_disk(DiskRequest {
+                    reference: args.reference,
+                })
+                .await
+            })
+            .await?;
+            if !r.unmounted {
+                println!("kept mounted: containers still use the layer");
+            }
+        }
+        Command::Gc(args) => {
+            let limit_bytes = match &args.limit {
+                Some(l) => publish::parse_size(l)? as u64,
+                None => 0,
+            };
+            let r = manage(&args.daemon, |mut c| async move {
+                c.gc(GcRequest { limit_bytes }).await
+            })
+            .await?;
+            println!(
+                "freed {} bytes; stopped {} unused mounts",
+                r.freed_bytes, r.stopped_mounts
+            );
+        }
+        Command::Stats(args) => {
+            let r = manage(
+                &args,
+                |mut c| async move { c.status(StatusRequest {}).await },
+            )
+            .await?;
+            let json = serde_json::json!({
+                "version": r.version, "snapshots": r.snapshots, "remote_layers": r.remote_layers,
+                "decisions": r.decisions.into_iter().collect::<std::collections::BTreeMap<_, _>>(),
+            });
+            println!("{}", serde_json::to_string_pretty(&json).expect("JSON"));
+        }
         Command::Inspect(args) => {
             let reference: Reference = args.reference.parse()?;
             let client = cli.registry.client()?;
@@ -295,28 +432,58 @@ pub async fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+type ManageClient = crate::api::vmdisk::v1::manage_client::ManageClient<tonic::transport::Channel>;
+
+/// One management call; a gRPC error becomes our error with the daemon's message.
+async fn manage<T, F>(args: &ManageArgs, call: impl FnOnce(ManageClient) -> F) -> Result<T>
+where
+    F: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+{
+    let client = ManageClient::new(crate::api::unix_channel(&args.manage).await?);
+    call(client)
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|s| {
+            let kind = match s.code() {
+                tonic::Code::NotFound => crate::error::ErrorKind::NotFound,
+                tonic::Code::InvalidArgument => crate::error::ErrorKind::InvalidInput,
+                tonic::Code::Unimplemented => crate::error::ErrorKind::Unsupported,
+                tonic::Code::Unauthenticated => crate::error::ErrorKind::Auth,
+                _ => crate::error::ErrorKind::Network,
+            };
+            Error::new(kind, s.message().to_string())
+        })
+}
+
+async fn list_disks(args: &ManageArgs) -> Result<Vec<crate::api::vmdisk::v1::Disk>> {
+    let r = manage(args, |mut c| async move {
+        c.list_disks(ListDisksRequest {}).await
+    })
+    .await?;
+    Ok(r.disks)
+}
+
+/// The path `vmdisk path` prints: the disk as published, or its raw view.
+fn ready_path(disk: &crate::api::vmdisk::v1::Disk, raw: bool) -> String {
+    let name = if raw {
+        "disk.raw"
+    } else {
+        disk.disk_path.rsplit('/').next().unwrap_or("disk")
+    };
+    format!("{}/{name}", disk.ready_dir)
+}
+
 /// `vmdisk ls`: the daemon's remote disks, one line each (or JSON).
 async fn ls(args: LsArgs) -> Result<()> {
-    use crate::api::vmdisk::v1::{manage_client::ManageClient, ListDisksRequest};
-    let mut client = ManageClient::new(crate::api::unix_channel(&args.manage).await?);
-    let disks = client
-        .list_disks(ListDisksRequest {})
-        .await
-        .map_err(|s| {
-            Error::new(
-                crate::error::ErrorKind::Network,
-                format!("{}: ListDisks: {}", args.manage.display(), s.message()),
-            )
-        })?
-        .into_inner()
-        .disks;
+    let disks = list_disks(&args.daemon).await?;
     if args.json {
         let rows: Vec<serde_json::Value> = disks
             .iter()
             .map(|d| {
                 serde_json::json!({
                     "reference": d.reference, "layer": d.layer_digest,
-                    "path": format!("{}/{}", d.mountpoint, d.disk_path),
+                    "path": ready_path(d, false), "raw": ready_path(d, true),
+                    "disk_size": d.disk_size, "last_used": d.last_used,
                     "chunks": d.chunks, "chunks_cached": d.chunks_cached,
                     "registry_bytes": d.registry_bytes, "snapshots": d.snapshots,
                     "serving": d.serving, "server_pid": d.server_pid,
@@ -373,6 +540,7 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
             stats_file: None,
             announce: true,
             ready: None,
+            hydrate_request: None,
         },
     )
     .await?;

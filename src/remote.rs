@@ -144,14 +144,15 @@ pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
     })
 }
 
-async fn resolve_online(
+/// The image manifest of `reference` for the host's platform (through an index if there is
+/// one), with its digest and platform.
+pub async fn platform_manifest(
     client: &RegistryClient,
-    cache: &CacheRoot,
     reference: &Reference,
-) -> Result<RemoteLayer> {
+) -> Result<(oci::Manifest, crate::digest::Digest, Platform)> {
     let fetched = client.get_manifest(reference).await?;
-    let (manifest, manifest_digest, platform) = match fetched.manifest {
-        ManifestKind::Image(m) => (m, fetched.digest, Platform::host()),
+    match fetched.manifest {
+        ManifestKind::Image(m) => Ok((m, fetched.digest, Platform::host())),
         ManifestKind::Index(index) => {
             let host = Platform::host();
             let desc = index
@@ -172,13 +173,21 @@ async fn resolve_online(
                 .get_manifest(&reference.with_digest(desc.digest))
                 .await?;
             match child.manifest {
-                ManifestKind::Image(m) => (m, desc.digest, host),
+                ManifestKind::Image(m) => Ok((m, desc.digest, host)),
                 ManifestKind::Index(_) => {
-                    return Err(Error::unsupported(format!("{reference}: nested index")))
+                    Err(Error::unsupported(format!("{reference}: nested index")))
                 }
             }
         }
-    };
+    }
+}
+
+async fn resolve_online(
+    client: &RegistryClient,
+    cache: &CacheRoot,
+    reference: &Reference,
+) -> Result<RemoteLayer> {
+    let (manifest, manifest_digest, platform) = platform_manifest(client, reference).await?;
     let layer = disk_layer(&manifest).ok_or_else(|| {
         Error::unsupported(format!("{reference} has no lazily loadable (zstd:chunked) layer; publish it with `vmdisk push` or `vmdisk convert`"))
     })?;

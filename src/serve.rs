@@ -47,6 +47,8 @@ pub struct ServeOptions {
     pub announce: bool,
     /// Also mount the layer's ready-disk directory.
     pub ready: Option<ReadyDir>,
+    /// A file whose appearance asks for the whole disk to be fetched (`vmdisk prefetch`).
+    pub hydrate_request: Option<PathBuf>,
 }
 
 /// Where a layer's ready-disk directory goes (see [`crate::fuse::LayerFs::ready`]).
@@ -147,9 +149,26 @@ pub async fn start(
     let mut tasks = Vec::new();
     let e = Arc::clone(&engine);
     let stats_file = opts.stats_file.clone();
+    let hydrate_request = opts.hydrate_request.clone();
     tasks.push(tokio::spawn(async move {
+        let mut requested = false;
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
+            if let Some(request) = hydrate_request
+                .as_ref()
+                .filter(|r| !requested && r.exists())
+            {
+                requested = true;
+                let _ = std::fs::remove_file(request);
+                let e = Arc::clone(&e);
+                tokio::spawn(async move {
+                    tracing::info!("fetching the whole disk, as asked");
+                    match e.hydrate(4, None).await {
+                        Ok(()) => tracing::info!(chunks = e.cache.present_count(), "hydrated"),
+                        Err(err) => tracing::warn!(error = %err.chain(), "hydration stopped"),
+                    }
+                });
+            }
             let e = Arc::clone(&e);
             let stats_file = stats_file.clone();
             let flushed = tokio::task::spawn_blocking(move || {
@@ -236,6 +255,9 @@ pub struct LayerStatus {
     pub chunks_cached: u64,
     /// The disk's path inside the layer, e.g. `disk/disk.qcow2`.
     pub disk_path: String,
+    /// Size of the disk file.
+    #[serde(default)]
+    pub disk_size: u64,
 }
 
 impl LayerStatus {
@@ -246,6 +268,7 @@ impl LayerStatus {
             chunks: layer.chunks.len() as u64,
             chunks_cached: engine.cache.present_count() as u64,
             disk_path: layer.nodes[layer.files[layer.disk].node].path.clone(),
+            disk_size: layer.file_size(layer.disk),
         }
     }
 }

@@ -55,6 +55,11 @@ impl Classifier {
         }
     }
 
+    /// The registry client.
+    pub fn client(&self) -> &RegistryClient {
+        &self.client
+    }
+
     async fn manifest(&self, reference: &Reference) -> Result<Arc<oci::Manifest>> {
         let key = reference.to_string();
         if let Some(m) = self.manifests.lock().expect("manifest cache").get(&key) {

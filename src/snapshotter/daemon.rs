@@ -96,6 +96,10 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
         &config.root,
         servers,
         Classifier::new(client),
+        super::CacheSettings {
+            dir: config.cache_dir(),
+            limit: config.cache_limit()?,
+        },
     )?);
 
     // Remote snapshots come back before containerd can ask for them.
@@ -227,6 +231,7 @@ pub async fn serve_layer(
             stats_file: Some(paths.stats_file()),
             announce: false,
             ready: Some(ready),
+            hydrate_request: Some(paths.hydrate_request()),
         },
     )
     .await?;

@@ -292,6 +292,21 @@ pub struct ManageService {
     pub snapshotter: Arc<Snapshotter>,
 }
 
+impl ManageService {
+    async fn disk(&self, layer: &crate::digest::Digest) -> Result<Response<mpb::Disk>, Status> {
+        let want = layer.to_string();
+        disks(&self.snapshotter)
+            .await
+            .map_err(status)?
+            .into_iter()
+            .find(|d| d.layer_digest == want)
+            .map(Response::new)
+            .ok_or_else(|| {
+                Status::internal(format!("layer {want} vanished while being made ready"))
+            })
+    }
+}
+
 /// What the management API and the metrics report about remote layers.
 pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>> {
     let me = Arc::clone(s);
@@ -306,8 +321,16 @@ pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>>
             .ready_dir(&remote.reference)
             .map(|d| d.display().to_string())
             .unwrap_or_default();
+        let last_used = crate::cache::CacheRoot::open(s.cache_dir())
+            .ok()
+            .and_then(|c| std::fs::metadata(c.layer_dir(&layer).join("last-used")).ok())
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_secs() as i64);
         out.push(mpb::Disk {
             ready_dir,
+            disk_size: status.disk_size,
+            last_used,
             reference: remote.reference,
             layer_digest: layer.to_string(),
             mountpoint: paths.mountpoint.display().to_string(),
@@ -339,6 +362,58 @@ impl mpb::manage_server::Manage for ManageService {
             decisions: self.snapshotter.decisions.snapshot().into_iter().collect(),
             snapshots: count,
             remote_layers: remote,
+        }))
+    }
+
+    async fn ensure_disk(
+        &self,
+        request: Request<mpb::DiskRequest>,
+    ) -> Result<Response<mpb::Disk>, Status> {
+        let reference = request.into_inner().reference;
+        let layer = self
+            .snapshotter
+            .ensure_disk(&reference)
+            .await
+            .map_err(status)?;
+        self.disk(&layer).await
+    }
+
+    async fn prefetch_disk(
+        &self,
+        request: Request<mpb::DiskRequest>,
+    ) -> Result<Response<mpb::Disk>, Status> {
+        let reference = request.into_inner().reference;
+        let layer = self
+            .snapshotter
+            .ensure_disk(&reference)
+            .await
+            .map_err(status)?;
+        self.snapshotter.request_hydration(&layer).map_err(status)?;
+        self.disk(&layer).await
+    }
+
+    async fn remove_disk(
+        &self,
+        request: Request<mpb::DiskRequest>,
+    ) -> Result<Response<mpb::RemoveDiskResponse>, Status> {
+        let reference = request.into_inner().reference;
+        let unmounted = self
+            .snapshotter
+            .remove_disk(&reference)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(mpb::RemoveDiskResponse { unmounted }))
+    }
+
+    async fn gc(
+        &self,
+        request: Request<mpb::GcRequest>,
+    ) -> Result<Response<mpb::GcResponse>, Status> {
+        let limit = Some(request.into_inner().limit_bytes).filter(|&l| l > 0);
+        let (freed_bytes, stopped_mounts) = self.snapshotter.gc(limit).await.map_err(status)?;
+        Ok(Response::new(mpb::GcResponse {
+            freed_bytes,
+            stopped_mounts,
         }))
     }
 

@@ -49,6 +49,11 @@ impl LayerPaths {
         self.state.join("stats.json")
     }
 
+    /// Created by the daemon to ask the server to fetch the whole disk (`vmdisk prefetch`).
+    pub fn hydrate_request(&self) -> PathBuf {
+        self.state.join("hydrate")
+    }
+
     pub fn log_file(&self) -> PathBuf {
         self.state.join("serve.log")
     }

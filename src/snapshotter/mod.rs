@@ -53,6 +53,15 @@ pub struct Snapshotter {
     classifier: Classifier,
     pub decisions: Decisions,
     overlay_index_off: bool,
+    cache: CacheSettings,
+}
+
+/// The block cache the mount servers share, for garbage collection.
+#[derive(Debug, Clone)]
+pub struct CacheSettings {
+    pub dir: PathBuf,
+    /// The configured bound, if any.
+    pub limit: Option<u64>,
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
@@ -62,7 +71,12 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
 
 impl Snapshotter {
     /// Opens the store under `root` and prepares the directory layout.
-    pub fn open(root: &Path, servers: LayerServers, classifier: Classifier) -> Result<Self> {
+    pub fn open(
+        root: &Path,
+        servers: LayerServers,
+        classifier: Classifier,
+        cache: CacheSettings,
+    ) -> Result<Self> {
         for dir in ["snapshots", "mounts", "servers"] {
             let d = root.join(dir);
             std::fs::create_dir_all(&d).map_err(io(format!("creating {}", d.display())))?;
@@ -77,6 +91,7 @@ impl Snapshotter {
             classifier,
             decisions: Decisions::default(),
             overlay_index_off: Path::new("/sys/module/overlay/parameters/index").exists(),
+            cache,
         })
     }
 
@@ -311,13 +326,21 @@ impl Snapshotter {
     ) -> Result<BTreeMap<crate::digest::Digest, (RemoteLayerRef, Vec<String>)>> {
         let mut out: BTreeMap<crate::digest::Digest, (RemoteLayerRef, Vec<String>)> =
             BTreeMap::new();
-        for (key, r) in self.store.list()? {
-            if let Some(remote) = r.remote {
-                out.entry(remote.layer)
-                    .or_insert_with(|| (remote.clone(), Vec::new()))
-                    .1
-                    .push(key);
-            }
+        let pins = self
+            .store
+            .pins()?
+            .into_iter()
+            .map(|(name, r)| (format!("pin:{name}"), r));
+        let snapshots = self
+            .store
+            .list()?
+            .into_iter()
+            .filter_map(|(key, r)| r.remote.map(|remote| (key, remote)));
+        for (user, remote) in snapshots.chain(pins) {
+            out.entry(remote.layer)
+                .or_insert_with(|| (remote.clone(), Vec::new()))
+                .1
+                .push(user);
         }
         Ok(out)
     }
@@ -430,6 +453,85 @@ impl Snapshotter {
             self.servers.stop(layer).await;
         }
         Ok(())
+    }
+}
+
+/// Disks made ready through the management API (`vmdisk path`, `prefetch`, `rm`, `gc`).
+impl Snapshotter {
+    /// Makes `reference`'s disk ready and keeps it until [`Snapshotter::remove_disk`]; returns
+    /// its layer. With the registry unreachable, a reference kept before is served from the
+    /// cache.
+    pub async fn ensure_disk(self: &Arc<Self>, reference: &str) -> Result<crate::digest::Digest> {
+        let parsed: crate::reference::Reference = reference.parse()?;
+        let remote = match crate::remote::platform_manifest(self.classifier.client(), &parsed).await
+        {
+            Ok((manifest, digest, _)) => {
+                let layer = crate::remote::disk_layer(&manifest).ok_or_else(|| {
+                    Error::unsupported(format!("{reference} has no lazily loadable disk layer; publish it with `vmdisk push` or republish it with `vmdisk convert`"))
+                })?;
+                RemoteLayerRef {
+                    reference: parsed.with_digest(digest).to_string(),
+                    layer: layer.digest,
+                    alias: Some(reference.to_string()),
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::Network => {
+                let known = self.store.pins()?.into_iter().find(|(n, _)| n == reference);
+                match known {
+                    Some((_, r)) => {
+                        tracing::warn!(reference, error = %e.chain(), "registry unreachable; serving the disk kept before");
+                        r
+                    }
+                    None => return Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        let _remote = self.remote_lock.lock().await;
+        self.servers
+            .ensure(&remote.reference, &remote.layer, remote.alias.as_deref())
+            .await?;
+        self.store.pin(reference, &remote)?;
+        Ok(remote.layer)
+    }
+
+    /// Forgets a disk kept by [`Snapshotter::ensure_disk`]; returns whether its mount stopped.
+    pub async fn remove_disk(self: &Arc<Self>, reference: &str) -> Result<bool> {
+        let Some(pin) = self.store.unpin(reference)? else {
+            return Err(Error::not_found(format!(
+                "{reference} is not a disk kept by `vmdisk path` or `vmdisk prefetch` (see `vmdisk ls`)"
+            )));
+        };
+        self.stop_unused(vec![pin.layer]).await?;
+        Ok(self.servers.pid(&pin.layer).await.is_none())
+    }
+
+    /// Asks the mount server of `layer` to fetch the whole disk in the background.
+    pub fn request_hydration(&self, layer: &crate::digest::Digest) -> Result<()> {
+        let path = self.servers.paths(layer).hydrate_request();
+        std::fs::write(&path, b"").map_err(io(format!("writing {}", path.display())))
+    }
+
+    /// Stops unused mounts, removes stale directories, evicts unused cached layers down to
+    /// `limit` (or the configured bound). Returns the bytes freed and the mounts stopped.
+    pub async fn gc(self: &Arc<Self>, limit: Option<u64>) -> Result<(u64, u32)> {
+        let me = Arc::clone(self);
+        let unused = blocking(move || me.cleanup()).await?;
+        let stopped = unused.len() as u32;
+        self.stop_unused(unused).await?;
+        let freed = match limit.or(self.cache.limit) {
+            Some(limit) => {
+                let cache = crate::cache::CacheRoot::open(&self.cache.dir)?;
+                blocking(move || cache.evict(limit)).await?
+            }
+            None => 0,
+        };
+        Ok((freed, stopped))
+    }
+
+    /// The cache directory.
+    pub fn cache_dir(&self) -> &Path {
+        &self.cache.dir
     }
 }
 

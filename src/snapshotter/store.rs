@@ -17,6 +17,8 @@ use crate::error::{Error, ErrorKind, Result};
 
 const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
+/// Disks kept ready through the management API, by the reference asked for.
+const PINS: TableDefinition<&str, &[u8]> = TableDefinition::new("pins");
 
 /// What a snapshot is, as containerd names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -330,6 +332,48 @@ impl Store {
             db!(tx.table.remove(key), "removing")?;
             Ok(record)
         })
+    }
+
+    /// Keeps `remote` ready under the name `reference`.
+    pub fn pin(&self, reference: &str, remote: &RemoteLayerRef) -> Result<()> {
+        let txn = db!(self.db.begin_write(), "starting a transaction")?;
+        {
+            let mut t = db!(txn.open_table(PINS), "opening")?;
+            let value = serde_json::to_vec(remote).expect("pins serialise");
+            db!(t.insert(reference, value.as_slice()), "writing")?;
+        }
+        db!(txn.commit(), "committing")
+    }
+
+    /// Forgets the pin `reference`; returns it.
+    pub fn unpin(&self, reference: &str) -> Result<Option<RemoteLayerRef>> {
+        let txn = db!(self.db.begin_write(), "starting a transaction")?;
+        let old = {
+            let mut t = db!(txn.open_table(PINS), "opening")?;
+            let old = db!(t.remove(reference), "removing")?;
+            old.map(|v| serde_json::from_slice(v.value())).transpose()
+        };
+        db!(txn.commit(), "committing")?;
+        old.map_err(|e| Error::corrupt(format!("pin {reference:?} is unreadable")).with_source(e))
+    }
+
+    /// Every pin.
+    pub fn pins(&self) -> Result<Vec<(String, RemoteLayerRef)>> {
+        let txn = db!(self.db.begin_read(), "starting a read")?;
+        let table = match txn.open_table(PINS) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return db!(Err(e), "opening"),
+        };
+        let mut out = Vec::new();
+        for entry in db!(table.iter(), "listing")? {
+            let (k, v) = db!(entry, "listing")?;
+            let r = serde_json::from_slice(v.value()).map_err(|e| {
+                Error::corrupt(format!("pin {:?} is unreadable", k.value())).with_source(e)
+            })?;
+            out.push((k.value().to_string(), r));
+        }
+        Ok(out)
     }
 
     /// Replaces `key`'s labels (all of them, or only the `labels.<name>` paths given).
