@@ -289,6 +289,18 @@ impl CriContainerd {
         sandbox_image: &str,
         mirror_ports: &[u16],
     ) -> Self {
+        Self::start_with(scratch, snapshotter, sandbox_image, mirror_ports, "", &[])
+    }
+
+    /// [`CriContainerd::start`] with more TOML (e.g. runtime handlers) and environment.
+    pub fn start_with(
+        scratch: &Scratch,
+        snapshotter: &Path,
+        sandbox_image: &str,
+        mirror_ports: &[u16],
+        extra: &str,
+        env: &[(&str, String)],
+    ) -> Self {
         require("containerd");
         require("runc");
         let dir = scratch.path("ctd");
@@ -316,7 +328,7 @@ state = "{d}/state"
 [plugins."io.containerd.grpc.v1.cri".containerd]
   snapshotter = "vmdisk"
   disable_snapshot_annotations = false
-{mirrors}"#,
+{mirrors}{extra}"#,
             d = dir.display(),
             s = socket.display(),
             snap = snapshotter.display(),
@@ -326,6 +338,7 @@ state = "{d}/state"
         let child = Command::new("containerd")
             .arg("--config")
             .arg(dir.join("config.toml"))
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -421,6 +434,31 @@ state = "{d}/state"
 
     /// A host-network pod sandbox; returns its id and config.
     pub fn run_sandbox(&self, name: &str, logs: &Path) -> (String, cri::PodSandboxConfig) {
+        self.try_run_sandbox(name, logs, "", &[])
+            .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", self.log_text()))
+    }
+
+    /// The bundle `config.json` containerd wrote for a task.
+    pub fn bundle_spec(&self, id: &str) -> serde_json::Value {
+        let path = self
+            .dir
+            .join("state/io.containerd.runtime.v2.task/k8s.io")
+            .join(id)
+            .join("config.json");
+        serde_json::from_slice(
+            &std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+        )
+        .unwrap()
+    }
+
+    /// A host-network pod sandbox with a runtime handler and pod annotations.
+    pub fn try_run_sandbox(
+        &self,
+        name: &str,
+        logs: &Path,
+        handler: &str,
+        annotations: &[(&str, &str)],
+    ) -> Result<(String, cri::PodSandboxConfig), tonic::Status> {
         std::fs::create_dir_all(logs).unwrap();
         let config = cri::PodSandboxConfig {
             metadata: Some(cri::PodSandboxMetadata {
@@ -430,6 +468,7 @@ state = "{d}/state"
                 attempt: 0,
             }),
             log_directory: logs.display().to_string(),
+            annotations: labels(annotations),
             linux: Some(cri::LinuxPodSandboxConfig {
                 security_context: Some(cri::LinuxSandboxSecurityContext {
                     namespace_options: Some(cri::NamespaceOption {
@@ -452,7 +491,7 @@ state = "{d}/state"
                     .unwrap()
                     .run_pod_sandbox(cri::RunPodSandboxRequest {
                         config: Some(config.clone()),
-                        runtime_handler: String::new(),
+                        runtime_handler: handler.to_string(),
                     })
                     .await
             });
@@ -461,10 +500,10 @@ state = "{d}/state"
                 Err(e) if e.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(500))
                 }
-                Err(e) => panic!("RunPodSandbox: {e}\n{}", self.log_text()),
+                Err(e) => return Err(e),
             }
         };
-        (id, config)
+        Ok((id, config))
     }
 
     /// Creates and starts a container with the host's busybox at /busybox; returns its id.

@@ -970,3 +970,105 @@ fn node_commands_make_disks_ready_and_clean_up() {
         "{text}"
     );
 }
+
+/// `containerd-shim-vmdisk-v2` through containerd 1.6's CRI, delegating to runc: a sandbox
+/// with `vmdisk.io/image` gets the raw view's path in its bundle (bytes = qemu-img's raw
+/// conversion); one without the annotation runs as with runc alone; an unknown image fails
+/// the sandbox with a message naming it.
+#[test]
+fn shim_hands_the_runtime_a_ready_raw_disk() {
+    use crate::cri::{container_output, CriContainerd};
+    use crate::harness::*;
+    let scratch = Scratch::new();
+    let (reg, disk) = registry_with_images(&scratch, 32);
+    let daemon = Daemon::start(&scratch, "");
+    let shim = PathBuf::from(env!("CARGO_BIN_EXE_containerd-shim-vmdisk-v2"));
+    let shim_config = scratch.path("shim.toml");
+    std::fs::write(
+        &shim_config,
+        format!(
+            "manage_address = \"{}\"\n[runtimes.vmdisk]\ndelegate = \"io.containerd.runc.v2\"\nprovider = \"kata\"\n",
+            daemon.manage.display()
+        ),
+    )
+    .unwrap();
+    let path = format!(
+        "{}:{}",
+        shim.parent().unwrap().display(),
+        std::env::var("PATH").unwrap()
+    );
+    let ctd = CriContainerd::start_with(
+        &scratch,
+        &daemon.socket,
+        &format!("{}/pause:1", reg.host()),
+        &[reg.port],
+        "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.vmdisk]\n  runtime_type = \"io.containerd.vmdisk.v2\"\n  pod_annotations = [\"vmdisk.io/*\"]\n",
+        &[("PATH", path), ("VMDISK_SHIM_CONFIG", shim_config.display().to_string())],
+    );
+    let image = format!("{}/disk:1", reg.host());
+    let logs = scratch.path("pod-logs");
+
+    let vm = ctd
+        .try_run_sandbox("vm", &logs, "vmdisk", &[("vmdisk.io/image", &image)])
+        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log_text()));
+    let spec = ctd.bundle_spec(&vm.0);
+    let raw_path = spec["annotations"]["io.katacontainers.config.hypervisor.image"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no image annotation in {}", spec["annotations"]))
+        .to_string();
+    assert!(raw_path.ends_with("/disk.raw"), "{raw_path}");
+    let raw = scratch.path("disk.raw");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "raw",
+            disk.to_str().unwrap(),
+            raw.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        files_identical(Path::new(&raw_path), &raw),
+        "{raw_path} differs from qemu-img's conversion"
+    );
+    // The delegate runs the pod: a container in it works as under runc.
+    ctd.pull(&format!("{}/busybox:1", reg.host())).unwrap();
+    let id = ctd.start_container(
+        &vm,
+        "c",
+        &format!("{}/busybox:1", reg.host()),
+        &["/bin/sh", "-c", "echo in-vm-pod"],
+    );
+    assert_eq!(ctd.wait_exit(&id, std::time::Duration::from_secs(60)), 0);
+    assert_eq!(container_output(&logs.join("c.log")), ["in-vm-pod"]);
+
+    // Without the annotation the bundle is what runc alone gets.
+    let plain = ctd.try_run_sandbox("plain", &logs, "vmdisk", &[]).unwrap();
+    let runc = ctd.try_run_sandbox("runc", &logs, "", &[]).unwrap();
+    let keys = |id: &str| {
+        let spec = ctd.bundle_spec(id);
+        let mut k: Vec<String> = spec["annotations"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(&plain.0), keys(&runc.0));
+    assert!(ctd.bundle_spec(&plain.0)["annotations"]
+        .get("io.katacontainers.config.hypervisor.image")
+        .is_none());
+
+    // An image that does not exist fails the sandbox with a message kubelet can show.
+    let missing = format!("{}/nothing:1", reg.host());
+    let err = ctd
+        .try_run_sandbox("bad", &logs, "vmdisk", &[("vmdisk.io/image", &missing)])
+        .unwrap_err();
+    assert!(
+        err.message().contains(&missing) && err.message().contains("vmdisk"),
+        "{err}"
+    );
+}

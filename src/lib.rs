@@ -26,4 +26,5 @@ pub mod reference;
 pub mod registry;
 pub mod remote;
 pub mod serve;
+pub mod shim;
 pub mod snapshotter;

@@ -58,6 +58,9 @@ pub struct ReadyDir {
     pub dir: PathBuf,
     /// A readable name for it (a symlink to `dir`), e.g. `/run/vmdisk/disks/by-name/<ref>`.
     pub alias: Option<PathBuf>,
+    /// Links for a libvirt `dir` pool: `<volumes>.raw` and `<volumes>.<format>` point at the
+    /// raw view and the published disk, e.g. `/run/vmdisk/disks/volumes/<ref>`.
+    pub volumes: Option<PathBuf>,
     /// The reference the layer was resolved from, for `metadata.json`.
     pub reference: String,
     /// The image's platform, for `metadata.json`.
@@ -122,7 +125,8 @@ fn describe(
 pub struct Serving {
     engine: Arc<Engine>,
     session: fuser::BackgroundSession,
-    ready: Option<(fuser::BackgroundSession, ReadyDir)>,
+    /// The ready-disk session, its directory and the links pointing into it.
+    ready: Option<(fuser::BackgroundSession, ReadyDir, Vec<(PathBuf, PathBuf)>)>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     dir: PathBuf,
     stats_file: Option<PathBuf>,
@@ -143,7 +147,10 @@ pub async fn start(
     );
     let session = crate::fuse::mount(fs, dir)?;
     let ready = match &opts.ready {
-        Some(r) => Some((mount_ready(&engine, r, opts.passthrough).await?, r.clone())),
+        Some(r) => {
+            let (session, links) = mount_ready(&engine, r, opts.passthrough).await?;
+            Some((session, r.clone(), links))
+        }
         None => None,
     };
     let mut tasks = Vec::new();
@@ -221,30 +228,58 @@ async fn mount_ready(
     engine: &Arc<Engine>,
     ready: &ReadyDir,
     passthrough: bool,
-) -> Result<fuser::BackgroundSession> {
+) -> Result<(fuser::BackgroundSession, Vec<(PathBuf, PathBuf)>)> {
     let runtime = tokio::runtime::Handle::current();
     let (e, rt, r) = (Arc::clone(engine), runtime.clone(), ready.clone());
     let (raw, metadata) = tokio::task::spawn_blocking(move || describe(&e, &rt, &r))
         .await
         .map_err(|e| Error::new(ErrorKind::Io, "describing the disk").with_source(e))??;
     let json = serde_json::to_vec_pretty(&metadata).expect("metadata serialises");
+    let links = ready_links(ready, &metadata);
     let fs = crate::fuse::LayerFs::ready(Arc::clone(engine), runtime, passthrough, raw, json);
     let _ = nix::mount::umount2(&ready.dir, nix::mount::MntFlags::MNT_DETACH);
     std::fs::create_dir_all(&ready.dir)
         .map_err(|e| Error::io(format!("creating {}", ready.dir.display()), e))?;
     let session = crate::fuse::mount(fs, &ready.dir)?;
-    if let Some(alias) = &ready.alias {
-        if let Some(parent) = alias.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
-        }
-        let tmp = alias.with_extension("new");
-        let _ = std::fs::remove_file(&tmp);
-        std::os::unix::fs::symlink(&ready.dir, &tmp)
-            .and_then(|()| std::fs::rename(&tmp, alias))
-            .map_err(|e| Error::io(format!("linking {}", alias.display()), e))?;
+    for (link, target) in &links {
+        replace_symlink(link, target)?;
     }
-    Ok(session)
+    Ok((session, links))
+}
+
+/// The symlinks of a ready-disk directory: its alias and its libvirt volumes.
+fn ready_links(ready: &ReadyDir, metadata: &ReadyMetadata) -> Vec<(PathBuf, PathBuf)> {
+    let mut links = Vec::new();
+    if let Some(alias) = &ready.alias {
+        links.push((alias.clone(), ready.dir.clone()));
+    }
+    if let Some(volumes) = &ready.volumes {
+        let with = |ext: &str| {
+            let mut name = volumes.as_os_str().to_owned();
+            name.push(format!(".{ext}"));
+            PathBuf::from(name)
+        };
+        links.push((with("raw"), ready.dir.join("disk.raw")));
+        if metadata.format != "raw" {
+            links.push((with(&metadata.format), ready.dir.join(&metadata.disk)));
+        }
+    }
+    links
+}
+
+/// Points `link` at `target`, replacing what was there atomically.
+fn replace_symlink(link: &Path, target: &Path) -> Result<()> {
+    if let Some(parent) = link.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
+    }
+    let mut tmp = link.as_os_str().to_owned();
+    tmp.push(".new");
+    let tmp = PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(target, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, link))
+        .map_err(|e| Error::io(format!("linking {}", link.display()), e))
 }
 
 /// What a server reports about its layer (the stats file).
@@ -293,7 +328,7 @@ impl Serving {
     pub async fn serve_until_signalled(&self) -> Result<()> {
         loop {
             wait_for_signal().await?;
-            if let Some((_, ready)) = &self.ready {
+            if let Some((_, ready, _)) = &self.ready {
                 match nix::mount::umount2(&ready.dir, nix::mount::MntFlags::empty()) {
                     Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
                     Err(nix::errno::Errno::EBUSY) => {
@@ -334,10 +369,11 @@ impl Serving {
             task.abort();
         }
         let dir = self.dir.clone();
-        if let Some((session, ready)) = self.ready {
-            if let Some(alias) = &ready.alias {
-                if std::fs::read_link(alias).is_ok_and(|t| t == ready.dir) {
-                    let _ = std::fs::remove_file(alias);
+        if let Some((session, ready, links)) = self.ready {
+            // Remove the links still pointing at us (another server may have taken a name).
+            for (link, target) in links {
+                if std::fs::read_link(&link).is_ok_and(|t| t == target) {
+                    let _ = std::fs::remove_file(&link);
                 }
             }
             let _ = tokio::task::spawn_blocking(move || session.join()).await;

@@ -217,6 +217,7 @@ pub async fn serve_layer(
     let ready = crate::serve::ReadyDir {
         dir: config.ready_dir.join(digest.hex()),
         alias: alias.map(|a| config.ready_dir.join("by-name").join(alias_name(a))),
+        volumes: alias.map(|a| config.ready_dir.join("volumes").join(alias_name(a))),
         reference: reference.to_string(),
         platform,
     };
