@@ -121,12 +121,15 @@ fn describe(
     Ok((raw, metadata))
 }
 
+/// A mounted ready-disk directory: its session, where it is, and the links (link, target)
+/// pointing into it.
+type ReadyMount = (fuser::BackgroundSession, ReadyDir, Vec<(PathBuf, PathBuf)>);
+
 /// A layer being served.
 pub struct Serving {
     engine: Arc<Engine>,
     session: fuser::BackgroundSession,
-    /// The ready-disk session, its directory and the links pointing into it.
-    ready: Option<(fuser::BackgroundSession, ReadyDir, Vec<(PathBuf, PathBuf)>)>,
+    ready: Option<ReadyMount>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     dir: PathBuf,
     stats_file: Option<PathBuf>,
