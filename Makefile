@@ -3,12 +3,16 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-# qemu-utils: the machine's own (a 10.x backport) is kept when present; Debian's 7.2 otherwise.
-APT_PACKAGES := containerd docker-registry skopeo qemu-utils apache2-utils curl time python3 fuse3 nbdkit fio \
-	tar ca-certificates busybox-static protobuf-compiler
+# qemu-system-x86 and qemu-utils come from Debian 12 together (7.2): a preinstalled qemu-utils
+# backport conflicts with Debian's qemu-system-x86 and is replaced. linux-image-amd64 and
+# initramfs-tools give the kernel and initramfs the VM boot test boots (fdisk, e2fsprogs build
+# its disk).
+APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
+	python3 fuse3 nbdkit fio tar ca-certificates busybox-static protobuf-compiler linux-image-amd64 \
+	initramfs-tools fdisk e2fsprogs
 # Commands those packages provide, to skip apt when all are present.
-APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io htpasswd curl /usr/bin/time fusermount3 nbdkit fio \
-	python3 busybox protoc
+APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
+	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4
 
 .PHONY: all deps build demo test unit integration lint bench fuzz clean
 
@@ -16,10 +20,11 @@ all: build
 
 deps:
 	@missing=0; for c in $(APT_COMMANDS); do command -v $$c >/dev/null 2>&1 || missing=1; done; \
+	ls /boot/vmlinuz-* >/dev/null 2>&1 || missing=1; \
 	if [ $$missing = 1 ]; then \
 		echo "installing test dependencies with apt-get"; \
 		export DEBIAN_FRONTEND=noninteractive; \
-		apt-get update -qq && apt-get install -y -qq --no-install-recommends $(APT_PACKAGES) >/dev/null; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends --allow-downgrades $(APT_PACKAGES) >/dev/null; \
 	fi
 	@$(CARGO) nextest --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-nextest
 
