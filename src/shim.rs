@@ -327,6 +327,20 @@ mod tests {
     }
 
     #[test]
+    fn shipped_config_parses() {
+        let c = ShimConfig::load(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/shim.toml"
+        )))
+        .unwrap();
+        assert_eq!(c.runtimes["vmdisk"].provider, Provider::Kata);
+        assert_eq!(
+            shim_binary(&c.runtimes["vmdisk-peerpods"].delegate).unwrap(),
+            "containerd-shim-kata-remote-v2"
+        );
+    }
+
+    #[test]
     fn annotates_the_bundle_atomically() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(
