@@ -28,7 +28,7 @@ REG=127.0.0.1:$PORT
 
 # Registry-side byte count: sum of response bodies of blob GETs logged since a mark.
 mark() { wc -c < "$B/registry.log"; }
-served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | grep 'http.request.method=GET' | grep -o 'http.response.written=[0-9]*' | cut -d= -f2 | awk '{s+=$1} END {printf "%d\n", s}'; }
+served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | { grep 'http.request.method=GET' || true; } | { grep -o 'http.response.written=[0-9]*' || true; } | cut -d= -f2 | awk '{s+=$1} END {printf "%d\n", s}'; }
 now() { date +%s.%N; }
 secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
 

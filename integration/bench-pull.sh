@@ -34,7 +34,7 @@ docker-registry serve "$B/registry.yml" > "$B/registry.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 100); do curl -sf "http://$REG/v2/" >/dev/null && break; sleep 0.1; done
 mark() { wc -c < "$B/registry.log"; }
-served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | grep 'http.request.method=GET' | grep -o 'http.response.written=[0-9]*' | cut -d= -f2 | awk '{s+=$1} END {printf "%d\n", s}'; }
+served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | { grep 'http.request.method=GET' || true; } | { grep -o 'http.response.written=[0-9]*' || true; } | cut -d= -f2 | awk '{s+=$1} END {printf "%d\n", s}'; }
 
 source integration/containerd.sh
 

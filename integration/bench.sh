@@ -78,3 +78,4 @@ done
 
 integration/bench-engine.sh
 integration/bench-pull.sh
+integration/bench-boot.sh
