@@ -554,6 +554,26 @@ state = "{d}/state"
         })
     }
 
+    /// Pulls `image` (a busybox image), runs `echo TEXT` in `sandbox` and checks it printed it.
+    pub fn assert_echo(
+        &self,
+        sandbox: &(String, cri::PodSandboxConfig),
+        image: &str,
+        name: &str,
+        text: &str,
+        logs: &Path,
+    ) {
+        self.pull(image).unwrap();
+        let id = self.start_container(
+            sandbox,
+            name,
+            image,
+            &["/bin/sh", "-c", &format!("echo {text}")],
+        );
+        assert_eq!(self.wait_exit(&id, Duration::from_secs(60)), 0);
+        assert_eq!(container_output(&logs.join(format!("{name}.log"))), [text]);
+    }
+
     /// Waits for a container to exit; returns its exit code.
     pub fn wait_exit(&self, id: &str, timeout: Duration) -> i32 {
         let deadline = Instant::now() + timeout;

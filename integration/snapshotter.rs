@@ -543,15 +543,13 @@ fn cri_pull_is_lazy_and_kubevirt_reads_the_whole_disk() {
     );
 
     // An ordinary image through the same snapshotter.
-    ctd.pull(&format!("{}/busybox:1", reg.host())).unwrap();
-    let id = ctd.start_container(
+    ctd.assert_echo(
         &sandbox,
-        "plain",
         &format!("{}/busybox:1", reg.host()),
-        &["/bin/sh", "-c", "echo ordinary-ok"],
+        "plain",
+        "ordinary-ok",
+        &logs,
     );
-    assert_eq!(ctd.wait_exit(&id, std::time::Duration::from_secs(60)), 0);
-    assert_eq!(container_output(&logs.join("plain.log")), ["ordinary-ok"]);
     let decisions = daemon.decisions();
     // The pause and busybox images share their one layer: one ordinary decision for both.
     assert!(
@@ -668,6 +666,36 @@ fn daemon_restart_keeps_the_disk_readable() {
     );
 }
 
+/// A registry holding a qcow2 of `virtual` size with `data_mib` MiB of random data, published
+/// with `vmdisk push` as `<name>:1` and as a gzip containerDisk `gz:1`: the registry, the disk.
+fn small_images(
+    scratch: &Scratch,
+    name: &str,
+    virtual_size: &str,
+    data_mib: u64,
+) -> (crate::harness::Registry, PathBuf) {
+    use crate::harness::*;
+    let reg = Registry::start(scratch);
+    let disk = scratch.path(&format!("{name}.qcow2"));
+    make_qcow2(&disk, virtual_size, &[(0, 1 << 20, 0x5a)]);
+    write_random(&disk, 8 << 20, data_mib << 20, 5);
+    vmdisk_ok(&[
+        "push",
+        disk.to_str().unwrap(),
+        &format!("{}/{name}:1", reg.host()),
+    ]);
+    let gz = scratch.path("gz");
+    oci_layout(
+        &gz,
+        &disk,
+        &format!("disk/{name}.qcow2"),
+        Layer::Gzip,
+        "amd64",
+    );
+    skopeo_push(&gz, &format!("{}/gz:1", reg.host()), &[]);
+    (reg, disk)
+}
+
 /// The remote-snapshot handshake without containerd: a disk layer becomes a committed remote
 /// snapshot (AlreadyExists) that containerd's own lookup filter finds; unreachable registries,
 /// malformed labels and ordinary layers get an ordinary active snapshot, each decision counted.
@@ -675,15 +703,7 @@ fn daemon_restart_keeps_the_disk_readable() {
 fn prepare_decides_remote_or_ordinary_and_never_half() {
     use crate::harness::*;
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("small.qcow2");
-    make_qcow2(&disk, "64M", &[(0, 1 << 20, 0x5a)]);
-    write_random(&disk, 8 << 20, 4 << 20, 5);
-    vmdisk_ok(&[
-        "push",
-        disk.to_str().unwrap(),
-        &format!("{}/small:1", reg.host()),
-    ]);
+    let (reg, disk) = small_images(&scratch, "small", "64M", 4);
     let report = inspect_json(&format!("{}/small:1", reg.host()));
     let manifest = report["platforms"][0]["manifest"]
         .as_str()
@@ -693,9 +713,6 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
         .as_str()
         .unwrap()
         .to_string();
-    let gz = scratch.path("gz");
-    oci_layout(&gz, &disk, "disk/small.qcow2", Layer::Gzip, "amd64");
-    skopeo_push(&gz, &format!("{}/gz:1", reg.host()), &[]);
     let gz_report = inspect_json(&format!("{}/gz:1", reg.host()));
     let metrics = scratch.path("metrics.sock");
     let daemon = Daemon::start(
@@ -889,15 +906,8 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
 fn node_commands_make_disks_ready_and_clean_up() {
     use crate::harness::*;
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("node.qcow2");
-    make_qcow2(&disk, "256M", &[(0, 1 << 20, 0x42)]);
-    write_random(&disk, 64 << 20, 32 << 20, 8);
+    let (reg, disk) = small_images(&scratch, "node", "256M", 32);
     let image = format!("{}/node:1", reg.host());
-    vmdisk_ok(&["push", disk.to_str().unwrap(), &image]);
-    let gz = scratch.path("gz");
-    oci_layout(&gz, &disk, "disk/node.qcow2", Layer::Gzip, "amd64");
-    skopeo_push(&gz, &format!("{}/gz:1", reg.host()), &[]);
     let daemon = Daemon::start(&scratch, "");
     let sock = daemon.manage.to_str().unwrap().to_string();
     let cmd = |args: &[&str]| {
@@ -977,7 +987,7 @@ fn node_commands_make_disks_ready_and_clean_up() {
 /// the sandbox with a message naming it.
 #[test]
 fn shim_hands_the_runtime_a_ready_raw_disk() {
-    use crate::cri::{container_output, CriContainerd};
+    use crate::cri::CriContainerd;
     use crate::harness::*;
     let scratch = Scratch::new();
     let (reg, disk) = registry_with_images(&scratch, 32);
@@ -1033,15 +1043,13 @@ fn shim_hands_the_runtime_a_ready_raw_disk() {
         "{raw_path} differs from qemu-img's conversion"
     );
     // The delegate runs the pod: a container in it works as under runc.
-    ctd.pull(&format!("{}/busybox:1", reg.host())).unwrap();
-    let id = ctd.start_container(
+    ctd.assert_echo(
         &vm,
-        "c",
         &format!("{}/busybox:1", reg.host()),
-        &["/bin/sh", "-c", "echo in-vm-pod"],
+        "c",
+        "in-vm-pod",
+        &logs,
     );
-    assert_eq!(ctd.wait_exit(&id, std::time::Duration::from_secs(60)), 0);
-    assert_eq!(container_output(&logs.join("c.log")), ["in-vm-pod"]);
 
     // Without the annotation the bundle is what runc alone gets.
     let plain = ctd.try_run_sandbox("plain", &logs, "vmdisk", &[]).unwrap();

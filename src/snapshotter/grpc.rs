@@ -382,14 +382,10 @@ impl mpb::manage_server::Manage for ManageService {
         &self,
         request: Request<mpb::DiskRequest>,
     ) -> Result<Response<mpb::Disk>, Status> {
-        let reference = request.into_inner().reference;
-        let layer = self
-            .snapshotter
-            .ensure_disk(&reference)
-            .await
-            .map_err(status)?;
+        let disk = self.ensure_disk(request).await?;
+        let layer = disk.get_ref().layer_digest.parse().map_err(status)?;
         self.snapshotter.request_hydration(&layer).map_err(status)?;
-        self.disk(&layer).await
+        Ok(disk)
     }
 
     async fn remove_disk(
