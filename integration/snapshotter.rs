@@ -972,6 +972,43 @@ fn node_commands_make_disks_ready_and_clean_up() {
     let freed = ok(&["gc", "--limit", "1"]);
     assert!(!freed.starts_with("freed 0 "), "{freed}");
 
+    // A qcow2 with a backing file (published by another tool): served as published, but
+    // `--raw` says why there is no raw view.
+    let base = scratch.path("base.qcow2");
+    make_qcow2(&base, "16M", &[(0, 1 << 20, 0x11)]);
+    let overlay = scratch.path("overlay.qcow2");
+    run(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            overlay.to_str().unwrap(),
+        ],
+    );
+    let layout = scratch.path("overlay-layout");
+    oci_layout(&layout, &overlay, "disk/overlay.qcow2", Layer::Tar, "amd64");
+    let backed = format!("{}/backed:1", reg.host());
+    skopeo_push(
+        &layout,
+        &backed,
+        &["--dest-compress", "--dest-compress-format", "zstd:chunked"],
+    );
+    let published = PathBuf::from(ok(&["path", &backed]).trim());
+    assert!(files_identical(&published, &overlay));
+    let err = cmd(&["path", "--raw", &backed]);
+    assert!(!err.status.success());
+    let text = String::from_utf8_lossy(&err.stderr);
+    assert!(
+        text.contains("no raw view") && text.contains("backing file"),
+        "{text}"
+    );
+
     let err = cmd(&["path", &format!("{}/gz:1", reg.host())]);
     assert!(!err.status.success());
     let text = String::from_utf8_lossy(&err.stderr);

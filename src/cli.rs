@@ -1,7 +1,7 @@
 //! The `vmdisk` command line: argument parsing and output. Each subcommand is a thin call into
 //! the library; errors come back as [`Error`] and become one line on stderr and exit code 1.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 
@@ -340,7 +340,12 @@ pub async fn run(cli: Cli) -> Result<()> {
                 .await
             })
             .await?;
-            println!("{}", ready_path(&disk, args.raw));
+            if args.raw {
+                let raw = crate::serve::raw_view_path(Path::new(&disk.ready_dir))?;
+                println!("{}", raw.display());
+            } else {
+                println!("{}", ready_path(&disk, false));
+            }
         }
         Command::Prefetch(args) => {
             let reference = args.reference.clone();

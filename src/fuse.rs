@@ -62,6 +62,16 @@ impl Content {
     }
 }
 
+/// What a ready-disk directory's `disk.raw` is.
+pub enum RawSource {
+    /// The raw view of the qcow2 disk.
+    View(Arc<RawView<EngineFile>>),
+    /// The disk itself (it is raw).
+    Disk,
+    /// No raw view (the qcow2 cannot be mapped, e.g. it has a backing file): no `disk.raw`.
+    Unavailable,
+}
+
 /// A layer file as a [`ReadAt`] source for the raw view. Reads block on the engine, so they
 /// run on blocking threads only (never on the runtime's workers).
 pub struct EngineFile {
@@ -288,12 +298,12 @@ impl LayerFs {
     }
 
     /// The ready-disk directory of a layer: its disk as published (under its own file name),
-    /// `disk.raw` (the raw view of a qcow2, or the raw disk itself) and `metadata.json`.
+    /// `disk.raw` (unless unavailable) and `metadata.json`.
     pub fn ready(
         engine: Arc<Engine>,
         runtime: tokio::runtime::Handle,
         passthrough: bool,
-        raw: Option<Arc<RawView<EngineFile>>>,
+        raw: RawSource,
         metadata: Vec<u8>,
     ) -> Self {
         let layer = &engine.layer;
@@ -316,16 +326,21 @@ impl LayerFs {
             children: Vec::new(),
         };
         let disk_size = layer.file_size(disk);
-        let raw_inode = match raw {
-            Some(view) => file(3, view.size(), Content::Raw(view)),
-            None => file(3, disk_size, Content::File(disk)),
-        };
         let mut root = dir(ROOT);
         root.children = vec![
             (OsString::from(&name), 2),
-            (OsString::from("disk.raw"), 3),
             (OsString::from("metadata.json"), 4),
         ];
+        let raw_inode = match raw {
+            RawSource::View(view) => Some(file(3, view.size(), Content::Raw(view))),
+            RawSource::Disk => Some(file(3, disk_size, Content::File(disk))),
+            RawSource::Unavailable => None,
+        };
+        if raw_inode.is_some() {
+            root.children.push((OsString::from("disk.raw"), 3));
+        }
+        // Inode 3 exists either way (numbers are positions); without a raw view nothing names it.
+        let raw_inode = raw_inode.unwrap_or_else(|| file(3, 0, Content::None));
         let inodes = vec![
             dir(0),
             root,

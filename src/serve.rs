@@ -19,7 +19,7 @@ use crate::engine::Engine;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::qcow2::ReadAt;
 use crate::format::qcow2_raw::RawView;
-use crate::fuse::EngineFile;
+use crate::fuse::{EngineFile, RawSource};
 
 /// How a mount fetches what nobody read yet.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -82,31 +82,58 @@ pub struct ReadyMetadata {
     pub disk: String,
     /// The disk's path inside the image.
     pub path_in_image: String,
+    /// Why there is no `disk.raw`, when there is none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raw_error: Option<String>,
 }
 
-/// The raw view (qcow2 only) and the metadata of `engine`'s disk; reads the disk's first
-/// bytes and, for qcow2, its L1 table. Blocks: call from a blocking thread.
+/// The `disk.raw` of a ready-disk directory, or the reason it has none.
+pub fn raw_view_path(ready_dir: &Path) -> Result<PathBuf> {
+    let raw = ready_dir.join("disk.raw");
+    if raw.exists() {
+        return Ok(raw);
+    }
+    let why = std::fs::read(ready_dir.join("metadata.json"))
+        .ok()
+        .and_then(|m| serde_json::from_slice::<ReadyMetadata>(&m).ok())
+        .and_then(|m| m.raw_error)
+        .unwrap_or_else(|| format!("{} is not mounted", ready_dir.display()));
+    Err(Error::unsupported(format!("no raw view: {why}")))
+}
+
+/// The raw view and the metadata of `engine`'s disk; reads the disk's first bytes and, for
+/// qcow2, its L1 table. A qcow2 the raw view cannot map is still served as published, without
+/// `disk.raw`. Blocks: call from a blocking thread.
 fn describe(
     engine: &Arc<Engine>,
     runtime: &tokio::runtime::Handle,
     ready: &ReadyDir,
-) -> Result<(Option<Arc<RawView<EngineFile>>>, ReadyMetadata)> {
+) -> Result<(RawSource, ReadyMetadata)> {
     let layer = &engine.layer;
     let disk = layer.disk;
     let path = layer.nodes[layer.files[disk].node].path.clone();
     let file = EngineFile::new(Arc::clone(engine), disk, runtime.clone());
-    let mut magic = [0u8; 4];
-    let is_qcow2 = file.size() >= 4
-        && file.read_exact_at(&mut magic, 0).is_ok()
-        && magic == crate::format::qcow2::MAGIC;
     let disk_size = file.size();
-    let (raw, format, virtual_size) = if is_qcow2 {
-        let view =
-            RawView::open(file).map_err(|e| e.context(format!("the raw view of /{path}")))?;
-        let size = view.size();
-        (Some(Arc::new(view)), "qcow2", size)
+    let mut magic = [0u8; 4];
+    if disk_size >= 4 {
+        file.read_exact_at(&mut magic, 0)
+            .map_err(|e| Error::io(format!("reading the first bytes of /{path}"), e))?;
+    }
+    let mut raw_error = None;
+    let (raw, format, virtual_size) = if magic == crate::format::qcow2::MAGIC {
+        match RawView::open(file) {
+            Ok(view) => {
+                let size = view.size();
+                (RawSource::View(Arc::new(view)), "qcow2", size)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e.chain(), "no raw view of /{path}; serving it as published only");
+                raw_error = Some(e.chain());
+                (RawSource::Unavailable, "qcow2", 0)
+            }
+        }
     } else {
-        (None, "raw", disk_size)
+        (RawSource::Disk, "raw", disk_size)
     };
     let metadata = ReadyMetadata {
         reference: ready.reference.clone(),
@@ -117,6 +144,7 @@ fn describe(
         disk_size,
         disk: path.rsplit('/').next().unwrap_or("disk").to_string(),
         path_in_image: format!("/{path}"),
+        raw_error,
     };
     Ok((raw, metadata))
 }
@@ -262,7 +290,9 @@ fn ready_links(ready: &ReadyDir, metadata: &ReadyMetadata) -> Vec<(PathBuf, Path
             name.push(format!(".{ext}"));
             PathBuf::from(name)
         };
-        links.push((with("raw"), ready.dir.join("disk.raw")));
+        if metadata.raw_error.is_none() {
+            links.push((with("raw"), ready.dir.join("disk.raw")));
+        }
         if metadata.format != "raw" {
             links.push((with(&metadata.format), ready.dir.join(&metadata.disk)));
         }

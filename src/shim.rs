@@ -217,6 +217,10 @@ pub async fn prepare(
         return Ok(delegate);
     };
     let disk = ensure_disk(&config.manage_address, &reference).await?;
+    if runtime.provider != Provider::Name && !qcow2 {
+        crate::serve::raw_view_path(Path::new(&disk.ready_dir))
+            .map_err(|e| e.context(format!("vmdisk: {ANN_IMAGE}={reference}")))?;
+    }
     let value = image_value(runtime.provider, &reference, &disk, qcow2);
     annotate_bundle(bundle, ANN_KATA_IMAGE, &value)?;
     tracing::info!(reference, value, delegate, "disk ready; handing over");
