@@ -43,6 +43,7 @@ cat > "$B/lazy/vmdisk.toml" <<TOML
 root = "$B/lazy/vmdisk"
 address = "$B/lazy/vmdisk.sock"
 manage_address = "$B/lazy/manage.sock"
+ready_dir = "$B/lazy/vmdisk/disks"
 log_level = "warn"
 [registry]
 hosts_dir = "$B/no-hosts.d"

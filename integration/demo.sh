@@ -55,6 +55,7 @@ cat > "$SCRATCH/vmdisk.toml" <<TOML
 root = "$SCRATCH/vmdisk"
 address = "$SCRATCH/vmdisk.sock"
 manage_address = "$SCRATCH/manage.sock"
+ready_dir = "$SCRATCH/vmdisk/disks"
 [registry]
 hosts_dir = "$SCRATCH/no-hosts.d"
 TOML
@@ -67,7 +68,7 @@ start_containerd "$SCRATCH/containerd" "127.0.0.1:$PORT" "$SCRATCH/vmdisk.sock"
 echo "== CRI PullImage $REF (what kubelet does for a KubeVirt containerDisk)"
 "$CRI_PULL" --address "$SCRATCH/containerd/containerd.sock" "$REF"
 export VMDISK_MANAGE="$SCRATCH/manage.sock"
-echo "== vmdisk ls: the disk is mounted lazily; nothing of it was downloaded yet"
+echo "== vmdisk ls: the disk is mounted lazily; only its qcow2 header and tables were fetched"
 "$VMDISK" ls
 DISK_PATH=$("$VMDISK" ls --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["path"])')
 echo "== qemu-img info on the ready disk, then qemu reads 8 MiB of it"
@@ -79,6 +80,7 @@ python3 - "$SCRATCH/ls.json" "$(stat -c %s "$DISK")" <<'PY'
 import json, sys
 d, size = json.load(open(sys.argv[1]))[0], int(sys.argv[2])
 print(f"== ready disk path: {d['path']}")
+print(f"== raw view for Kata: {d['raw']}")
 print(f"== fetched {d['registry_bytes']} bytes of the {size}-byte disk file "
       f"({d['registry_bytes'] * 100 / size:.1f}%); {d['chunks_cached']} of {d['chunks']} chunks cached")
 PY

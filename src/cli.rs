@@ -498,21 +498,30 @@ async fn ls(args: LsArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows).expect("JSON"));
         return Ok(());
     }
-    println!("REFERENCE\tPATH\tCACHED\tFETCHED\tSNAPSHOTS\tSERVING");
+    println!("IMAGE\tDISK SIZE\tCACHED\tFETCHED\tLAST USED\tIN USE BY\tPATH");
     for d in disks {
         let pct = if d.chunks == 0 {
             100.0
         } else {
             d.chunks_cached as f64 * 100.0 / d.chunks as f64
         };
+        let last_used = time::OffsetDateTime::from_unix_timestamp(d.last_used)
+            .ok()
+            .filter(|_| d.last_used > 0)
+            .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+            .unwrap_or_else(|| "-".into());
+        let users = if d.snapshots.is_empty() {
+            "-".to_string()
+        } else {
+            d.snapshots.join(",")
+        };
         println!(
-            "{}\t{}/{}\t{pct:.1}%\t{} bytes\t{}\t{}",
+            "{}\t{}\t{pct:.1}%\t{}\t{last_used}\t{users}\t{}{}",
             d.reference,
-            d.mountpoint,
-            d.disk_path,
+            d.disk_size,
             d.registry_bytes,
-            d.snapshots.len(),
-            if d.serving { "yes" } else { "no" }
+            ready_path(&d, false),
+            if d.serving { "" } else { " (not served)" }
         );
     }
     Ok(())
