@@ -508,7 +508,10 @@ async fn ls(args: LsArgs) -> Result<()> {
         let last_used = time::OffsetDateTime::from_unix_timestamp(d.last_used)
             .ok()
             .filter(|_| d.last_used > 0)
-            .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+            .and_then(|t| {
+                t.format(&time::format_description::well_known::Rfc3339)
+                    .ok()
+            })
             .unwrap_or_else(|| "-".into());
         let users = if d.snapshots.is_empty() {
             "-".to_string()
