@@ -354,42 +354,14 @@ impl Snapshotter {
         labels: BTreeMap<String, String>,
     ) -> Result<Option<Vec<Mount>>> {
         if let Some(target) = labels.get(LABEL_TARGET).cloned() {
+            use tracing::Instrument;
             let span = tracing::info_span!("prepare", key, target = %target);
-            let _e = span.enter();
-            match self.classifier.classify(&labels).await {
-                Decision::Remote { reference, layer } => {
-                    match self
-                        .prepare_remote(&target, parent, &labels, &reference, layer)
-                        .await
-                    {
-                        Ok(outcome) => {
-                            self.decisions.count(outcome);
-                            tracing::info!(%layer, %reference, outcome, "layer is served lazily");
-                            return Ok(None);
-                        }
-                        Err(e) => {
-                            self.decisions.count("fallback:mount_failed");
-                            tracing::warn!(%layer, error = %e.chain(), "lazy mount failed; containerd pulls the layer normally");
-                        }
-                    }
-                }
-                Decision::Ordinary {
-                    reason,
-                    detail,
-                    candidate,
-                } => {
-                    if candidate {
-                        self.decisions.count(&format!("fallback:{reason}"));
-                        tracing::warn!(
-                            reason,
-                            detail,
-                            "a published VM-disk layer is pulled normally"
-                        );
-                    } else {
-                        self.decisions.count(&format!("ordinary:{reason}"));
-                        tracing::info!(reason, detail, "ordinary layer; containerd pulls it");
-                    }
-                }
+            if self
+                .try_remote(&target, parent, &labels)
+                .instrument(span)
+                .await
+            {
+                return Ok(None);
             }
         }
         let me = Arc::clone(self);
@@ -397,6 +369,52 @@ impl Snapshotter {
         blocking(move || me.create(&key, &parent, Kind::Active, labels))
             .await
             .map(Some)
+    }
+
+    /// Classifies the layer and, if it is a disk, serves it remotely; whether the target
+    /// snapshot now exists. Every outcome is counted and logged.
+    async fn try_remote(
+        self: &Arc<Self>,
+        target: &str,
+        parent: &str,
+        labels: &BTreeMap<String, String>,
+    ) -> bool {
+        match self.classifier.classify(labels).await {
+            Decision::Remote { reference, layer } => {
+                match self
+                    .prepare_remote(target, parent, labels, &reference, layer)
+                    .await
+                {
+                    Ok(outcome) => {
+                        self.decisions.count(outcome);
+                        tracing::info!(%layer, %reference, outcome, "layer is served lazily");
+                        return true;
+                    }
+                    Err(e) => {
+                        self.decisions.count("fallback:mount_failed");
+                        tracing::warn!(%layer, error = %e.chain(), "lazy mount failed; containerd pulls the layer normally");
+                    }
+                }
+            }
+            Decision::Ordinary {
+                reason,
+                detail,
+                candidate,
+            } => {
+                if candidate {
+                    self.decisions.count(&format!("fallback:{reason}"));
+                    tracing::warn!(
+                        reason,
+                        detail,
+                        "a published VM-disk layer is pulled normally"
+                    );
+                } else {
+                    self.decisions.count(&format!("ordinary:{reason}"));
+                    tracing::info!(reason, detail, "ordinary layer; containerd pulls it");
+                }
+            }
+        }
+        false
     }
 
     async fn prepare_remote(
