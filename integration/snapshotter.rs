@@ -1117,3 +1117,79 @@ fn shim_hands_the_runtime_a_ready_raw_disk() {
         "{err}"
     );
 }
+
+/// The snapshots API through containerd's proxy plugin (`ctr snapshots --snapshotter vmdisk`):
+/// containerd's metadata layer namespaces keys and calls Prepare, Mounts, Commit, View,
+/// Usage, Update (labels), List and Remove on vmdisk; files written through the returned
+/// mounts are seen by the child.
+#[test]
+fn snapshots_api_through_containerds_proxy() {
+    use crate::cri::CriContainerd;
+    let scratch = Scratch::new();
+    let daemon = Daemon::start(&scratch, "");
+    let ctd = CriContainerd::start(&scratch, &daemon.socket, "unused/pause:1", &[]);
+    let ctr = |args: &[&str]| {
+        let mut a = vec!["-n", "proxytest", "snapshots", "--snapshotter", "vmdisk"];
+        a.extend_from_slice(args);
+        let out = ctd.ctr(&a);
+        assert!(
+            out.status.success(),
+            "ctr {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let mnt = scratch.path("m");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let mount = |key: &str| {
+        // `ctr snapshots mounts TARGET KEY` prints the mount command containerd would run.
+        let cmd = ctr(&["mounts", mnt.to_str().unwrap(), key]);
+        assert!(crate::cri::run_quiet("sh", &["-c", cmd.trim()]), "{cmd}");
+    };
+    let umount = || assert!(crate::cri::run_quiet("umount", &[mnt.to_str().unwrap()]));
+
+    ctr(&["prepare", "base-active"]);
+    mount("base-active");
+    write(&mnt.join("hello"), "from the base\n");
+    umount();
+    ctr(&["commit", "base", "base-active"]);
+    ctr(&["prepare", "child", "base"]);
+    mount("child");
+    assert_eq!(read(&mnt.join("hello")), "from the base\n");
+    write(&mnt.join("more"), "child\n");
+    umount();
+    ctr(&["label", "base", "team=vm"]);
+    let info = ctr(&["info", "base"]);
+    assert!(
+        info.contains("\"team\": \"vm\"") && info.contains("Committed"),
+        "{info}"
+    );
+    let usage = ctr(&["usage", "child"]);
+    assert!(usage.contains("child"), "{usage}");
+    let tree = ctr(&["ls"]);
+    assert!(tree.contains("base") && tree.contains("child"), "{tree}");
+    // What reached vmdisk: keys namespaced by containerd's metadata layer.
+    let mut s = Suite::new(&daemon, &scratch);
+    let names: Vec<String> = s.list(&[]).unwrap().into_iter().map(|i| i.name).collect();
+    assert!(
+        names.len() == 2 && names.iter().all(|n| n.starts_with("proxytest/")),
+        "{names:?}"
+    );
+    drop(s);
+    let out = ctd.ctr(&[
+        "-n",
+        "proxytest",
+        "snapshots",
+        "--snapshotter",
+        "vmdisk",
+        "rm",
+        "base",
+    ]);
+    assert!(
+        !out.status.success(),
+        "a parent with a child must not be removable"
+    );
+    ctr(&["rm", "child"]);
+    ctr(&["rm", "base"]);
+    assert!(!ctr(&["ls"]).contains("base"));
+}
