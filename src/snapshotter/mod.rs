@@ -459,18 +459,21 @@ impl Snapshotter {
 }
 
 impl Snapshotter {
-    /// Stops the servers of `layers` that no snapshot uses (after Remove or Cleanup).
-    pub async fn stop_unused(self: &Arc<Self>, layers: Vec<crate::digest::Digest>) -> Result<()> {
+    /// Stops the servers of `layers` that no snapshot or pin uses (after Remove, RemoveDisk or
+    /// Cleanup); returns how many it stopped.
+    pub async fn stop_unused(self: &Arc<Self>, layers: Vec<crate::digest::Digest>) -> Result<u32> {
         if layers.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
         let _remote = self.remote_lock.lock().await;
         let me = Arc::clone(self);
         let used = blocking(move || me.remote_layers()).await?;
+        let mut stopped = 0;
         for layer in layers.iter().filter(|l| !used.contains_key(l)) {
             self.servers.stop(layer).await;
+            stopped += 1;
         }
-        Ok(())
+        Ok(stopped)
     }
 }
 
@@ -535,8 +538,7 @@ impl Snapshotter {
     pub async fn gc(self: &Arc<Self>, limit: Option<u64>) -> Result<(u64, u32)> {
         let me = Arc::clone(self);
         let unused = blocking(move || me.cleanup()).await?;
-        let stopped = unused.len() as u32;
-        self.stop_unused(unused).await?;
+        let stopped = self.stop_unused(unused).await?;
         let freed = match limit.or(self.cache.limit) {
             Some(limit) => {
                 let cache = crate::cache::CacheRoot::open(&self.cache.dir)?;
