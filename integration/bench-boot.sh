@@ -89,7 +89,9 @@ t1=$(now)
 boot "$RAW" raw
 t2=$(now); sleep 0.3
 COLD_BYTES=$(served_since "$m"); COLD_READY=$(secs "$t0" "$t1"); COLD_TOTAL=$(secs "$t0" "$t2")
-# Warm: the same node boots again.
+# Warm: the same node boots again, once the cold boot's background fetches have settled.
+quiet=0; last=$(mark)
+while [ $quiet -lt 2 ]; do sleep 1; cur=$(mark); if [ "$cur" = "$last" ]; then quiet=$((quiet + 1)); else quiet=0; fi; last=$cur; done
 m=$(mark); t0=$(now)
 boot "$RAW" raw
 t1=$(now); sleep 0.3
