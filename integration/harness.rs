@@ -338,6 +338,43 @@ pub fn run(program: &str, args: &[&str]) -> Vec<u8> {
     out.stdout
 }
 
+/// `qemu-img convert -O raw SRC DST`: the reference the raw view is compared with.
+pub fn qemu_img_raw(src: &Path, dst: &Path) {
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "raw",
+            src.to_str().unwrap(),
+            dst.to_str().unwrap(),
+        ],
+    );
+}
+
+/// `overlay.qcow2` in `dir`, backed by a 16 MiB `base.qcow2` beside it (named relatively):
+/// what `vmdisk push` refuses and other tools may publish.
+pub fn qcow2_with_backing(dir: &Path) -> PathBuf {
+    let base = dir.join("base.qcow2");
+    make_qcow2(&base, "16M", &[(0, 1 << 20, 0x11)]);
+    let overlay = dir.join("overlay.qcow2");
+    run(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            overlay.to_str().unwrap(),
+        ],
+    );
+    overlay
+}
+
 /// A qcow2 of `size` with pattern writes (`(offset, length, byte)`) at scattered places.
 pub fn make_qcow2(path: &Path, size: &str, writes: &[(u64, u64, u8)]) {
     run(

@@ -10,16 +10,7 @@ use crate::harness::*;
 /// Reads the whole raw view in odd-sized pieces and compares it with `qemu-img convert -O raw`.
 fn assert_view_equals_qemu(image: &Path) {
     let raw = image.with_extension("raw");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-O",
-            "raw",
-            image.to_str().unwrap(),
-            raw.to_str().unwrap(),
-        ],
-    );
+    qemu_img_raw(image, &raw);
     let want = std::fs::read(&raw).unwrap();
     let file = std::fs::File::open(image).unwrap();
     let view = RawView::open(&file).unwrap();
@@ -83,36 +74,20 @@ fn raw_view_equals_qemu_img_convert() {
 #[test]
 fn raw_view_refuses_what_it_cannot_map() {
     let scratch = Scratch::new();
-    let base = scratch.path("base.qcow2");
-    make_qcow2(&base, "8M", &[(0, 1 << 20, 0x11)]);
-    let overlay = scratch.path("overlay.qcow2");
-    run(
-        "qemu-img",
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            base.to_str().unwrap(),
-            "-F",
-            "qcow2",
-            overlay.to_str().unwrap(),
-        ],
-    );
+    let overlay = qcow2_with_backing(scratch.dir.path());
     let err = RawView::open(std::fs::File::open(&overlay).unwrap())
         .err()
         .unwrap();
     assert!(err.to_string().contains("backing file"), "{err}");
     // Truncated: the data cluster lies past the end; the read fails, never zeros.
-    let bytes = std::fs::read(&base).unwrap();
+    let bytes = std::fs::read(scratch.path("base.qcow2")).unwrap();
     let cut = &bytes[..bytes.len() - 4096];
     let view = RawView::open(cut).unwrap();
     let mut buf = vec![0u8; 1 << 20];
     let err = view.read_at(&mut buf, 0).unwrap_err();
     assert!(err.to_string().contains("beyond the end"), "{err}");
     assert!(
-        view.read_at(&mut buf, 8 << 20).is_err(),
+        view.read_at(&mut buf, 16 << 20).is_err(),
         "reads past the disk fail"
     );
 }

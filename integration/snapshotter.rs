@@ -792,16 +792,7 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     let ready = PathBuf::from(&disks[0].ready_dir);
     assert!(files_identical(&ready.join("small.qcow2"), &disk));
     let raw = scratch.path("small.raw");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-O",
-            "raw",
-            disk.to_str().unwrap(),
-            raw.to_str().unwrap(),
-        ],
-    );
+    qemu_img_raw(&disk, &raw);
     assert!(
         files_identical(&ready.join("disk.raw"), &raw),
         "disk.raw differs from qemu-img's conversion"
@@ -938,16 +929,7 @@ fn node_commands_make_disks_ready_and_clean_up() {
     assert!(files_identical(&path, &disk));
     let raw_path = PathBuf::from(ok(&["path", "--raw", &image]).trim());
     let raw = scratch.path("node.raw");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-O",
-            "raw",
-            disk.to_str().unwrap(),
-            raw.to_str().unwrap(),
-        ],
-    );
+    qemu_img_raw(&disk, &raw);
     assert!(files_identical(&raw_path, &raw));
     let ls: serde_json::Value = serde_json::from_str(&ok(&["ls", "--json"])).unwrap();
     assert_eq!(ls[0]["raw"].as_str(), raw_path.to_str());
@@ -974,23 +956,7 @@ fn node_commands_make_disks_ready_and_clean_up() {
 
     // A qcow2 with a backing file (published by another tool): served as published, but
     // `--raw` says why there is no raw view.
-    let base = scratch.path("base.qcow2");
-    make_qcow2(&base, "16M", &[(0, 1 << 20, 0x11)]);
-    let overlay = scratch.path("overlay.qcow2");
-    run(
-        "qemu-img",
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            "base.qcow2",
-            "-F",
-            "qcow2",
-            overlay.to_str().unwrap(),
-        ],
-    );
+    let overlay = qcow2_with_backing(scratch.dir.path());
     let layout = scratch.path("overlay-layout");
     oci_layout(&layout, &overlay, "disk/overlay.qcow2", Layer::Tar, "amd64");
     let backed = format!("{}/backed:1", reg.host());
@@ -1065,16 +1031,7 @@ fn shim_hands_the_runtime_a_ready_raw_disk() {
         .to_string();
     assert!(raw_path.ends_with("/disk.raw"), "{raw_path}");
     let raw = scratch.path("disk.raw");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-O",
-            "raw",
-            disk.to_str().unwrap(),
-            raw.to_str().unwrap(),
-        ],
-    );
+    qemu_img_raw(&disk, &raw);
     assert!(
         files_identical(Path::new(&raw_path), &raw),
         "{raw_path} differs from qemu-img's conversion"

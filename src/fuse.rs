@@ -468,14 +468,16 @@ impl fuser::Filesystem for LayerFs {
     ) {
         let stats = &self.engine.stats;
         Stats::add(&stats.read_calls, 1);
-        let file = match self.inode(ino).map(|i| i.content.clone()) {
-            Some(Content::File(file)) => file,
+        let file = match self.inode(ino).map(|i| &i.content) {
+            Some(Content::File(file)) => *file,
             Some(Content::Bytes(bytes)) => {
                 let start = (offset as usize).min(bytes.len());
                 let end = start.saturating_add(size as usize).min(bytes.len());
                 return reply.data(&bytes[start..end]);
             }
-            Some(Content::Raw(view)) => return self.read_raw(view, offset, size, reply),
+            Some(Content::Raw(view)) => {
+                return self.read_raw(Arc::clone(view), offset, size, reply)
+            }
             Some(Content::None) | None => return reply.data(&[]),
         };
         let sequential = {

@@ -311,6 +311,7 @@ impl ManageService {
 pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>> {
     let me = Arc::clone(s);
     let layers = blocking(move || me.remote_layers()).await?;
+    let cache = crate::cache::CacheRoot::open(s.cache_dir()).ok();
     let mut out = Vec::new();
     for (layer, (remote, snapshots)) in layers {
         let paths = s.servers.paths(&layer);
@@ -321,8 +322,8 @@ pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>>
             .ready_dir(&remote.reference)
             .map(|d| d.display().to_string())
             .unwrap_or_default();
-        let last_used = crate::cache::CacheRoot::open(s.cache_dir())
-            .ok()
+        let last_used = cache
+            .as_ref()
             .and_then(|c| std::fs::metadata(c.layer_dir(&layer).join("last-used")).ok())
             .and_then(|m| m.modified().ok())
             .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())

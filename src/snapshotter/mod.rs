@@ -247,17 +247,13 @@ impl Snapshotter {
         self.store.commit(key, name, labels, usage)
     }
 
-    /// Removes `key` and its directory; returns the remote layer no snapshot uses any more.
+    /// Removes `key` and its directory; returns its remote layer, for
+    /// [`Snapshotter::stop_unused`] to stop if nothing else uses it.
     pub fn remove(&self, key: &str) -> Result<Option<crate::digest::Digest>> {
         let _g = self.guard();
         let record = self.store.remove(key)?;
-        if let Some(remote) = &record.remote {
-            let still_used = self
-                .store
-                .list()?
-                .iter()
-                .any(|(_, r)| r.remote.as_ref().is_some_and(|x| x.layer == remote.layer));
-            return Ok((!still_used).then_some(remote.layer));
+        if let Some(remote) = record.remote {
+            return Ok(Some(remote.layer));
         }
         let dir = self.snapshot_dir(record.id);
         let doomed = self
