@@ -355,14 +355,20 @@ pub async fn run(cli: Cli) -> Result<()> {
             .await?;
             while args.wait && disk.chunks_cached < disk.chunks {
                 tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-                let layer = disk.layer_digest.clone();
+                let layer = disk.layer_key.clone();
                 disk = list_disks(&args.daemon)
                     .await?
                     .into_iter()
-                    .find(|d| d.layer_digest == layer)
+                    .find(|d| d.layer_key == layer)
                     .ok_or_else(|| {
                         Error::not_found(format!("{} is no longer served", args.reference))
                     })?;
+                if disk.integrity.starts_with("failed") {
+                    return Err(Error::corrupt(format!(
+                        "{}: the layer differs from its image config and serves nothing: {}",
+                        args.reference, disk.integrity
+                    )));
+                }
                 if !disk.serving {
                     return Err(Error::new(
                         crate::error::ErrorKind::Io,
@@ -471,9 +477,9 @@ async fn list_disks(args: &ManageArgs) -> Result<Vec<crate::api::vmdisk::v1::Dis
 /// The path `vmdisk path` prints: the disk as published, or its raw view.
 fn ready_path(disk: &crate::api::vmdisk::v1::Disk, raw: bool) -> String {
     let name = if raw {
-        "disk.raw"
+        "disk.raw".to_string()
     } else {
-        disk.disk_path.rsplit('/').next().unwrap_or("disk")
+        crate::serve::published_name(&disk.disk_path)
     };
     format!("{}/{name}", disk.ready_dir)
 }
@@ -486,7 +492,8 @@ async fn ls(args: LsArgs) -> Result<()> {
             .iter()
             .map(|d| {
                 serde_json::json!({
-                    "reference": d.reference, "layer": d.layer_digest,
+                    "reference": d.reference, "layer": d.layer_digest, "layer_key": d.layer_key,
+                    "integrity": d.integrity,
                     "path": ready_path(d, false), "raw": ready_path(d, true),
                     "disk_size": d.disk_size, "last_used": d.last_used,
                     "chunks": d.chunks, "chunks_cached": d.chunks_cached,
@@ -498,7 +505,7 @@ async fn ls(args: LsArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows).expect("JSON"));
         return Ok(());
     }
-    println!("IMAGE\tDISK SIZE\tCACHED\tFETCHED\tLAST USED\tIN USE BY\tPATH");
+    println!("IMAGE\tDISK SIZE\tCACHED\tFETCHED\tLAST USED\tIN USE BY\tINTEGRITY\tPATH");
     for d in disks {
         let pct = if d.chunks == 0 {
             100.0
@@ -519,10 +526,11 @@ async fn ls(args: LsArgs) -> Result<()> {
             d.snapshots.join(",")
         };
         println!(
-            "{}\t{}\t{pct:.1}%\t{}\t{last_used}\t{users}\t{}{}",
+            "{}\t{}\t{pct:.1}%\t{}\t{last_used}\t{users}\t{}\t{}{}",
             d.reference,
             d.disk_size,
             d.registry_bytes,
+            d.integrity,
             ready_path(&d, false),
             if d.serving { "" } else { " (not served)" }
         );

@@ -168,6 +168,38 @@ fn attr(
     }
 }
 
+/// The inode of directory `path`, created (with its missing parents) as a 0755 root-owned
+/// directory if the TOC did not list it. Each directory is created once, so building a tree
+/// is linear in the TOC.
+fn directory(inodes: &mut Vec<Inode>, by_path: &mut HashMap<String, u64>, path: &str) -> u64 {
+    if let Some(&ino) = by_path.get(path) {
+        return ino;
+    }
+    let (dir, leaf) = path.rsplit_once('/').unwrap_or(("", path));
+    let parent = directory(inodes, by_path, dir);
+    let ino = inodes.len() as u64;
+    inodes.push(Inode {
+        attr: attr(
+            ino,
+            FileType::Directory,
+            0,
+            0o755,
+            0,
+            0,
+            SystemTime::UNIX_EPOCH,
+        ),
+        parent,
+        content: Content::None,
+        link: OsString::new(),
+        children: Vec::new(),
+    });
+    inodes[parent as usize]
+        .children
+        .push((OsString::from(leaf), ino));
+    by_path.insert(path.to_string(), ino);
+    ino
+}
+
 impl LayerFs {
     /// Builds the tree from the layer's TOC.
     pub fn new(engine: Arc<Engine>, runtime: tokio::runtime::Handle, passthrough: bool) -> Self {
@@ -198,39 +230,11 @@ impl LayerFs {
         let mut by_path: HashMap<String, u64> = HashMap::from([(String::new(), ROOT)]);
         let layer = &engine.layer;
         for (n, node) in layer.nodes.iter().enumerate() {
-            // Parents first (the TOC may omit directory entries).
-            let mut parent = ROOT;
-            let parts: Vec<&str> = node.path.split('/').collect();
-            for depth in 1..parts.len() {
-                let dir = parts[..depth].join("/");
-                parent = match by_path.get(&dir) {
-                    Some(&ino) => ino,
-                    None => {
-                        let ino = inodes.len() as u64;
-                        inodes.push(Inode {
-                            attr: attr(
-                                ino,
-                                FileType::Directory,
-                                0,
-                                0o755,
-                                0,
-                                0,
-                                SystemTime::UNIX_EPOCH,
-                            ),
-                            parent,
-                            content: Content::None,
-                            link: OsString::new(),
-                            children: Vec::new(),
-                        });
-                        inodes[parent as usize]
-                            .children
-                            .push((OsString::from(parts[depth - 1]), ino));
-                        by_path.insert(dir, ino);
-                        ino
-                    }
-                };
-            }
-            let name = OsString::from(parts[parts.len() - 1]);
+            // Parents first (the TOC may omit directory entries). The TOC was validated: paths
+            // are unique, shallow, and no entry lies under a non-directory.
+            let (dir, leaf) = node.path.rsplit_once('/').unwrap_or(("", &node.path));
+            let parent = directory(&mut inodes, &mut by_path, dir);
+            let name = OsString::from(leaf);
             let time = mtime(node.mod_time.as_deref());
             if node.kind == NodeKind::Dir {
                 if let Some(&ino) = by_path.get(&node.path) {
@@ -247,9 +251,8 @@ impl LayerFs {
                 }
             }
             if node.kind == NodeKind::Hardlink {
-                if let Some(&target) = by_path
-                    .get(&crate::format::zstd_chunked::clean_path(&node.link).unwrap_or_default())
-                {
+                // Validation made `link` the clean path of an earlier non-directory.
+                if let Some(&target) = by_path.get(&node.link) {
                     inodes[target as usize].attr.nlink += 1;
                     inodes[parent as usize].children.push((name, target));
                 }
@@ -297,8 +300,8 @@ impl LayerFs {
         }
     }
 
-    /// The ready-disk directory of a layer: its disk as published (under its own file name),
-    /// `disk.raw` (unless unavailable) and `metadata.json`.
+    /// The ready-disk directory of a layer: its disk as published (under its own file name,
+    /// [`crate::serve::published_name`]), `disk.raw` (unless unavailable) and `metadata.json`.
     pub fn ready(
         engine: Arc<Engine>,
         runtime: tokio::runtime::Handle,
@@ -310,7 +313,7 @@ impl LayerFs {
         let disk = layer.disk;
         let node = &layer.nodes[layer.files[disk].node];
         let time = mtime(node.mod_time.as_deref());
-        let name = node.path.rsplit('/').next().unwrap_or("disk").to_string();
+        let name = crate::serve::published_name(&node.path);
         let dir = |ino| Inode {
             attr: attr(ino, FileType::Directory, 0, 0o755, 0, 0, time),
             parent: ROOT,
@@ -360,10 +363,15 @@ impl LayerFs {
         self.engine.all_present(f.first..f.first + f.count)
     }
 
-    /// The passthrough backing id of `file` once every chunk of it is present, registered with
-    /// the kernel on first use. Disables passthrough for the mount if the kernel refuses.
+    /// The passthrough backing id of `file` once every chunk of it is present and the whole
+    /// layer passed its integrity check (passthrough reads never reach us, so they could not
+    /// be stopped later), registered with the kernel on first use. Disables passthrough for
+    /// the mount if the kernel refuses.
     fn backing(&self, file: usize, reply: &ReplyOpen) -> Option<Arc<BackingId>> {
-        if !self.passthrough.load(Ordering::Relaxed) || !self.file_complete(file) {
+        if !self.passthrough.load(Ordering::Relaxed)
+            || !self.file_complete(file)
+            || self.engine.integrity() != crate::cache::Integrity::Verified
+        {
             return None;
         }
         let mut backing = self.backing.lock().expect("backing lock");
@@ -434,6 +442,10 @@ impl fuser::Filesystem for LayerFs {
         };
         if flags.0 & libc_accmode() != 0 {
             return reply.error(Errno::EROFS);
+        }
+        if !matches!(inode.content, Content::None | Content::Bytes(_)) && self.engine.usable().is_err()
+        {
+            return reply.error(Errno::EIO);
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.open.lock().expect("open lock").insert(

@@ -40,7 +40,7 @@ pub struct PlatformReport {
 }
 
 /// One layer.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct LayerReport {
     pub digest: String,
     pub media_type: String,
@@ -66,7 +66,7 @@ pub struct LayerReport {
 }
 
 /// The disk found in a layer.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct DiskReport {
     pub path: String,
     pub format: String,
@@ -77,7 +77,7 @@ pub struct DiskReport {
 }
 
 /// Chunk size statistics over the disk's data chunks.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct ChunkSpread {
     pub min: u64,
     pub median: u64,
@@ -108,6 +108,13 @@ impl LayerReport {
     }
 }
 
+/// Most layers of one image inspect looks at (Docker and containerd build at most 127).
+pub const MAX_LAYERS: usize = 128;
+/// Most platforms of an index inspect looks at.
+pub const MAX_PLATFORMS: usize = 64;
+/// Layers inspected at once.
+const LAYER_CONCURRENCY: usize = 4;
+
 /// Inspects every platform of `r`.
 pub async fn inspect(client: &RegistryClient, r: &Reference) -> Result<Report> {
     let fetched = client.get_manifest(r).await?;
@@ -126,6 +133,12 @@ pub async fn inspect(client: &RegistryClient, r: &Reference) -> Result<Report> {
                 .push(inspect_image(client, r, m, &platform, fetched.digest.to_string()).await?);
         }
         ManifestKind::Index(index) => {
+            if index.manifests.len() > MAX_PLATFORMS {
+                return Err(Error::unsupported(format!(
+                    "{r} lists {} manifests; inspect reads at most {MAX_PLATFORMS}",
+                    index.manifests.len()
+                )));
+            }
             for desc in &index.manifests {
                 let Some(platform) = desc.platform.clone() else {
                     continue;
@@ -160,14 +173,41 @@ async fn inspect_image(
     platform: &Platform,
     digest: String,
 ) -> Result<PlatformReport> {
-    let mut layers = Vec::new();
-    for desc in &m.layers {
-        layers.push(
-            inspect_layer(client, r, desc)
-                .await
-                .map_err(|e| e.context(format!("layer {}", desc.digest)))?,
-        );
+    use futures_util::StreamExt;
+    if m.layers.len() > MAX_LAYERS {
+        return Err(Error::unsupported(format!(
+            "{r}: the image has {} layers; inspect reads at most {MAX_LAYERS} (containerd and Docker build no more than 127)",
+            m.layers.len()
+        )));
     }
+    // Each distinct layer once, a few at a time; repeats share the report.
+    let mut unique: Vec<&Descriptor> = Vec::new();
+    for desc in &m.layers {
+        if !unique.iter().any(|d| d.digest == desc.digest) {
+            unique.push(desc);
+        }
+    }
+    let reports: Vec<LayerReport> = futures_util::stream::iter(unique.iter().map(|desc| async move {
+        inspect_layer(client, r, desc)
+            .await
+            .map_err(|e| e.context(format!("layer {}", desc.digest)))
+    }))
+    .buffered(LAYER_CONCURRENCY)
+    .collect::<Vec<_>>()
+    .await
+    .into_iter()
+    .collect::<Result<_>>()?;
+    let layers = m
+        .layers
+        .iter()
+        .map(|desc| {
+            let at = unique
+                .iter()
+                .position(|d| d.digest == desc.digest)
+                .expect("every layer is among the unique ones");
+            reports[at].clone()
+        })
+        .collect();
     Ok(PlatformReport {
         platform: platform.to_string(),
         manifest: digest,

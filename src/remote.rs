@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use crate::cache::{CacheRoot, LayerMeta, RefRecord};
+use crate::cache::{CacheRoot, LayerId, LayerMeta, RefRecord};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
@@ -129,7 +129,13 @@ impl RemoteLayer {
 
     /// The file number of node `node`, if it is a regular file with content.
     pub fn file_of_node(&self, node: usize) -> Option<usize> {
-        self.files.iter().position(|f| f.node == node)
+        // Files are in node order.
+        self.files.binary_search_by_key(&node, |f| f.node).ok()
+    }
+
+    /// The layer's identity (and, through [`LayerId::key`], its cache key).
+    pub fn id(&self) -> LayerId {
+        self.meta.id()
     }
 }
 
@@ -182,13 +188,14 @@ pub async fn platform_manifest(
     }
 }
 
-async fn resolve_online(
+/// The disk layer of a manifest, where its TOC is, and its identity: the config (fetched by
+/// its digest) supplies the diff_id the layer claims.
+pub async fn disk_layer_id(
     client: &RegistryClient,
-    cache: &CacheRoot,
     reference: &Reference,
-) -> Result<RemoteLayer> {
-    let (manifest, manifest_digest, platform) = platform_manifest(client, reference).await?;
-    let layer = disk_layer(&manifest).ok_or_else(|| {
+    manifest: &oci::Manifest,
+) -> Result<(Descriptor, TocLocation, LayerId)> {
+    let layer = disk_layer(manifest).ok_or_else(|| {
         Error::unsupported(format!("{reference} has no lazily loadable (zstd:chunked) layer; publish it with `vmdisk push` or `vmdisk convert`"))
     })?;
     let loc = TocLocation::from_annotations(&layer.annotations)?
@@ -200,17 +207,61 @@ async fn resolve_online(
             layer.size
         )));
     }
+    let disk_path = layer
+        .annotations
+        .get(publish::ANN_PATH)
+        .map(|p| zstd_chunked::clean_path(p))
+        .transpose()
+        .map_err(|e| e.context(format!("the {} annotation", publish::ANN_PATH)))?;
+    let config = client
+        .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
+        .await
+        .map_err(|e| e.context(format!("fetching the image config of {reference}")))?;
+    let config: oci::ImageConfig = serde_json::from_slice(&config)
+        .map_err(|e| Error::corrupt(format!("the image config of {reference} is not valid: {e}")))?;
+    if config.rootfs.diff_ids.len() != manifest.layers.len() {
+        return Err(Error::corrupt(format!(
+            "the image config of {reference} lists {} diff_ids for {} layers",
+            config.rootfs.diff_ids.len(),
+            manifest.layers.len()
+        )));
+    }
+    let position = manifest
+        .layers
+        .iter()
+        .rposition(|l| std::ptr::eq(l, layer))
+        .expect("disk_layer returns one of the manifest's layers");
+    let id = LayerId {
+        layer: layer.digest,
+        size: layer.size,
+        toc: loc.checksum,
+        toc_offset: loc.offset,
+        diff_id: config.rootfs.diff_ids[position],
+        disk_path,
+    };
+    Ok((layer.clone(), loc, id))
+}
+
+async fn resolve_online(
+    client: &RegistryClient,
+    cache: &CacheRoot,
+    reference: &Reference,
+) -> Result<RemoteLayer> {
+    let (manifest, manifest_digest, platform) = platform_manifest(client, reference).await?;
+    let (layer, loc, id) = disk_layer_id(client, reference, &manifest).await?;
     let meta = LayerMeta {
         reference: reference.to_string(),
-        layer_digest: layer.digest,
-        layer_size: layer.size,
+        layer_digest: id.layer,
+        layer_size: id.size,
         toc_offset: loc.offset,
         toc_length: loc.length,
         toc_uncompressed_length: loc.uncompressed_length,
-        toc_digest: loc.checksum,
-        disk_path: layer.annotations.get(publish::ANN_PATH).cloned(),
+        toc_digest: id.toc,
+        disk_path: id.disk_path.clone(),
+        diff_id: id.diff_id,
     };
-    let toc = match cache.load_layer_meta(&layer.digest) {
+    let key = id.key();
+    let toc = match cache.load_layer_meta(&key) {
         Some((_, toc)) => toc,
         None => {
             let toc = client
@@ -218,15 +269,16 @@ async fn resolve_online(
                 .await?
                 .to_vec();
             loc.checksum.verify(&toc, "zstd:chunked TOC")?;
-            cache.save_layer_meta(&meta, &toc)?;
             toc
         }
     };
+    // Validate before anything is stored: a TOC that does not parse never reaches the cache.
     let remote = RemoteLayer::build(reference.clone(), meta, &toc, true)?;
+    cache.save_layer_meta(&remote.meta, &toc)?;
     cache.save_ref(&RefRecord {
         reference: reference.to_string(),
         manifest_digest,
-        layer_digest: layer.digest,
+        layer_key: key,
         platform: platform.to_string(),
     })?;
     Ok(remote)
@@ -243,7 +295,7 @@ pub async fn resolve(
         Ok(layer) => Ok(layer),
         Err(e) if e.kind() == ErrorKind::Network => {
             let record = cache.load_ref(&reference.to_string()).ok_or(e)?;
-            let (meta, toc) = cache.load_layer_meta(&record.layer_digest).ok_or_else(|| {
+            let (meta, toc) = cache.load_layer_meta(&record.layer_key).ok_or_else(|| {
                 Error::new(
                     ErrorKind::Network,
                     format!(
@@ -251,7 +303,7 @@ pub async fn resolve(
                     ),
                 )
             })?;
-            tracing::warn!(%reference, layer = %record.layer_digest, "registry unreachable; using the cached resolution");
+            tracing::warn!(%reference, layer = %meta.layer_digest, "registry unreachable; using the cached resolution");
             RemoteLayer::build(reference.clone(), meta, &toc, false)
         }
         Err(e) => Err(e),

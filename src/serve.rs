@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cache::CacheRoot;
+use crate::cache::{CacheRoot, Integrity};
 use crate::engine::stats::StatsSnapshot;
 use crate::engine::Engine;
 use crate::error::{Error, ErrorKind, Result};
@@ -87,6 +87,21 @@ pub struct ReadyMetadata {
     pub raw_error: Option<String>,
 }
 
+/// Names a ready-disk directory generates; a published disk never shadows them.
+pub const GENERATED_NAMES: [&str; 2] = ["disk.raw", "metadata.json"];
+
+/// The name the published disk at `path_in_layer` has in its ready-disk directory: its own
+/// file name, unless that is one of the [`GENERATED_NAMES`] (then `image-<name>`), so
+/// `disk.raw` is always the raw view and `metadata.json` always the metadata.
+pub fn published_name(path_in_layer: &str) -> String {
+    let name = path_in_layer.rsplit('/').next().unwrap_or("disk");
+    if GENERATED_NAMES.contains(&name) {
+        format!("image-{name}")
+    } else {
+        name.to_string()
+    }
+}
+
 /// The `disk.raw` of a ready-disk directory, or the reason it has none.
 pub fn raw_view_path(ready_dir: &Path) -> Result<PathBuf> {
     let raw = ready_dir.join("disk.raw");
@@ -142,7 +157,7 @@ fn describe(
         format: format.into(),
         virtual_size,
         disk_size,
-        disk: path.rsplit('/').next().unwrap_or("disk").to_string(),
+        disk: published_name(&path),
         path_in_image: format!("/{path}"),
         raw_error,
     };
@@ -188,10 +203,22 @@ pub async fn start(
     let e = Arc::clone(&engine);
     let stats_file = opts.stats_file.clone();
     let hydrate_request = opts.hydrate_request.clone();
+    let check_cache = cache.clone();
     tasks.push(tokio::spawn(async move {
         let mut requested = false;
+        let mut checking: Option<tokio::task::JoinHandle<()>> = None;
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
+            // However the layer became complete (reads, hydration, dedup), check it once.
+            if e.cache.complete()
+                && e.integrity() == Integrity::Pending
+                && checking.as_ref().is_none_or(|c| c.is_finished())
+            {
+                let (e, cache) = (Arc::clone(&e), check_cache.clone());
+                checking = Some(tokio::spawn(async move {
+                    e.check_integrity(&cache).await;
+                }));
+            }
             if let Some(request) = hydrate_request
                 .as_ref()
                 .filter(|r| !requested && r.exists())
@@ -224,6 +251,7 @@ pub async fn start(
     }));
     let e = Arc::clone(&engine);
     let index_cache = cache.clone();
+    let index_cache_check = cache.clone();
     let limit = (opts.hydrate == Hydrate::Background).then_some(opts.hydrate_rate * 1_000_000);
     let hydrate = opts.hydrate != Hydrate::Off;
     let announce = opts.announce;
@@ -236,10 +264,16 @@ pub async fn start(
         if hydrate {
             let concurrency = if limit.is_some() { 2 } else { 4 };
             match e.hydrate(concurrency, limit).await {
-                Ok(()) if announce => {
-                    println!("hydrated: {} chunks cached", e.cache.present_count())
+                Ok(()) => {
+                    let integrity = e.check_integrity(&index_cache_check).await;
+                    if announce {
+                        println!(
+                            "hydrated: {} chunks cached; integrity {integrity}",
+                            e.cache.present_count()
+                        )
+                    }
+                    tracing::info!(chunks = e.cache.present_count(), %integrity, "hydrated")
                 }
-                Ok(()) => tracing::info!(chunks = e.cache.present_count(), "hydrated"),
                 Err(err) => tracing::warn!(error = %err.chain(), "hydration stopped"),
             }
         }
@@ -326,6 +360,14 @@ pub struct LayerStatus {
     /// Size of the disk file.
     #[serde(default)]
     pub disk_size: u64,
+    /// The layer's integrity check ([`Integrity`]): `pending`, `verified` or `failed: …`.
+    #[serde(default)]
+    pub integrity: String,
+    /// The layer's key ([`crate::cache::LayerId::key`]) and blob digest.
+    #[serde(default)]
+    pub layer_key: String,
+    #[serde(default)]
+    pub layer_digest: String,
 }
 
 impl LayerStatus {
@@ -337,6 +379,9 @@ impl LayerStatus {
             chunks_cached: engine.cache.present_count() as u64,
             disk_path: layer.nodes[layer.files[layer.disk].node].path.clone(),
             disk_size: layer.file_size(layer.disk),
+            integrity: engine.integrity().to_string(),
+            layer_key: layer.id().key().to_string(),
+            layer_digest: layer.meta.layer_digest.to_string(),
         }
     }
 }

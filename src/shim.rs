@@ -129,7 +129,7 @@ pub fn image_value(
     disk: &crate::api::vmdisk::v1::Disk,
     qcow2: bool,
 ) -> String {
-    let name = disk.disk_path.rsplit('/').next().unwrap_or("disk");
+    let name = crate::serve::published_name(&disk.disk_path);
     match provider {
         Provider::Kata if qcow2 => format!("{}/{name}", disk.ready_dir),
         Provider::Kata => format!("{}/disk.raw", disk.ready_dir),
@@ -325,7 +325,7 @@ mod tests {
         );
         assert_eq!(
             image_value(Provider::Libvirt, "r/f:1", &disk, false),
-            "r_f_1.raw"
+            "r_f+1.raw"
         );
         assert_eq!(image_value(Provider::Name, "r/f:1", &disk, false), "r/f:1");
     }

@@ -65,14 +65,9 @@ fn io(what: String) -> impl FnOnce(std::io::Error) -> Error {
 
 impl LayerCache {
     /// Opens the cache of a layer in `dir` with one data file per size in `files` and
-    /// `chunks` chunks; chunks in `zeros` are present without data (holes read as zeros).
-    /// Takes the layer's lock shared, so eviction leaves it alone while it is open.
-    pub fn open(
-        dir: &Path,
-        files: &[u64],
-        chunks: usize,
-        zeros: impl IntoIterator<Item = usize>,
-    ) -> Result<Self> {
+    /// `chunks` chunks. Takes the layer's lock shared, so eviction leaves it alone while it is
+    /// open.
+    pub fn open(dir: &Path, files: &[u64], chunks: usize) -> Result<Self> {
         std::fs::create_dir_all(dir.join("data"))
             .map_err(io(format!("creating {}", dir.display())))?;
         let lock = OpenOptions::new()
@@ -143,7 +138,7 @@ impl LayerCache {
                 .filter(|&i| d.bits[i / 8] & (1 << (i % 8)) != 0)
                 .collect()
         };
-        for i in durable_bits.into_iter().chain(zeros) {
+        for i in durable_bits {
             cache.mark(i);
         }
         Ok(cache)
@@ -194,6 +189,17 @@ impl LayerCache {
             p.files.insert(file);
         }
         Ok(())
+    }
+
+    /// Marks verified all-zero chunk `idx` of data file `file` present without writing it:
+    /// the data file's hole there already reads as zeros (only chunk `idx`'s own verified
+    /// bytes are ever written there).
+    pub fn mark_hole(&self, idx: usize, file: usize) {
+        if self.mark(idx) {
+            let mut p = self.pending.lock().expect("pending lock");
+            p.chunks.push(idx);
+            p.files.insert(file);
+        }
     }
 
     /// Reads present data of file `file` at `offset`.
@@ -255,7 +261,8 @@ mod tests {
     fn presence_survives_reopen_only_after_flush() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let c = LayerCache::open(dir.path(), &[4096 * 4], 4, [3]).unwrap();
+            let c = LayerCache::open(dir.path(), &[4096 * 4], 4).unwrap();
+            c.mark_hole(3, 0);
             assert!(c.is_present(3) && !c.is_present(0));
             c.write_chunk(0, 0, 0, &[1u8; 4096]).unwrap();
             c.flush().unwrap();
@@ -264,13 +271,16 @@ mod tests {
             // Simulate a crash: the process dies before the second flush.
             std::mem::forget(c);
         }
-        let c = LayerCache::open(dir.path(), &[4096 * 4], 4, [3]).unwrap();
-        assert!(c.is_present(0), "flushed chunk is durable");
+        let c = LayerCache::open(dir.path(), &[4096 * 4], 4).unwrap();
+        assert!(c.is_present(0) && c.is_present(3), "flushed chunks are durable");
         assert!(
             !c.is_present(1),
             "an unflushed chunk is never marked present after a crash"
         );
         assert_eq!(c.present_count(), 2);
+        let mut hole = [1u8; 4096];
+        c.read_at(0, &mut hole, 3 * 4096).unwrap();
+        assert_eq!(hole, [0u8; 4096], "a hole reads as zeros");
         let mut buf = [0u8; 4096];
         c.read_at(0, &mut buf, 0).unwrap();
         assert_eq!(buf, [1u8; 4096]);
@@ -280,10 +290,10 @@ mod tests {
     fn a_bitmap_for_another_layout_is_discarded() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let c = LayerCache::open(dir.path(), &[8192], 2, []).unwrap();
+            let c = LayerCache::open(dir.path(), &[8192], 2).unwrap();
             c.write_chunk(0, 0, 0, &[1u8; 4096]).unwrap();
         }
-        let c = LayerCache::open(dir.path(), &[8192], 3, []).unwrap();
+        let c = LayerCache::open(dir.path(), &[8192], 3).unwrap();
         assert_eq!(c.present_count(), 0);
     }
 }

@@ -3,15 +3,22 @@
 //! Layout under the cache root (default `/var/lib/vmdisk/cache`):
 //!
 //! ```text
-//! layers/<blob sha256 hex>/
+//! layers/<layer key hex>/
 //!     meta.json     where the layer comes from and where its TOC is (see LayerMeta)
 //!     toc.zst       the TOC exactly as fetched; re-verified against meta.json on load
 //!     data/<n>      one sparse file per regular file n of the layer, full size
 //!     bitmap        durable presence bits, one per chunk (written after the data: see below)
+//!     structure-checked  present once the tar headers were found to agree with the TOC
+//!     integrity     the outcome of checking the complete layer against its diff_id
 //!     lock          held shared while mounted, so eviction skips the layer
 //!     last-used     its mtime orders eviction
 //! refs/<sha256 of the reference>.json   the last resolution of an image reference
 //! ```
+//!
+//! **Identity.** A layer is keyed by what was verified about it ([`LayerId`]), never by the
+//! blob digest alone: a lazily read blob is never hashed whole, so its digest is only a claim.
+//! Two images share a cache entry only if their manifests pin the same TOC (and so the same
+//! chunk digests), claim the same blob and diff_id, and name the same disk file.
 //!
 //! **Crash ordering.** A chunk is written into its data file, and marked present in memory at
 //! once (later reads in this process see the page cache). A flusher then `fdatasync`s the data
@@ -35,6 +42,44 @@ pub use layer::LayerCache;
 /// The default cache root.
 pub const DEFAULT_ROOT: &str = "/var/lib/vmdisk/cache";
 
+/// What identifies a lazily read layer: everything its (digest-pinned) manifest and config
+/// say about it. The TOC digest pins every chunk's digest, so two images with the same id
+/// serve the same bytes; the blob digest and the diff_id are claims, checked only once the
+/// layer is complete (see `engine::integrity`), and part of the id so that an image that
+/// lies about them never shares, or spoils, another image's cache.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LayerId {
+    /// The blob digest the manifest names.
+    pub layer: Digest,
+    /// The blob size the manifest names.
+    pub size: u64,
+    /// The TOC digest the layer's annotation pins.
+    pub toc: Digest,
+    /// Where the annotation says the TOC is (the end of the tar data).
+    pub toc_offset: u64,
+    /// The uncompressed digest the image config claims (`rootfs.diff_ids`).
+    pub diff_id: Digest,
+    /// The disk's path in the layer, when an annotation names it.
+    pub disk_path: Option<String>,
+}
+
+impl LayerId {
+    /// The single digest that names the layer in the cache, in mount paths and in the
+    /// snapshotter's records.
+    pub fn key(&self) -> Digest {
+        let text = format!(
+            "vmdisk layer v1\nblob {} {}\ntoc {} at {}\ndiff_id {}\ndisk {}\n",
+            self.layer,
+            self.size,
+            self.toc,
+            self.toc_offset,
+            self.diff_id,
+            self.disk_path.as_deref().unwrap_or("")
+        );
+        Digest::of(text.as_bytes())
+    }
+}
+
 /// Where a cached layer comes from, persisted as `meta.json`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct LayerMeta {
@@ -49,6 +94,44 @@ pub struct LayerMeta {
     /// The disk's path in the layer, when an annotation named it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_path: Option<String>,
+    /// The layer's uncompressed digest as the image config claims it.
+    pub diff_id: Digest,
+}
+
+impl LayerMeta {
+    /// The layer's identity.
+    pub fn id(&self) -> LayerId {
+        LayerId {
+            layer: self.layer_digest,
+            size: self.layer_size,
+            toc: self.toc_digest,
+            toc_offset: self.toc_offset,
+            diff_id: self.diff_id,
+            disk_path: self.disk_path.clone(),
+        }
+    }
+}
+
+/// Whether a layer, once complete, was found to be what its image config says.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase", tag = "state", content = "reason")]
+pub enum Integrity {
+    /// Not complete yet, or not checked yet.
+    Pending,
+    /// The complete layer's tar stream hashes to its diff_id and its entries are the TOC's.
+    Verified,
+    /// It does not: every read of the layer fails. The reason says what differed.
+    Failed(String),
+}
+
+impl std::fmt::Display for Integrity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Integrity::Pending => f.write_str("pending"),
+            Integrity::Verified => f.write_str("verified"),
+            Integrity::Failed(why) => write!(f, "failed: {why}"),
+        }
+    }
 }
 
 /// The last resolution of an image reference, for offline re-mounts.
@@ -56,7 +139,8 @@ pub struct LayerMeta {
 pub struct RefRecord {
     pub reference: String,
     pub manifest_digest: Digest,
-    pub layer_digest: Digest,
+    /// The layer's key ([`LayerId::key`]).
+    pub layer_key: Digest,
     pub platform: String,
 }
 
@@ -91,9 +175,9 @@ impl CacheRoot {
         })
     }
 
-    /// The directory of a layer.
-    pub fn layer_dir(&self, digest: &Digest) -> PathBuf {
-        self.root.join("layers").join(digest.hex())
+    /// The directory of the layer with key `key` ([`LayerId::key`]).
+    pub fn layer_dir(&self, key: &Digest) -> PathBuf {
+        self.root.join("layers").join(key.hex())
     }
 
     fn ref_path(&self, reference: &str) -> PathBuf {
@@ -119,7 +203,7 @@ impl CacheRoot {
     /// Stores a verified TOC and the layer's metadata (the TOC first, so `meta.json` only ever
     /// names a TOC that is on disk).
     pub fn save_layer_meta(&self, meta: &LayerMeta, toc: &[u8]) -> Result<()> {
-        let dir = self.layer_dir(&meta.layer_digest);
+        let dir = self.layer_dir(&meta.id().key());
         std::fs::create_dir_all(dir.join("data"))
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         write_atomically(&dir.join("toc.zst"), toc)?;
@@ -129,17 +213,18 @@ impl CacheRoot {
         )
     }
 
-    /// The stored metadata and TOC bytes of a layer, if complete and consistent.
-    pub fn load_layer_meta(&self, digest: &Digest) -> Option<(LayerMeta, Vec<u8>)> {
-        let dir = self.layer_dir(digest);
+    /// The stored metadata and TOC bytes of the layer with key `key`, if complete and
+    /// consistent (the metadata is the key's, the TOC its pinned one).
+    pub fn load_layer_meta(&self, key: &Digest) -> Option<(LayerMeta, Vec<u8>)> {
+        let dir = self.layer_dir(key);
         let meta: LayerMeta =
             serde_json::from_slice(&std::fs::read(dir.join("meta.json")).ok()?).ok()?;
         let toc = std::fs::read(dir.join("toc.zst")).ok()?;
-        (meta.layer_digest == *digest && meta.toc_digest.verify(&toc, "cached TOC").is_ok())
+        (meta.id().key() == *key && meta.toc_digest.verify(&toc, "cached TOC").is_ok())
             .then_some((meta, toc))
     }
 
-    /// All cached layers.
+    /// The keys of all cached layers.
     pub fn layers(&self) -> Vec<Digest> {
         let Ok(entries) = std::fs::read_dir(self.root.join("layers")) else {
             return Vec::new();
@@ -152,6 +237,31 @@ impl CacheRoot {
                     .ok()
             })
             .collect()
+    }
+
+    /// Whether the layer with key `key` passed the structure check (its tar headers agree with
+    /// its TOC; `engine::integrity`).
+    pub fn structure_checked(&self, key: &Digest) -> bool {
+        self.layer_dir(key).join("structure-checked").exists()
+    }
+
+    /// Records that the layer passed the structure check.
+    pub fn save_structure_checked(&self, key: &Digest) -> Result<()> {
+        write_atomically(&self.layer_dir(key).join("structure-checked"), b"")
+    }
+
+    /// What the integrity check of the layer with key `key` found last, if it ran.
+    pub fn load_integrity(&self, key: &Digest) -> Option<Integrity> {
+        let bytes = std::fs::read(self.layer_dir(key).join("integrity")).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    /// Records the outcome of the layer's integrity check.
+    pub fn save_integrity(&self, key: &Digest, integrity: &Integrity) -> Result<()> {
+        write_atomically(
+            &self.layer_dir(key).join("integrity"),
+            &serde_json::to_vec(integrity).expect("integrity serialises"),
+        )
     }
 
     /// Evicts least recently used layers that are not mounted until the cache's data takes at
@@ -223,7 +333,7 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(20));
         let (_, newest) = fill_layer(&root, b"newest", 1 << 20);
         // "mounted" is open (its lock held shared) and older than "newest".
-        let held = LayerCache::open(&mounted, &[1 << 20], 4, []).unwrap();
+        let held = LayerCache::open(&mounted, &[1 << 20], 4).unwrap();
         std::fs::write(newest.join("last-used"), b"").unwrap();
         // Make "mounted" the least recently used on disk: eviction must still skip it.
         let old = std::fs::File::options()

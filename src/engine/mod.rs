@@ -5,33 +5,39 @@
 //!   a claimed chunk wait for that fetch instead of starting their own.
 //! - **Coalescing.** Adjacent missing chunks become one HTTP Range request (bounded in size);
 //!   fetches run with bounded concurrency.
-//! - **Verification.** Every chunk is decompressed within its announced size and checked
+//! - **Verification.** Every chunk's range must be whole regular zstd frames (what an ordinary
+//!   decoder reads as file content); it is decompressed within its announced size and checked
 //!   against its `chunkDigest` before it is written to the cache. A chunk that fails is
 //!   fetched once more on its own, then the read fails (EIO): unverified bytes are never
-//!   served. `zeros` chunks are never fetched (data-file holes read as zeros).
+//!   served. Chunks marked `zeros` are verified the same way (the mark is only a claim) and
+//!   kept as holes. Once the layer is complete, [`integrity`] checks the whole tar stream
+//!   against the config's diff_id and the TOC; a layer that fails serves nothing more.
 //! - **Faults.** Network errors and truncated answers are retried with backoff until a
-//!   deadline; then the read fails.
+//!   deadline, which bounds every attempt too (a registry that trickles bytes cannot hold a
+//!   read past it); then the read fails.
 //! - **Dedup.** A chunk whose digest is already cached under another layer is copied locally.
 //!
 //! The engine is async (tokio); the FUSE layer calls it from its threads through a runtime
 //! handle and answers from the task, so a missing chunk never blocks reads of cached data.
 
+pub mod integrity;
 pub mod stats;
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::{watch, Semaphore};
+use tokio::time::Instant;
 
 use self::stats::Stats;
-use crate::cache::{CacheRoot, LayerCache};
+use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::qcow2;
-use crate::format::zstd_chunked::{decompress_bounded, Chunk};
+use crate::format::zstd_chunked::{check_regular_frames, decompress_bounded, Chunk};
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
 use crate::remote::{self, RemoteLayer};
@@ -103,6 +109,8 @@ pub struct Engine {
     /// Chunks of other cached layers by digest; built after the mount is ready
     /// ([`Engine::index_other_layers`]), empty until then.
     dedup: std::sync::OnceLock<HashMap<Digest, DedupSource>>,
+    /// What the check of the complete layer found; a failure stops every read.
+    integrity: Mutex<Integrity>,
     opts: EngineOptions,
 }
 
@@ -133,8 +141,10 @@ impl Drop for Claim<'_> {
     }
 }
 
-/// Decompresses a chunk's frame within its size and checks its digest.
-fn decode_verified(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
+/// Checks that a chunk's range is whole regular frames, decompresses it within its size and
+/// checks its digest.
+pub(crate) fn decode_verified(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
+    check_regular_frames(frame)?;
     let data = decompress_bounded(frame, chunk.size)?;
     if data.len() as u64 != chunk.size {
         return Err(Error::corrupt(format!(
@@ -159,6 +169,10 @@ fn decode_verified(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
 fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> {
     let mut map = HashMap::new();
     for digest in cache.layers().into_iter().filter(|d| d != own) {
+        // A layer found to differ from its config shares nothing.
+        if matches!(cache.load_integrity(&digest), Some(Integrity::Failed(_))) {
+            continue;
+        }
         let Some((meta, toc)) = cache.load_layer_meta(&digest) else {
             continue;
         };
@@ -173,7 +187,7 @@ fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> 
             continue;
         };
         for (idx, (file, chunk)) in layer.chunks.iter().enumerate() {
-            if chunk.zeros || bits[idx / 8] & (1 << (idx % 8)) == 0 {
+            if bits[idx / 8] & (1 << (idx % 8)) == 0 {
                 continue;
             }
             if let Some(d) = chunk.digest {
@@ -197,27 +211,38 @@ impl Engine {
         opts: EngineOptions,
     ) -> Result<Arc<Engine>> {
         let layer = remote::resolve(&client, cache, reference).await?;
-        let dir = cache.layer_dir(&layer.meta.layer_digest);
+        let key = layer.id().key();
+        let dir = cache.layer_dir(&key);
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
-        let zeros = layer
-            .chunks
-            .iter()
-            .enumerate()
-            .filter(|(_, (_, c))| c.zeros)
-            .map(|(i, _)| i);
-        let layer_cache = LayerCache::open(&dir, &sizes, layer.chunks.len(), zeros)?;
-        tracing::info!(%reference, layer = %layer.meta.layer_digest, chunks = layer.chunks.len(), present = layer_cache.present_count(), online = layer.online, "layer opened");
+        let layer_cache = LayerCache::open(&dir, &sizes, layer.chunks.len())?;
+        let integrity = cache.load_integrity(&key).unwrap_or(Integrity::Pending);
+        tracing::info!(%reference, layer = %layer.meta.layer_digest, %key, chunks = layer.chunks.len(), present = layer_cache.present_count(), online = layer.online, %integrity, "layer opened");
         let source = RegistrySource {
             client,
             reference: layer.reference.clone(),
             blob: layer.meta.layer_digest,
         };
-        Ok(Self::with_source(
-            layer,
-            layer_cache,
-            Box::new(source),
-            opts,
-        ))
+        let engine = Self::with_source(layer, layer_cache, Box::new(source), opts);
+        *engine.integrity.lock().expect("integrity lock") = integrity;
+        engine.usable()?;
+        engine.check_structure(Some(cache)).await?;
+        Ok(engine)
+    }
+
+    /// What the check of the complete layer found so far.
+    pub fn integrity(&self) -> Integrity {
+        self.integrity.lock().expect("integrity lock").clone()
+    }
+
+    /// Fails if the layer was found to differ from its image config.
+    pub fn usable(&self) -> Result<()> {
+        match &*self.integrity.lock().expect("integrity lock") {
+            Integrity::Failed(why) => Err(Error::corrupt(format!(
+                "layer {} differs from what its image config says ({why}); it serves nothing more. Remove the image and report it to its publisher",
+                self.layer.meta.layer_digest
+            ))),
+            _ => Ok(()),
+        }
     }
 
     fn with_source(
@@ -234,6 +259,7 @@ impl Engine {
             inflight: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             dedup: std::sync::OnceLock::new(),
+            integrity: Mutex::new(Integrity::Pending),
             opts,
         })
     }
@@ -242,7 +268,7 @@ impl Engine {
     /// with this one are copied instead of fetched. Reads every cached TOC: run it off the
     /// start-up path (blocking I/O); until it is done, shared chunks are simply fetched.
     pub fn index_other_layers(&self, cache: &CacheRoot) {
-        let index = build_dedup(cache, &self.layer.meta.layer_digest);
+        let index = build_dedup(cache, &self.layer.id().key());
         tracing::info!(
             sources = index.len(),
             "indexed chunks of other cached layers"
@@ -263,6 +289,7 @@ impl Engine {
     /// Makes every chunk in `chunks` present: fetches what is missing (claiming it), waits for
     /// what others are fetching. Fails if any chunk could not be fetched and verified.
     pub async fn ensure(&self, chunks: Range<usize>) -> Result<()> {
+        self.usable()?;
         let mut waits = Vec::new();
         let mut claimed = Vec::new();
         {
@@ -436,7 +463,12 @@ impl Engine {
     }
 
     fn store(&self, idx: usize, file: usize, chunk: &Chunk, data: &[u8]) -> Result<()> {
-        self.cache.write_chunk(idx, file, chunk.offset, data)?;
+        if data.iter().all(|&b| b == 0) {
+            // The data file's hole already reads as these bytes.
+            self.cache.mark_hole(idx, file);
+        } else {
+            self.cache.write_chunk(idx, file, chunk.offset, data)?;
+        }
         Stats::add(&self.stats.chunks_fetched, 1);
         Ok(())
     }
@@ -448,7 +480,21 @@ impl Engine {
         loop {
             let started = Instant::now();
             Stats::add(&self.stats.fetch_requests, 1);
-            match self.source.fetch(range.clone()).await {
+            // The deadline bounds the whole answer, body included: a registry that trickles
+            // bytes cannot hold the read past it.
+            let left = deadline.saturating_duration_since(started);
+            let attempt = tokio::time::timeout(left, self.source.fetch(range.clone()))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::new(
+                        ErrorKind::Network,
+                        format!(
+                            "the registry did not answer within the {} s fetch deadline",
+                            self.opts.fetch_deadline.as_secs_f32()
+                        ),
+                    ))
+                });
+            match attempt {
                 Ok(bytes) => {
                     Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
                     Stats::add(
@@ -490,6 +536,9 @@ impl Engine {
 
     /// Reads from the cache only; `None` if any needed chunk is missing.
     pub fn read_cached(&self, file: usize, offset: u64, size: u64) -> Option<Result<Vec<u8>>> {
+        if let Err(e) = self.usable() {
+            return Some(Err(e));
+        }
         let end = (offset + size).min(self.layer.file_size(file));
         if offset >= end {
             return Some(Ok(Vec::new()));
@@ -502,39 +551,44 @@ impl Engine {
     }
 
     /// Fetches what qemu reads first from a qcow2 disk: header, L1 table, refcount table and
-    /// every L2 table. Does nothing for raw disks.
+    /// every L2 table. Does nothing for raw disks. What the header claims is bounded as qemu
+    /// bounds it ([`qcow2::Header::tables`]), and each chunk is fetched once however many
+    /// tables share it.
     pub async fn prefetch_qcow2(&self) -> Result<()> {
+        use futures_util::StreamExt;
         let disk = self.layer.disk;
         let head = self.read(disk, 0, 104).await?;
         if head.len() < 4 || head[..4] != qcow2::MAGIC {
             return Ok(());
         }
         let header = qcow2::Header::read(&head[..])?;
-        let cluster = header.cluster_size();
-        let l1_bytes = u64::from(header.l1_size) * 8;
-        let refcount_bytes = u64::from(header.refcount_table_clusters) * cluster;
+        let tables = header.tables(self.layer.file_size(disk))?;
         let (l1, _) = futures_util::future::join(
-            self.read(disk, header.l1_table_offset, l1_bytes),
-            self.read(disk, header.refcount_table_offset, refcount_bytes),
+            self.read(disk, tables.l1.start, tables.l1.end - tables.l1.start),
+            self.read(
+                disk,
+                tables.refcount.start,
+                tables.refcount.end - tables.refcount.start,
+            ),
         )
         .await;
-        let l1 = l1?;
-        let tables: Vec<u64> = l1
-            .chunks_exact(8)
-            .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")) & 0x00ff_ffff_ffff_fe00)
-            .filter(|&o| o != 0)
-            .collect();
-        let ranges: Vec<Range<usize>> = tables
-            .iter()
-            .map(|&o| self.layer.chunks_for(disk, o..o + cluster))
-            .collect();
-        futures_util::future::try_join_all(ranges.into_iter().map(|r| self.ensure(r))).await?;
+        let cluster = header.cluster_size();
+        let mut chunks = std::collections::BTreeSet::new();
+        for l2 in qcow2::l2_offsets(&l1?) {
+            chunks.extend(self.layer.chunks_for(disk, l2..l2.saturating_add(cluster)));
+        }
+        let mut fetches = futures_util::stream::iter(chunks.into_iter().map(|c| self.ensure(c..c + 1)))
+            .buffer_unordered(self.opts.max_concurrent_fetches.max(1));
+        while let Some(result) = fetches.next().await {
+            result?;
+        }
         Ok(())
     }
 
     /// Fetches the whole layer in order, `concurrency` batches at a time, at most
     /// `bytes_per_second` (uncompressed) if given.
     pub async fn hydrate(&self, concurrency: usize, bytes_per_second: Option<u64>) -> Result<()> {
+        self.usable()?;
         use futures_util::StreamExt;
         let started = Instant::now();
         let total = self.layer.chunks.len();
@@ -547,7 +601,6 @@ impl Engine {
         let mut stream = futures_util::stream::iter(batches.into_iter().map(|r| {
             let bytes: u64 = self.layer.chunks[r.clone()]
                 .iter()
-                .filter(|(_, c)| !c.zeros)
                 .map(|(_, c)| c.size)
                 .sum();
             async move { self.ensure(r).await.map(|()| bytes) }
@@ -570,7 +623,9 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::cache::LayerMeta;
-    use crate::format::zstd_chunked::{EncodedChunk, EntryMeta, LayerWriter};
+    use crate::format::zstd_chunked::{
+        decode_toc, EncodedChunk, EntryMeta, LayerWriter, Toc, TocLocation,
+    };
 
     /// A blob in memory that records requests and can fail or corrupt the next answers.
     #[derive(Default)]
@@ -604,12 +659,14 @@ mod tests {
 
     const CHUNK: usize = 4096;
 
-    /// Content of `chunks` chunks; chunk 3 is all zeros.
+    /// Content of `chunks` chunks; chunk 3 (if there is one) is all zeros.
     fn content(chunks: usize) -> Vec<u8> {
         let mut v: Vec<u8> = (0..chunks * CHUNK)
             .map(|i| (i.wrapping_mul(2654435761) >> 7) as u8)
             .collect();
-        v[3 * CHUNK..4 * CHUNK].fill(0);
+        if chunks > 3 {
+            v[3 * CHUNK..4 * CHUNK].fill(0);
+        }
         v
     }
 
@@ -632,6 +689,15 @@ mod tests {
         }
         w.end_file().unwrap();
         let (summary, blob) = w.finish().unwrap();
+        engine_of_blob(blob, &summary, opts)
+    }
+
+    /// An engine over `blob`, a layer `summary` describes.
+    fn engine_of_blob(
+        blob: Vec<u8>,
+        summary: &crate::format::zstd_chunked::LayerSummary,
+        opts: EngineOptions,
+    ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
         let loc = summary.toc_location;
         let meta = LayerMeta {
             reference: "127.0.0.1:1/test/t:1".into(),
@@ -642,19 +708,13 @@ mod tests {
             toc_uncompressed_length: loc.uncompressed_length,
             toc_digest: loc.checksum,
             disk_path: None,
+            diff_id: summary.diff_id,
         };
         let toc = blob[loc.offset as usize..(loc.offset + loc.length) as usize].to_vec();
         let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &toc).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
-        let zeros: Vec<usize> = layer
-            .chunks
-            .iter()
-            .enumerate()
-            .filter(|(_, (_, c))| c.zeros)
-            .map(|(i, _)| i)
-            .collect();
-        let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len(), zeros).unwrap();
+        let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len()).unwrap();
         let source = Arc::new(FakeBlob {
             blob,
             ..FakeBlob::default()
@@ -683,7 +743,7 @@ mod tests {
         );
         assert_eq!(engine.read(disk, 100, 5000).await.unwrap(), data[100..5100]);
         assert_eq!(calls(&source), 1, "cached chunks are not fetched again");
-        // Chunk 3 is zeros: present from the start, never fetched.
+        // Chunk 3 is marked zeros: verified like any chunk (a few bytes), kept as a hole.
         assert_eq!(
             engine
                 .read(disk, 3 * CHUNK as u64, CHUNK as u64)
@@ -691,7 +751,9 @@ mod tests {
                 .unwrap(),
             vec![0u8; CHUNK]
         );
-        assert_eq!(calls(&source), 1);
+        assert_eq!(calls(&source), 2);
+        let zero_frame = source.calls.lock().unwrap()[1].clone();
+        assert!(zero_frame.end - zero_frame.start < 64, "{zero_frame:?}");
         // Reading past the end is short, not an error.
         assert_eq!(
             engine
@@ -716,8 +778,8 @@ mod tests {
             .unwrap();
         assert_eq!(
             calls(&source),
-            7,
-            "one request per non-zero chunk when requests may not grow"
+            8,
+            "one request per chunk when requests may not grow"
         );
     }
 
@@ -798,8 +860,225 @@ mod tests {
         for r in futures_util::future::join_all(reads).await {
             r.unwrap().unwrap();
         }
-        // 13 chunks touched (0..13), chunk 3 is zeros: 12 fetches, however many readers.
-        assert_eq!(engine.stats.snapshot().chunks_fetched, 12);
-        assert_eq!(calls(&source), 12);
+        // 13 chunks touched (0..13): 13 fetches, however many readers.
+        assert_eq!(engine.stats.snapshot().chunks_fetched, 13);
+        assert_eq!(calls(&source), 13);
+    }
+
+    /// A layer of one file `disk/d.raw` holding `data`, and its TOC.
+    fn honest(data: &[u8]) -> (Vec<u8>, crate::format::zstd_chunked::LayerSummary) {
+        let meta = |p: &str, mode| EntryMeta {
+            path: p.into(),
+            mode,
+            uid: 107,
+            gid: 107,
+            mtime: 0,
+        };
+        let mut w = LayerWriter::new(Vec::new(), 1).unwrap();
+        let mut c = zstd::bulk::Compressor::new(1).unwrap();
+        w.add_dir(&meta("disk", 0o755)).unwrap();
+        w.begin_file(&meta("disk/d.raw", 0o644), data.len() as u64)
+            .unwrap();
+        for part in data.chunks(CHUNK) {
+            w.add_chunk(&EncodedChunk::encode(Arc::new(part.to_vec()), &mut c).unwrap())
+                .unwrap();
+        }
+        w.end_file().unwrap();
+        let (summary, blob) = w.finish().unwrap();
+        (blob, summary)
+    }
+
+    fn toc_of(blob: &[u8], s: &crate::format::zstd_chunked::LayerSummary) -> Toc {
+        let loc = s.toc_location;
+        decode_toc(&blob[loc.range().start as usize..loc.range().end as usize], &loc).unwrap()
+    }
+
+    /// `prefix` (the tar data as crafted) followed by `toc` in a skippable frame, and a summary
+    /// that pins that TOC and claims `diff_id`.
+    fn with_toc(
+        mut prefix: Vec<u8>,
+        toc: &Toc,
+        diff_id: Digest,
+    ) -> (Vec<u8>, crate::format::zstd_chunked::LayerSummary) {
+        let json = serde_json::to_vec(toc).unwrap();
+        let compressed = zstd::bulk::compress(&json, 1).unwrap();
+        prefix.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18]);
+        prefix.extend_from_slice(&(compressed.len() as u32).to_le_bytes());
+        let toc_location = TocLocation {
+            offset: prefix.len() as u64,
+            length: compressed.len() as u64,
+            uncompressed_length: json.len() as u64,
+            checksum: Digest::of(&compressed),
+        };
+        prefix.extend_from_slice(&compressed);
+        let summary = crate::format::zstd_chunked::LayerSummary {
+            digest: Digest::of(&prefix),
+            size: prefix.len() as u64,
+            diff_id,
+            annotations: Default::default(),
+            toc_location,
+            chunks: 0,
+            zero_chunks: 0,
+        };
+        (prefix, summary)
+    }
+
+    async fn read_all(engine: &Engine) -> Result<Vec<u8>> {
+        engine
+            .read(engine.layer.disk, 0, engine.layer.file_size(engine.layer.disk))
+            .await
+    }
+
+    #[tokio::test]
+    async fn an_honest_layer_passes_both_checks_and_is_verified_once_complete() {
+        let data = content(6);
+        let (blob, summary) = honest(&data);
+        let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+        engine.check_structure(None).await.unwrap();
+        let cache_dir = tempfile::tempdir().unwrap();
+        let cache = CacheRoot::open(cache_dir.path()).unwrap();
+        assert_eq!(engine.check_integrity(&cache).await, Integrity::Pending, "not complete yet");
+        assert_eq!(read_all(&engine).await.unwrap(), data);
+        assert_eq!(engine.check_integrity(&cache).await, Integrity::Verified);
+        assert_eq!(read_all(&engine).await.unwrap(), data);
+    }
+
+    #[tokio::test]
+    async fn a_layer_whose_diff_id_is_a_lie_fails_every_read_once_complete() {
+        let data = content(4);
+        let (blob, mut summary) = honest(&data);
+        summary.diff_id = Digest::of(b"another layer");
+        let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+        engine.check_structure(None).await.unwrap();
+        assert_eq!(read_all(&engine).await.unwrap(), data);
+        let cache_dir = tempfile::tempdir().unwrap();
+        let cache = CacheRoot::open(cache_dir.path()).unwrap();
+        let outcome = engine.check_integrity(&cache).await;
+        let Integrity::Failed(why) = &outcome else {
+            panic!("{outcome:?}")
+        };
+        assert!(why.contains("hashes to") && why.contains(&summary.diff_id.to_string()), "{why}");
+        assert_eq!(engine.stats.snapshot().integrity_failures, 1);
+        let err = read_all(&engine).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt);
+        assert!(err.chain().contains("differs from what its image config says"), "{}", err.chain());
+        assert!(engine.read_cached(engine.layer.disk, 0, 10).unwrap().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_toc_that_renames_a_file_is_refused_before_anything_is_served() {
+        let data = content(3);
+        let (blob, summary) = honest(&data);
+        let mut toc = toc_of(&blob, &summary);
+        for e in &mut toc.entries {
+            e.name = e.name.replace("d.raw", "other.raw");
+        }
+        let data_end = (summary.toc_location.offset - 8) as usize;
+        let (blob, summary) = with_toc(blob[..data_end].to_vec(), &toc, summary.diff_id);
+        let (engine, source, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+        let err = engine.check_structure(None).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt);
+        assert!(err.chain().contains("path disk/d.raw, the TOC says disk/other.raw"), "{}", err.chain());
+        // Only the regions between chunks were fetched: no chunk.
+        for range in source.calls.lock().unwrap().iter() {
+            assert!(engine.layer.chunks.iter().all(|(_, c)| c.compressed.start >= range.end || c.compressed.end <= range.start));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_chunk_inside_a_skippable_frame_is_refused() {
+        // The file's one chunk points at a frame hidden in a skippable frame, which every
+        // ordinary decoder ignores; the real content follows it.
+        let data = content(1);
+        let (blob, summary) = honest(&data);
+        let mut toc = toc_of(&blob, &summary);
+        let first = toc.entries.iter().position(|e| e.kind == "reg").unwrap();
+        let start = toc.entries[first].offset as usize;
+        let fake = vec![0x41u8; CHUNK];
+        let frame = zstd::bulk::compress(&fake, 1).unwrap();
+        let mut crafted = blob[..start].to_vec();
+        crafted.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18]);
+        crafted.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+        let hidden = crafted.len() as i64;
+        crafted.extend_from_slice(&frame);
+        crafted.extend_from_slice(&blob[start..(summary.toc_location.offset - 8) as usize]);
+        let reg = &mut toc.entries[first];
+        reg.offset = hidden;
+        reg.end_offset = hidden + frame.len() as i64;
+        reg.chunk_digest = Digest::of(&fake).to_string();
+        reg.digest = reg.chunk_digest.clone();
+        let (crafted, summary) = with_toc(crafted, &toc, summary.diff_id);
+        let (engine, _, _dir) = engine_of_blob(crafted, &summary, EngineOptions::default());
+        let err = engine.check_structure(None).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt);
+        assert!(err.chain().contains("no whole zstd frame"), "{}", err.chain());
+    }
+
+    #[tokio::test]
+    async fn a_fake_chunk_followed_by_the_real_content_is_refused() {
+        // The chunk is a regular frame of fake content; the tar's real content sits in the
+        // region after it, where the TOC says only padding is.
+        let data = content(1);
+        let (blob, summary) = honest(&data);
+        let mut toc = toc_of(&blob, &summary);
+        let first = toc.entries.iter().position(|e| e.kind == "reg").unwrap();
+        let start = toc.entries[first].offset as usize;
+        let fake = vec![0x41u8; CHUNK];
+        let frame = zstd::bulk::compress(&fake, 1).unwrap();
+        let mut crafted = blob[..start].to_vec();
+        crafted.extend_from_slice(&frame);
+        let end = crafted.len() as i64;
+        crafted.extend_from_slice(&blob[start..(summary.toc_location.offset - 8) as usize]);
+        let reg = &mut toc.entries[first];
+        reg.end_offset = end;
+        reg.chunk_digest = Digest::of(&fake).to_string();
+        reg.digest = reg.chunk_digest.clone();
+        let (crafted, summary) = with_toc(crafted, &toc, summary.diff_id);
+        let (engine, _, _dir) = engine_of_blob(crafted, &summary, EngineOptions::default());
+        let err = engine.check_structure(None).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{}", err.chain());
+    }
+
+    #[tokio::test]
+    async fn a_chunk_range_with_a_skippable_frame_is_never_served() {
+        let data = content(1);
+        let (blob, summary) = honest(&data);
+        let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+        let (_, chunk) = &engine.layer.chunks[0];
+        let mut frame = vec![0x50, 0x2a, 0x4d, 0x18, 4, 0, 0, 0, 1, 2, 3, 4];
+        frame.extend(zstd::bulk::compress(&data, 1).unwrap());
+        let err = decode_verified(&frame, chunk).unwrap_err();
+        assert!(err.chain().contains("skippable frame"), "{}", err.chain());
+        let mut trailing = zstd::bulk::compress(&data, 1).unwrap();
+        trailing.extend_from_slice(b"junk");
+        assert!(decode_verified(&trailing, chunk).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_registry_that_never_finishes_an_answer_fails_the_read_at_the_deadline() {
+        struct Stalled;
+        impl BlobSource for Stalled {
+            fn fetch(&self, _range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
+                Box::pin(std::future::pending())
+            }
+        }
+        let data = content(2);
+        let (blob, summary) = honest(&data);
+        let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+        let engine = Arc::try_unwrap(engine).ok().unwrap();
+        let engine = Engine::with_source(
+            engine.layer,
+            engine.cache,
+            Box::new(Stalled),
+            EngineOptions {
+                fetch_deadline: Duration::from_secs(5),
+                ..EngineOptions::default()
+            },
+        );
+        let started = tokio::time::Instant::now();
+        let err = read_all(&engine).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Network);
+        assert!(err.chain().contains("fetch deadline"), "{}", err.chain());
+        assert!(started.elapsed() <= Duration::from_secs(10), "{:?}", started.elapsed());
     }
 }

@@ -36,6 +36,9 @@ pub struct Stats {
     pub fetch_micros: AtomicU64,
     /// Files opened with FUSE passthrough.
     pub passthrough_opens: AtomicU64,
+    /// Checks of the complete layer that found it differs from its image config (then every
+    /// read fails).
+    pub integrity_failures: AtomicU64,
 }
 
 /// A point-in-time copy of [`Stats`], for printing.
@@ -55,6 +58,8 @@ pub struct StatsSnapshot {
     pub read_errors: u64,
     pub fetch_micros: u64,
     pub passthrough_opens: u64,
+    #[serde(default)]
+    pub integrity_failures: u64,
 }
 
 impl Stats {
@@ -81,6 +86,7 @@ impl Stats {
             read_errors: g(&self.read_errors),
             fetch_micros: g(&self.fetch_micros),
             passthrough_opens: g(&self.passthrough_opens),
+            integrity_failures: g(&self.integrity_failures),
         }
     }
 }

@@ -158,6 +158,60 @@ impl Header {
     pub fn cluster_size(&self) -> u64 {
         1 << self.cluster_bits
     }
+
+    /// Where the L1 and refcount tables are, checked against the virtual size, against qemu's
+    /// own limits (32 MiB of L1 table, 8 MiB of refcount table) and against a file of
+    /// `file_len` bytes. The one place that bounds what a header makes a reader allocate.
+    pub fn tables(&self, file_len: u64) -> Result<Tables> {
+        let cs = self.cluster_size();
+        let needed_l1 = self.virtual_size.div_ceil(cs * (cs / 8));
+        let l1_bytes = u64::from(self.l1_size) * 8;
+        if u64::from(self.l1_size) < needed_l1 || l1_bytes > MAX_L1_BYTES {
+            return Err(Error::corrupt(format!(
+                "qcow2 L1 table size {} does not fit the virtual size {} (at most {MAX_L1_BYTES} bytes of L1 table)",
+                self.l1_size, self.virtual_size
+            )));
+        }
+        let refcount_bytes = u64::from(self.refcount_table_clusters) * cs;
+        if refcount_bytes > MAX_REFCOUNT_TABLE_BYTES {
+            return Err(Error::corrupt(format!(
+                "qcow2 refcount table of {} clusters is larger than the {MAX_REFCOUNT_TABLE_BYTES} bytes qemu accepts",
+                self.refcount_table_clusters
+            )));
+        }
+        let truncated = |what: String| {
+            Error::corrupt(format!("qcow2 image is truncated or damaged: {what} lies beyond the end of the file ({file_len} bytes)"))
+        };
+        let l1 = self.l1_table_offset..self.l1_table_offset.saturating_add(l1_bytes);
+        if l1.end > file_len {
+            return Err(truncated(format!("the L1 table at {}", l1.start)));
+        }
+        let refcount = self.refcount_table_offset
+            ..self.refcount_table_offset.saturating_add(refcount_bytes);
+        if refcount.end > file_len {
+            return Err(truncated(format!("the refcount table at {}", refcount.start)));
+        }
+        Ok(Tables { l1, refcount })
+    }
+}
+
+/// qemu's bound on the L1 table (`QCOW_MAX_L1_SIZE`).
+pub const MAX_L1_BYTES: u64 = 32 << 20;
+/// qemu's bound on the refcount table (`QCOW_MAX_REFTABLE_SIZE`).
+pub const MAX_REFCOUNT_TABLE_BYTES: u64 = 8 << 20;
+
+/// Byte ranges of an image's tables, inside the file and within qemu's bounds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tables {
+    pub l1: std::ops::Range<u64>,
+    pub refcount: std::ops::Range<u64>,
+}
+
+/// The offsets of the L2 tables an L1 table (big-endian entries) points at.
+pub fn l2_offsets(l1: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    l1.chunks_exact(8)
+        .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")) & L2_OFFSET_MASK)
+        .filter(|&o| o != 0)
 }
 
 /// Checks that the image's tables and every cluster they reference lie inside `src`; a
@@ -169,41 +223,14 @@ pub fn check_complete(src: &(impl ReadAt + ?Sized)) -> Result<Header> {
     let truncated = |what: String| {
         Error::corrupt(format!("qcow2 image is truncated or damaged: {what} lies beyond the end of the file ({len} bytes)"))
     };
-    let entries_per_l2 = cs / 8;
-    let needed_l1 = h.virtual_size.div_ceil(cs * entries_per_l2);
-    if u64::from(h.l1_size) < needed_l1 || u64::from(h.l1_size) > (32 << 20) {
-        return Err(Error::corrupt(format!(
-            "qcow2 L1 table size {} does not fit the virtual size {}",
-            h.l1_size, h.virtual_size
-        )));
-    }
-    let l1_bytes = u64::from(h.l1_size) * 8;
-    if h.l1_table_offset.saturating_add(l1_bytes) > len {
-        return Err(truncated(format!("the L1 table at {}", h.l1_table_offset)));
-    }
-    let refcount_end = h
-        .refcount_table_offset
-        .saturating_add(u64::from(h.refcount_table_clusters) * cs);
-    if refcount_end > len {
-        return Err(truncated(format!(
-            "the refcount table at {}",
-            h.refcount_table_offset
-        )));
-    }
-    let mut l1 = vec![0u8; l1_bytes as usize];
-    src.read_exact_at(&mut l1, h.l1_table_offset)
+    let tables = h.tables(len)?;
+    let mut l1 = vec![0u8; (tables.l1.end - tables.l1.start) as usize];
+    src.read_exact_at(&mut l1, tables.l1.start)
         .map_err(|e| Error::io("reading the qcow2 L1 table", e))?;
     let mut l2 = vec![0u8; cs as usize];
     let compressed_bits = 62 - (h.cluster_bits - 8);
-    for l1_entry in l1
-        .chunks_exact(8)
-        .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")))
-    {
-        let l2_offset = l1_entry & L2_OFFSET_MASK;
-        if l2_offset == 0 {
-            continue;
-        }
-        if l2_offset + cs > len {
+    for l2_offset in l2_offsets(&l1) {
+        if l2_offset.saturating_add(cs) > len {
             return Err(truncated(format!("an L2 table at {l2_offset}")));
         }
         src.read_exact_at(&mut l2, l2_offset)
@@ -219,7 +246,7 @@ pub fn check_complete(src: &(impl ReadAt + ?Sized)) -> Result<Header> {
                 }
             } else {
                 let offset = entry & L2_OFFSET_MASK;
-                if offset != 0 && offset + cs > len {
+                if offset != 0 && offset.saturating_add(cs) > len {
                     return Err(truncated(format!("a data cluster at {offset}")));
                 }
             }

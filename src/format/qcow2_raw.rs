@@ -44,22 +44,8 @@ impl<S: ReadAt> RawView<S> {
     /// Reads and checks the header and the L1 table.
     pub fn open(src: S) -> Result<Self> {
         let header = Header::read(&src)?;
-        let cs = header.cluster_size();
-        let needed = header.virtual_size.div_ceil(cs * (cs / 8));
-        if u64::from(header.l1_size) < needed || u64::from(header.l1_size) > (32 << 20) {
-            return Err(Error::corrupt(format!(
-                "qcow2 L1 table size {} does not fit the virtual size {}",
-                header.l1_size, header.virtual_size
-            )));
-        }
-        let l1_bytes = u64::from(header.l1_size) * 8;
-        if header.l1_table_offset.saturating_add(l1_bytes) > src.size() {
-            return Err(Error::corrupt(format!(
-                "qcow2 L1 table at {} lies beyond the end of the image ({} bytes)",
-                header.l1_table_offset,
-                src.size()
-            )));
-        }
+        let tables = header.tables(src.size())?;
+        let l1_bytes = tables.l1.end - tables.l1.start;
         let mut raw = vec![0u8; l1_bytes as usize];
         read(&src, &mut raw, header.l1_table_offset, "the L1 table")?;
         let l1 = raw

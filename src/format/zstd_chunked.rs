@@ -19,7 +19,7 @@
 //! checked: the TOC against the annotation, every chunk against its `chunkDigest`.
 //! `docs/format.md` describes the bytes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::ops::Range;
 use std::sync::Arc;
@@ -53,9 +53,18 @@ const SKIPPABLE_HEADER: u64 = 8;
 /// Largest compressed TOC we fetch.
 pub const MAX_TOC_COMPRESSED: u64 = 64 << 20;
 /// Largest TOC we decompress (a 50 GiB disk at 256 KiB chunks is about 50 MB).
-pub const MAX_TOC_UNCOMPRESSED: u64 = 512 << 20;
+pub const MAX_TOC_UNCOMPRESSED: u64 = 128 << 20;
 /// Largest chunk (uncompressed) we accept from a third-party TOC.
 pub const MAX_CHUNK_SIZE: u64 = 64 << 20;
+/// Most TOC entries, chunks included (a 256 GiB disk at 256 KiB chunks). Parsed entries take
+/// about 330 bytes each, so this bounds the TOC's memory near 330 MiB whatever it claims.
+pub const MAX_TOC_ENTRIES: usize = 1 << 20;
+/// Most files, directories and links a TOC may list: a VM-disk layer has a handful.
+pub const MAX_TOC_FILES: usize = 4096;
+/// Most components in a path.
+pub const MAX_PATH_DEPTH: usize = 64;
+/// The magic number that starts a regular zstd frame (little-endian 0xFD2FB528).
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 
 /// One TOC entry, field for field as containers/storage writes it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -102,11 +111,42 @@ fn is_zero(v: &i64) -> bool {
     *v == 0
 }
 
+/// Deserialises the TOC's entries, failing as soon as there are more than [`MAX_TOC_ENTRIES`]
+/// (before they take the memory).
+fn bounded_entries<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Vec<TocEntry>, D::Error> {
+    struct Entries;
+    impl<'de> serde::de::Visitor<'de> for Entries {
+        type Value = Vec<TocEntry>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "at most {MAX_TOC_ENTRIES} TOC entries")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            let mut entries = Vec::new();
+            while let Some(entry) = seq.next_element()? {
+                if entries.len() == MAX_TOC_ENTRIES {
+                    return Err(serde::de::Error::custom(format!(
+                        "more than {MAX_TOC_ENTRIES} entries"
+                    )));
+                }
+                entries.push(entry);
+            }
+            Ok(entries)
+        }
+    }
+    deserializer.deserialize_seq(Entries)
+}
+
 /// The TOC document.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Toc {
     pub version: u32,
+    #[serde(deserialize_with = "bounded_entries")]
     pub entries: Vec<TocEntry>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tar_split_digest: Option<String>,
@@ -225,6 +265,65 @@ pub fn decompress_bounded(data: &[u8], limit: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// The length of the zstd frame (regular or skippable) at the start of `data`, if a whole one
+/// is there.
+fn frame_len(data: &[u8]) -> Option<usize> {
+    zstd::zstd_safe::find_frame_compressed_size(data)
+        .ok()
+        .filter(|&n| n > 0 && n <= data.len())
+}
+
+fn is_skippable(data: &[u8]) -> bool {
+    data.len() >= 4 && data[1..4] == SKIPPABLE_MAGIC[1..] && data[0] & 0xf0 == 0x50
+}
+
+/// Checks that `data` is one or more whole regular zstd frames and nothing else. A chunk must
+/// be: a skippable frame (which every ordinary decoder ignores) or trailing bytes would let the
+/// lazy view serve bytes an extracted layer does not contain.
+pub fn check_regular_frames(data: &[u8]) -> Result<()> {
+    if data.is_empty() {
+        return Err(Error::corrupt("empty chunk frame"));
+    }
+    let mut at = 0;
+    while at < data.len() {
+        let rest = &data[at..];
+        if rest.len() < 4 || rest[..4] != ZSTD_MAGIC {
+            return Err(Error::corrupt(format!(
+                "byte {at} of the chunk's range does not start a regular zstd frame{}: an ordinary decoder would not read it as file content",
+                if is_skippable(rest) { " (it is a skippable frame)" } else { "" }
+            )));
+        }
+        at += frame_len(rest).ok_or_else(|| {
+            Error::corrupt(format!(
+                "the zstd frame at byte {at} of the chunk's range is incomplete or corrupt"
+            ))
+        })?;
+    }
+    Ok(())
+}
+
+/// Decodes a region of the layer that lies between chunks exactly as an ordinary decoder
+/// would: regular frames are decompressed, skippable frames skipped; the region must be whole
+/// frames. Fails if the output would exceed `limit` bytes.
+pub fn decode_region(data: &[u8], limit: u64) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < data.len() {
+        let rest = &data[at..];
+        let len = frame_len(rest).ok_or_else(|| {
+            Error::corrupt(format!(
+                "the layer holds no whole zstd frame at byte {at} of a region between chunks"
+            ))
+        })?;
+        if !is_skippable(rest) {
+            let left = limit.saturating_sub(out.len() as u64);
+            out.extend(decompress_bounded(&rest[..len], left)?);
+        }
+        at += len;
+    }
+    Ok(out)
+}
+
 /// One chunk of a regular file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Chunk {
@@ -236,7 +335,8 @@ pub struct Chunk {
     pub compressed: Range<u64>,
     /// sha256 of the uncompressed content; `None` only if the TOC gives none.
     pub digest: Option<Digest>,
-    /// All zeros: never needs fetching.
+    /// Marked all zeros by the writer: fetched and verified like any chunk (the mark is a
+    /// claim), then kept as a hole in the cache instead of written.
     pub zeros: bool,
 }
 
@@ -268,9 +368,9 @@ pub struct Node {
 }
 
 impl Node {
-    /// Whether every data chunk has a digest, so each can be verified on its own.
+    /// Whether every chunk has a digest, so each can be verified on its own.
     pub fn verifiable(&self) -> bool {
-        self.chunks.iter().all(|c| c.zeros || c.digest.is_some())
+        self.chunks.iter().all(|c| c.digest.is_some())
     }
 }
 
@@ -304,12 +404,59 @@ fn parse_opt_digest(s: &str, what: &str) -> Result<Option<Digest>> {
         .map_err(|e: Error| Error::corrupt(format!("{what}: {e}")))
 }
 
+/// What a path is while a TOC is validated: listed by an entry, or only implied as the
+/// directory of other entries.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    Implied,
+    Listed(NodeKind),
+}
+
+/// Records `path` (of `kind`) and its ancestors, refusing what tar extraction would resolve
+/// differently from the lazy view: a path listed twice (tar keeps the last entry), a
+/// directory that is also listed as a file, an entry under a file. Linear in the TOC: the
+/// walk up stops at the first ancestor already known as a directory.
+fn place(seen: &mut HashMap<String, Seen>, path: &str, kind: NodeKind) -> Result<()> {
+    let refused = |why: String| Error::corrupt(format!("TOC: {path}: {why}"));
+    match seen.get(path) {
+        Some(Seen::Listed(_)) => {
+            return Err(refused(
+                "listed twice (tar extraction keeps the last entry, so the layer is ambiguous)"
+                    .into(),
+            ))
+        }
+        Some(Seen::Implied) if kind != NodeKind::Dir => {
+            return Err(refused(format!(
+                "listed as a {kind:?} but other entries lie under it"
+            )))
+        }
+        _ => {}
+    }
+    seen.insert(path.to_string(), Seen::Listed(kind));
+    let mut dir = path;
+    while let Some(slash) = dir.rfind('/') {
+        dir = &dir[..slash];
+        match seen.get(dir) {
+            Some(Seen::Implied | Seen::Listed(NodeKind::Dir)) => break,
+            Some(Seen::Listed(other)) => {
+                return Err(refused(format!("lies under {dir}, which is a {other:?}")))
+            }
+            None => {
+                seen.insert(dir.to_string(), Seen::Implied);
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Toc {
     /// Validates the TOC against a blob whose data region ends at `data_end` (the TOC offset):
-    /// safe paths, chunk ranges that cover each file exactly, compressed ranges inside the data
-    /// region, bounded chunk sizes.
+    /// safe, unique paths of bounded depth; hardlinks to earlier non-directories; chunk ranges
+    /// that cover each file exactly, follow each other without gaps and lie inside the data
+    /// region without overlapping; bounded counts and chunk sizes.
     pub fn nodes(&self, data_end: u64) -> Result<Vec<Node>> {
         let mut nodes: Vec<Node> = Vec::new();
+        let mut seen: HashMap<String, Seen> = HashMap::new();
         let mut i = 0;
         while i < self.entries.len() {
             let e = &self.entries[i];
@@ -319,7 +466,12 @@ impl Toc {
                 "reg" => NodeKind::Regular,
                 "symlink" => NodeKind::Symlink,
                 "hardlink" => NodeKind::Hardlink,
-                "char" | "block" | "fifo" => NodeKind::Other,
+                "char" | "block" | "fifo" => {
+                    return Err(Error::unsupported(format!(
+                        "TOC lists {:?}, a {} entry: the lazy view serves no devices or fifos, so it would differ from the extracted layer",
+                        e.name, e.kind
+                    )))
+                }
                 "chunk" => {
                     return Err(Error::corrupt(format!(
                         "TOC: chunk entry for {:?} without a preceding reg entry",
@@ -333,7 +485,39 @@ impl Toc {
                     )))
                 }
             };
+            if nodes.len() == MAX_TOC_FILES {
+                return Err(Error::unsupported(format!(
+                    "TOC lists more than {MAX_TOC_FILES} files, directories and links; a VM-disk layer needs a handful"
+                )));
+            }
             let path = clean_path(&e.name)?;
+            if path.split('/').count() > MAX_PATH_DEPTH {
+                return Err(Error::unsupported(format!(
+                    "TOC: {path}: deeper than {MAX_PATH_DEPTH} directories"
+                )));
+            }
+            place(&mut seen, &path, kind)?;
+            let link = match kind {
+                NodeKind::Hardlink => {
+                    let target = clean_path(&e.link_name).map_err(|err| {
+                        err.context(format!("TOC: hardlink {path} has an unusable target"))
+                    })?;
+                    match seen.get(&target) {
+                        Some(Seen::Listed(k)) if *k != NodeKind::Dir && target != path => target,
+                        _ => {
+                            return Err(Error::corrupt(format!(
+                                "TOC: hardlink {path} points at {target:?}, which is not an earlier file of the layer"
+                            )))
+                        }
+                    }
+                }
+                NodeKind::Symlink if e.link_name.is_empty() || e.link_name.contains('\0') => {
+                    return Err(Error::corrupt(format!(
+                        "TOC: symlink {path} has an empty or NUL-containing target"
+                    )))
+                }
+                _ => e.link_name.clone(),
+            };
             let size = u64::try_from(e.size)
                 .map_err(|_| Error::corrupt(format!("TOC: negative size for {path}")))?;
             let to_u32 = |v: i64, what: &str| {
@@ -342,7 +526,7 @@ impl Toc {
             };
             let mut node = Node {
                 kind,
-                link: e.link_name.clone(),
+                link,
                 mode: to_u32(e.mode & 0o7777, "mode")?,
                 uid: to_u32(e.uid, "uid")?,
                 gid: to_u32(e.gid, "gid")?,
@@ -366,6 +550,20 @@ impl Toc {
                 node.chunks = chunks_of(&self.entries[start..i], &node, data_end)?;
             }
             nodes.push(node);
+        }
+        let mut ranges: Vec<(&Range<u64>, &str)> = nodes
+            .iter()
+            .flat_map(|n| n.chunks.iter().map(|c| (&c.compressed, n.path.as_str())))
+            .collect();
+        ranges.sort_unstable_by_key(|(r, _)| r.start);
+        for pair in ranges.windows(2) {
+            let ((a, a_path), (b, b_path)) = (pair[0], pair[1]);
+            if b.start < a.end {
+                return Err(Error::corrupt(format!(
+                    "TOC: chunks of {a_path} ({}..{}) and {b_path} ({}..{}) overlap in the layer",
+                    a.start, a.end, b.start, b.end
+                )));
+            }
         }
         Ok(nodes)
     }
@@ -414,6 +612,16 @@ fn chunks_of(entries: &[TocEntry], node: &Node, data_end: u64) -> Result<Vec<Chu
         }
         if start >= end || end > data_end || end - start > size + (size >> 3) + 4096 {
             return Err(bad(format!("chunk at {chunk_offset} has compressed range {start}..{end} outside the layer data (ends at {data_end})")));
+        }
+        // Whatever lies between two chunks of a file would be part of its content in the tar
+        // stream, so a file's frames must follow each other exactly.
+        let follows = match entries.get(n + 1) {
+            Some(next) => u64::try_from(next.offset).ok(),
+            None if file_end > 0 => Some(file_end),
+            None => None,
+        };
+        if let Some(next_start) = follows.filter(|&s| s != end) {
+            return Err(bad(format!("chunk at {chunk_offset} ends at {end} in the layer but the file's next bytes start at {next_start}: the frames of a file must follow each other")));
         }
         let zeros = e.chunk_type == "zeros";
         if !e.chunk_type.is_empty() && !zeros {

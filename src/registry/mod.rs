@@ -170,6 +170,12 @@ fn registry_error_text(body: &[u8]) -> String {
     }
 }
 
+/// How long any response body may take: this much, plus its size at [`MIN_BODY_RATE`]. The
+/// socket's idle timeout alone would let a registry trickle a byte every minute forever.
+const BODY_DEADLINE: Duration = Duration::from_secs(30);
+/// Slowest body rate accepted beyond [`BODY_DEADLINE`], bytes per second.
+const MIN_BODY_RATE: u64 = 256 << 10;
+
 async fn read_limited(mut resp: reqwest::Response, limit: u64, what: &str) -> Result<Vec<u8>> {
     if resp.content_length().is_some_and(|l| l > limit) {
         return Err(Error::corrupt(format!(
@@ -177,20 +183,31 @@ async fn read_limited(mut resp: reqwest::Response, limit: u64, what: &str) -> Re
             resp.content_length().unwrap_or(0)
         )));
     }
-    let mut out = Vec::new();
-    while let Some(chunk) = resp
-        .chunk()
-        .await
-        .map_err(|e| Error::new(ErrorKind::Network, format!("reading {what}")).with_source(e))?
-    {
-        if out.len() as u64 + chunk.len() as u64 > limit {
-            return Err(Error::corrupt(format!(
-                "{what} is more than the {limit} bytes accepted"
-            )));
+    let size = resp.content_length().unwrap_or(limit).min(limit);
+    let deadline = BODY_DEADLINE + Duration::from_secs(size / MIN_BODY_RATE);
+    let body = async {
+        let mut out = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| {
+            Error::new(ErrorKind::Network, format!("reading {what}")).with_source(e)
+        })? {
+            if out.len() as u64 + chunk.len() as u64 > limit {
+                return Err(Error::corrupt(format!(
+                    "{what} is more than the {limit} bytes accepted"
+                )));
+            }
+            out.extend_from_slice(&chunk);
         }
-        out.extend_from_slice(&chunk);
-    }
-    Ok(out)
+        Ok(out)
+    };
+    tokio::time::timeout(deadline, body).await.unwrap_or_else(|_| {
+        Err(Error::new(
+            ErrorKind::Network,
+            format!(
+                "{what}: the registry sent the body too slowly (over {} s)",
+                deadline.as_secs()
+            ),
+        ))
+    })
 }
 
 /// A fetched manifest or index, verified when fetched by digest.

@@ -27,7 +27,8 @@ pub const LABEL_REMOTE: &str = "containerd.io/snapshot/remote";
 /// The outcome for one layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
-    /// Serve the layer lazily from `reference` (repository@manifest digest).
+    /// Serve the layer lazily from `reference` (repository@manifest digest); `layer` is the
+    /// layer's key ([`crate::cache::LayerId::key`]), what its cache and mount are named by.
     Remote { reference: Reference, layer: Digest },
     /// Let containerd download and apply it. `candidate`: the layer looked like a published
     /// disk (our labels), so this is a fallback worth a warning.
@@ -121,7 +122,18 @@ impl Classifier {
             );
         }
         match crate::remote::disk_layer(&manifest) {
-            Some(disk) if disk.digest == layer => Decision::Remote { reference, layer },
+            Some(disk) if disk.digest == layer => {
+                match crate::remote::disk_layer_id(&self.client, &reference, &manifest).await {
+                    Ok((_, _, id)) => Decision::Remote {
+                        reference,
+                        layer: id.key(),
+                    },
+                    Err(e) if e.kind() == crate::error::ErrorKind::Network => {
+                        ordinary("registry_error", e.chain())
+                    }
+                    Err(e) => ordinary("invalid_image", e.chain()),
+                }
+            }
             Some(_) => ordinary("not_disk_layer", "another layer holds the disk".into()),
             None => ordinary(
                 "not_lazy",

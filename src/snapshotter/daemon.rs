@@ -27,17 +27,33 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
 
-/// A file name for an image reference: `/` and `:` become `_`, anything but
-/// `[A-Za-z0-9._@-]` is dropped, and the result is at most 200 bytes.
+/// The file name of an image reference in `by-name/` and `volumes/` (a libvirt volume name).
+///
+/// Injective, so two references never share a name and one never re-points another's links:
+/// ASCII letters, digits, `.` and `-` stay as they are, `/` becomes `_`, `:` becomes `+`, and
+/// every other byte (`_`, `+` and `%` included) becomes `%XX`. `registry.example/vm/fedora:39`
+/// is `registry.example_vm_fedora+39`. A name that would be longer than 200 bytes keeps its
+/// first 120 and ends in `%%` and the reference's sha256 (no short name contains `%%`).
 pub fn alias_name(reference: &str) -> String {
-    let mut name: String = reference
-        .chars()
-        .map(|c| if c == '/' || c == ':' { '_' } else { c })
-        .filter(|c| c.is_ascii_alphanumeric() || "._@-".contains(*c))
-        .collect();
-    name.truncate(200);
-    if name.is_empty() || name.starts_with('.') {
-        name.insert(0, '_');
+    let mut name = String::with_capacity(reference.len());
+    for b in reference.bytes() {
+        match b {
+            b'/' => name.push('_'),
+            b':' => name.push('+'),
+            b if b.is_ascii_alphanumeric() || b == b'.' || b == b'-' => name.push(b as char),
+            b => name.push_str(&format!("%{b:02X}")),
+        }
+    }
+    if name.starts_with('.') {
+        // ".", ".." and hidden names are not file names to hand out.
+        name = format!("%2E{}", &name[1..]);
+    }
+    if name.len() > 200 {
+        let mut cut = 120;
+        while !name.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        name = format!("{}%%{}", &name[..cut], Digest::of(reference.as_bytes()).hex());
     }
     name
 }
@@ -199,9 +215,10 @@ pub async fn serve_layer(
         ..EngineOptions::default()
     };
     let engine = Engine::open(client, &cache, &reference, opts).await?;
-    if engine.layer.meta.layer_digest != *layer {
+    let key = engine.layer.id().key();
+    if key != *layer {
         return Err(Error::corrupt(format!(
-            "{reference} resolves to disk layer {}, not {layer}",
+            "{reference} resolves to disk layer {} with key {key}, not {layer}; the image changed since the snapshot was made",
             engine.layer.meta.layer_digest
         )));
     }
@@ -243,4 +260,43 @@ pub async fn serve_layer(
     serving.serve_until_signalled().await?;
     serving.finish().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::alias_name;
+
+    #[test]
+    fn alias_names_are_readable_and_injective() {
+        assert_eq!(
+            alias_name("registry.example/vm/fedora:39"),
+            "registry.example_vm_fedora+39"
+        );
+        // These collided when `/` and `:` both became `_`.
+        let colliding = [
+            "a/b/c:1",
+            "a/b_c:1",
+            "a/b_c+1",
+            "a/b%5Fc:1",
+            "a_b/c:1",
+            "a/b/c/1",
+            "..",
+            ".a",
+            "%2Ea",
+        ];
+        let names: Vec<String> = colliding.iter().map(|r| alias_name(r)).collect();
+        for (i, a) in names.iter().enumerate() {
+            assert!(!a.contains('/') && a != "." && a != ".." && !a.starts_with('.'));
+            for (j, b) in names.iter().enumerate() {
+                assert!(i == j || a != b, "{} and {} share {a}", colliding[i], colliding[j]);
+            }
+        }
+        // Long references keep a readable start and stay distinct.
+        let long = |c: char| format!("r.example/{}:1", c.to_string().repeat(300));
+        let (x, y) = (alias_name(&long('x')), alias_name(&long('y')));
+        assert!(x.len() <= 200 && x.starts_with("r.example_xxx") && x.contains("%%"));
+        assert_ne!(x, y);
+        let same_prefix = |tag: &str| alias_name(&format!("r.example/{}:{tag}", "z".repeat(300)));
+        assert_ne!(same_prefix("1"), same_prefix("2"));
+    }
 }

@@ -299,7 +299,7 @@ impl ManageService {
             .await
             .map_err(status)?
             .into_iter()
-            .find(|d| d.layer_digest == want)
+            .find(|d| d.layer_key == want)
             .map(Response::new)
             .ok_or_else(|| {
                 Status::internal(format!("layer {want} vanished while being made ready"))
@@ -328,12 +328,23 @@ pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>>
             .and_then(|m| m.modified().ok())
             .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
             .map_or(0, |d| d.as_secs() as i64);
+        let layer_digest = if status.layer_digest.is_empty() {
+            layer.to_string()
+        } else {
+            status.layer_digest.clone()
+        };
         out.push(mpb::Disk {
             ready_dir,
             disk_size: status.disk_size,
             last_used,
             reference: remote.reference,
-            layer_digest: layer.to_string(),
+            layer_digest,
+            layer_key: layer.to_string(),
+            integrity: if status.integrity.is_empty() {
+                "pending".into()
+            } else {
+                status.integrity.clone()
+            },
             mountpoint: paths.mountpoint.display().to_string(),
             disk_path: status.disk_path,
             chunks: status.chunks,
@@ -384,7 +395,7 @@ impl mpb::manage_server::Manage for ManageService {
         request: Request<mpb::DiskRequest>,
     ) -> Result<Response<mpb::Disk>, Status> {
         let disk = self.ensure_disk(request).await?;
-        let layer = disk.get_ref().layer_digest.parse().map_err(status)?;
+        let layer = disk.get_ref().layer_key.parse().map_err(status)?;
         self.snapshotter.request_hydration(&layer).map_err(status)?;
         Ok(disk)
     }

@@ -117,10 +117,19 @@ pub async fn render(s: &Arc<Snapshotter>, calls: &CallCounts) -> Result<String> 
     f.samples
         .push(("state=\"down\"".into(), disks.len() as u64 - serving));
     families.push(f);
+    families.push(Family::one(
+        "vmdisk_layers_integrity_failed",
+        "gauge",
+        "Remote layers whose complete tar stream differs from their image config (every read fails).",
+        disks
+            .iter()
+            .filter(|d| d.integrity.starts_with("failed"))
+            .count() as u64,
+    ));
 
     let statuses: Vec<crate::serve::LayerStatus> = disks
         .iter()
-        .filter_map(|d| d.layer_digest.parse().ok())
+        .filter_map(|d| d.layer_key.parse().ok())
         .filter_map(|l| s.servers.paths(&l).stats())
         .collect();
     let sum = |g: fn(&crate::serve::LayerStatus) -> u64| statuses.iter().map(g).sum::<u64>();

@@ -483,12 +483,13 @@ impl Snapshotter {
         let remote = match crate::remote::platform_manifest(self.classifier.client(), &parsed).await
         {
             Ok((manifest, digest, _)) => {
-                let layer = crate::remote::disk_layer(&manifest).ok_or_else(|| {
-                    Error::unsupported(format!("{reference} has no lazily loadable disk layer; publish it with `vmdisk push` or republish it with `vmdisk convert`"))
-                })?;
+                let pinned = parsed.with_digest(digest);
+                let (_, _, id) =
+                    crate::remote::disk_layer_id(self.classifier.client(), &pinned, &manifest)
+                        .await?;
                 RemoteLayerRef {
-                    reference: parsed.with_digest(digest).to_string(),
-                    layer: layer.digest,
+                    reference: pinned.to_string(),
+                    layer: id.key(),
                     alias: Some(reference.to_string()),
                 }
             }

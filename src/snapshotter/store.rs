@@ -44,6 +44,8 @@ impl Kind {
 pub struct RemoteLayerRef {
     /// `registry/repository@manifest-digest` the layer was resolved from.
     pub reference: String,
+    /// The layer's key ([`crate::cache::LayerId::key`]): what was verified about it, not the
+    /// blob digest its manifest claims. Names its mount and cache.
     pub layer: Digest,
     /// The image name it was pulled as (the ready-disk directory's readable alias).
     #[serde(default)]

@@ -1,0 +1,447 @@
+//! Checks that a layer's lazy view is what an ordinary pull extracts.
+//!
+//! Chunks are verified one by one against the TOC, but the TOC is the image author's word:
+//! it could describe files the tar stream does not contain, place them elsewhere or name them
+//! differently, and the blob digest and diff_id of a lazily read layer are never hashed whole.
+//! The regions of the blob between chunks hold what the TOC leaves out (tar headers, padding,
+//! the end of the archive, the TOC's own skippable frames); they are small, so they are
+//! fetched and decoded frame by frame, as an ordinary decoder would, and joined with the
+//! chunks into the layer's tar stream:
+//! - **Before anything is served** ([`Engine::check_structure`]): the regions up to the TOC,
+//!   with the chunks' content skipped, must parse as a tar whose entries are the TOC's, in
+//!   order, with each file's content exactly where its chunks are. So a chunk is only served
+//!   where the tar stream holds that file's bytes (a chunk pointing into a skippable frame, a
+//!   renamed file, an extra file or duplicate name all fail here).
+//! - **Once the layer is complete** ([`Engine::check_integrity`]): the whole stream, chunks
+//!   from the cache, must hash to the diff_id the image config claims and parse the same way.
+//!   This also covers what cannot be seen without every byte (the frames of chunks nobody
+//!   read). A layer that fails is marked in the cache (`integrity`), counted, logged and shown
+//!   by `vmdisk ls`, and every further read fails: the node never serves it again, nor shares
+//!   its chunks with other layers.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::sync::Arc;
+
+use super::{Engine, Stats};
+use crate::remote::RemoteLayer;
+use crate::cache::{CacheRoot, Integrity};
+use crate::digest::Hasher;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::zstd_chunked::{clean_path, decode_region, NodeKind};
+
+/// Most compressed bytes of one region between chunks (the last one holds the TOC, whose
+/// compressed size is bounded at 64 MiB, and the tar-split).
+const MAX_REGION_BYTES: u64 = 160 << 20;
+/// Most decoded bytes of all regions between chunks together: tar headers, padding and the end
+/// of the archive need a few KiB per entry.
+const MAX_REGION_DECODED: u64 = 64 << 20;
+
+/// A piece of the rebuilt tar stream.
+enum Piece {
+    /// Decoded bytes of a region between chunks.
+    Region(Vec<u8>),
+    /// A chunk, read from the cache (or only skipped, when checking the structure).
+    Chunk(usize),
+}
+
+/// Most regions fetched at once.
+const REGION_FETCHES: usize = 8;
+
+/// What a tar entry of the rebuilt stream says.
+struct TarEntry {
+    path: String,
+    kind: NodeKind,
+    size: u64,
+    mode: u32,
+    uid: u64,
+    gid: u64,
+    link: String,
+    data_at: u64,
+}
+
+impl Engine {
+    /// Checks, before the layer serves anything, that the tar stream's headers agree with the
+    /// TOC and place every chunk where the tar holds that file's content (see the module
+    /// docs). Fetches only the regions between chunks, up to the TOC. Done once per layer key;
+    /// the cache remembers it.
+    pub async fn check_structure(self: &Arc<Self>, cache: Option<&CacheRoot>) -> Result<()> {
+        let key = self.layer.id().key();
+        if cache.is_some_and(|c| c.structure_checked(&key)) {
+            return Ok(());
+        }
+        let data_end = self.layer.meta.toc_offset.saturating_sub(8);
+        let pieces = self.regions(data_end).await?;
+        let engine = Arc::clone(self);
+        blocking(move || {
+            let mut stream = Stream::new(&engine, pieces, false);
+            let entries = read_entries(&mut stream, true)?;
+            compare(&engine.layer, &entries, &stream.chunk_starts)
+        })
+        .await
+        .map_err(|e| {
+            e.context(format!(
+                "layer {} does not hold what its TOC describes",
+                self.layer.meta.layer_digest
+            ))
+        })?;
+        if let Some(cache) = cache {
+            if let Err(e) = cache.save_structure_checked(&key) {
+                tracing::warn!(error = %e.chain(), "recording the layer's structure check failed; it runs again next time");
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the layer once it is complete (see the module docs), records the outcome and,
+    /// if the layer differs from its config, stops every further read. A layer that is not
+    /// complete, or whose regions cannot be fetched now, stays pending.
+    pub async fn check_integrity(self: &Arc<Self>, cache: &CacheRoot) -> Integrity {
+        let current = self.integrity();
+        if current != Integrity::Pending || !self.cache.complete() {
+            return current;
+        }
+        let outcome = match self.rebuild_and_compare().await {
+            Ok(()) => Integrity::Verified,
+            Err(e) if e.kind() == ErrorKind::Corrupt => Integrity::Failed(e.chain()),
+            Err(e) => {
+                tracing::warn!(layer = %self.layer.meta.layer_digest, error = %e.chain(), "the layer's integrity cannot be checked now; trying again later");
+                return Integrity::Pending;
+            }
+        };
+        match &outcome {
+            Integrity::Failed(why) => {
+                Stats::add(&self.stats.integrity_failures, 1);
+                tracing::error!(layer = %self.layer.meta.layer_digest, reference = %self.layer.reference, reason = %why, "the complete layer differs from its image config; every further read fails");
+            }
+            _ => {
+                tracing::info!(layer = %self.layer.meta.layer_digest, diff_id = %self.layer.meta.diff_id, "the complete layer matches its diff_id and TOC")
+            }
+        }
+        *self.integrity.lock().expect("integrity lock") = outcome.clone();
+        if let Err(e) = cache.save_integrity(&self.layer.id().key(), &outcome) {
+            tracing::warn!(error = %e.chain(), "recording the layer's integrity failed; it is checked again next time");
+        }
+        outcome
+    }
+
+    /// Rebuilds the whole stream (regions fetched, chunks from the cache) and compares it with
+    /// the diff_id and the TOC, off the async workers.
+    async fn rebuild_and_compare(self: &Arc<Self>) -> Result<()> {
+        let pieces = self.regions(self.layer.meta.layer_size).await?;
+        let engine = Arc::clone(self);
+        blocking(move || {
+            let layer = &engine.layer;
+            let mut stream = Stream::new(&engine, pieces, true);
+            let entries = read_entries(&mut stream, false)?;
+            std::io::copy(&mut stream, &mut std::io::sink())
+                .map_err(|e| Error::io("reading the rebuilt layer", e))?;
+            let digest = std::mem::take(&mut stream.hasher).finish();
+            if digest != layer.meta.diff_id {
+                return Err(Error::corrupt(format!(
+                    "the layer's tar stream hashes to {digest}, its image config says {}",
+                    layer.meta.diff_id
+                )));
+            }
+            compare(layer, &entries, &stream.chunk_starts)
+        })
+        .await
+    }
+
+    /// The pieces of the layer's stream up to byte `until` of the blob: every chunk, and the
+    /// regions between them fetched and decoded as an ordinary decoder would.
+    async fn regions(&self, until: u64) -> Result<Vec<Piece>> {
+        use futures_util::StreamExt;
+        let layer = &self.layer;
+        let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
+        order.sort_unstable_by_key(|&i| layer.chunks[i].1.compressed.start);
+        // (index in `pieces`, blob range) of each region to fetch.
+        let mut wanted = Vec::new();
+        let mut pieces = Vec::with_capacity(order.len() * 2 + 1);
+        let mut at = 0u64;
+        for next in order.iter().map(|&i| Some(i)).chain([None]) {
+            let end = next.map_or(until, |i| layer.chunks[i].1.compressed.start);
+            if end > at {
+                if end - at > MAX_REGION_BYTES {
+                    return Err(Error::corrupt(format!(
+                        "bytes {at}..{end} of the layer belong to no chunk and are more than the {MAX_REGION_BYTES} a tar header region or the TOC can take"
+                    )));
+                }
+                wanted.push((pieces.len(), at..end));
+                pieces.push(Piece::Region(Vec::new()));
+            }
+            if let Some(i) = next {
+                pieces.push(Piece::Chunk(i));
+                at = layer.chunks[i].1.compressed.end;
+            }
+        }
+        let mut fetched = futures_util::stream::iter(wanted.into_iter().map(|(slot, range)| async move {
+            let bytes = self.fetch_range(range.clone()).await?;
+            if bytes.len() as u64 != range.end - range.start {
+                return Err(Error::new(
+                    ErrorKind::Network,
+                    format!("short answer for bytes {}..{}", range.start, range.end),
+                ));
+            }
+            Ok((slot, range, bytes))
+        }))
+        .buffer_unordered(REGION_FETCHES);
+        let mut decoded = 0u64;
+        while let Some(result) = fetched.next().await {
+            let (slot, range, bytes) = result?;
+            let region = decode_region(&bytes, MAX_REGION_DECODED - decoded).map_err(|e| {
+                e.context(format!("bytes {}..{} of the layer", range.start, range.end))
+            })?;
+            decoded += region.len() as u64;
+            pieces[slot] = Piece::Region(region);
+        }
+        Ok(pieces)
+    }
+}
+
+/// Runs blocking work off the async workers.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, "checking the layer").with_source(e))?
+}
+
+/// Compares the tar entries with the TOC's nodes and the chunks' places in the stream with the
+/// tar headers.
+fn compare(layer: &RemoteLayer, entries: &[TarEntry], chunk_starts: &[u64]) -> Result<()> {
+    if entries.len() != layer.nodes.len() {
+        return Err(Error::corrupt(format!(
+            "the tar stream holds {} entries, the TOC lists {}",
+            entries.len(),
+            layer.nodes.len()
+        )));
+    }
+    for (n, (entry, node)) in entries.iter().zip(&layer.nodes).enumerate() {
+        let differs = |what: &str, tar: String, toc: String| {
+            Error::corrupt(format!(
+                "tar entry {n} ({}) has {what} {tar}, the TOC says {toc}",
+                entry.path
+            ))
+        };
+        if entry.path != node.path {
+            return Err(differs("path", entry.path.clone(), node.path.clone()));
+        }
+        if entry.kind != node.kind {
+            return Err(differs(
+                "type",
+                format!("{:?}", entry.kind),
+                format!("{:?}", node.kind),
+            ));
+        }
+        if (entry.mode, entry.uid, entry.gid) != (node.mode, u64::from(node.uid), u64::from(node.gid))
+        {
+            return Err(differs(
+                "mode/uid/gid",
+                format!("{:o}/{}/{}", entry.mode, entry.uid, entry.gid),
+                format!("{:o}/{}/{}", node.mode, node.uid, node.gid),
+            ));
+        }
+        if matches!(node.kind, NodeKind::Symlink | NodeKind::Hardlink) && entry.link != node.link {
+            return Err(differs("link target", entry.link.clone(), node.link.clone()));
+        }
+        if node.kind != NodeKind::Regular {
+            continue;
+        }
+        if entry.size != node.size {
+            return Err(differs("size", entry.size.to_string(), node.size.to_string()));
+        }
+        let Some(file) = layer.file_of_node(n) else {
+            continue;
+        };
+        let f = &layer.files[file];
+        for idx in f.first..f.first + f.count {
+            let expected = entry.data_at + layer.chunks[idx].1.offset;
+            if chunk_starts[idx] != expected {
+                return Err(Error::corrupt(format!(
+                    "{}: the chunk at file offset {} lies at byte {} of the tar stream, but the tar header puts it at {expected}",
+                    node.path, layer.chunks[idx].1.offset, chunk_starts[idx]
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The entries of the rebuilt stream, as a tar reader sees them.
+/// With `seek`, file contents are skipped, not read (the chunks may not be cached).
+fn read_entries(stream: &mut Stream<'_>, seek: bool) -> Result<Vec<TarEntry>> {
+    let corrupt = |e: std::io::Error| Error::corrupt(format!("the layer is not a valid tar: {e}"));
+    let mut archive = tar::Archive::new(stream);
+    let mut entries = Vec::new();
+    let iter = if seek {
+        archive.entries_with_seek()
+    } else {
+        archive.entries()
+    };
+    for entry in iter.map_err(corrupt)? {
+        let entry = entry.map_err(corrupt)?;
+        let header = entry.header();
+        let kind = match header.entry_type() {
+            tar::EntryType::Regular | tar::EntryType::Continuous => NodeKind::Regular,
+            tar::EntryType::Directory => NodeKind::Dir,
+            tar::EntryType::Symlink => NodeKind::Symlink,
+            tar::EntryType::Link => NodeKind::Hardlink,
+            tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => {
+                NodeKind::Other
+            }
+            tar::EntryType::XGlobalHeader => continue,
+            other => {
+                return Err(Error::corrupt(format!(
+                    "the layer's tar holds an entry of type {other:?}, which the TOC cannot describe"
+                )))
+            }
+        };
+        let name = String::from_utf8(entry.path_bytes().into_owned())
+            .map_err(|_| Error::corrupt("a tar entry name is not UTF-8"))?;
+        if kind == NodeKind::Dir && matches!(name.trim_end_matches('/'), "" | ".") {
+            // The layer root: the lazy view's root is the mount's.
+            continue;
+        }
+        let path = clean_path(&name)?;
+        let link = match entry.link_name_bytes() {
+            Some(l) => String::from_utf8(l.into_owned())
+                .map_err(|_| Error::corrupt(format!("the link target of {path} is not UTF-8")))?,
+            None => String::new(),
+        };
+        let link = if kind == NodeKind::Hardlink {
+            clean_path(&link)?
+        } else {
+            link
+        };
+        let number = |v: std::io::Result<u64>| v.map_err(corrupt);
+        entries.push(TarEntry {
+            kind,
+            size: if kind == NodeKind::Regular { entry.size() } else { 0 },
+            mode: (number(header.mode().map(u64::from))? & 0o7777) as u32,
+            uid: number(header.uid())?,
+            gid: number(header.gid())?,
+            link,
+            data_at: entry.raw_file_position(),
+            path,
+        });
+    }
+    Ok(entries)
+}
+
+/// The rebuilt tar stream: decoded regions and cached chunks in blob order, hashed as read.
+struct Stream<'a> {
+    engine: &'a Engine,
+    /// Whether chunks are read from the cache; if not, reading one is an error and only
+    /// seeking passes it.
+    read_chunks: bool,
+    pieces: Vec<Piece>,
+    /// The piece being read and the offset in it.
+    at: usize,
+    within: u64,
+    /// Bytes read so far.
+    position: u64,
+    hasher: Hasher,
+    /// Where each chunk starts in the stream.
+    chunk_starts: Vec<u64>,
+}
+
+impl<'a> Stream<'a> {
+    fn new(engine: &'a Engine, pieces: Vec<Piece>, read_chunks: bool) -> Self {
+        Stream {
+            engine,
+            read_chunks,
+            pieces,
+            at: 0,
+            within: 0,
+            position: 0,
+            hasher: Hasher::new(),
+            chunk_starts: vec![u64::MAX; engine.layer.chunks.len()],
+        }
+    }
+
+    /// The length of piece `i`.
+    fn piece_len(&self, i: usize) -> u64 {
+        match &self.pieces[i] {
+            Piece::Region(bytes) => bytes.len() as u64,
+            Piece::Chunk(idx) => self.engine.layer.chunks[*idx].1.size,
+        }
+    }
+
+    /// Notes where a chunk starts when the stream enters it.
+    fn entering(&mut self) {
+        if let (0, Some(Piece::Chunk(idx))) = (self.within, self.pieces.get(self.at)) {
+            self.chunk_starts[*idx] = self.position;
+        }
+    }
+}
+
+impl Seek for Stream<'_> {
+    /// Forward relative seeks only (what a tar reader skipping file contents does); the
+    /// skipped bytes are not hashed, so only the structure check seeks.
+    fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
+        let SeekFrom::Current(mut left) = pos else {
+            return Err(std::io::Error::other("the rebuilt layer seeks forward only"));
+        };
+        if left < 0 {
+            return Err(std::io::Error::other("the rebuilt layer seeks forward only"));
+        }
+        while left > 0 && self.at < self.pieces.len() {
+            self.entering();
+            let step = (self.piece_len(self.at) - self.within).min(left as u64);
+            self.within += step;
+            self.position += step;
+            left -= step as i64;
+            if self.within == self.piece_len(self.at) {
+                self.at += 1;
+                self.within = 0;
+            }
+        }
+        self.entering();
+        Ok(self.position)
+    }
+}
+
+impl Read for Stream<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let layer = &self.engine.layer;
+        while let Some(piece) = self.pieces.get(self.at) {
+            let n = match piece {
+                Piece::Region(bytes) => {
+                    let rest = &bytes[self.within as usize..];
+                    let n = rest.len().min(buf.len());
+                    buf[..n].copy_from_slice(&rest[..n]);
+                    n
+                }
+                Piece::Chunk(idx) => {
+                    let (file, chunk) = &layer.chunks[*idx];
+                    if self.within == 0 {
+                        self.chunk_starts[*idx] = self.position;
+                    }
+                    if !self.read_chunks {
+                        return Err(std::io::Error::other(
+                            "a tar header region runs into file content",
+                        ));
+                    }
+                    let n = ((chunk.size - self.within) as usize).min(buf.len());
+                    self.engine
+                        .cache
+                        .read_at(*file, &mut buf[..n], chunk.offset + self.within)
+                        .map_err(std::io::Error::other)?;
+                    n
+                }
+            };
+            if n == 0 {
+                self.at += 1;
+                self.within = 0;
+                continue;
+            }
+            self.within += n as u64;
+            self.position += n as u64;
+            self.hasher.update(&buf[..n]);
+            return Ok(n);
+        }
+        Ok(0)
+    }
+}
