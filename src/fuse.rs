@@ -443,7 +443,8 @@ impl fuser::Filesystem for LayerFs {
         if flags.0 & libc_accmode() != 0 {
             return reply.error(Errno::EROFS);
         }
-        if !matches!(inode.content, Content::None | Content::Bytes(_)) && self.engine.usable().is_err()
+        if !matches!(inode.content, Content::None | Content::Bytes(_))
+            && self.engine.usable().is_err()
         {
             return reply.error(Errno::EIO);
         }

@@ -187,16 +187,17 @@ async fn inspect_image(
             unique.push(desc);
         }
     }
-    let reports: Vec<LayerReport> = futures_util::stream::iter(unique.iter().map(|desc| async move {
-        inspect_layer(client, r, desc)
-            .await
-            .map_err(|e| e.context(format!("layer {}", desc.digest)))
-    }))
-    .buffered(LAYER_CONCURRENCY)
-    .collect::<Vec<_>>()
-    .await
-    .into_iter()
-    .collect::<Result<_>>()?;
+    let reports: Vec<LayerReport> =
+        futures_util::stream::iter(unique.iter().map(|desc| async move {
+            inspect_layer(client, r, desc)
+                .await
+                .map_err(|e| e.context(format!("layer {}", desc.digest)))
+        }))
+        .buffered(LAYER_CONCURRENCY)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_>>()?;
     let layers = m
         .layers
         .iter()

@@ -217,8 +217,9 @@ pub async fn disk_layer_id(
         .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
         .await
         .map_err(|e| e.context(format!("fetching the image config of {reference}")))?;
-    let config: oci::ImageConfig = serde_json::from_slice(&config)
-        .map_err(|e| Error::corrupt(format!("the image config of {reference} is not valid: {e}")))?;
+    let config: oci::ImageConfig = serde_json::from_slice(&config).map_err(|e| {
+        Error::corrupt(format!("the image config of {reference} is not valid: {e}"))
+    })?;
     if config.rootfs.diff_ids.len() != manifest.layers.len() {
         return Err(Error::corrupt(format!(
             "the image config of {reference} lists {} diff_ids for {} layers",

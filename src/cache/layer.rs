@@ -272,7 +272,10 @@ mod tests {
             std::mem::forget(c);
         }
         let c = LayerCache::open(dir.path(), &[4096 * 4], 4).unwrap();
-        assert!(c.is_present(0) && c.is_present(3), "flushed chunks are durable");
+        assert!(
+            c.is_present(0) && c.is_present(3),
+            "flushed chunks are durable"
+        );
         assert!(
             !c.is_present(1),
             "an unflushed chunk is never marked present after a crash"

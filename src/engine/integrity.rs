@@ -23,11 +23,11 @@ use std::io::{Read, Seek, SeekFrom};
 use std::sync::Arc;
 
 use super::{Engine, Stats};
-use crate::remote::RemoteLayer;
 use crate::cache::{CacheRoot, Integrity};
 use crate::digest::Hasher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{clean_path, decode_region, NodeKind};
+use crate::remote::RemoteLayer;
 
 /// Most compressed bytes of one region between chunks (the last one holds the TOC, whose
 /// compressed size is bounded at 64 MiB, and the tar-split).
@@ -174,17 +174,18 @@ impl Engine {
                 at = layer.chunks[i].1.compressed.end;
             }
         }
-        let mut fetched = futures_util::stream::iter(wanted.into_iter().map(|(slot, range)| async move {
-            let bytes = self.fetch_range(range.clone()).await?;
-            if bytes.len() as u64 != range.end - range.start {
-                return Err(Error::new(
-                    ErrorKind::Network,
-                    format!("short answer for bytes {}..{}", range.start, range.end),
-                ));
-            }
-            Ok((slot, range, bytes))
-        }))
-        .buffer_unordered(REGION_FETCHES);
+        let mut fetched =
+            futures_util::stream::iter(wanted.into_iter().map(|(slot, range)| async move {
+                let bytes = self.fetch_range(range.clone()).await?;
+                if bytes.len() as u64 != range.end - range.start {
+                    return Err(Error::new(
+                        ErrorKind::Network,
+                        format!("short answer for bytes {}..{}", range.start, range.end),
+                    ));
+                }
+                Ok((slot, range, bytes))
+            }))
+            .buffer_unordered(REGION_FETCHES);
         let mut decoded = 0u64;
         while let Some(result) = fetched.next().await {
             let (slot, range, bytes) = result?;
@@ -232,7 +233,8 @@ fn compare(layer: &RemoteLayer, entries: &[TarEntry], chunk_starts: &[u64]) -> R
                 format!("{:?}", node.kind),
             ));
         }
-        if (entry.mode, entry.uid, entry.gid) != (node.mode, u64::from(node.uid), u64::from(node.gid))
+        if (entry.mode, entry.uid, entry.gid)
+            != (node.mode, u64::from(node.uid), u64::from(node.gid))
         {
             return Err(differs(
                 "mode/uid/gid",
@@ -241,24 +243,33 @@ fn compare(layer: &RemoteLayer, entries: &[TarEntry], chunk_starts: &[u64]) -> R
             ));
         }
         if matches!(node.kind, NodeKind::Symlink | NodeKind::Hardlink) && entry.link != node.link {
-            return Err(differs("link target", entry.link.clone(), node.link.clone()));
+            return Err(differs(
+                "link target",
+                entry.link.clone(),
+                node.link.clone(),
+            ));
         }
         if node.kind != NodeKind::Regular {
             continue;
         }
         if entry.size != node.size {
-            return Err(differs("size", entry.size.to_string(), node.size.to_string()));
+            return Err(differs(
+                "size",
+                entry.size.to_string(),
+                node.size.to_string(),
+            ));
         }
         let Some(file) = layer.file_of_node(n) else {
             continue;
         };
         let f = &layer.files[file];
-        for idx in f.first..f.first + f.count {
-            let expected = entry.data_at + layer.chunks[idx].1.offset;
-            if chunk_starts[idx] != expected {
+        let range = f.first..f.first + f.count;
+        for ((_, chunk), &start) in layer.chunks[range.clone()].iter().zip(&chunk_starts[range]) {
+            let expected = entry.data_at + chunk.offset;
+            if start != expected {
                 return Err(Error::corrupt(format!(
-                    "{}: the chunk at file offset {} lies at byte {} of the tar stream, but the tar header puts it at {expected}",
-                    node.path, layer.chunks[idx].1.offset, chunk_starts[idx]
+                    "{}: the chunk at file offset {} lies at byte {start} of the tar stream, but the tar header puts it at {expected}",
+                    node.path, chunk.offset
                 )));
             }
         }
@@ -285,15 +296,11 @@ fn read_entries(stream: &mut Stream<'_>, seek: bool) -> Result<Vec<TarEntry>> {
             tar::EntryType::Directory => NodeKind::Dir,
             tar::EntryType::Symlink => NodeKind::Symlink,
             tar::EntryType::Link => NodeKind::Hardlink,
-            tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => {
-                NodeKind::Other
-            }
+            tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => NodeKind::Other,
             tar::EntryType::XGlobalHeader => continue,
-            other => {
-                return Err(Error::corrupt(format!(
-                    "the layer's tar holds an entry of type {other:?}, which the TOC cannot describe"
-                )))
-            }
+            other => return Err(Error::corrupt(format!(
+                "the layer's tar holds an entry of type {other:?}, which the TOC cannot describe"
+            ))),
         };
         let name = String::from_utf8(entry.path_bytes().into_owned())
             .map_err(|_| Error::corrupt("a tar entry name is not UTF-8"))?;
@@ -315,7 +322,11 @@ fn read_entries(stream: &mut Stream<'_>, seek: bool) -> Result<Vec<TarEntry>> {
         let number = |v: std::io::Result<u64>| v.map_err(corrupt);
         entries.push(TarEntry {
             kind,
-            size: if kind == NodeKind::Regular { entry.size() } else { 0 },
+            size: if kind == NodeKind::Regular {
+                entry.size()
+            } else {
+                0
+            },
             mode: (number(header.mode().map(u64::from))? & 0o7777) as u32,
             uid: number(header.uid())?,
             gid: number(header.gid())?,
@@ -379,10 +390,14 @@ impl Seek for Stream<'_> {
     /// skipped bytes are not hashed, so only the structure check seeks.
     fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
         let SeekFrom::Current(mut left) = pos else {
-            return Err(std::io::Error::other("the rebuilt layer seeks forward only"));
+            return Err(std::io::Error::other(
+                "the rebuilt layer seeks forward only",
+            ));
         };
         if left < 0 {
-            return Err(std::io::Error::other("the rebuilt layer seeks forward only"));
+            return Err(std::io::Error::other(
+                "the rebuilt layer seeks forward only",
+            ));
         }
         while left > 0 && self.at < self.pieces.len() {
             self.entering();

@@ -577,8 +577,9 @@ impl Engine {
         for l2 in qcow2::l2_offsets(&l1?) {
             chunks.extend(self.layer.chunks_for(disk, l2..l2.saturating_add(cluster)));
         }
-        let mut fetches = futures_util::stream::iter(chunks.into_iter().map(|c| self.ensure(c..c + 1)))
-            .buffer_unordered(self.opts.max_concurrent_fetches.max(1));
+        let mut fetches =
+            futures_util::stream::iter(chunks.into_iter().map(|c| self.ensure(c..c + 1)))
+                .buffer_unordered(self.opts.max_concurrent_fetches.max(1));
         while let Some(result) = fetches.next().await {
             result?;
         }
@@ -890,7 +891,11 @@ mod tests {
 
     fn toc_of(blob: &[u8], s: &crate::format::zstd_chunked::LayerSummary) -> Toc {
         let loc = s.toc_location;
-        decode_toc(&blob[loc.range().start as usize..loc.range().end as usize], &loc).unwrap()
+        decode_toc(
+            &blob[loc.range().start as usize..loc.range().end as usize],
+            &loc,
+        )
+        .unwrap()
     }
 
     /// `prefix` (the tar data as crafted) followed by `toc` in a skippable frame, and a summary
@@ -925,7 +930,11 @@ mod tests {
 
     async fn read_all(engine: &Engine) -> Result<Vec<u8>> {
         engine
-            .read(engine.layer.disk, 0, engine.layer.file_size(engine.layer.disk))
+            .read(
+                engine.layer.disk,
+                0,
+                engine.layer.file_size(engine.layer.disk),
+            )
             .await
     }
 
@@ -937,7 +946,11 @@ mod tests {
         engine.check_structure(None).await.unwrap();
         let cache_dir = tempfile::tempdir().unwrap();
         let cache = CacheRoot::open(cache_dir.path()).unwrap();
-        assert_eq!(engine.check_integrity(&cache).await, Integrity::Pending, "not complete yet");
+        assert_eq!(
+            engine.check_integrity(&cache).await,
+            Integrity::Pending,
+            "not complete yet"
+        );
         assert_eq!(read_all(&engine).await.unwrap(), data);
         assert_eq!(engine.check_integrity(&cache).await, Integrity::Verified);
         assert_eq!(read_all(&engine).await.unwrap(), data);
@@ -957,12 +970,23 @@ mod tests {
         let Integrity::Failed(why) = &outcome else {
             panic!("{outcome:?}")
         };
-        assert!(why.contains("hashes to") && why.contains(&summary.diff_id.to_string()), "{why}");
+        assert!(
+            why.contains("hashes to") && why.contains(&summary.diff_id.to_string()),
+            "{why}"
+        );
         assert_eq!(engine.stats.snapshot().integrity_failures, 1);
         let err = read_all(&engine).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt);
-        assert!(err.chain().contains("differs from what its image config says"), "{}", err.chain());
-        assert!(engine.read_cached(engine.layer.disk, 0, 10).unwrap().is_err());
+        assert!(
+            err.chain()
+                .contains("differs from what its image config says"),
+            "{}",
+            err.chain()
+        );
+        assert!(engine
+            .read_cached(engine.layer.disk, 0, 10)
+            .unwrap()
+            .is_err());
     }
 
     #[tokio::test]
@@ -978,10 +1002,19 @@ mod tests {
         let (engine, source, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
         let err = engine.check_structure(None).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt);
-        assert!(err.chain().contains("path disk/d.raw, the TOC says disk/other.raw"), "{}", err.chain());
+        assert!(
+            err.chain()
+                .contains("path disk/d.raw, the TOC says disk/other.raw"),
+            "{}",
+            err.chain()
+        );
         // Only the regions between chunks were fetched: no chunk.
         for range in source.calls.lock().unwrap().iter() {
-            assert!(engine.layer.chunks.iter().all(|(_, c)| c.compressed.start >= range.end || c.compressed.end <= range.start));
+            assert!(engine
+                .layer
+                .chunks
+                .iter()
+                .all(|(_, c)| c.compressed.start >= range.end || c.compressed.end <= range.start));
         }
     }
 
@@ -1011,7 +1044,11 @@ mod tests {
         let (engine, _, _dir) = engine_of_blob(crafted, &summary, EngineOptions::default());
         let err = engine.check_structure(None).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt);
-        assert!(err.chain().contains("no whole zstd frame"), "{}", err.chain());
+        assert!(
+            err.chain().contains("no whole zstd frame"),
+            "{}",
+            err.chain()
+        );
     }
 
     #[tokio::test]
@@ -1079,6 +1116,10 @@ mod tests {
         let err = read_all(&engine).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Network);
         assert!(err.chain().contains("fetch deadline"), "{}", err.chain());
-        assert!(started.elapsed() <= Duration::from_secs(10), "{:?}", started.elapsed());
+        assert!(
+            started.elapsed() <= Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }

@@ -186,10 +186,13 @@ impl Header {
         if l1.end > file_len {
             return Err(truncated(format!("the L1 table at {}", l1.start)));
         }
-        let refcount = self.refcount_table_offset
-            ..self.refcount_table_offset.saturating_add(refcount_bytes);
+        let refcount =
+            self.refcount_table_offset..self.refcount_table_offset.saturating_add(refcount_bytes);
         if refcount.end > file_len {
-            return Err(truncated(format!("the refcount table at {}", refcount.start)));
+            return Err(truncated(format!(
+                "the refcount table at {}",
+                refcount.start
+            )));
         }
         Ok(Tables { l1, refcount })
     }
@@ -308,5 +311,33 @@ mod tests {
         let mut v9 = img;
         v9[4..8].copy_from_slice(&9u32.to_be_bytes());
         assert!(Header::read(&v9[..]).is_err());
+    }
+
+    #[test]
+    fn table_claims_are_bounded_before_anything_is_allocated() {
+        let img = image();
+        let len = img.len() as u64;
+        let mut huge_l1 = img.clone();
+        huge_l1[36..40].copy_from_slice(&(1u32 << 31).to_be_bytes());
+        let err = Header::read(&huge_l1[..])
+            .unwrap()
+            .tables(64 << 30)
+            .unwrap_err();
+        assert!(err.to_string().contains("L1 table size"), "{err}");
+        assert!(check_complete(&huge_l1[..]).is_err());
+        let mut huge_refcount = img.clone();
+        huge_refcount[56..60].copy_from_slice(&u32::MAX.to_be_bytes());
+        let err = Header::read(&huge_refcount[..])
+            .unwrap()
+            .tables(u64::MAX)
+            .unwrap_err();
+        assert!(err.to_string().contains("refcount table"), "{err}");
+        let mut beyond = img.clone();
+        beyond[40..48].copy_from_slice(&(len - 4).to_be_bytes());
+        let err = Header::read(&beyond[..]).unwrap().tables(len).unwrap_err();
+        assert!(err.to_string().contains("beyond the end"), "{err}");
+        let tables = Header::read(&img[..]).unwrap().tables(len).unwrap();
+        assert_eq!(tables.l1, 512..520);
+        assert_eq!(tables.refcount, 1024..1536);
     }
 }

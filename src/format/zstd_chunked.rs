@@ -1198,4 +1198,173 @@ mod tests {
         assert_eq!(nodes[0].chunks[1].compressed, 100..200);
         assert!(!nodes[0].verifiable());
     }
+
+    /// A TOC of `entries`, whose chunk-less reg entries get a one-chunk range each.
+    fn toc_of(entries: Vec<TocEntry>) -> Toc {
+        Toc {
+            version: 1,
+            entries,
+            tar_split_digest: None,
+        }
+    }
+
+    fn entry(kind: &str, name: &str) -> TocEntry {
+        TocEntry {
+            kind: kind.into(),
+            name: name.into(),
+            ..Default::default()
+        }
+    }
+
+    fn file(name: &str, at: i64) -> TocEntry {
+        TocEntry {
+            size: 100,
+            offset: at,
+            end_offset: at + 50,
+            chunk_size: 100,
+            chunk_digest: Digest::of(name.as_bytes()).to_string(),
+            ..entry("reg", name)
+        }
+    }
+
+    fn refused(entries: Vec<TocEntry>, why: &str) {
+        let err = toc_of(entries).nodes(1 << 20).unwrap_err();
+        assert!(err.to_string().contains(why), "expected {why:?}: {err}");
+    }
+
+    #[test]
+    fn toc_paths_must_be_unique_and_only_under_directories() {
+        refused(
+            vec![file("disk/a", 100), file("disk/a", 200)],
+            "listed twice",
+        );
+        refused(
+            vec![entry("dir", "disk"), entry("dir", "disk/")],
+            "listed twice",
+        );
+        refused(
+            vec![file("disk/a", 100), file("disk/a/b", 200)],
+            "lies under disk/a",
+        );
+        refused(
+            vec![file("disk/a/b", 100), file("disk/a", 200)],
+            "other entries lie under it",
+        );
+        // A directory listed after what it holds is fine, once.
+        let nodes = toc_of(vec![file("disk/a", 100), entry("dir", "disk")])
+            .nodes(1 << 20)
+            .unwrap();
+        assert_eq!(nodes.len(), 2);
+    }
+
+    #[test]
+    fn hardlinks_must_name_an_earlier_file() {
+        let link = |target: &str| TocEntry {
+            link_name: target.into(),
+            ..entry("hardlink", "disk/l")
+        };
+        refused(vec![file("disk/a", 100), link("")], "unusable target");
+        refused(
+            vec![file("disk/a", 100), link("../etc/shadow")],
+            "unusable target",
+        );
+        refused(
+            vec![file("disk/a", 100), link("disk/b")],
+            "not an earlier file",
+        );
+        refused(
+            vec![entry("dir", "disk"), link("disk")],
+            "not an earlier file",
+        );
+        refused(
+            vec![link("disk/a"), file("disk/a", 100)],
+            "not an earlier file",
+        );
+        let nodes = toc_of(vec![file("disk/a", 100), link("./disk//a")])
+            .nodes(1 << 20)
+            .unwrap();
+        assert_eq!(nodes[1].link, "disk/a");
+        refused(
+            vec![TocEntry {
+                link_name: String::new(),
+                ..entry("symlink", "disk/s")
+            }],
+            "empty",
+        );
+        refused(vec![entry("char", "disk/tty")], "serves no devices");
+    }
+
+    #[test]
+    fn chunk_frames_follow_each_other_without_gaps_or_overlaps() {
+        // The file's last frame ends at 200 but the file's bytes end at 300: the 100 bytes
+        // between would be file content in the tar stream.
+        let mut first = file("disk/a", 100);
+        first.chunk_size = 50;
+        first.end_offset = 300;
+        let second = TocEntry {
+            chunk_offset: 50,
+            chunk_size: 50,
+            offset: 160,
+            end_offset: 200,
+            chunk_digest: Digest::of(b"2").to_string(),
+            ..entry("chunk", "disk/a")
+        };
+        refused(vec![first, second], "must follow each other");
+        // Two files whose frames overlap.
+        refused(vec![file("disk/a", 100), file("disk/b", 120)], "overlap");
+        // A chunk marked zeros still needs a digest.
+        let mut zeros = file("disk/z", 100);
+        zeros.chunk_type = "zeros".into();
+        zeros.chunk_digest = String::new();
+        let nodes = toc_of(vec![zeros]).nodes(1 << 20).unwrap();
+        assert!(
+            !nodes[0].verifiable(),
+            "a zeros chunk without digest cannot be verified"
+        );
+    }
+
+    #[test]
+    fn toc_size_counts_and_depth_are_bounded() {
+        let deep = (0..=MAX_PATH_DEPTH)
+            .map(|_| "d")
+            .collect::<Vec<_>>()
+            .join("/");
+        refused(vec![entry("dir", &deep)], "deeper than");
+        let many: Vec<TocEntry> = (0..=MAX_TOC_FILES)
+            .map(|i| entry("dir", &format!("d{i}")))
+            .collect();
+        refused(many, "more than 4096");
+        // A TOC of more than MAX_TOC_ENTRIES tiny entries fails while it is parsed.
+        let mut json = String::from("{\"version\":1,\"entries\":[");
+        for i in 0..=MAX_TOC_ENTRIES {
+            if i > 0 {
+                json.push(',');
+            }
+            json.push_str("{\"type\":\"chunk\",\"name\":\"a\"}");
+        }
+        json.push_str("]}");
+        let started = std::time::Instant::now();
+        let err = serde_json::from_str::<Toc>(&json).unwrap_err();
+        assert!(err.to_string().contains("more than"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    }
+
+    #[test]
+    fn regions_between_chunks_decode_as_an_ordinary_decoder_reads_them() {
+        let frame = zstd::bulk::compress(b"header bytes", 1).unwrap();
+        let mut region = frame.clone();
+        region.extend_from_slice(&[0x5f, 0x2a, 0x4d, 0x18, 3, 0, 0, 0, 9, 9, 9]);
+        region.extend_from_slice(&frame);
+        assert_eq!(
+            decode_region(&region, 1 << 20).unwrap(),
+            b"header bytesheader bytes"
+        );
+        // A skippable frame that runs past the region hides what follows it.
+        let cut = [0x50, 0x2a, 0x4d, 0x18, 200, 0, 0, 0, 1, 2];
+        assert!(decode_region(&cut, 1 << 20).is_err());
+        assert!(decode_region(b"not zstd", 1 << 20).is_err());
+        assert!(decode_region(&region, 10).is_err(), "bounded output");
+        assert!(check_regular_frames(&frame).is_ok());
+        assert!(check_regular_frames(&region).is_err());
+    }
 }

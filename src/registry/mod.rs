@@ -185,29 +185,32 @@ async fn read_limited(mut resp: reqwest::Response, limit: u64, what: &str) -> Re
     }
     let size = resp.content_length().unwrap_or(limit).min(limit);
     let deadline = BODY_DEADLINE + Duration::from_secs(size / MIN_BODY_RATE);
-    let body = async {
-        let mut out = Vec::new();
-        while let Some(chunk) = resp.chunk().await.map_err(|e| {
-            Error::new(ErrorKind::Network, format!("reading {what}")).with_source(e)
-        })? {
-            if out.len() as u64 + chunk.len() as u64 > limit {
-                return Err(Error::corrupt(format!(
-                    "{what} is more than the {limit} bytes accepted"
-                )));
+    let body =
+        async {
+            let mut out = Vec::new();
+            while let Some(chunk) = resp.chunk().await.map_err(|e| {
+                Error::new(ErrorKind::Network, format!("reading {what}")).with_source(e)
+            })? {
+                if out.len() as u64 + chunk.len() as u64 > limit {
+                    return Err(Error::corrupt(format!(
+                        "{what} is more than the {limit} bytes accepted"
+                    )));
+                }
+                out.extend_from_slice(&chunk);
             }
-            out.extend_from_slice(&chunk);
-        }
-        Ok(out)
-    };
-    tokio::time::timeout(deadline, body).await.unwrap_or_else(|_| {
-        Err(Error::new(
-            ErrorKind::Network,
-            format!(
-                "{what}: the registry sent the body too slowly (over {} s)",
-                deadline.as_secs()
-            ),
-        ))
-    })
+            Ok(out)
+        };
+    tokio::time::timeout(deadline, body)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::new(
+                ErrorKind::Network,
+                format!(
+                    "{what}: the registry sent the body too slowly (over {} s)",
+                    deadline.as_secs()
+                ),
+            ))
+        })
 }
 
 /// A fetched manifest or index, verified when fetched by digest.

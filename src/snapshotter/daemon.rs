@@ -53,7 +53,11 @@ pub fn alias_name(reference: &str) -> String {
         while !name.is_char_boundary(cut) {
             cut -= 1;
         }
-        name = format!("{}%%{}", &name[..cut], Digest::of(reference.as_bytes()).hex());
+        name = format!(
+            "{}%%{}",
+            &name[..cut],
+            Digest::of(reference.as_bytes()).hex()
+        );
     }
     name
 }
@@ -288,7 +292,12 @@ mod tests {
         for (i, a) in names.iter().enumerate() {
             assert!(!a.contains('/') && a != "." && a != ".." && !a.starts_with('.'));
             for (j, b) in names.iter().enumerate() {
-                assert!(i == j || a != b, "{} and {} share {a}", colliding[i], colliding[j]);
+                assert!(
+                    i == j || a != b,
+                    "{} and {} share {a}",
+                    colliding[i],
+                    colliding[j]
+                );
             }
         }
         // Long references keep a readable start and stay distinct.
