@@ -4,6 +4,7 @@
 mod boot;
 mod cri;
 mod harness;
+mod hostile;
 mod mount;
 mod publish;
 mod rawview;

@@ -979,7 +979,7 @@ fn node_commands_make_disks_ready_and_clean_up() {
     assert!(!err.status.success());
     let text = String::from_utf8_lossy(&err.stderr);
     assert!(
-        text.contains("no lazily loadable disk layer") && text.contains("vmdisk convert"),
+        text.contains("no lazily loadable") && text.contains("vmdisk convert"),
         "{text}"
     );
 }

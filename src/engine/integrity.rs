@@ -70,13 +70,16 @@ impl Engine {
             return Ok(());
         }
         let data_end = self.layer.meta.toc_offset.saturating_sub(8);
-        let pieces = self.regions(data_end).await?;
         let engine = Arc::clone(self);
-        blocking(move || {
-            let mut stream = Stream::new(&engine, pieces, false);
-            let entries = read_entries(&mut stream, true)?;
-            compare(&engine.layer, &entries, &stream.chunk_starts)
-        })
+        async move {
+            let pieces = engine.regions(data_end).await?;
+            blocking(move || {
+                let mut stream = Stream::new(&engine, pieces, false);
+                let entries = read_entries(&mut stream, true)?;
+                compare(&engine.layer, &entries, &stream.chunk_starts)
+            })
+            .await
+        }
         .await
         .map_err(|e| {
             e.context(format!(
@@ -298,9 +301,11 @@ fn read_entries(stream: &mut Stream<'_>, seek: bool) -> Result<Vec<TarEntry>> {
             tar::EntryType::Link => NodeKind::Hardlink,
             tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => NodeKind::Other,
             tar::EntryType::XGlobalHeader => continue,
-            other => return Err(Error::corrupt(format!(
+            other => {
+                return Err(Error::corrupt(format!(
                 "the layer's tar holds an entry of type {other:?}, which the TOC cannot describe"
-            ))),
+            )))
+            }
         };
         let name = String::from_utf8(entry.path_bytes().into_owned())
             .map_err(|_| Error::corrupt("a tar entry name is not UTF-8"))?;

@@ -1,0 +1,828 @@
+//! A hostile registry: an in-process OCI registry that serves hand-crafted manifests, configs,
+//! TOCs and disks, and answers Range requests badly on purpose. Each test asserts the exact
+//! outcome (a named error, EIO, or the right bytes) and, where input could exhaust the node, a
+//! bound on memory and time measured on the real `vmdisk` process.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::Response;
+use vmdisk::digest::Digest;
+use vmdisk::format::zstd_chunked::{
+    decode_toc, EncodedChunk, EntryMeta, LayerWriter, Toc, TocEntry, ANN_TOC_CHECKSUM,
+    ANN_TOC_POSITION,
+};
+
+use crate::harness::*;
+
+/// How a blob answers Range requests that start inside `at`.
+#[derive(Clone, Debug)]
+enum Answer {
+    /// 206 with the bytes asked for.
+    Honest,
+    /// One byte every `0` (a registry that trickles).
+    Trickle(Duration),
+    /// 200 with the whole blob (no Range support).
+    Whole,
+    /// 206 whose Content-Range names other bytes.
+    WrongContentRange,
+    /// 206 with the bytes asked for and more.
+    ExtraBytes,
+}
+
+#[derive(Clone)]
+struct Blob {
+    bytes: Arc<Vec<u8>>,
+    answer: Answer,
+    /// The requests that misbehave: those starting in this range of the blob.
+    at: Range<u64>,
+}
+
+#[derive(Default)]
+struct Content {
+    /// (repository, tag or digest) → (media type, bytes).
+    manifests: HashMap<(String, String), (String, Vec<u8>)>,
+    /// (repository, digest) → blob.
+    blobs: HashMap<(String, String), Blob>,
+}
+
+/// The in-process registry, serving until dropped.
+struct HostileRegistry {
+    port: u16,
+    content: Arc<Mutex<Content>>,
+    _runtime: tokio::runtime::Runtime,
+}
+
+async fn serve(
+    State(content): State<Arc<Mutex<Content>>>,
+    UrlPath(rest): UrlPath<String>,
+    headers: HeaderMap,
+) -> Response {
+    let not_found = || {
+        Response::builder()
+            .status(StatusCode::NOT_FOUND)
+            .body(Body::from(
+                r#"{"errors":[{"code":"NOT_FOUND","message":"no such thing"}]}"#,
+            ))
+            .unwrap()
+    };
+    if let Some((repo, reference)) = rest.rsplit_once("/manifests/") {
+        let found = content
+            .lock()
+            .unwrap()
+            .manifests
+            .get(&(repo.to_string(), reference.to_string()))
+            .cloned();
+        let Some((media_type, bytes)) = found else {
+            return not_found();
+        };
+        return Response::builder()
+            .header(header::CONTENT_TYPE, media_type)
+            .header("Docker-Content-Digest", Digest::of(&bytes).to_string())
+            .body(Body::from(bytes))
+            .unwrap();
+    }
+    let Some((repo, digest)) = rest.rsplit_once("/blobs/") else {
+        return not_found();
+    };
+    let found = content
+        .lock()
+        .unwrap()
+        .blobs
+        .get(&(repo.to_string(), digest.to_string()))
+        .cloned();
+    let Some(blob) = found else {
+        return not_found();
+    };
+    let len = blob.bytes.len() as u64;
+    let range = headers
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("bytes="))
+        .and_then(|v| v.split_once('-'))
+        .and_then(|(a, b)| Some(a.parse::<u64>().ok()?..b.parse::<u64>().ok()? + 1));
+    let Some(range) = range.filter(|r| r.start < r.end && r.end <= len) else {
+        return Response::builder()
+            .body(Body::from(blob.bytes.to_vec()))
+            .unwrap();
+    };
+    let answer = if blob.at.contains(&range.start) {
+        blob.answer.clone()
+    } else {
+        Answer::Honest
+    };
+    let slice = blob.bytes[range.start as usize..range.end as usize].to_vec();
+    let partial = |content_range: String, body: Body| {
+        Response::builder()
+            .status(StatusCode::PARTIAL_CONTENT)
+            .header(header::CONTENT_RANGE, content_range)
+            .body(body)
+            .unwrap()
+    };
+    let honest_range = format!("bytes {}-{}/{len}", range.start, range.end - 1);
+    match answer {
+        Answer::Honest => partial(honest_range, Body::from(slice)),
+        Answer::Whole => Response::builder()
+            .body(Body::from(blob.bytes.to_vec()))
+            .unwrap(),
+        Answer::WrongContentRange => partial(
+            format!("bytes {}-{}/{len}", range.start + 1, range.end),
+            Body::from(slice),
+        ),
+        Answer::ExtraBytes => {
+            let mut more = slice;
+            more.extend_from_slice(b"and then some");
+            partial(honest_range, Body::from(more))
+        }
+        Answer::Trickle(every) => {
+            let bytes = futures_util::stream::unfold(slice.into_iter(), move |mut it| async move {
+                tokio::time::sleep(every).await;
+                let b = it.next()?;
+                Some((Ok::<_, std::io::Error>(vec![b]), it))
+            });
+            partial(honest_range, Body::from_stream(bytes))
+        }
+    }
+}
+
+impl HostileRegistry {
+    fn start() -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let content = Arc::new(Mutex::new(Content::default()));
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let app = axum::Router::new()
+            .route("/v2/", axum::routing::get(|| async { "{}" }))
+            .route("/v2/{*rest}", axum::routing::get(serve))
+            .with_state(Arc::clone(&content));
+        runtime.spawn(async move { axum::serve(listener, app).await });
+        HostileRegistry {
+            port,
+            content,
+            _runtime: runtime,
+        }
+    }
+
+    fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn put_blob(&self, repo: &str, digest: Digest, bytes: Vec<u8>) {
+        self.put_blob_answering(repo, digest, bytes, Answer::Honest, 0..0);
+    }
+
+    fn put_blob_answering(
+        &self,
+        repo: &str,
+        digest: Digest,
+        bytes: Vec<u8>,
+        answer: Answer,
+        at: Range<u64>,
+    ) {
+        self.content.lock().unwrap().blobs.insert(
+            (repo.to_string(), digest.to_string()),
+            Blob {
+                bytes: Arc::new(bytes),
+                answer,
+                at,
+            },
+        );
+    }
+
+    /// Publishes `layer` as the one layer of `repo:tag`. The manifest names the layer by
+    /// `claim.digest` (default: its real digest; the blob is stored under that name) and the
+    /// config claims `claim.diff_id` (default: the real one). Returns the reference.
+    fn publish(&self, repo: &str, tag: &str, layer: &CraftedLayer, claim: Claim) -> String {
+        let (blob, annotations) = layer.blob();
+        let digest = claim.digest.unwrap_or_else(|| Digest::of(&blob));
+        let size = blob.len();
+        let diff_id = claim.diff_id.unwrap_or(layer.diff_id);
+        self.put_blob_answering(repo, digest, blob, claim.answer, claim.at);
+        let config = serde_json::to_vec(&serde_json::json!({
+            "architecture": "amd64", "os": "linux",
+            "rootfs": {"type": "layers", "diff_ids": [diff_id.to_string()]},
+        }))
+        .unwrap();
+        let config_digest = Digest::of(&config);
+        self.put_blob(repo, config_digest, config.clone());
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                       "digest": config_digest.to_string(), "size": config.len()},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+zstd",
+                        "digest": digest.to_string(), "size": size,
+                        "annotations": annotations}],
+        }))
+        .unwrap();
+        let mut content = self.content.lock().unwrap();
+        for reference in [tag.to_string(), Digest::of(&manifest).to_string()] {
+            content.manifests.insert(
+                (repo.to_string(), reference),
+                (
+                    "application/vnd.oci.image.manifest.v1+json".into(),
+                    manifest.clone(),
+                ),
+            );
+        }
+        format!("{}/{repo}:{tag}", self.host())
+    }
+}
+
+/// What a manifest and config claim about a layer, and how its blob answers.
+struct Claim {
+    digest: Option<Digest>,
+    diff_id: Option<Digest>,
+    answer: Answer,
+    at: Range<u64>,
+}
+
+impl Default for Claim {
+    fn default() -> Self {
+        Claim {
+            digest: None,
+            diff_id: None,
+            answer: Answer::Honest,
+            at: 0..0,
+        }
+    }
+}
+
+/// A zstd:chunked layer as crafted: the tar data (up to the TOC) and the TOC that will be
+/// appended and pinned.
+#[derive(Clone)]
+struct CraftedLayer {
+    data: Vec<u8>,
+    toc: Toc,
+    diff_id: Digest,
+}
+
+impl CraftedLayer {
+    /// An honest layer with directory `disk` and `files` (path, content), cut in `chunk`-byte
+    /// chunks.
+    fn honest(files: &[(&str, &[u8])], chunk: usize) -> Self {
+        let meta = |path: &str, mode| EntryMeta {
+            path: path.into(),
+            mode,
+            uid: 107,
+            gid: 107,
+            mtime: 1_700_000_000,
+        };
+        let mut w = LayerWriter::new(Vec::new(), 1).unwrap();
+        let mut c = zstd::bulk::Compressor::new(1).unwrap();
+        w.add_dir(&meta("disk", 0o755)).unwrap();
+        for (path, content) in files {
+            w.begin_file(&meta(path, 0o644), content.len() as u64)
+                .unwrap();
+            // Runs of zero chunks share one encoding (a GiB-sized sparse disk stays cheap).
+            let mut zero: Option<EncodedChunk> = None;
+            for part in content.chunks(chunk) {
+                if part.len() == chunk && part.iter().all(|&b| b == 0) {
+                    let z = zero.get_or_insert_with(|| {
+                        EncodedChunk::encode(Arc::new(part.to_vec()), &mut c).unwrap()
+                    });
+                    w.add_chunk(z).unwrap();
+                } else {
+                    w.add_chunk(&EncodedChunk::encode(Arc::new(part.to_vec()), &mut c).unwrap())
+                        .unwrap();
+                }
+            }
+            w.end_file().unwrap();
+        }
+        let (summary, blob) = w.finish().unwrap();
+        let loc = summary.toc_location;
+        let toc = decode_toc(
+            &blob[loc.range().start as usize..loc.range().end as usize],
+            &loc,
+        )
+        .unwrap();
+        CraftedLayer {
+            data: blob[..(loc.offset - 8) as usize].to_vec(),
+            toc,
+            diff_id: summary.diff_id,
+        }
+    }
+
+    /// The blob (tar data, then the TOC in a skippable frame) and the annotations pinning it.
+    fn blob(&self) -> (Vec<u8>, serde_json::Value) {
+        let json = serde_json::to_vec(&self.toc).unwrap();
+        let toc = zstd::bulk::compress(&json, 3).unwrap();
+        let mut blob = self.data.clone();
+        blob.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18]);
+        blob.extend_from_slice(&(toc.len() as u32).to_le_bytes());
+        let offset = blob.len();
+        blob.extend_from_slice(&toc);
+        let annotations = serde_json::json!({
+            ANN_TOC_POSITION: format!("{offset}:{}:{}:1", toc.len(), json.len()),
+            ANN_TOC_CHECKSUM: Digest::of(&toc).to_string(),
+        });
+        (blob, annotations)
+    }
+
+    /// The TOC entry of `path` that holds its first chunk.
+    fn reg(&mut self, path: &str) -> &mut TocEntry {
+        self.toc
+            .entries
+            .iter_mut()
+            .find(|e| e.kind == "reg" && e.name == path)
+            .unwrap()
+    }
+
+    /// Where the chunks start and end in the blob.
+    fn chunk_area(&self) -> Range<u64> {
+        let chunks = self
+            .toc
+            .entries
+            .iter()
+            .filter(|e| e.kind == "reg" || e.kind == "chunk");
+        let start = chunks.clone().map(|e| e.offset as u64).min().unwrap();
+        let end = self
+            .toc
+            .entries
+            .iter()
+            .map(|e| e.end_offset as u64)
+            .max()
+            .unwrap();
+        start..end
+    }
+}
+
+fn random(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(6364136223846793005) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+/// What a finished `vmdisk` run left: exit status, stderr, peak RSS and wall time.
+struct Run {
+    ok: bool,
+    stderr: String,
+    max_rss_bytes: u64,
+    took: Duration,
+}
+
+/// Runs `vmdisk args` under GNU time (peak RSS), killing it after `limit`.
+fn vmdisk_measured(args: &[&str], limit: Duration) -> Run {
+    require("/usr/bin/time");
+    let rss_file = tempfile::NamedTempFile::new().unwrap();
+    let started = Instant::now();
+    let mut child = Command::new("/usr/bin/time")
+        .arg("-f")
+        .arg("%M")
+        .arg("-o")
+        .arg(rss_file.path())
+        .arg(env!("CARGO_BIN_EXE_vmdisk"))
+        .args(args)
+        .env("VMDISK_LOG", "warn")
+        .env("HOME", "/nonexistent")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("vmdisk {args:?} still ran after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let kib: u64 = std::fs::read_to_string(rss_file.path())
+        .unwrap()
+        .lines()
+        .last()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    Run {
+        ok: out.status.success(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        max_rss_bytes: kib * 1024,
+        took: started.elapsed(),
+    }
+}
+
+/// `vmdisk mount` of `reference` must fail, saying `why`, within bounds.
+fn mount_refused(scratch: &Scratch, reference: &str, why: &str) -> Run {
+    let run = vmdisk_measured(
+        &[
+            "mount",
+            "--cache",
+            scratch.path("cache").to_str().unwrap(),
+            reference,
+            scratch.path("mnt").to_str().unwrap(),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!run.ok, "mounting {reference} should fail");
+    assert!(
+        run.stderr.contains(why),
+        "mounting {reference}: expected {why:?} in: {}",
+        run.stderr
+    );
+    assert!(
+        run.max_rss_bytes < 1 << 30,
+        "peak RSS {}",
+        run.max_rss_bytes
+    );
+    run
+}
+
+/// Reads `len` bytes at `offset` of `path` with O_DIRECT (no page cache, no read-ahead), the
+/// time it took, and whether it failed with EIO.
+fn direct_read(path: &Path, offset: u64, len: usize) -> (std::io::Result<Vec<u8>>, Duration) {
+    let started = Instant::now();
+    let out = Command::new("dd")
+        .arg(format!("if={}", path.display()))
+        .args([
+            "iflag=direct,skip_bytes,count_bytes",
+            "status=none",
+            "bs=4096",
+        ])
+        .arg(format!("skip={offset}"))
+        .arg(format!("count={len}"))
+        .output()
+        .unwrap();
+    let result = if out.status.success() {
+        Ok(out.stdout)
+    } else {
+        Err(std::io::Error::other(
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    };
+    (result, started.elapsed())
+}
+
+const CHUNK: usize = 64 << 10;
+
+#[test]
+fn an_image_claiming_anothers_layer_digest_never_changes_what_that_image_serves() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let good = random(1 << 20, 1);
+    let evil = random(1 << 20, 2);
+    let victim = CraftedLayer::honest(&[("disk/disk.img", &good)], CHUNK);
+    let victim_ref = reg.publish("good/disk", "1", &victim, Claim::default());
+    let (victim_blob, _) = victim.blob();
+    // The attacker's own layer, published under the victim's layer digest.
+    let attacker = CraftedLayer::honest(&[("disk/disk.img", &evil)], CHUNK);
+    let attacker_ref = reg.publish(
+        "evil/disk",
+        "1",
+        &attacker,
+        Claim {
+            digest: Some(Digest::of(&victim_blob)),
+            ..Claim::default()
+        },
+    );
+    let cache = scratch.path("cache");
+    let mount = Mount::start(&attacker_ref, &cache, &scratch.path("a"), &[]);
+    assert!(std::fs::read(&mount.disk).unwrap() == evil);
+    mount.stop();
+    let mount = Mount::start(&victim_ref, &cache, &scratch.path("v"), &[]);
+    assert!(
+        std::fs::read(&mount.disk).unwrap() == good,
+        "the victim's image serves its own disk"
+    );
+    mount.stop();
+    let layers = std::fs::read_dir(cache.join("layers")).unwrap().count();
+    assert_eq!(layers, 2, "the two claims are two cache entries");
+}
+
+#[test]
+fn a_chunk_marked_zeros_is_verified_like_any_other() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let data = random(4 * CHUNK, 3);
+    let mut layer = CraftedLayer::honest(&[("disk/disk.img", &data)], CHUNK);
+    // Chunk 1 holds data in the tar; the TOC calls it zeros with the digest of zeros.
+    let zeros = Digest::of(&vec![0u8; CHUNK]).to_string();
+    let chunk1 = layer
+        .toc
+        .entries
+        .iter_mut()
+        .find(|e| e.kind == "chunk" && e.chunk_offset == CHUNK as i64)
+        .unwrap();
+    chunk1.chunk_type = "zeros".into();
+    chunk1.chunk_digest = zeros;
+    let reference = reg.publish("zeros/disk", "1", &layer, Claim::default());
+    let mount = Mount::start(
+        &reference,
+        &scratch.path("cache"),
+        &scratch.path("mnt"),
+        &[],
+    );
+    let (first, _) = direct_read(&mount.disk, 0, 4096);
+    assert_eq!(first.unwrap(), data[..4096]);
+    let (lied, _) = direct_read(&mount.disk, CHUNK as u64, 4096);
+    assert!(
+        lied.is_err(),
+        "a 'zeros' chunk whose bytes are not zeros is EIO, not zeros"
+    );
+    let stats = mount.stop();
+    assert!(stats["verify_failures"].as_u64().unwrap() >= 1, "{stats}");
+}
+
+#[test]
+fn a_lazy_view_that_would_differ_from_the_extracted_tar_is_refused_before_it_serves() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let a = random(2 * CHUNK, 4);
+    let b = random(CHUNK, 5);
+    let honest = CraftedLayer::honest(&[("disk/a.img", &a), ("disk/b.img", &b)], CHUNK);
+
+    // A chunk hidden in a skippable frame (ordinary decoders skip it; the real bytes follow).
+    let mut hidden = honest.clone();
+    let start = hidden.reg("disk/a.img").offset as usize;
+    let fake = vec![0x41u8; CHUNK];
+    let frame = zstd::bulk::compress(&fake, 1).unwrap();
+    let mut data = hidden.data[..start].to_vec();
+    data.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18]);
+    data.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+    let fake_at = data.len() as i64;
+    data.extend_from_slice(&frame);
+    let shift = (data.len() - start) as i64;
+    data.extend_from_slice(&hidden.data[start..]);
+    hidden.data = data;
+    for e in &mut hidden.toc.entries {
+        if e.offset > 0 {
+            e.offset += shift;
+        }
+        if e.end_offset > 0 {
+            e.end_offset += shift;
+        }
+    }
+    let reg_a = hidden.reg("disk/a.img");
+    reg_a.offset = fake_at;
+    reg_a.chunk_digest = Digest::of(&fake).to_string();
+    let r = reg.publish("hidden/disk", "1", &hidden, Claim::default());
+    mount_refused(&scratch, &r, "does not hold what its TOC describes");
+
+    // The TOC names a file differently from the tar header.
+    let mut renamed = honest.clone();
+    for e in &mut renamed.toc.entries {
+        e.name = e.name.replace("b.img", "c.img");
+    }
+    let r = reg.publish("renamed/disk", "1", &renamed, Claim::default());
+    mount_refused(&scratch, &r, "the TOC says disk/c.img");
+
+    // The same name twice (tar extraction keeps the last).
+    let mut twice = honest.clone();
+    for e in &mut twice.toc.entries {
+        e.name = e.name.replace("b.img", "a.img");
+    }
+    let r = reg.publish("twice/disk", "1", &twice, Claim::default());
+    mount_refused(&scratch, &r, "listed twice");
+
+    // A hardlink with an empty target (was: an alias of the layer root).
+    let mut link = honest.clone();
+    link.toc.entries.push(TocEntry {
+        kind: "hardlink".into(),
+        name: "disk/link".into(),
+        ..TocEntry::default()
+    });
+    let r = reg.publish("link/disk", "1", &link, Claim::default());
+    mount_refused(&scratch, &r, "unusable target");
+}
+
+#[test]
+fn a_diff_id_lie_is_caught_once_the_layer_is_complete_and_every_read_fails() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let data = random(8 * CHUNK, 6);
+    let layer = CraftedLayer::honest(&[("disk/disk.img", &data)], CHUNK);
+    let reference = reg.publish(
+        "liar/disk",
+        "1",
+        &layer,
+        Claim {
+            diff_id: Some(Digest::of(b"some other layer")),
+            ..Claim::default()
+        },
+    );
+    let cache = scratch.path("cache");
+    let mut mount = Mount::start(
+        &reference,
+        &cache,
+        &scratch.path("mnt"),
+        &["--hydrate", "eager"],
+    );
+    let line = mount.wait_for("hydrated:", Duration::from_secs(60));
+    assert!(
+        line.contains("integrity failed: the layer's tar stream hashes to"),
+        "{line}"
+    );
+    let (read, _) = direct_read(&mount.disk, 0, 4096);
+    assert!(
+        read.is_err(),
+        "a layer that differs from its config serves nothing"
+    );
+    let stats = mount.stop();
+    assert_eq!(stats["integrity_failures"], 1, "{stats}");
+    // The verdict is kept: the layer is not served again.
+    let run = vmdisk_measured(
+        &[
+            "mount",
+            "--cache",
+            cache.to_str().unwrap(),
+            &reference,
+            scratch.path("again").to_str().unwrap(),
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(
+        !run.ok
+            && run
+                .stderr
+                .contains("differs from what its image config says"),
+        "{}",
+        run.stderr
+    );
+    // The honest twin, same blob, verifies.
+    let honest = reg.publish("honest/disk", "1", &layer, Claim::default());
+    let mut mount = Mount::start(
+        &honest,
+        &cache,
+        &scratch.path("honest"),
+        &["--hydrate", "eager"],
+    );
+    let line = mount.wait_for("hydrated:", Duration::from_secs(60));
+    assert!(line.ends_with("integrity verified"), "{line}");
+    assert!(std::fs::read(&mount.disk).unwrap() == data);
+    mount.stop();
+}
+
+#[test]
+fn crafted_sizes_and_counts_stay_within_memory_and_time() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+
+    // A TOC of a few hundred KiB holding more than a million tiny entries.
+    let mut bomb = CraftedLayer::honest(&[("disk/disk.img", &random(CHUNK, 7))], CHUNK);
+    let tiny = TocEntry {
+        kind: "chunk".into(),
+        name: "disk/disk.img".into(),
+        ..TocEntry::default()
+    };
+    bomb.toc.entries.extend(std::iter::repeat_n(
+        tiny,
+        vmdisk::format::zstd_chunked::MAX_TOC_ENTRIES,
+    ));
+    let r = reg.publish("bomb/entries", "1", &bomb, Claim::default());
+    let run = mount_refused(&scratch, &r, "more than 1048576 entries");
+    eprintln!(
+        "TOC of {} entries: refused in {:?}, peak RSS {} MiB",
+        bomb.toc.entries.len(),
+        run.took,
+        run.max_rss_bytes >> 20
+    );
+
+    // More files than a VM-disk layer needs.
+    let mut many = CraftedLayer::honest(&[("disk/disk.img", &random(CHUNK, 8))], CHUNK);
+    many.toc.entries.extend((0..5000).map(|i| TocEntry {
+        kind: "dir".into(),
+        name: format!("d/{i}"),
+        ..TocEntry::default()
+    }));
+    let r = reg.publish("bomb/files", "1", &many, Claim::default());
+    let run = mount_refused(&scratch, &r, "more than 4096 files");
+    eprintln!("TOC of 5000 directories: refused in {:?}", run.took);
+
+    // A 1.5 GiB disk, nearly all zeros, whose qcow2 header claims a 2 GiB L1 table and a huge
+    // refcount table: the metadata prefetch must refuse the claim, not allocate it (as much of
+    // it as the file holds, before).
+    let mut header = vec![0u8; CHUNK];
+    header[..4].copy_from_slice(b"QFI\xfb");
+    header[4..8].copy_from_slice(&3u32.to_be_bytes());
+    header[20..24].copy_from_slice(&16u32.to_be_bytes());
+    header[24..32].copy_from_slice(&(1u64 << 50).to_be_bytes());
+    header[36..40].copy_from_slice(&(1u32 << 28).to_be_bytes());
+    header[40..48].copy_from_slice(&(CHUNK as u64).to_be_bytes());
+    header[48..56].copy_from_slice(&(2 * CHUNK as u64).to_be_bytes());
+    header[56..60].copy_from_slice(&(1u32 << 20).to_be_bytes());
+    header[100..104].copy_from_slice(&104u32.to_be_bytes());
+    let mut disk = vec![0u8; 3 << 29];
+    disk[..CHUNK].copy_from_slice(&header);
+    let started = Instant::now();
+    let qcow = CraftedLayer::honest(&[("disk/disk.qcow2", &disk)], 64 << 20);
+    drop(disk);
+    eprintln!("built the 1.5 GiB layer in {:?}", started.elapsed());
+    let r = reg.publish("bomb/qcow2", "1", &qcow, Claim::default());
+    let out = scratch.path("qcow2-mnt");
+    std::fs::create_dir_all(&out).unwrap();
+    let mut child = Command::new("/usr/bin/time")
+        .args(["-f", "%M", "-o"])
+        .arg(scratch.path("rss"))
+        .arg(env!("CARGO_BIN_EXE_vmdisk"))
+        .args(["mount", "--cache"])
+        .arg(scratch.path("cache"))
+        .arg(&r)
+        .arg(&out)
+        .env("VMDISK_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+    assert!(lines.next().unwrap().unwrap().starts_with("ready: "));
+    // The background prefetch has run (and refused) by the time chunk 0 reads back.
+    std::thread::sleep(Duration::from_secs(2));
+    let (head, _) = direct_read(&out.join("disk/disk.qcow2"), 0, 4096);
+    assert_eq!(head.unwrap(), header[..4096]);
+    // GNU time ignores SIGINT while it waits: signal vmdisk, its child.
+    let _ = Command::new("pkill")
+        .args(["-INT", "-P"])
+        .arg(child.id().to_string())
+        .status();
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stderr.contains("L1 table size"),
+        "the prefetch names the bad claim: {stderr}"
+    );
+    let rss: u64 = std::fs::read_to_string(scratch.path("rss"))
+        .unwrap()
+        .lines()
+        .last()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    eprintln!(
+        "qcow2 claiming a 2 GiB L1 table: peak RSS {} MiB",
+        rss >> 10
+    );
+    assert!(rss << 10 < 1 << 30, "peak RSS {rss} KiB");
+}
+
+#[test]
+fn misbehaving_range_answers_fail_the_read_within_twice_the_fetch_timeout() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let data = random(4 * CHUNK, 9);
+    let layer = CraftedLayer::honest(&[("disk/disk.img", &data)], CHUNK);
+    let fetch_timeout = Duration::from_secs(3);
+    for (n, answer) in [
+        Answer::Trickle(Duration::from_millis(500)),
+        Answer::Whole,
+        Answer::WrongContentRange,
+        Answer::ExtraBytes,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // Chunk 0 answers honestly (the mount reads it first); the rest misbehave.
+        let mut area = layer.chunk_area();
+        area.start += 1;
+        let reference = reg.publish(
+            &format!("bad{n}/disk"),
+            "1",
+            &layer,
+            Claim {
+                answer: answer.clone(),
+                at: area,
+                ..Claim::default()
+            },
+        );
+        let mount = Mount::start(
+            &reference,
+            &scratch.path(&format!("cache{n}")),
+            &scratch.path(&format!("mnt{n}")),
+            &["--fetch-timeout", "3"],
+        );
+        let (good, _) = direct_read(&mount.disk, 0, 4096);
+        assert_eq!(good.unwrap(), data[..4096]);
+        let (bad, took) = direct_read(&mount.disk, 2 * CHUNK as u64, 4096);
+        eprintln!("{answer:?}: read failed after {took:?}");
+        assert!(bad.is_err(), "{answer:?} gave bytes");
+        assert!(
+            took <= 2 * fetch_timeout,
+            "{answer:?} held the read {took:?}"
+        );
+        let stats = mount.stop();
+        assert!(stats["read_errors"].as_u64().unwrap() >= 1, "{stats}");
+    }
+}
