@@ -826,3 +826,91 @@ fn misbehaving_range_answers_fail_the_read_within_twice_the_fetch_timeout() {
         assert!(stats["read_errors"].as_u64().unwrap() >= 1, "{stats}");
     }
 }
+
+#[test]
+fn ready_disks_are_keyed_and_named_by_what_was_verified() {
+    use crate::cri::Daemon;
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let good = random(1 << 20, 11);
+    let evil = random(1 << 20, 12);
+    let victim = CraftedLayer::honest(&[("disk/disk.img", &good)], CHUNK);
+    let (victim_blob, _) = victim.blob();
+    // Two references whose ready names used to collide (`/` and `:` both became `_`), the
+    // second claiming the first's layer digest for its own disk.
+    let victim_ref = reg.publish("a/b/c", "1", &victim, Claim::default());
+    let attacker = CraftedLayer::honest(&[("disk/disk.img", &evil)], CHUNK);
+    let attacker_ref = reg.publish(
+        "a/b_c",
+        "1",
+        &attacker,
+        Claim {
+            digest: Some(Digest::of(&victim_blob)),
+            ..Claim::default()
+        },
+    );
+    let daemon = Daemon::start(&scratch, "");
+    let sock = daemon.manage.to_str().unwrap().to_string();
+    let path = |args: &[&str]| {
+        let mut a = args.to_vec();
+        a.extend(["--manage", &sock]);
+        let out = vmdisk(&a);
+        assert!(
+            out.status.success(),
+            "vmdisk {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    };
+    let evil_path = path(&["path", &attacker_ref]);
+    assert!(std::fs::read(&evil_path).unwrap() == evil);
+    let good_path = path(&["path", &victim_ref]);
+    assert!(
+        std::fs::read(&good_path).unwrap() == good,
+        "the victim's ready disk is its own"
+    );
+    let disks = daemon.disks();
+    assert_eq!(disks.len(), 2, "two layer keys, two mounts");
+    assert_eq!(
+        disks[0].layer_digest, disks[1].layer_digest,
+        "both claim one blob digest"
+    );
+    assert_ne!(disks[0].layer_key, disks[1].layer_key);
+    // Each reference's by-name link and libvirt volume point at its own disk.
+    let ready = daemon.root.join("disks");
+    for (reference, bytes) in [(&victim_ref, &good), (&attacker_ref, &evil)] {
+        let name = vmdisk::snapshotter::daemon::alias_name(reference);
+        let by_name = ready.join("by-name").join(&name).join("disk.img");
+        assert!(
+            std::fs::read(&by_name).unwrap() == **bytes,
+            "{}",
+            by_name.display()
+        );
+        let volume = ready.join("volumes").join(format!("{name}.raw"));
+        assert!(
+            std::fs::read(&volume).unwrap() == **bytes,
+            "{}",
+            volume.display()
+        );
+    }
+    // Forgetting the attacker's disk leaves the victim's serving.
+    path(&["rm", &attacker_ref]);
+    assert!(std::fs::read(&good_path).unwrap() == good);
+
+    // A qcow2 published under the name `disk.raw`: `disk.raw` stays the raw view.
+    let qcow2 = scratch.path("q.qcow2");
+    make_qcow2(&qcow2, "64M", &[(1 << 20, 2 << 20, 0x5a)]);
+    let layer = CraftedLayer::honest(&[("disk/disk.raw", &std::fs::read(&qcow2).unwrap())], CHUNK);
+    let shadow_ref = reg.publish("shadow/disk", "1", &layer, Claim::default());
+    let published = path(&["path", &shadow_ref]);
+    assert_eq!(published.file_name().unwrap(), "image-disk.raw");
+    assert!(files_identical(&published, &qcow2));
+    let raw_path = path(&["path", "--raw", &shadow_ref]);
+    assert_eq!(raw_path.file_name().unwrap(), "disk.raw");
+    let raw = scratch.path("q.raw");
+    qemu_img_raw(&qcow2, &raw);
+    assert!(
+        files_identical(&raw_path, &raw),
+        "`path --raw` is the raw view, not the qcow2"
+    );
+}
