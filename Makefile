@@ -44,18 +44,30 @@ unit:
 integration: deps
 	$(CARGO) nextest run --locked --test integration
 
+# Each fuzz target for a bounded time, then every test (the test runner's summary closes the
+# output).
+CI_FUZZ_SECONDS ?= 30
 test: deps lint
+	$(MAKE) fuzz FUZZ_SECONDS=$(CI_FUZZ_SECONDS)
 	$(CARGO) nextest run --locked --workspace --all-targets
 
 bench: deps build
 	integration/bench.sh
 
-# Each fuzz target for FUZZ_SECONDS (nightly toolchain and cargo-fuzz, installed if missing).
+# Each fuzz target for FUZZ_SECONDS (nightly toolchain and cargo-fuzz, installed if missing),
+# from the committed corpus (copied: new inputs are not written into the tree). 1 GiB of RSS
+# or one allocation over 1 GiB is a failure: an allocation bomb fails the run.
 FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := toc qcow2 manifest text_parsers layer_regions
 fuzz:
 	@cargo +nightly fuzz --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-fuzz
-	cd fuzz && for t in toc qcow2 manifest text_parsers; do \
-		cargo +nightly fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; done
+	@work=$$(mktemp -d) && trap 'rm -rf "$$work"' EXIT && cp -r fuzz/corpus/. "$$work"/ && \
+	cd fuzz && for t in $(FUZZ_TARGETS); do \
+		echo "fuzz: $$t for $(FUZZ_SECONDS) s"; \
+		cargo +nightly fuzz run $$t "$$work/$$t" -- -max_total_time=$(FUZZ_SECONDS) \
+			-rss_limit_mb=1024 -malloc_limit_mb=1024 -print_final_stats=1 2>&1 | \
+			grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|==|SUMMARY|Done)|panicked|ERROR' ; \
+		test $${PIPESTATUS[0]} -eq 0 || exit 1; done
 
 clean:
 	$(CARGO) clean
