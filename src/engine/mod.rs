@@ -1018,10 +1018,10 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_chunk_inside_a_skippable_frame_is_refused() {
-        // The file's one chunk points at a frame hidden in a skippable frame, which every
-        // ordinary decoder ignores; the real content follows it.
+    /// A one-chunk layer whose chunk is replaced, in the TOC, by a frame of fake content put
+    /// just before the real one: hidden in a skippable frame (which every ordinary decoder
+    /// ignores), or in plain sight (then the real content sits where the TOC says padding is).
+    fn fake_first_chunk(hidden: bool) -> (Arc<Engine>, tempfile::TempDir) {
         let data = content(1);
         let (blob, summary) = honest(&data);
         let mut toc = toc_of(&blob, &summary);
@@ -1030,18 +1030,27 @@ mod tests {
         let fake = vec![0x41u8; CHUNK];
         let frame = zstd::bulk::compress(&fake, 1).unwrap();
         let mut crafted = blob[..start].to_vec();
-        crafted.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18]);
-        crafted.extend_from_slice(&(frame.len() as u32).to_le_bytes());
-        let hidden = crafted.len() as i64;
+        if hidden {
+            crafted.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18]);
+            crafted.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+        }
+        let fake_at = crafted.len() as i64;
         crafted.extend_from_slice(&frame);
+        let fake_end = crafted.len() as i64;
         crafted.extend_from_slice(&blob[start..(summary.toc_location.offset - 8) as usize]);
         let reg = &mut toc.entries[first];
-        reg.offset = hidden;
-        reg.end_offset = hidden + frame.len() as i64;
+        reg.offset = fake_at;
+        reg.end_offset = fake_end;
         reg.chunk_digest = Digest::of(&fake).to_string();
         reg.digest = reg.chunk_digest.clone();
         let (crafted, summary) = with_toc(crafted, &toc, summary.diff_id);
-        let (engine, _, _dir) = engine_of_blob(crafted, &summary, EngineOptions::default());
+        let (engine, _, dir) = engine_of_blob(crafted, &summary, EngineOptions::default());
+        (engine, dir)
+    }
+
+    #[tokio::test]
+    async fn a_chunk_inside_a_skippable_frame_is_refused() {
+        let (engine, _dir) = fake_first_chunk(true);
         let err = engine.check_structure(None).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt);
         assert!(
@@ -1053,27 +1062,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_fake_chunk_followed_by_the_real_content_is_refused() {
-        // The chunk is a regular frame of fake content; the tar's real content sits in the
-        // region after it, where the TOC says only padding is.
-        let data = content(1);
-        let (blob, summary) = honest(&data);
-        let mut toc = toc_of(&blob, &summary);
-        let first = toc.entries.iter().position(|e| e.kind == "reg").unwrap();
-        let start = toc.entries[first].offset as usize;
-        let fake = vec![0x41u8; CHUNK];
-        let frame = zstd::bulk::compress(&fake, 1).unwrap();
-        let mut crafted = blob[..start].to_vec();
-        crafted.extend_from_slice(&frame);
-        let end = crafted.len() as i64;
-        crafted.extend_from_slice(&blob[start..(summary.toc_location.offset - 8) as usize]);
-        let reg = &mut toc.entries[first];
-        reg.end_offset = end;
-        reg.chunk_digest = Digest::of(&fake).to_string();
-        reg.digest = reg.chunk_digest.clone();
-        let (crafted, summary) = with_toc(crafted, &toc, summary.diff_id);
-        let (engine, _, _dir) = engine_of_blob(crafted, &summary, EngineOptions::default());
+        let (engine, _dir) = fake_first_chunk(false);
         let err = engine.check_structure(None).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt, "{}", err.chain());
+        assert!(err.chain().contains("not a valid tar"), "{}", err.chain());
     }
 
     #[tokio::test]
