@@ -66,7 +66,9 @@ impl Engine {
     /// the cache remembers it.
     pub async fn check_structure(self: &Arc<Self>, cache: Option<&CacheRoot>) -> Result<()> {
         let key = self.layer.id().key();
-        if cache.is_some_and(|c| c.structure_checked(&key)) {
+        let cache = cache.cloned();
+        let known = cache.clone();
+        if blocking(move || Ok(known.is_some_and(|c| c.structure_checked(&key)))).await? {
             return Ok(());
         }
         let data_end = self.layer.meta.toc_offset.saturating_sub(8);
@@ -75,8 +77,14 @@ impl Engine {
             let pieces = engine.regions(data_end).await?;
             blocking(move || {
                 let mut stream = Stream::new(&engine, pieces, false);
-                let entries = read_entries(&mut stream, true)?;
-                compare(&engine.layer, &entries, &stream.chunk_starts)
+                let entries = read_entries(&mut stream)?;
+                compare(&engine.layer, &entries, &stream.chunk_starts)?;
+                if let Some(cache) = cache {
+                    if let Err(e) = cache.save_structure_checked(&key) {
+                        tracing::warn!(error = %e.chain(), "recording the layer's structure check failed; it runs again next time");
+                    }
+                }
+                Ok(())
             })
             .await
         }
@@ -86,13 +94,7 @@ impl Engine {
                 "layer {} does not hold what its TOC describes",
                 self.layer.meta.layer_digest
             ))
-        })?;
-        if let Some(cache) = cache {
-            if let Err(e) = cache.save_structure_checked(&key) {
-                tracing::warn!(error = %e.chain(), "recording the layer's structure check failed; it runs again next time");
-            }
-        }
-        Ok(())
+        })
     }
 
     /// Checks the layer once it is complete (see the module docs), records the outcome and,
@@ -121,7 +123,8 @@ impl Engine {
             }
         }
         *self.integrity.lock().expect("integrity lock") = outcome.clone();
-        if let Err(e) = cache.save_integrity(&self.layer.id().key(), &outcome) {
+        let (cache, key, record) = (cache.clone(), self.layer.id().key(), outcome.clone());
+        if let Err(e) = blocking(move || cache.save_integrity(&key, &record)).await {
             tracing::warn!(error = %e.chain(), "recording the layer's integrity failed; it is checked again next time");
         }
         outcome
@@ -135,9 +138,14 @@ impl Engine {
         blocking(move || {
             let layer = &engine.layer;
             let mut stream = Stream::new(&engine, pieces, true);
-            let entries = read_entries(&mut stream, false)?;
-            std::io::copy(&mut stream, &mut std::io::sink())
-                .map_err(|e| Error::io("reading the rebuilt layer", e))?;
+            let entries = read_entries(&mut stream);
+            let rest = std::io::copy(&mut stream, &mut std::io::sink());
+            // A failing cache read is a local fault, not a verdict on the layer.
+            if let Some(e) = stream.cache_error.take() {
+                return Err(e);
+            }
+            let entries = entries?;
+            rest.map_err(|e| Error::io("reading the rebuilt layer", e))?;
             let digest = std::mem::take(&mut stream.hasher).finish();
             if digest != layer.meta.diff_id {
                 return Err(Error::corrupt(format!(
@@ -281,9 +289,11 @@ fn compare(layer: &RemoteLayer, entries: &[TarEntry], chunk_starts: &[u64]) -> R
 }
 
 /// The entries of the rebuilt stream, as a tar reader sees them.
-/// With `seek`, file contents are skipped, not read (the chunks may not be cached).
-fn read_entries(stream: &mut Stream<'_>, seek: bool) -> Result<Vec<TarEntry>> {
+/// Unless the stream reads chunks, file contents are skipped, not read (they may not be
+/// cached).
+fn read_entries(stream: &mut Stream<'_>) -> Result<Vec<TarEntry>> {
     let corrupt = |e: std::io::Error| Error::corrupt(format!("the layer is not a valid tar: {e}"));
+    let seek = !stream.read_chunks;
     let mut archive = tar::Archive::new(stream);
     let mut entries = Vec::new();
     let iter = if seek {
@@ -358,6 +368,8 @@ struct Stream<'a> {
     hasher: Hasher,
     /// Where each chunk starts in the stream.
     chunk_starts: Vec<u64>,
+    /// A failed read of the cache, kept apart from what the tar reader makes of it.
+    cache_error: Option<Error>,
 }
 
 impl<'a> Stream<'a> {
@@ -371,6 +383,7 @@ impl<'a> Stream<'a> {
             position: 0,
             hasher: Hasher::new(),
             chunk_starts: vec![u64::MAX; engine.layer.chunks.len()],
+            cache_error: None,
         }
     }
 
@@ -445,10 +458,15 @@ impl Read for Stream<'_> {
                         ));
                     }
                     let n = ((chunk.size - self.within) as usize).min(buf.len());
-                    self.engine
-                        .cache
-                        .read_at(*file, &mut buf[..n], chunk.offset + self.within)
-                        .map_err(std::io::Error::other)?;
+                    if let Err(e) =
+                        self.engine
+                            .cache
+                            .read_at(*file, &mut buf[..n], chunk.offset + self.within)
+                    {
+                        let text = e.chain();
+                        self.cache_error = Some(e);
+                        return Err(std::io::Error::other(text));
+                    }
                     n
                 }
             };
