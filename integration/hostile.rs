@@ -267,6 +267,8 @@ impl Default for Claim {
 struct CraftedLayer {
     data: Vec<u8>,
     toc: Toc,
+    /// TOC JSON to pin instead of `toc` (for TOCs too big to build as values).
+    toc_json: Option<Vec<u8>>,
     diff_id: Digest,
 }
 
@@ -312,13 +314,17 @@ impl CraftedLayer {
         CraftedLayer {
             data: blob[..(loc.offset - 8) as usize].to_vec(),
             toc,
+            toc_json: None,
             diff_id: summary.diff_id,
         }
     }
 
     /// The blob (tar data, then the TOC in a skippable frame) and the annotations pinning it.
     fn blob(&self) -> (Vec<u8>, serde_json::Value) {
-        let json = serde_json::to_vec(&self.toc).unwrap();
+        let json = match &self.toc_json {
+            Some(json) => json.clone(),
+            None => serde_json::to_vec(&self.toc).unwrap(),
+        };
         let toc = zstd::bulk::compress(&json, 3).unwrap();
         let mut blob = self.data.clone();
         blob.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18]);
@@ -424,6 +430,7 @@ fn vmdisk_measured(args: &[&str], limit: Duration) -> Run {
 
 /// `vmdisk mount` of `reference` must fail, saying `why`, within bounds.
 fn mount_refused(scratch: &Scratch, reference: &str, why: &str) -> Run {
+    std::fs::create_dir_all(scratch.path("mnt")).unwrap();
     let run = vmdisk_measured(
         &[
             "mount",
@@ -677,25 +684,44 @@ fn crafted_sizes_and_counts_stay_within_memory_and_time() {
     let scratch = Scratch::new();
     let reg = HostileRegistry::start();
 
-    // A TOC of a few hundred KiB holding more than a million tiny entries.
-    let mut bomb = CraftedLayer::honest(&[("disk/disk.img", &random(CHUNK, 7))], CHUNK);
-    let tiny = TocEntry {
-        kind: "chunk".into(),
-        name: "disk/disk.img".into(),
-        ..TocEntry::default()
+    // TOCs of a few hundred KiB compressed holding millions of tiny entries: one just over
+    // the entry bound (refused while parsing) and one of 4 M entries, which parsed would take
+    // well over 1 GiB (refused by its announced size).
+    let base = CraftedLayer::honest(&[("disk/disk.img", &random(CHUNK, 7))], CHUNK);
+    let tiny_entries = |n: usize| {
+        let mut toc = base.toc.clone();
+        toc.tar_split_digest = None;
+        let mut json = serde_json::to_vec(&toc).unwrap();
+        assert!(json.ends_with(b"]}"));
+        json.truncate(json.len() - 2);
+        for _ in 0..n {
+            json.extend_from_slice(br#",{"type":"chunk","name":"disk/disk.img"}"#);
+        }
+        json.extend_from_slice(b"]}");
+        json
     };
-    bomb.toc.entries.extend(std::iter::repeat_n(
-        tiny,
-        vmdisk::format::zstd_chunked::MAX_TOC_ENTRIES,
-    ));
-    let r = reg.publish("bomb/entries", "1", &bomb, Claim::default());
-    let run = mount_refused(&scratch, &r, "more than 1048576 entries");
-    eprintln!(
-        "TOC of {} entries: refused in {:?}, peak RSS {} MiB",
-        bomb.toc.entries.len(),
-        run.took,
-        run.max_rss_bytes >> 20
-    );
+    for (entries, why) in [
+        (
+            vmdisk::format::zstd_chunked::MAX_TOC_ENTRIES,
+            "more than 1048576 entries",
+        ),
+        (4 << 20, "outside the accepted bounds"),
+    ] {
+        let mut bomb = base.clone();
+        bomb.toc_json = Some(tiny_entries(entries));
+        let r = reg.publish(
+            &format!("bomb/entries{entries}"),
+            "1",
+            &bomb,
+            Claim::default(),
+        );
+        let run = mount_refused(&scratch, &r, why);
+        eprintln!(
+            "TOC of {entries} extra entries: refused in {:?}, peak RSS {} MiB",
+            run.took,
+            run.max_rss_bytes >> 20
+        );
+    }
 
     // More files than a VM-disk layer needs.
     let mut many = CraftedLayer::honest(&[("disk/disk.img", &random(CHUNK, 8))], CHUNK);

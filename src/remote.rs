@@ -195,9 +195,18 @@ pub async fn disk_layer_id(
     reference: &Reference,
     manifest: &oci::Manifest,
 ) -> Result<(Descriptor, TocLocation, LayerId)> {
-    let layer = disk_layer(manifest).ok_or_else(|| {
-        Error::unsupported(format!("{reference} has no lazily loadable (zstd:chunked) layer; publish it with `vmdisk push` or `vmdisk convert`"))
-    })?;
+    let Some(layer) = disk_layer(manifest) else {
+        // TOC annotations that are there but refused say why, not "no lazy layer".
+        if let Some(e) = manifest
+            .layers
+            .iter()
+            .rev()
+            .find_map(|l| TocLocation::from_annotations(&l.annotations).err())
+        {
+            return Err(e.context(reference));
+        }
+        return Err(Error::unsupported(format!("{reference} has no lazily loadable (zstd:chunked) layer; publish it with `vmdisk push` or `vmdisk convert`")));
+    };
     let loc = TocLocation::from_annotations(&layer.annotations)?
         .expect("disk_layer checked the TOC annotations");
     if loc.range().end > layer.size || loc.offset < 8 {
