@@ -209,7 +209,8 @@ pub async fn start(
         let mut checking: Option<tokio::task::JoinHandle<()>> = None;
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            // However the layer became complete (reads, hydration, dedup), check it once.
+            // However the layer became complete (reads, hydration, dedup), check it (once:
+            // the engine runs one check at a time and keeps the verdict).
             if e.cache.complete()
                 && e.integrity() == Integrity::Pending
                 && checking.as_ref().is_none_or(|c| c.is_finished())
@@ -251,7 +252,7 @@ pub async fn start(
     }));
     let e = Arc::clone(&engine);
     let index_cache = cache.clone();
-    let index_cache_check = cache.clone();
+    let verify_cache = cache.clone();
     let limit = (opts.hydrate == Hydrate::Background).then_some(opts.hydrate_rate * 1_000_000);
     let hydrate = opts.hydrate != Hydrate::Off;
     let announce = opts.announce;
@@ -265,7 +266,7 @@ pub async fn start(
             let concurrency = if limit.is_some() { 2 } else { 4 };
             match e.hydrate(concurrency, limit).await {
                 Ok(()) => {
-                    let integrity = e.check_integrity(&index_cache_check).await;
+                    let integrity = e.check_integrity(&verify_cache).await;
                     if announce {
                         println!(
                             "hydrated: {} chunks cached; integrity {integrity}",

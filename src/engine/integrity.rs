@@ -101,6 +101,7 @@ impl Engine {
     /// if the layer differs from its config, stops every further read. A layer that is not
     /// complete, or whose regions cannot be fetched now, stays pending.
     pub async fn check_integrity(self: &Arc<Self>, cache: &CacheRoot) -> Integrity {
+        let _single = self.checking.lock().await;
         let current = self.integrity();
         if current != Integrity::Pending || !self.cache.complete() {
             return current;

@@ -111,6 +111,8 @@ pub struct Engine {
     dedup: std::sync::OnceLock<HashMap<Digest, DedupSource>>,
     /// What the check of the complete layer found; a failure stops every read.
     integrity: Mutex<Integrity>,
+    /// Held while that check runs, so it runs once however many ask.
+    checking: tokio::sync::Mutex<()>,
     opts: EngineOptions,
 }
 
@@ -260,6 +262,7 @@ impl Engine {
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             dedup: std::sync::OnceLock::new(),
             integrity: Mutex::new(Integrity::Pending),
+            checking: tokio::sync::Mutex::new(()),
             opts,
         })
     }
