@@ -940,3 +940,50 @@ fn ready_disks_are_keyed_and_named_by_what_was_verified() {
         "`path --raw` is the raw view, not the qcow2"
     );
 }
+
+#[test]
+fn what_already_held_still_holds_traversal_offsets_and_digests() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let data = random(3 * CHUNK, 13);
+    let honest = CraftedLayer::honest(&[("disk/disk.img", &data)], CHUNK);
+
+    let mut traversal = honest.clone();
+    for e in &mut traversal.toc.entries {
+        e.name = e.name.replace("disk/disk.img", "disk/../../etc/passwd");
+    }
+    let r = reg.publish("traversal/disk", "1", &traversal, Claim::default());
+    mount_refused(&scratch, &r, "unsafe: contains '..'");
+
+    let mut offset = honest.clone();
+    let end = offset.data.len() as i64 + 4096;
+    let reg_entry = offset.reg("disk/disk.img");
+    reg_entry.end_offset = end;
+    let last = offset.toc.entries.last_mut().unwrap();
+    last.offset = end - 100;
+    let r = reg.publish("offset/disk", "1", &offset, Claim::default());
+    mount_refused(&scratch, &r, "outside the layer data");
+
+    // A chunk whose digest does not match its bytes: EIO for it, the rest serves.
+    let mut digest = honest.clone();
+    let chunk1 = digest
+        .toc
+        .entries
+        .iter_mut()
+        .find(|e| e.kind == "chunk" && e.chunk_offset == CHUNK as i64)
+        .unwrap();
+    chunk1.chunk_digest = Digest::of(b"not these bytes").to_string();
+    let r = reg.publish("digest/disk", "1", &digest, Claim::default());
+    let mount = Mount::start(&r, &scratch.path("cache"), &scratch.path("mnt2"), &[]);
+    let (first, _) = direct_read(&mount.disk, 0, 4096);
+    assert_eq!(first.unwrap(), data[..4096]);
+    let (bad, _) = direct_read(&mount.disk, CHUNK as u64, 4096);
+    assert!(bad.is_err(), "a chunk that fails its digest is EIO");
+    let (third, _) = direct_read(&mount.disk, 2 * CHUNK as u64, 4096);
+    assert_eq!(third.unwrap(), data[2 * CHUNK..2 * CHUNK + 4096]);
+    let stats = mount.stop();
+    assert_eq!(
+        stats["verify_failures"], 2,
+        "fetched twice, failed twice: {stats}"
+    );
+}
