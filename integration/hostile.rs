@@ -923,6 +923,45 @@ fn ready_disks_are_keyed_and_named_by_what_was_verified() {
     path(&["rm", &attacker_ref]);
     assert!(std::fs::read(&good_path).unwrap() == good);
 
+    // A layer whose config lies about its diff_id: `prefetch --wait` fails naming it once the
+    // layer is complete, `ls` shows it, and its disk serves nothing more.
+    let liar = CraftedLayer::honest(&[("disk/disk.img", &random(4 * CHUNK, 14))], CHUNK);
+    let liar_ref = reg.publish(
+        "liar/disk",
+        "1",
+        &liar,
+        Claim {
+            diff_id: Some(Digest::of(b"some other layer")),
+            ..Claim::default()
+        },
+    );
+    let out = vmdisk(&["prefetch", "--wait", &liar_ref, "--manage", &sock]);
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "prefetch of a lying layer succeeded");
+    assert!(
+        text.contains("differs from its image config") && text.contains("hashes to"),
+        "{text}"
+    );
+    let ls: serde_json::Value = serde_json::from_str(&String::from_utf8_lossy(
+        &vmdisk(&["ls", "--json", "--manage", &sock]).stdout,
+    ))
+    .unwrap();
+    let row = ls
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["reference"].as_str().unwrap().contains("liar/disk"))
+        .unwrap();
+    assert!(
+        row["integrity"].as_str().unwrap().starts_with("failed: "),
+        "{row}"
+    );
+    let liar_disk = std::path::PathBuf::from(row["path"].as_str().unwrap());
+    assert!(
+        std::fs::read(&liar_disk).is_err(),
+        "a failed layer serves nothing"
+    );
+
     // A qcow2 published under the name `disk.raw`: `disk.raw` stays the raw view.
     let qcow2 = scratch.path("q.qcow2");
     make_qcow2(&qcow2, "64M", &[(1 << 20, 2 << 20, 0x5a)]);

@@ -353,7 +353,9 @@ pub async fn run(cli: Cli) -> Result<()> {
                 c.prefetch_disk(DiskRequest { reference }).await
             })
             .await?;
-            while args.wait && disk.chunks_cached < disk.chunks {
+            // With --wait: until every chunk is cached and the complete layer was checked
+            // against its image config.
+            while args.wait && (disk.chunks_cached < disk.chunks || disk.integrity == "pending") {
                 tokio::time::sleep(std::time::Duration::from_millis(500)).await;
                 let layer = disk.layer_key.clone();
                 disk = list_disks(&args.daemon)
