@@ -675,24 +675,7 @@ mod tests {
     }
 
     fn engine(data: &[u8], opts: EngineOptions) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
-        let meta = |p: &str| EntryMeta {
-            path: p.into(),
-            mode: 0o644,
-            uid: 107,
-            gid: 107,
-            mtime: 0,
-        };
-        let mut w = LayerWriter::new(Vec::new(), 1).unwrap();
-        let mut c = zstd::bulk::Compressor::new(1).unwrap();
-        w.add_dir(&meta("disk")).unwrap();
-        w.begin_file(&meta("disk/d.raw"), data.len() as u64)
-            .unwrap();
-        for part in data.chunks(CHUNK) {
-            w.add_chunk(&EncodedChunk::encode(Arc::new(part.to_vec()), &mut c).unwrap())
-                .unwrap();
-        }
-        w.end_file().unwrap();
-        let (summary, blob) = w.finish().unwrap();
+        let (blob, summary) = honest(data);
         engine_of_blob(blob, &summary, opts)
     }
 
