@@ -1,10 +1,11 @@
 //! A remote layer: an image reference resolved to the zstd:chunked layer that holds a disk,
 //! with its validated TOC turned into a chunk index.
 //!
-//! Resolution prefers the registry (manifest, then the TOC by one Range request, verified
-//! against the annotation) and records the outcome in the cache; when the registry cannot be
-//! reached, the last recorded resolution and the cached TOC are used, so a node can re-mount
-//! what it has without network.
+//! Resolution prefers the registry (manifest, config, then the TOC by one Range request,
+//! verified against the annotation) and records the outcome in the cache under the layer's
+//! identity ([`disk_layer_id`]: what the manifest and config say, never the blob digest
+//! alone); when the registry cannot be reached, the last recorded resolution and the cached TOC
+//! are used, so a node can re-mount what it has without network.
 
 use std::ops::Range;
 

@@ -183,23 +183,25 @@ impl LayerCache {
                 "writing chunk {idx} to {}/data/{file}",
                 self.dir.display()
             )))?;
+        self.now_present(idx, file);
+        Ok(())
+    }
+
+    /// Marks chunk `idx` (of data file `file`) present in memory and queues it for the durable
+    /// bitmap.
+    fn now_present(&self, idx: usize, file: usize) {
         if self.mark(idx) {
             let mut p = self.pending.lock().expect("pending lock");
             p.chunks.push(idx);
             p.files.insert(file);
         }
-        Ok(())
     }
 
     /// Marks verified all-zero chunk `idx` of data file `file` present without writing it:
     /// the data file's hole there already reads as zeros (only chunk `idx`'s own verified
     /// bytes are ever written there).
     pub fn mark_hole(&self, idx: usize, file: usize) {
-        if self.mark(idx) {
-            let mut p = self.pending.lock().expect("pending lock");
-            p.chunks.push(idx);
-            p.files.insert(file);
-        }
+        self.now_present(idx, file);
     }
 
     /// Reads present data of file `file` at `offset`.
