@@ -116,6 +116,11 @@ impl Daemon {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The daemon's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the daemon runs").id()
+    }
+
     /// Pids of the mount servers, from their pid files.
     pub fn server_pids(&self) -> Vec<u32> {
         let mut out = Vec::new();

@@ -978,6 +978,21 @@ fn ready_disks_are_keyed_and_named_by_what_was_verified() {
         files_identical(&raw_path, &raw),
         "`path --raw` is the raw view, not the qcow2"
     );
+
+    // Neither the daemon nor any of its mount servers grew past the bound.
+    for pid in std::iter::once(daemon.pid()).chain(daemon.server_pids()) {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let peak_kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+            .unwrap();
+        eprintln!("pid {pid}: peak RSS {} MiB", peak_kib >> 10);
+        assert!(
+            peak_kib << 10 < 1 << 30,
+            "pid {pid} peaked at {peak_kib} KiB"
+        );
+    }
 }
 
 #[test]
