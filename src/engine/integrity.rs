@@ -123,7 +123,8 @@ impl Engine {
                 tracing::info!(layer = %self.layer.meta.layer_digest, diff_id = %self.layer.meta.diff_id, "the complete layer matches its diff_id and TOC")
             }
         }
-        *self.integrity.lock().expect("integrity lock") = outcome.clone();
+        // Only this check sets it, one at a time (`checking`), after it found it unset.
+        let _ = self.integrity.set(outcome.clone());
         let (cache, key, record) = (cache.clone(), self.layer.id().key(), outcome.clone());
         if let Err(e) = blocking(move || cache.save_integrity(&key, &record)).await {
             tracing::warn!(error = %e.chain(), "recording the layer's integrity failed; it is checked again next time");

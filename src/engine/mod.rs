@@ -109,8 +109,9 @@ pub struct Engine {
     /// Chunks of other cached layers by digest; built after the mount is ready
     /// ([`Engine::index_other_layers`]), empty until then.
     dedup: std::sync::OnceLock<HashMap<Digest, DedupSource>>,
-    /// What the check of the complete layer found; a failure stops every read.
-    integrity: Mutex<Integrity>,
+    /// What the check of the complete layer found, once it did (unset: pending); a failure
+    /// stops every read. Set once, read lock-free on every read.
+    integrity: std::sync::OnceLock<Integrity>,
     /// Held while that check runs, so it runs once however many ask.
     checking: tokio::sync::Mutex<()>,
     opts: EngineOptions,
@@ -217,15 +218,17 @@ impl Engine {
         let dir = cache.layer_dir(&key);
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
         let layer_cache = LayerCache::open(&dir, &sizes, layer.chunks.len())?;
-        let integrity = cache.load_integrity(&key).unwrap_or(Integrity::Pending);
-        tracing::info!(%reference, layer = %layer.meta.layer_digest, %key, chunks = layer.chunks.len(), present = layer_cache.present_count(), online = layer.online, %integrity, "layer opened");
+        let integrity = cache.load_integrity(&key);
+        tracing::info!(%reference, layer = %layer.meta.layer_digest, %key, chunks = layer.chunks.len(), present = layer_cache.present_count(), online = layer.online, integrity = %integrity.clone().unwrap_or(Integrity::Pending), "layer opened");
         let source = RegistrySource {
             client,
             reference: layer.reference.clone(),
             blob: layer.meta.layer_digest,
         };
         let engine = Self::with_source(layer, layer_cache, Box::new(source), opts);
-        *engine.integrity.lock().expect("integrity lock") = integrity;
+        if let Some(known) = integrity.filter(|i| *i != Integrity::Pending) {
+            let _ = engine.integrity.set(known);
+        }
         engine.usable()?;
         engine.check_structure(Some(cache)).await?;
         Ok(engine)
@@ -233,13 +236,13 @@ impl Engine {
 
     /// What the check of the complete layer found so far.
     pub fn integrity(&self) -> Integrity {
-        self.integrity.lock().expect("integrity lock").clone()
+        self.integrity.get().cloned().unwrap_or(Integrity::Pending)
     }
 
     /// Fails if the layer was found to differ from its image config.
     pub fn usable(&self) -> Result<()> {
-        match &*self.integrity.lock().expect("integrity lock") {
-            Integrity::Failed(why) => Err(Error::corrupt(format!(
+        match self.integrity.get() {
+            Some(Integrity::Failed(why)) => Err(Error::corrupt(format!(
                 "layer {} differs from what its image config says ({why}); it serves nothing more. Remove the image and report it to its publisher",
                 self.layer.meta.layer_digest
             ))),
@@ -261,7 +264,7 @@ impl Engine {
             inflight: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             dedup: std::sync::OnceLock::new(),
-            integrity: Mutex::new(Integrity::Pending),
+            integrity: std::sync::OnceLock::new(),
             checking: tokio::sync::Mutex::new(()),
             opts,
         })
@@ -466,7 +469,9 @@ impl Engine {
     }
 
     fn store(&self, idx: usize, file: usize, chunk: &Chunk, data: &[u8]) -> Result<()> {
-        if data.iter().all(|&b| b == 0) {
+        // Only chunks the TOC marks as zeros are scanned (the mark is a claim; the digest
+        // already held).
+        if chunk.zeros && data.iter().all(|&b| b == 0) {
             // The data file's hole already reads as these bytes.
             self.cache.mark_hole(idx, file);
         } else {
@@ -580,9 +585,16 @@ impl Engine {
         for l2 in qcow2::l2_offsets(&l1?) {
             chunks.extend(self.layer.chunks_for(disk, l2..l2.saturating_add(cluster)));
         }
-        let mut fetches =
-            futures_util::stream::iter(chunks.into_iter().map(|c| self.ensure(c..c + 1)))
-                .buffer_unordered(self.opts.max_concurrent_fetches.max(1));
+        // Runs of adjacent chunks, so `ensure` coalesces them into few requests.
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for c in chunks {
+            match runs.last_mut() {
+                Some(run) if run.end == c => run.end += 1,
+                _ => runs.push(c..c + 1),
+            }
+        }
+        let mut fetches = futures_util::stream::iter(runs.into_iter().map(|r| self.ensure(r)))
+            .buffer_unordered(self.opts.max_concurrent_fetches.max(1));
         while let Some(result) = fetches.next().await {
             result?;
         }
@@ -627,9 +639,7 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::cache::LayerMeta;
-    use crate::format::zstd_chunked::{
-        decode_toc, EncodedChunk, EntryMeta, LayerWriter, Toc, TocLocation,
-    };
+    use crate::format::zstd_chunked::{decode_toc, Toc, TocLocation};
 
     /// A blob in memory that records requests and can fail or corrupt the next answers.
     #[derive(Default)]
@@ -852,26 +862,9 @@ mod tests {
         assert_eq!(calls(&source), 13);
     }
 
-    /// A layer of one file `disk/d.raw` holding `data`, and its TOC.
+    /// A layer of one file `disk/d.raw` holding `data` in `CHUNK`-byte chunks.
     fn honest(data: &[u8]) -> (Vec<u8>, crate::format::zstd_chunked::LayerSummary) {
-        let meta = |p: &str, mode| EntryMeta {
-            path: p.into(),
-            mode,
-            uid: 107,
-            gid: 107,
-            mtime: 0,
-        };
-        let mut w = LayerWriter::new(Vec::new(), 1).unwrap();
-        let mut c = zstd::bulk::Compressor::new(1).unwrap();
-        w.add_dir(&meta("disk", 0o755)).unwrap();
-        w.begin_file(&meta("disk/d.raw", 0o644), data.len() as u64)
-            .unwrap();
-        for part in data.chunks(CHUNK) {
-            w.add_chunk(&EncodedChunk::encode(Arc::new(part.to_vec()), &mut c).unwrap())
-                .unwrap();
-        }
-        w.end_file().unwrap();
-        let (summary, blob) = w.finish().unwrap();
+        let (summary, blob) = crate::format::zstd_chunked::tests::write_layer(data, CHUNK);
         (blob, summary)
     }
 

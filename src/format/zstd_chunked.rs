@@ -1011,7 +1011,7 @@ impl<W: Write> LayerWriter<W> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn meta(path: &str, mode: u32) -> EntryMeta {
@@ -1024,8 +1024,9 @@ mod tests {
         }
     }
 
-    /// Writes a layer with `content` cut into `chunk` byte chunks.
-    fn write_layer(content: &[u8], chunk: usize) -> (LayerSummary, Vec<u8>) {
+    /// Writes a layer (directory `disk`, file `disk/d.raw`) with `content` cut into `chunk` byte
+    /// chunks.
+    pub(crate) fn write_layer(content: &[u8], chunk: usize) -> (LayerSummary, Vec<u8>) {
         let mut w = LayerWriter::new(Vec::new(), 3).unwrap();
         let mut c = zstd::bulk::Compressor::new(3).unwrap();
         w.add_dir(&meta("disk", 0o755)).unwrap();
