@@ -1,5 +1,6 @@
-//! Generates the gRPC code for containerd's snapshots API and vmdisk's management API from
-//! `proto/`, with a vendored `protoc` so no system protobuf compiler is needed.
+//! Generates the gRPC code for containerd's snapshots API, vmdisk's management API and the
+//! mount servers' control API from `proto/`, with a vendored `protoc` so no system protobuf
+//! compiler is needed.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // prost-build finds protoc through PROTOC; build scripts run single-threaded.
@@ -10,6 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &[
             "proto/containerd/services/snapshots/v1/snapshots.proto",
             "proto/vmdisk/v1/manage.proto",
+            "proto/vmdisk/v1/layer.proto",
         ],
         &["proto", well_known],
     )?;

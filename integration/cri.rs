@@ -121,14 +121,14 @@ impl Daemon {
         self.child.as_ref().expect("the daemon runs").id()
     }
 
-    /// Pids of the mount servers, from their pid files.
+    /// Pids of the mount servers, asked through their control sockets.
     pub fn server_pids(&self) -> Vec<u32> {
         let mut out = Vec::new();
-        if let Ok(dirs) = std::fs::read_dir(self.root.join("servers")) {
-            for d in dirs.flatten() {
-                if let Ok(p) = std::fs::read_to_string(d.path().join("pid")) {
-                    out.extend(p.trim().parse::<u32>().ok());
-                }
+        if let Ok(sockets) = std::fs::read_dir(self.root.join("control")) {
+            for s in sockets.flatten() {
+                let status =
+                    rt().block_on(vmdisk::snapshotter::control::status(&s.path()));
+                out.extend(status.ok().map(|s| s.pid));
             }
         }
         out

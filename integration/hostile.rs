@@ -905,7 +905,7 @@ fn ready_disks_are_keyed_and_named_by_what_was_verified() {
     // Each reference's by-name link and libvirt volume point at its own disk.
     let ready = daemon.root.join("disks");
     for (reference, bytes) in [(&victim_ref, &good), (&attacker_ref, &evil)] {
-        let name = vmdisk::snapshotter::daemon::alias_name(reference);
+        let name = vmdisk::ready::alias_name(reference);
         let by_name = ready.join("by-name").join(&name).join("disk.img");
         assert!(
             std::fs::read(&by_name).unwrap() == **bytes,

@@ -811,7 +811,7 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     let alias = daemon
         .root
         .join("disks/by-name")
-        .join(vmdisk::snapshotter::daemon::alias_name(&format!(
+        .join(vmdisk::ready::alias_name(&format!(
             "{}/small:1",
             reg.host()
         )));
@@ -867,7 +867,7 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
         "vmdisk_prepare_decisions_total{decision=\"fallback\",reason=\"registry_error\"} 1",
         "vmdisk_snapshots{kind=\"remote\"} 1",
         "vmdisk_remote_layers{state=\"serving\"} 1",
-        "# TYPE vmdisk_registry_bytes_total counter",
+        "# TYPE vmdisk_registry_bytes counter",
     ] {
         assert!(
             text.lines().any(|l| l == line),

@@ -1,6 +1,7 @@
-//! Generated gRPC code (see `build.rs` and `proto/`): containerd's snapshots service and
-//! vmdisk's management API. The module tree mirrors the protobuf packages, because the
-//! generated code refers to other packages by relative path.
+//! Generated gRPC code (see `build.rs` and `proto/`): containerd's snapshots service,
+//! vmdisk's management API and the mount servers' control API; the channel to a unix socket;
+//! and the one mapping between error kinds and gRPC codes, both ways. The module tree mirrors
+//! the protobuf packages, because the generated code refers to other packages by relative path.
 
 #![allow(clippy::all, missing_docs)]
 
@@ -17,9 +18,49 @@ pub mod containerd {
     }
 }
 
+use crate::error::{Error, ErrorKind};
+
 pub mod vmdisk {
     pub mod v1 {
         tonic::include_proto!("vmdisk.v1");
+    }
+}
+
+/// Each error kind and its gRPC code, with the codes containerd's `errdefs` turns back into
+/// its own errors. The one table both conversions read.
+const CODES: [(ErrorKind, tonic::Code); 10] = [
+    (ErrorKind::NotFound, tonic::Code::NotFound),
+    (ErrorKind::AlreadyExists, tonic::Code::AlreadyExists),
+    (ErrorKind::FailedPrecondition, tonic::Code::FailedPrecondition),
+    (ErrorKind::InvalidInput, tonic::Code::InvalidArgument),
+    (ErrorKind::Unsupported, tonic::Code::Unimplemented),
+    (ErrorKind::Network, tonic::Code::Unavailable),
+    (ErrorKind::Auth, tonic::Code::Unauthenticated),
+    (ErrorKind::Corrupt, tonic::Code::DataLoss),
+    (ErrorKind::Timeout, tonic::Code::DeadlineExceeded),
+    (ErrorKind::Io, tonic::Code::Internal),
+];
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        let code = CODES
+            .iter()
+            .find(|(k, _)| *k == e.kind())
+            .map_or(tonic::Code::Internal, |(_, c)| *c);
+        tonic::Status::new(code, e.chain())
+    }
+}
+
+/// A status from a vmdisk server (or the transport) back into the error it was; codes no
+/// vmdisk server sends (Unknown, Cancelled, …) are I/O errors; tonic reports a broken transport
+/// as Unavailable, so it is a network error.
+impl From<tonic::Status> for Error {
+    fn from(s: tonic::Status) -> Self {
+        let kind = CODES
+            .iter()
+            .find(|(_, c)| *c == s.code())
+            .map_or(ErrorKind::Io, |(k, _)| *k);
+        Error::new(kind, s.message().to_string())
     }
 }
 
@@ -46,4 +87,20 @@ pub async fn unix_channel(
             )
             .with_source(e)
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_survives_a_round_trip_through_grpc() {
+        for (kind, code) in CODES {
+            let status = tonic::Status::from(Error::new(kind, "what happened"));
+            assert_eq!(status.code(), code);
+            let back = Error::from(status);
+            assert_eq!(back.kind(), kind);
+            assert_eq!(back.chain(), "what happened");
+        }
+    }
 }

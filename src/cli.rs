@@ -121,9 +121,12 @@ pub struct PathArgs {
 pub struct PrefetchArgs {
     #[command(flatten)]
     pub daemon: ManageArgs,
-    /// Wait until the whole disk is cached.
+    /// Wait until the whole disk is cached and checked.
     #[arg(long)]
     pub wait: bool,
+    /// With --wait: give up after this many seconds (the hydration goes on).
+    #[arg(long, value_name = "SECONDS", default_value_t = 3600)]
+    pub timeout: u64,
     pub reference: String,
 }
 
@@ -341,7 +344,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             })
             .await?;
             if args.raw {
-                let raw = crate::serve::raw_view_path(Path::new(&disk.ready_dir))?;
+                let raw = crate::ready::raw_view_path(Path::new(&disk.ready_dir))?;
                 println!("{}", raw.display());
             } else {
                 println!("{}", ready_path(&disk, false));
@@ -353,30 +356,8 @@ pub async fn run(cli: Cli) -> Result<()> {
                 c.prefetch_disk(DiskRequest { reference }).await
             })
             .await?;
-            // With --wait: until every chunk is cached and the complete layer was checked
-            // against its image config.
-            while args.wait && (disk.chunks_cached < disk.chunks || disk.integrity == "pending") {
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-                let layer = disk.layer_key.clone();
-                disk = list_disks(&args.daemon)
-                    .await?
-                    .into_iter()
-                    .find(|d| d.layer_key == layer)
-                    .ok_or_else(|| {
-                        Error::not_found(format!("{} is no longer served", args.reference))
-                    })?;
-                if disk.integrity.starts_with("failed") {
-                    return Err(Error::corrupt(format!(
-                        "{}: the layer differs from its image config and serves nothing: {}",
-                        args.reference, disk.integrity
-                    )));
-                }
-                if !disk.serving {
-                    return Err(Error::new(
-                        crate::error::ErrorKind::Io,
-                        format!("the mount of {} stopped while prefetching", args.reference),
-                    ));
-                }
+            if args.wait {
+                disk = wait_hydrated(&args, disk).await?;
             }
             println!(
                 "{}: {} of {} chunks cached{}",
@@ -445,6 +426,59 @@ pub async fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// `prefetch --wait`: polls the daemon until every chunk of `disk` is cached and the complete
+/// layer was checked; fails if the hydration or the check fails, the mount stops, or
+/// `--timeout` passes.
+async fn wait_hydrated(
+    args: &PrefetchArgs,
+    mut disk: crate::api::vmdisk::v1::Disk,
+) -> Result<crate::api::vmdisk::v1::Disk> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.timeout);
+    while disk.chunks_cached < disk.chunks || disk.integrity == "pending" {
+        if disk.integrity.starts_with("failed") {
+            return Err(Error::corrupt(format!(
+                "{}: the layer differs from its image config and serves nothing: {}",
+                args.reference, disk.integrity
+            )));
+        }
+        if let Some(why) = disk.hydration.strip_prefix("failed: ") {
+            return Err(Error::new(
+                crate::error::ErrorKind::Network,
+                format!(
+                    "{}: fetching the disk stopped at {} of {} chunks: {why}; run `vmdisk prefetch` again to resume",
+                    args.reference, disk.chunks_cached, disk.chunks
+                ),
+            ));
+        }
+        if !disk.serving {
+            return Err(Error::new(
+                crate::error::ErrorKind::Io,
+                format!(
+                    "the mount of {} stopped while prefetching (server {})",
+                    args.reference, disk.server_state
+                ),
+            ));
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(Error::new(
+                crate::error::ErrorKind::Timeout,
+                format!(
+                    "{}: {} of {} chunks cached after --timeout {}s; the fetch goes on in the background",
+                    args.reference, disk.chunks_cached, disk.chunks, args.timeout
+                ),
+            ));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let layer = disk.layer_key.clone();
+        disk = list_disks(&args.daemon)
+            .await?
+            .into_iter()
+            .find(|d| d.layer_key == layer)
+            .ok_or_else(|| Error::not_found(format!("{} is no longer served", args.reference)))?;
+    }
+    Ok(disk)
+}
+
 type ManageClient = crate::api::vmdisk::v1::manage_client::ManageClient<tonic::transport::Channel>;
 
 /// One management call; a gRPC error becomes our error with the daemon's message.
@@ -456,16 +490,7 @@ where
     call(client)
         .await
         .map(tonic::Response::into_inner)
-        .map_err(|s| {
-            let kind = match s.code() {
-                tonic::Code::NotFound => crate::error::ErrorKind::NotFound,
-                tonic::Code::InvalidArgument => crate::error::ErrorKind::InvalidInput,
-                tonic::Code::Unimplemented => crate::error::ErrorKind::Unsupported,
-                tonic::Code::Unauthenticated => crate::error::ErrorKind::Auth,
-                _ => crate::error::ErrorKind::Network,
-            };
-            Error::new(kind, s.message().to_string())
-        })
+        .map_err(Error::from)
 }
 
 async fn list_disks(args: &ManageArgs) -> Result<Vec<crate::api::vmdisk::v1::Disk>> {
@@ -478,12 +503,13 @@ async fn list_disks(args: &ManageArgs) -> Result<Vec<crate::api::vmdisk::v1::Dis
 
 /// The path `vmdisk path` prints: the disk as published, or its raw view.
 fn ready_path(disk: &crate::api::vmdisk::v1::Disk, raw: bool) -> String {
-    let name = if raw {
-        "disk.raw".to_string()
+    let dir = Path::new(&disk.ready_dir);
+    let path = if raw {
+        dir.join(crate::ready::RAW_NAME)
     } else {
-        crate::serve::published_name(&disk.disk_path)
+        crate::ready::published_path(dir, &disk.disk_path)
     };
-    format!("{}/{name}", disk.ready_dir)
+    path.display().to_string()
 }
 
 /// `vmdisk ls`: the daemon's remote disks, one line each (or JSON).
@@ -501,6 +527,7 @@ async fn ls(args: LsArgs) -> Result<()> {
                     "chunks": d.chunks, "chunks_cached": d.chunks_cached,
                     "registry_bytes": d.registry_bytes, "snapshots": d.snapshots,
                     "serving": d.serving, "server_pid": d.server_pid,
+                    "server": d.server_state, "hydration": d.hydration,
                 })
             })
             .collect();
@@ -534,7 +561,11 @@ async fn ls(args: LsArgs) -> Result<()> {
             d.registry_bytes,
             d.integrity,
             ready_path(&d, false),
-            if d.serving { "" } else { " (not served)" }
+            if d.serving {
+                String::new()
+            } else {
+                format!(" (server {})", d.server_state)
+            }
         );
     }
     Ok(())
@@ -542,7 +573,7 @@ async fn ls(args: LsArgs) -> Result<()> {
 
 /// `vmdisk mount`: serves the disk layer at `dir` until SIGINT or SIGTERM.
 async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
-    use crate::engine::{Engine, EngineOptions};
+    use crate::engine::EngineOptions;
     let reference: Reference = args.reference.parse()?;
     let client = std::sync::Arc::new(registry.client()?);
     let cache = crate::cache::CacheRoot::open(&args.cache)?;
@@ -550,7 +581,7 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
         fetch_deadline: std::time::Duration::from_secs(args.fetch_timeout),
         ..EngineOptions::default()
     };
-    let engine = Engine::open(client, &cache, &reference, opts).await?;
+    let engine = crate::remote::open_engine(client, &cache, &reference, opts).await?;
     // Evict only now: the layer being mounted holds its lock and cannot be chosen.
     if let Some(limit) = &args.cache_size {
         let freed = cache.evict(publish::parse_size(limit)? as u64)?;
@@ -564,10 +595,8 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
             hydrate: args.hydrate,
             hydrate_rate: args.hydrate_rate,
             passthrough: !args.no_passthrough,
-            stats_file: None,
             announce: true,
             ready: None,
-            hydrate_request: None,
         },
     )
     .await?;

@@ -2,8 +2,8 @@
 //!
 //! Every failure carries a small, matchable [`ErrorKind`] (what went wrong, in terms a caller can
 //! act on), a human sentence of context (which registry, digest, offset or path) and, where there
-//! is one, the underlying source. Binaries turn kinds into exit codes; the daemon maps them to gRPC
-//! status in one place (`snapshotter::grpc::status`), the FUSE layer answers EIO.
+//! is one, the underlying source. Binaries turn kinds into exit codes; kinds and gRPC
+//! status convert into each other in one place (`crate::api`), the FUSE layer answers EIO.
 
 use std::fmt;
 
@@ -24,6 +24,8 @@ pub enum ErrorKind {
     Unsupported,
     /// Local I/O (files, child processes).
     Io,
+    /// A deadline passed: a mount that did not come up, a process that did not answer.
+    Timeout,
     /// The thing to create exists already (a snapshot key).
     AlreadyExists,
     /// The request is valid but the state forbids it (a snapshot with children, a parent that is
@@ -41,6 +43,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Network => "network error",
             ErrorKind::Unsupported => "unsupported",
             ErrorKind::Io => "I/O error",
+            ErrorKind::Timeout => "timed out",
             ErrorKind::AlreadyExists => "already exists",
             ErrorKind::FailedPrecondition => "failed precondition",
         })

@@ -301,7 +301,7 @@ impl LayerFs {
     }
 
     /// The ready-disk directory of a layer: its disk as published (under its own file name,
-    /// [`crate::serve::published_name`]), `disk.raw` (unless unavailable) and `metadata.json`.
+    /// [`crate::ready::published_name`]), `disk.raw` (unless unavailable) and `metadata.json`.
     pub fn ready(
         engine: Arc<Engine>,
         runtime: tokio::runtime::Handle,
@@ -313,7 +313,7 @@ impl LayerFs {
         let disk = layer.disk;
         let node = &layer.nodes[layer.files[disk].node];
         let time = mtime(node.mod_time.as_deref());
-        let name = crate::serve::published_name(&node.path);
+        let name = crate::ready::published_name(&node.path);
         let dir = |ino| Inode {
             attr: attr(ino, FileType::Directory, 0, 0o755, 0, 0, time),
             parent: ROOT,
@@ -332,7 +332,7 @@ impl LayerFs {
         let mut root = dir(ROOT);
         root.children = vec![
             (OsString::from(&name), 2),
-            (OsString::from("metadata.json"), 4),
+            (OsString::from(crate::ready::METADATA_NAME), 4),
         ];
         let raw_inode = match raw {
             RawSource::View(view) => Some(file(3, view.size(), Content::Raw(view))),
@@ -340,7 +340,7 @@ impl LayerFs {
             RawSource::Unavailable => None,
         };
         if raw_inode.is_some() {
-            root.children.push((OsString::from("disk.raw"), 3));
+            root.children.push((OsString::from(crate::ready::RAW_NAME), 3));
         }
         // Inode 3 exists either way (numbers are positions); without a raw view nothing names it.
         let raw_inode = raw_inode.unwrap_or_else(|| file(3, 0, Content::None));

@@ -7,7 +7,7 @@
 //! - [`inspect`]: reading any image and describing how lazily loadable it is.
 //! - [`cache`]: the persistent block cache (data files, presence bitmaps, eviction).
 //! - [`remote`], [`engine`], [`fuse`], [`serve`]: a lazily loaded layer, from chunk index to
-//!   FUSE mount.
+//!   FUSE mount; [`ready`]: the ready-disk directory handed to runtimes.
 //! - [`snapshotter`]: the containerd proxy snapshotter daemon; [`api`]: its gRPC definitions.
 //! - [`oci`], [`reference`], [`digest`], [`error`]: the shared vocabulary.
 
@@ -22,6 +22,7 @@ pub mod fuse;
 pub mod inspect;
 pub mod oci;
 pub mod publish;
+pub mod ready;
 pub mod reference;
 pub mod registry;
 pub mod remote;

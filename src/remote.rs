@@ -8,14 +8,54 @@
 //! are used, so a node can re-mount what it has without network.
 
 use std::ops::Range;
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
 
 use crate::cache::{CacheRoot, LayerId, LayerMeta, RefRecord};
+use crate::digest::Digest;
+use crate::engine::{BlobSource, Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
 use crate::publish;
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
+
+/// A layer blob in a registry, read with HTTP Range requests: the engine's source in
+/// production.
+pub struct RegistrySource {
+    client: Arc<RegistryClient>,
+    reference: Reference,
+    blob: Digest,
+}
+
+impl BlobSource for RegistrySource {
+    fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
+        Box::pin(
+            self.client
+                .get_blob_range(&self.reference, &self.blob, range),
+        )
+    }
+}
+
+/// The one composition of a lazily loaded layer, for `vmdisk mount` and the mount servers:
+/// resolves `reference` to its disk layer and starts an engine over its cache and its blob in
+/// the registry.
+pub async fn open_engine(
+    client: Arc<RegistryClient>,
+    cache: &CacheRoot,
+    reference: &Reference,
+    opts: EngineOptions,
+) -> Result<Arc<Engine>> {
+    let layer = resolve(&client, cache, reference).await?;
+    let source = RegistrySource {
+        client,
+        reference: layer.reference.clone(),
+        blob: layer.meta.layer_digest,
+    };
+    Engine::start(layer, cache, Box::new(source), opts).await
+}
 
 /// A regular file of the layer and its place in the chunk table.
 #[derive(Clone, Debug)]

@@ -2,16 +2,16 @@
 //! `vmdisk mount` and of the snapshotter's per-layer mount servers.
 //!
 //! Besides the FUSE session it runs the layer's background work, in order and off the start-up
-//! path: flushing the presence bitmap every second (and the counters, when asked, to a file a
-//! supervisor can read), indexing other cached layers for dedup, fetching qcow2 metadata, then
-//! hydrating if asked. It never unmounts a busy mount: a SIGTERM while files are open is
-//! refused and the layer keeps serving.
+//! path: flushing the presence bitmap every second, checking the layer once it is complete,
+//! indexing other cached layers for dedup, fetching qcow2 metadata, then hydrating if asked
+//! (or later, when [`Serving::hydrate`] is called). It never unmounts a busy mount: an unmount
+//! while files are open is refused and the layer keeps serving.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use crate::cache::{CacheRoot, Integrity};
 use crate::engine::stats::StatsSnapshot;
@@ -20,6 +20,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::qcow2::ReadAt;
 use crate::format::qcow2_raw::RawView;
 use crate::fuse::{EngineFile, RawSource};
+use crate::ready::{ReadyDir, ReadyMetadata};
 
 /// How a mount fetches what nobody read yet.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -41,79 +42,22 @@ pub struct ServeOptions {
     pub hydrate_rate: u64,
     /// Hand complete files to the kernel with FUSE passthrough.
     pub passthrough: bool,
-    /// Where to write the counters (JSON) every second.
-    pub stats_file: Option<PathBuf>,
     /// Print `hydrated: …` on stdout when hydration completes (the interactive mount does).
     pub announce: bool,
     /// Also mount the layer's ready-disk directory.
     pub ready: Option<ReadyDir>,
-    /// A file whose appearance asks for the whole disk to be fetched (`vmdisk prefetch`).
-    pub hydrate_request: Option<PathBuf>,
 }
 
-/// Where a layer's ready-disk directory goes (see [`crate::fuse::LayerFs::ready`]).
-#[derive(Clone, Debug)]
-pub struct ReadyDir {
-    /// The mount point, e.g. `/run/vmdisk/disks/<manifest digest hex>`.
-    pub dir: PathBuf,
-    /// A readable name for it (a symlink to `dir`), e.g. `/run/vmdisk/disks/by-name/<ref>`.
-    pub alias: Option<PathBuf>,
-    /// Links for a libvirt `dir` pool: `<volumes>.raw` and `<volumes>.<format>` point at the
-    /// raw view and the published disk, e.g. `/run/vmdisk/disks/volumes/<ref>`.
-    pub volumes: Option<PathBuf>,
-    /// The reference the layer was resolved from, for `metadata.json`.
-    pub reference: String,
-    /// The image's platform, for `metadata.json`.
-    pub platform: String,
-}
-
-/// `metadata.json` of a ready-disk directory.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ReadyMetadata {
-    pub reference: String,
-    pub layer_digest: String,
-    pub platform: String,
-    /// `qcow2` or `raw`.
-    pub format: String,
-    pub virtual_size: u64,
-    /// Size of the disk file as published.
-    pub disk_size: u64,
-    /// The published disk's file name in this directory; the raw view is `disk.raw`.
-    pub disk: String,
-    /// The disk's path inside the image.
-    pub path_in_image: String,
-    /// Why there is no `disk.raw`, when there is none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub raw_error: Option<String>,
-}
-
-/// Names a ready-disk directory generates; a published disk never shadows them.
-pub const GENERATED_NAMES: [&str; 2] = ["disk.raw", "metadata.json"];
-
-/// The name the published disk at `path_in_layer` has in its ready-disk directory: its own
-/// file name, unless that is one of the [`GENERATED_NAMES`] (then `image-<name>`), so
-/// `disk.raw` is always the raw view and `metadata.json` always the metadata.
-pub fn published_name(path_in_layer: &str) -> String {
-    let name = path_in_layer.rsplit('/').next().unwrap_or("disk");
-    if GENERATED_NAMES.contains(&name) {
-        format!("image-{name}")
-    } else {
-        name.to_string()
-    }
-}
-
-/// The `disk.raw` of a ready-disk directory, or the reason it has none.
-pub fn raw_view_path(ready_dir: &Path) -> Result<PathBuf> {
-    let raw = ready_dir.join("disk.raw");
-    if raw.exists() {
-        return Ok(raw);
-    }
-    let why = std::fs::read(ready_dir.join("metadata.json"))
-        .ok()
-        .and_then(|m| serde_json::from_slice::<ReadyMetadata>(&m).ok())
-        .and_then(|m| m.raw_error)
-        .unwrap_or_else(|| format!("{} is not mounted", ready_dir.display()));
-    Err(Error::unsupported(format!("no raw view: {why}")))
+/// Where a hydration (fetching every chunk nobody read yet) stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HydrationState {
+    /// Never asked for.
+    Idle,
+    Running,
+    /// Every chunk is cached (and the complete layer was checked).
+    Done,
+    /// The last one stopped, for this reason; asking again starts a new one.
+    Failed(String),
 }
 
 /// The raw view and the metadata of `engine`'s disk; reads the disk's first bytes and, for
@@ -157,7 +101,7 @@ fn describe(
         format: format.into(),
         virtual_size,
         disk_size,
-        disk: published_name(&path),
+        disk: crate::ready::published_name(&path),
         path_in_image: format!("/{path}"),
         raw_error,
     };
@@ -171,11 +115,13 @@ type ReadyMount = (fuser::BackgroundSession, ReadyDir, Vec<(PathBuf, PathBuf)>);
 /// A layer being served.
 pub struct Serving {
     engine: Arc<Engine>,
+    cache: CacheRoot,
     session: fuser::BackgroundSession,
     ready: Option<ReadyMount>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     dir: PathBuf,
-    stats_file: Option<PathBuf>,
+    hydration: Arc<Mutex<HydrationState>>,
+    announce: bool,
 }
 
 /// Mounts `engine`'s layer at `dir` (and its ready-disk directory, if asked) and starts its
@@ -199,13 +145,19 @@ pub async fn start(
         }
         None => None,
     };
-    let mut tasks = Vec::new();
+    let mut serving = Serving {
+        engine: Arc::clone(&engine),
+        cache: cache.clone(),
+        session,
+        ready,
+        tasks: Vec::new(),
+        dir: dir.to_path_buf(),
+        hydration: Arc::new(Mutex::new(HydrationState::Idle)),
+        announce: opts.announce,
+    };
     let e = Arc::clone(&engine);
-    let stats_file = opts.stats_file.clone();
-    let hydrate_request = opts.hydrate_request.clone();
     let check_cache = cache.clone();
-    tasks.push(tokio::spawn(async move {
-        let mut requested = false;
+    serving.tasks.push(tokio::spawn(async move {
         let mut checking: Option<tokio::task::JoinHandle<()>> = None;
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
@@ -220,73 +172,30 @@ pub async fn start(
                     e.check_integrity(&cache).await;
                 }));
             }
-            if let Some(request) = hydrate_request
-                .as_ref()
-                .filter(|r| !requested && r.exists())
-            {
-                requested = true;
-                let _ = std::fs::remove_file(request);
-                let e = Arc::clone(&e);
-                tokio::spawn(async move {
-                    tracing::info!("fetching the whole disk, as asked");
-                    match e.hydrate(4, None).await {
-                        Ok(()) => tracing::info!(chunks = e.cache.present_count(), "hydrated"),
-                        Err(err) => tracing::warn!(error = %err.chain(), "hydration stopped"),
-                    }
-                });
-            }
             let e = Arc::clone(&e);
-            let stats_file = stats_file.clone();
-            let flushed = tokio::task::spawn_blocking(move || {
-                e.cache.flush()?;
-                match &stats_file {
-                    Some(path) => write_stats(path, &e),
-                    None => Ok(()),
-                }
-            })
-            .await;
+            let flushed = tokio::task::spawn_blocking(move || e.cache.flush()).await;
             if let Ok(Err(err)) = flushed {
-                tracing::warn!(error = %err.chain(), "flushing the cache or the counters failed");
+                tracing::warn!(error = %err.chain(), "flushing the cache failed");
             }
         }
     }));
     let e = Arc::clone(&engine);
     let index_cache = cache.clone();
-    let verify_cache = cache.clone();
-    let limit = (opts.hydrate == Hydrate::Background).then_some(opts.hydrate_rate * 1_000_000);
-    let hydrate = opts.hydrate != Hydrate::Off;
-    let announce = opts.announce;
-    tasks.push(tokio::spawn(async move {
+    let hydrate = (opts.hydrate != Hydrate::Off).then(|| {
+        let limit = (opts.hydrate == Hydrate::Background).then_some(opts.hydrate_rate * 1_000_000);
+        serving.hydrator(limit)
+    });
+    serving.tasks.push(tokio::spawn(async move {
         let indexer = Arc::clone(&e);
         let _ = tokio::task::spawn_blocking(move || indexer.index_other_layers(&index_cache)).await;
         if let Err(err) = e.prefetch_qcow2().await {
             tracing::warn!(error = %err.chain(), "qcow2 metadata prefetch failed");
         }
-        if hydrate {
-            let concurrency = if limit.is_some() { 2 } else { 4 };
-            match e.hydrate(concurrency, limit).await {
-                Ok(()) => {
-                    let integrity = e.check_integrity(&verify_cache).await;
-                    if announce {
-                        println!(
-                            "hydrated: {} chunks cached; integrity {integrity}",
-                            e.cache.present_count()
-                        )
-                    }
-                    tracing::info!(chunks = e.cache.present_count(), %integrity, "hydrated")
-                }
-                Err(err) => tracing::warn!(error = %err.chain(), "hydration stopped"),
-            }
+        if let Some(hydrate) = hydrate {
+            hydrate();
         }
     }));
-    Ok(Serving {
-        engine,
-        session,
-        ready,
-        tasks,
-        dir: dir.to_path_buf(),
-        stats_file: opts.stats_file.clone(),
-    })
+    Ok(serving)
 }
 
 /// Mounts the ready-disk directory and points its alias at it.
@@ -301,105 +210,114 @@ async fn mount_ready(
         .await
         .map_err(|e| Error::new(ErrorKind::Io, "describing the disk").with_source(e))??;
     let json = serde_json::to_vec_pretty(&metadata).expect("metadata serialises");
-    let links = ready_links(ready, &metadata);
+    let links = ready.links(&metadata);
     let fs = crate::fuse::LayerFs::ready(Arc::clone(engine), runtime, passthrough, raw, json);
     let _ = nix::mount::umount2(&ready.dir, nix::mount::MntFlags::MNT_DETACH);
     std::fs::create_dir_all(&ready.dir)
         .map_err(|e| Error::io(format!("creating {}", ready.dir.display()), e))?;
     let session = crate::fuse::mount(fs, &ready.dir)?;
     for (link, target) in &links {
-        replace_symlink(link, target)?;
+        crate::ready::replace_symlink(link, target)?;
     }
     Ok((session, links))
 }
 
-/// The symlinks of a ready-disk directory: its alias and its libvirt volumes.
-fn ready_links(ready: &ReadyDir, metadata: &ReadyMetadata) -> Vec<(PathBuf, PathBuf)> {
-    let mut links = Vec::new();
-    if let Some(alias) = &ready.alias {
-        links.push((alias.clone(), ready.dir.clone()));
-    }
-    if let Some(volumes) = &ready.volumes {
-        let with = |ext: &str| {
-            let mut name = volumes.as_os_str().to_owned();
-            name.push(format!(".{ext}"));
-            PathBuf::from(name)
-        };
-        if metadata.raw_error.is_none() {
-            links.push((with("raw"), ready.dir.join("disk.raw")));
-        }
-        if metadata.format != "raw" {
-            links.push((with(&metadata.format), ready.dir.join(&metadata.disk)));
-        }
-    }
-    links
-}
-
-/// Points `link` at `target`, replacing what was there atomically.
-fn replace_symlink(link: &Path, target: &Path) -> Result<()> {
-    if let Some(parent) = link.parent() {
-        std::fs::create_dir_all(parent)
-            .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
-    }
-    let mut tmp = link.as_os_str().to_owned();
-    tmp.push(".new");
-    let tmp = PathBuf::from(tmp);
-    let _ = std::fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(target, &tmp)
-        .and_then(|()| std::fs::rename(&tmp, link))
-        .map_err(|e| Error::io(format!("linking {}", link.display()), e))
-}
-
-/// What a server reports about its layer (the stats file).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct LayerStatus {
-    pub counters: StatsSnapshot,
-    pub chunks: u64,
-    pub chunks_cached: u64,
-    /// The disk's path inside the layer, e.g. `disk/disk.qcow2`.
-    pub disk_path: String,
-    /// Size of the disk file.
-    #[serde(default)]
-    pub disk_size: u64,
-    /// The layer's integrity check ([`Integrity`]): `pending`, `verified` or `failed: …`.
-    #[serde(default)]
-    pub integrity: String,
-    /// The layer's key ([`crate::cache::LayerId::key`]) and blob digest.
-    #[serde(default)]
-    pub layer_key: String,
-    #[serde(default)]
-    pub layer_digest: String,
-}
-
-impl LayerStatus {
-    fn of(engine: &Engine) -> Self {
-        let layer = &engine.layer;
-        LayerStatus {
-            counters: engine.stats.snapshot(),
-            chunks: layer.chunks.len() as u64,
-            chunks_cached: engine.cache.present_count() as u64,
-            disk_path: layer.nodes[layer.files[layer.disk].node].path.clone(),
-            disk_size: layer.file_size(layer.disk),
-            integrity: engine.integrity().to_string(),
-            layer_key: layer.id().key().to_string(),
-            layer_digest: layer.meta.layer_digest.to_string(),
-        }
-    }
-}
-
-/// Writes `engine`'s status to `path` atomically (a reader never sees half a file).
-pub fn write_stats(path: &Path, engine: &Engine) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    let text = serde_json::to_vec(&LayerStatus::of(engine)).expect("status serialises");
-    std::fs::write(&tmp, text)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|e| Error::io(format!("writing {}", path.display()), e))
-}
-
 impl Serving {
+    /// The engine serving the layer (its counters, cache and integrity verdict).
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
     /// The path of the layer's disk file on the mount.
     pub fn disk_path(&self) -> PathBuf {
-        self.dir.join(LayerStatus::of(&self.engine).disk_path)
+        let layer = &self.engine.layer;
+        self.dir.join(&layer.nodes[layer.files[layer.disk].node].path)
+    }
+
+    /// Where hydration stands.
+    pub fn hydration(&self) -> HydrationState {
+        self.hydration.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Starts fetching the whole disk at full speed unless a hydration is running; whether
+    /// this call started one. After a failed hydration it starts a new one.
+    pub fn hydrate(&self) -> bool {
+        self.hydrator(None)()
+    }
+
+    /// A function that starts a hydration limited to `limit` bytes/s (see [`Serving::hydrate`]).
+    fn hydrator(&self, limit: Option<u64>) -> impl FnOnce() -> bool + Send + 'static {
+        let (engine, cache) = (Arc::clone(&self.engine), self.cache.clone());
+        let (state, announce) = (Arc::clone(&self.hydration), self.announce);
+        move || {
+            {
+                let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+                if *s == HydrationState::Running {
+                    return false;
+                }
+                *s = HydrationState::Running;
+            }
+            tokio::spawn(async move {
+                tracing::info!("fetching the whole disk");
+                let concurrency = if limit.is_some() { 2 } else { 4 };
+                let outcome = match engine.hydrate(concurrency, limit).await {
+                    Ok(()) => {
+                        let integrity = engine.check_integrity(&cache).await;
+                        let chunks = engine.cache.present_count();
+                        if announce {
+                            println!("hydrated: {chunks} chunks cached; integrity {integrity}");
+                        }
+                        tracing::info!(chunks, %integrity, "hydrated");
+                        HydrationState::Done
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err.chain(), "hydration stopped");
+                        HydrationState::Failed(err.chain())
+                    }
+                };
+                *state.lock().unwrap_or_else(|p| p.into_inner()) = outcome;
+            });
+            true
+        }
+    }
+
+    /// Unmounts the ready-disk directory and the layer; refused with `FailedPrecondition`
+    /// (naming what is busy) while files on either are open, and the layer keeps serving.
+    pub fn unmount(&self) -> Result<()> {
+        let busy = |dir: &Path, hint: &str| {
+            Error::new(
+                ErrorKind::FailedPrecondition,
+                format!("{} is busy; {hint}", dir.display()),
+            )
+        };
+        if let Some((_, ready, _)) = &self.ready {
+            match nix::mount::umount2(&ready.dir, nix::mount::MntFlags::empty()) {
+                Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
+                Err(nix::errno::Errno::EBUSY) => {
+                    return Err(busy(&ready.dir, "a VM uses the disk; stop it first"))
+                }
+                Err(e) => {
+                    return Err(Error::io(
+                        format!("unmounting {}", ready.dir.display()),
+                        e.into(),
+                    ))
+                }
+            }
+        }
+        match nix::mount::umount2(&self.dir, nix::mount::MntFlags::empty()) {
+            Ok(()) => Ok(()),
+            Err(nix::errno::Errno::EBUSY) => Err(busy(
+                &self.dir,
+                &format!(
+                    "close the files using it (`fuser -vm {}`) first",
+                    self.dir.display()
+                ),
+            )),
+            Err(e) => Err(Error::io(
+                format!("unmounting {}", self.dir.display()),
+                e.into(),
+            )),
+        }
     }
 
     /// Waits for SIGINT or SIGTERM and unmounts; while files on the mount are open the
@@ -407,37 +325,12 @@ impl Serving {
     pub async fn serve_until_signalled(&self) -> Result<()> {
         loop {
             wait_for_signal().await?;
-            if let Some((_, ready, _)) = &self.ready {
-                match nix::mount::umount2(&ready.dir, nix::mount::MntFlags::empty()) {
-                    Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
-                    Err(nix::errno::Errno::EBUSY) => {
-                        eprintln!(
-                            "vmdisk: {} is busy (a VM uses the disk); signal again when it is closed",
-                            ready.dir.display()
-                        );
-                        continue;
-                    }
-                    Err(e) => {
-                        return Err(Error::io(
-                            format!("unmounting {}", ready.dir.display()),
-                            e.into(),
-                        ))
-                    }
-                }
-            }
-            match nix::mount::umount2(&self.dir, nix::mount::MntFlags::empty()) {
+            match self.unmount() {
                 Ok(()) => return Ok(()),
-                Err(nix::errno::Errno::EBUSY) => eprintln!(
-                    "vmdisk: {} is busy; close the files using it (`fuser -vm {}`) and signal again",
-                    self.dir.display(),
-                    self.dir.display()
-                ),
-                Err(e) => {
-                    return Err(Error::io(
-                        format!("unmounting {}", self.dir.display()),
-                        e.into(),
-                    ))
+                Err(e) if e.kind() == ErrorKind::FailedPrecondition => {
+                    eprintln!("vmdisk: {}; signal again then", e.chain())
                 }
+                Err(e) => return Err(e),
             }
         }
     }
@@ -462,10 +355,10 @@ impl Serving {
             .await
             .map_err(|e| Error::new(ErrorKind::Io, "unmounting").with_source(e))?
             .map_err(|e| Error::io(format!("ending the FUSE session of {}", dir.display()), e))?;
-        self.engine.cache.flush()?;
-        if let Some(path) = &self.stats_file {
-            write_stats(path, &self.engine)?;
-        }
+        let engine = Arc::clone(&self.engine);
+        tokio::task::spawn_blocking(move || engine.cache.flush())
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, "flushing the cache").with_source(e))??;
         Ok(self.engine.stats.snapshot())
     }
 }

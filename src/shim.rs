@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 
 /// The pod annotation naming the VM image.
 pub const ANN_IMAGE: &str = "vmdisk.io/image";
@@ -129,18 +129,13 @@ pub fn image_value(
     disk: &crate::api::vmdisk::v1::Disk,
     qcow2: bool,
 ) -> String {
-    let name = crate::serve::published_name(&disk.disk_path);
+    let dir = Path::new(&disk.ready_dir);
     match provider {
-        Provider::Kata if qcow2 => format!("{}/{name}", disk.ready_dir),
-        Provider::Kata => format!("{}/disk.raw", disk.ready_dir),
-        Provider::Libvirt => {
-            let alias = crate::snapshotter::daemon::alias_name(reference);
-            if qcow2 {
-                format!("{alias}.qcow2")
-            } else {
-                format!("{alias}.raw")
-            }
-        }
+        Provider::Kata if qcow2 => crate::ready::published_path(dir, &disk.disk_path)
+            .display()
+            .to_string(),
+        Provider::Kata => dir.join(crate::ready::RAW_NAME).display().to_string(),
+        Provider::Libvirt => crate::ready::volume_name(reference, qcow2),
         Provider::Name => reference.to_string(),
     }
 }
@@ -218,7 +213,7 @@ pub async fn prepare(
     };
     let disk = ensure_disk(&config.manage_address, &reference).await?;
     if runtime.provider != Provider::Name && !qcow2 {
-        crate::serve::raw_view_path(Path::new(&disk.ready_dir))
+        crate::ready::raw_view_path(Path::new(&disk.ready_dir))
             .map_err(|e| e.context(format!("vmdisk: {ANN_IMAGE}={reference}")))?;
     }
     let value = image_value(runtime.provider, &reference, &disk, qcow2);
@@ -239,13 +234,7 @@ async fn ensure_disk(manage: &Path, reference: &str) -> Result<crate::api::vmdis
         .await
         .map(tonic::Response::into_inner)
         .map_err(|s| {
-            Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "vmdisk: cannot make {ANN_IMAGE}={reference} ready: {}",
-                    s.message()
-                ),
-            )
+            Error::from(s).context(format!("vmdisk: cannot make {ANN_IMAGE}={reference} ready"))
         })
 }
 

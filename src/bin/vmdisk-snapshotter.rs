@@ -70,7 +70,7 @@ fn main() -> std::process::ExitCode {
                 alias,
             }) => {
                 let layer = layer.parse()?;
-                vmdisk::snapshotter::daemon::serve_layer(
+                vmdisk::snapshotter::server::serve_layer(
                     &config,
                     &reference,
                     &layer,

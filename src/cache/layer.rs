@@ -56,7 +56,7 @@ fn read_bitmap(file: &File, chunks: usize) -> Option<Vec<u8>> {
 /// The durable presence bits of the layer cached in `dir`, without opening it for use (dedup
 /// looks at other layers this way).
 pub fn durable_bits(dir: &Path, chunks: usize) -> Option<Vec<u8>> {
-    read_bitmap(&File::open(dir.join("bitmap")).ok()?, chunks)
+    read_bitmap(&File::open(dir.join(super::names::BITMAP)).ok()?, chunks)
 }
 
 fn io(what: String) -> impl FnOnce(std::io::Error) -> Error {
@@ -68,20 +68,20 @@ impl LayerCache {
     /// `chunks` chunks. Takes the layer's lock shared, so eviction leaves it alone while it is
     /// open.
     pub fn open(dir: &Path, files: &[u64], chunks: usize) -> Result<Self> {
-        std::fs::create_dir_all(dir.join("data"))
+        std::fs::create_dir_all(dir.join(super::names::DATA))
             .map_err(io(format!("creating {}", dir.display())))?;
         let lock = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
-            .open(dir.join("lock"))
+            .open(dir.join(super::names::LOCK))
             .map_err(io(format!("opening {}/lock", dir.display())))?;
         lock.lock_shared()
             .map_err(io(format!("locking {}", dir.display())))?;
-        let _ = File::create(dir.join("last-used"));
+        let _ = File::create(dir.join(super::names::LAST_USED));
         let mut data = Vec::with_capacity(files.len());
         for (n, &size) in files.iter().enumerate() {
-            let path = dir.join("data").join(n.to_string());
+            let path = super::data_file(dir, n);
             let f = OpenOptions::new()
                 .create(true)
                 .truncate(false)
@@ -95,7 +95,7 @@ impl LayerCache {
             }
             data.push(f);
         }
-        let bitmap_path = dir.join("bitmap");
+        let bitmap_path = dir.join(super::names::BITMAP);
         let bitmap = OpenOptions::new()
             .create(true)
             .truncate(false)

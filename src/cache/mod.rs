@@ -150,6 +150,23 @@ pub struct CacheRoot {
     root: PathBuf,
 }
 
+/// The names of a layer's files in its cache directory (the layout above), spelled only here.
+pub mod names {
+    pub const META: &str = "meta.json";
+    pub const TOC: &str = "toc.zst";
+    pub const DATA: &str = "data";
+    pub const BITMAP: &str = "bitmap";
+    pub const STRUCTURE_CHECKED: &str = "structure-checked";
+    pub const INTEGRITY: &str = "integrity";
+    pub const LOCK: &str = "lock";
+    pub const LAST_USED: &str = "last-used";
+}
+
+/// The data file of the layer's regular file number `n`, in its cache directory `layer_dir`.
+pub fn data_file(layer_dir: &Path, n: usize) -> PathBuf {
+    layer_dir.join(names::DATA).join(n.to_string())
+}
+
 fn write_atomically(path: &Path, data: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, data).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
@@ -204,11 +221,11 @@ impl CacheRoot {
     /// names a TOC that is on disk).
     pub fn save_layer_meta(&self, meta: &LayerMeta, toc: &[u8]) -> Result<()> {
         let dir = self.layer_dir(&meta.id().key());
-        std::fs::create_dir_all(dir.join("data"))
+        std::fs::create_dir_all(dir.join(names::DATA))
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        write_atomically(&dir.join("toc.zst"), toc)?;
+        write_atomically(&dir.join(names::TOC), toc)?;
         write_atomically(
-            &dir.join("meta.json"),
+            &dir.join(names::META),
             &serde_json::to_vec_pretty(meta).expect("meta serialises"),
         )
     }
@@ -218,8 +235,8 @@ impl CacheRoot {
     pub fn load_layer_meta(&self, key: &Digest) -> Option<(LayerMeta, Vec<u8>)> {
         let dir = self.layer_dir(key);
         let meta: LayerMeta =
-            serde_json::from_slice(&std::fs::read(dir.join("meta.json")).ok()?).ok()?;
-        let toc = std::fs::read(dir.join("toc.zst")).ok()?;
+            serde_json::from_slice(&std::fs::read(dir.join(names::META)).ok()?).ok()?;
+        let toc = std::fs::read(dir.join(names::TOC)).ok()?;
         (meta.id().key() == *key && meta.toc_digest.verify(&toc, "cached TOC").is_ok())
             .then_some((meta, toc))
     }
@@ -242,26 +259,33 @@ impl CacheRoot {
     /// Whether the layer with key `key` passed the structure check (its tar headers agree with
     /// its TOC; `engine::integrity`).
     pub fn structure_checked(&self, key: &Digest) -> bool {
-        self.layer_dir(key).join("structure-checked").exists()
+        self.layer_dir(key).join(names::STRUCTURE_CHECKED).exists()
     }
 
     /// Records that the layer passed the structure check.
     pub fn save_structure_checked(&self, key: &Digest) -> Result<()> {
-        write_atomically(&self.layer_dir(key).join("structure-checked"), b"")
+        write_atomically(&self.layer_dir(key).join(names::STRUCTURE_CHECKED), b"")
     }
 
     /// What the integrity check of the layer with key `key` found last, if it ran.
     pub fn load_integrity(&self, key: &Digest) -> Option<Integrity> {
-        let bytes = std::fs::read(self.layer_dir(key).join("integrity")).ok()?;
+        let bytes = std::fs::read(self.layer_dir(key).join(names::INTEGRITY)).ok()?;
         serde_json::from_slice(&bytes).ok()
     }
 
     /// Records the outcome of the layer's integrity check.
     pub fn save_integrity(&self, key: &Digest, integrity: &Integrity) -> Result<()> {
         write_atomically(
-            &self.layer_dir(key).join("integrity"),
+            &self.layer_dir(key).join(names::INTEGRITY),
             &serde_json::to_vec(integrity).expect("integrity serialises"),
         )
+    }
+
+    /// When a mount last opened the layer with key `key`.
+    pub fn last_used(&self, key: &Digest) -> Option<std::time::SystemTime> {
+        std::fs::metadata(self.layer_dir(key).join(names::LAST_USED))
+            .and_then(|m| m.modified())
+            .ok()
     }
 
     /// Evicts least recently used layers that are not mounted until the cache's data takes at
@@ -273,12 +297,12 @@ impl CacheRoot {
         for digest in self.layers() {
             let dir = self.layer_dir(&digest);
             let mut size = 0;
-            if let Ok(files) = std::fs::read_dir(dir.join("data")) {
+            if let Ok(files) = std::fs::read_dir(dir.join(names::DATA)) {
                 for f in files.filter_map(|f| f.ok()) {
                     size += f.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
                 }
             }
-            let used = std::fs::metadata(dir.join("last-used"))
+            let used = std::fs::metadata(dir.join(names::LAST_USED))
                 .and_then(|m| m.modified())
                 .unwrap_or(std::time::UNIX_EPOCH);
             total += size;
@@ -295,7 +319,7 @@ impl CacheRoot {
                 .create(true)
                 .truncate(false)
                 .write(true)
-                .open(dir.join("lock"));
+                .open(dir.join(names::LOCK));
             let Ok(lock) = lock else { continue };
             if lock.try_lock().is_err() {
                 continue;
@@ -317,9 +341,9 @@ mod tests {
     fn fill_layer(root: &CacheRoot, name: &[u8], bytes: usize) -> (Digest, PathBuf) {
         let digest = Digest::of(name);
         let dir = root.layer_dir(&digest);
-        std::fs::create_dir_all(dir.join("data")).unwrap();
+        std::fs::create_dir_all(dir.join(names::DATA)).unwrap();
         std::fs::write(dir.join("data/0"), vec![1u8; bytes]).unwrap();
-        std::fs::write(dir.join("last-used"), b"").unwrap();
+        std::fs::write(dir.join(names::LAST_USED), b"").unwrap();
         (digest, dir)
     }
 
@@ -334,11 +358,11 @@ mod tests {
         let (_, newest) = fill_layer(&root, b"newest", 1 << 20);
         // "mounted" is open (its lock held shared) and older than "newest".
         let held = LayerCache::open(&mounted, &[1 << 20], 4).unwrap();
-        std::fs::write(newest.join("last-used"), b"").unwrap();
+        std::fs::write(newest.join(names::LAST_USED), b"").unwrap();
         // Make "mounted" the least recently used on disk: eviction must still skip it.
         let old = std::fs::File::options()
             .write(true)
-            .open(mounted.join("last-used"))
+            .open(mounted.join(names::LAST_USED))
             .unwrap();
         old.set_modified(std::time::UNIX_EPOCH).unwrap();
 

@@ -39,32 +39,15 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::qcow2;
 use crate::format::zstd_chunked::{check_regular_frames, decompress_bounded, Chunk};
 use crate::reference::Reference;
-use crate::registry::RegistryClient;
-use crate::remote::{self, RemoteLayer};
+use crate::remote::RemoteLayer;
 
 type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 
 /// Where a layer's bytes come from: ranges of one blob. The registry in production
-/// ([`RegistrySource`]); an in-memory blob in unit tests.
+/// ([`crate::remote::RegistrySource`]); an in-memory blob in unit tests.
 pub trait BlobSource: Send + Sync {
     /// The bytes of `range`; the length is checked by the source, the content by the engine.
     fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>>;
-}
-
-/// A layer blob in a registry, read with HTTP Range requests.
-pub struct RegistrySource {
-    client: Arc<RegistryClient>,
-    reference: Reference,
-    blob: Digest,
-}
-
-impl BlobSource for RegistrySource {
-    fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
-        Box::pin(
-            self.client
-                .get_blob_range(&self.reference, &self.blob, range),
-        )
-    }
 }
 
 /// Tunables of the engine.
@@ -195,7 +178,7 @@ fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> 
             }
             if let Some(d) = chunk.digest {
                 map.entry(d).or_insert(DedupSource {
-                    path: dir.join("data").join(file.to_string()),
+                    path: crate::cache::data_file(&dir, *file),
                     offset: chunk.offset,
                     size: chunk.size,
                 });
@@ -206,26 +189,26 @@ fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> 
 }
 
 impl Engine {
-    /// Resolves `reference` and opens its layer's cache.
-    pub async fn open(
-        client: Arc<RegistryClient>,
+    /// Opens the cache of a resolved `layer` whose blob `source` reads, restores the verdict
+    /// of an earlier integrity check, and checks the layer's structure before it serves.
+    pub async fn start(
+        layer: RemoteLayer,
         cache: &CacheRoot,
-        reference: &Reference,
+        source: Box<dyn BlobSource>,
         opts: EngineOptions,
     ) -> Result<Arc<Engine>> {
-        let layer = remote::resolve(&client, cache, reference).await?;
         let key = layer.id().key();
         let dir = cache.layer_dir(&key);
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
-        let layer_cache = LayerCache::open(&dir, &sizes, layer.chunks.len())?;
-        let integrity = cache.load_integrity(&key);
-        tracing::info!(%reference, layer = %layer.meta.layer_digest, %key, chunks = layer.chunks.len(), present = layer_cache.present_count(), online = layer.online, integrity = %integrity.clone().unwrap_or(Integrity::Pending), "layer opened");
-        let source = RegistrySource {
-            client,
-            reference: layer.reference.clone(),
-            blob: layer.meta.layer_digest,
-        };
-        let engine = Self::with_source(layer, layer_cache, Box::new(source), opts);
+        let chunks = layer.chunks.len();
+        let c = cache.clone();
+        let (layer_cache, integrity) = tokio::task::spawn_blocking(move || {
+            LayerCache::open(&dir, &sizes, chunks).map(|lc| (lc, c.load_integrity(&key)))
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, "opening the layer cache").with_source(e))??;
+        tracing::info!(reference = %layer.reference, layer = %layer.meta.layer_digest, %key, chunks, present = layer_cache.present_count(), online = layer.online, integrity = %integrity.clone().unwrap_or(Integrity::Pending), "layer opened");
+        let engine = Self::with_source(layer, layer_cache, source, opts);
         if let Some(known) = integrity.filter(|i| *i != Integrity::Pending) {
             let _ = engine.integrity.set(known);
         }

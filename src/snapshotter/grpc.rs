@@ -1,64 +1,28 @@
 //! The gRPC faces of the daemon: containerd's snapshots service and vmdisk's management API.
-//! Requests are translated to [`Snapshotter`] calls; errors become gRPC status here and only
-//! here ([`status`]), with the codes containerd's `errdefs` turns back into its own errors.
+//! Requests are translated to [`Snapshotter`] calls; errors become gRPC status through the one
+//! mapping in [`crate::api`].
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
 use super::filter;
 use super::store::{Kind, Record};
-use super::{blocking, Mount, Snapshotter};
+use super::{blocking, control, Mount, Snapshotter};
 use crate::api::containerd::services::snapshots::v1 as pb;
 use crate::api::containerd::types::Mount as PbMount;
 use crate::api::vmdisk::v1 as mpb;
-use crate::error::{Error, ErrorKind};
 
-/// The one mapping from error kinds to gRPC codes.
-pub fn status(e: Error) -> Status {
-    let code = match e.kind() {
-        ErrorKind::NotFound => tonic::Code::NotFound,
-        ErrorKind::AlreadyExists => tonic::Code::AlreadyExists,
-        ErrorKind::FailedPrecondition => tonic::Code::FailedPrecondition,
-        ErrorKind::InvalidInput => tonic::Code::InvalidArgument,
-        ErrorKind::Unsupported => tonic::Code::Unimplemented,
-        ErrorKind::Network => tonic::Code::Unavailable,
-        ErrorKind::Auth => tonic::Code::Unauthenticated,
-        ErrorKind::Corrupt => tonic::Code::DataLoss,
-        ErrorKind::Io => tonic::Code::Internal,
-    };
-    Status::new(code, e.chain())
-}
-
-/// Calls per method and failures, for metrics.
-#[derive(Default)]
-pub struct CallCounts {
-    pub calls: BTreeMap<&'static str, AtomicU64>,
-    pub errors: BTreeMap<&'static str, AtomicU64>,
-}
-
-const METHODS: [&str; 10] = [
-    "Prepare", "View", "Mounts", "Commit", "Remove", "Stat", "Update", "List", "Usage", "Cleanup",
-];
-
-impl CallCounts {
-    pub fn new() -> Self {
-        CallCounts {
-            calls: METHODS.iter().map(|m| (*m, AtomicU64::new(0))).collect(),
-            errors: METHODS.iter().map(|m| (*m, AtomicU64::new(0))).collect(),
-        }
-    }
-
-    fn record<T>(&self, method: &'static str, r: &Result<T, Status>) {
-        self.calls[method].fetch_add(1, Ordering::Relaxed);
-        if let Err(s) = r {
-            // AlreadyExists from Prepare is the remote-snapshot handshake, not a failure.
-            if !(method == "Prepare" && s.code() == tonic::Code::AlreadyExists) {
-                self.errors[method].fetch_add(1, Ordering::Relaxed);
-            }
+/// Counts a snapshots API call and, if it failed, the failure (`call/<method>`,
+/// `call_error/<method>` in the daemon's counters).
+fn count_call<T>(s: &Snapshotter, method: &'static str, r: &Result<T, Status>) {
+    s.counters.add(&format!("call/{method}"), 1);
+    if let Err(e) = r {
+        // AlreadyExists from Prepare is the remote-snapshot handshake, not a failure.
+        if !(method == "Prepare" && e.code() == tonic::Code::AlreadyExists) {
+            s.counters.add(&format!("call_error/{method}"), 1);
         }
     }
 }
@@ -66,7 +30,6 @@ impl CallCounts {
 /// The snapshots service.
 pub struct SnapshotsService {
     pub snapshotter: Arc<Snapshotter>,
-    pub calls: Arc<CallCounts>,
 }
 
 fn mounts(ms: Vec<Mount>) -> Vec<PbMount> {
@@ -116,8 +79,8 @@ impl SnapshotsService {
         f: impl FnOnce(Arc<Snapshotter>) -> crate::error::Result<T> + Send + 'static,
     ) -> Result<T, Status> {
         let s = Arc::clone(&self.snapshotter);
-        let r = blocking(move || f(s)).await.map_err(status);
-        self.calls.record(method, &r);
+        let r = blocking(move || f(s)).await.map_err(Status::from);
+        count_call(&self.snapshotter, method, &r);
         if let Err(e) = &r {
             tracing::debug!(method, error = %e.message(), "snapshots call failed");
         }
@@ -136,7 +99,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
             .snapshotter
             .prepare(&req.key, &req.parent, sorted(req.labels))
             .await
-            .map_err(status)
+            .map_err(Status::from)
             .and_then(|m| match m {
                 Some(m) => Ok(m),
                 None => Err(Status::already_exists(format!(
@@ -144,7 +107,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
                     req.key
                 ))),
             });
-        self.calls.record("Prepare", &r);
+        count_call(&self.snapshotter, "Prepare", &r);
         Ok(Response::new(pb::PrepareSnapshotResponse {
             mounts: mounts(r?),
         }))
@@ -196,7 +159,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
         self.snapshotter
             .stop_unused(unused.into_iter().collect())
             .await
-            .map_err(status)?;
+            .map_err(Status::from)?;
         Ok(Response::new(()))
     }
 
@@ -282,7 +245,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
 
     async fn cleanup(&self, _request: Request<pb::CleanupRequest>) -> Result<Response<()>, Status> {
         let unused = self.run("Cleanup", |s| s.cleanup()).await?;
-        self.snapshotter.stop_unused(unused).await.map_err(status)?;
+        self.snapshotter.stop_unused(unused).await.map_err(Status::from)?;
         Ok(Response::new(()))
     }
 }
@@ -297,7 +260,7 @@ impl ManageService {
         let want = layer.to_string();
         disks(&self.snapshotter)
             .await
-            .map_err(status)?
+            .map_err(Status::from)?
             .into_iter()
             .find(|d| d.layer_key == want)
             .map(Response::new)
@@ -307,52 +270,76 @@ impl ManageService {
     }
 }
 
-/// What the management API and the metrics report about remote layers.
+/// What the management API and the metrics report about remote layers: the records, and
+/// what each layer's server says now (asked all at once, each under the call deadline).
 pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>> {
     let me = Arc::clone(s);
     let layers = blocking(move || me.remote_layers()).await?;
-    let cache = crate::cache::CacheRoot::open(s.cache_dir()).ok();
+    let mut statuses = s.statuses(layers.keys().copied()).await;
+    let cache_dir = s.cache_dir().to_path_buf();
+    let keys: Vec<_> = layers.keys().copied().collect();
+    let last_used = blocking(move || {
+        let cache = crate::cache::CacheRoot::open(&cache_dir).ok();
+        Ok(keys
+            .iter()
+            .map(|k| {
+                cache
+                    .as_ref()
+                    .and_then(|c| c.last_used(k))
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_secs() as i64)
+            })
+            .collect::<Vec<_>>())
+    })
+    .await?;
     let mut out = Vec::new();
-    for (layer, (remote, snapshots)) in layers {
+    for ((layer, (remote, snapshots)), last_used) in layers.into_iter().zip(last_used) {
         let paths = s.servers.paths(&layer);
-        let pid = s.servers.pid(&layer).await;
-        let status = paths.stats().unwrap_or_default();
+        let status = statuses.remove(&layer).flatten();
+        let serving = status
+            .as_ref()
+            .is_some_and(|st| st.state() == control::ServerState::Serving);
+        let st = status.clone().unwrap_or_default();
         let ready_dir = s
             .servers
             .ready_dir(&remote.reference)
             .map(|d| d.display().to_string())
             .unwrap_or_default();
-        let last_used = cache
-            .as_ref()
-            .and_then(|c| std::fs::metadata(c.layer_dir(&layer).join("last-used")).ok())
-            .and_then(|m| m.modified().ok())
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_secs() as i64);
-        let layer_digest = if status.layer_digest.is_empty() {
-            layer.to_string()
-        } else {
-            status.layer_digest.clone()
-        };
         out.push(mpb::Disk {
             ready_dir,
-            disk_size: status.disk_size,
+            disk_size: st.disk_size,
             last_used,
             reference: remote.reference,
-            layer_digest,
+            layer_digest: if st.layer_digest.is_empty() {
+                layer.to_string()
+            } else {
+                st.layer_digest.clone()
+            },
             layer_key: layer.to_string(),
-            integrity: if status.integrity.is_empty() {
+            integrity: if st.integrity.is_empty() {
                 "pending".into()
             } else {
-                status.integrity.clone()
+                st.integrity.clone()
             },
             mountpoint: paths.mountpoint.display().to_string(),
-            disk_path: status.disk_path,
-            chunks: status.chunks,
-            chunks_cached: status.chunks_cached,
-            registry_bytes: status.counters.bytes_fetched,
+            disk_path: st.disk_path.clone(),
+            chunks: st.chunks,
+            chunks_cached: st.chunks_cached,
+            registry_bytes: st.counters.as_ref().map_or(0, |c| c.bytes_fetched),
             snapshots,
-            serving: pid.is_some(),
-            server_pid: pid.unwrap_or(0),
+            serving,
+            server_pid: status.as_ref().map_or(0, |st| st.pid),
+            hydration: status
+                .as_ref()
+                .map(control::hydration_text)
+                .unwrap_or_default(),
+            server_state: match &status {
+                None => "down".into(),
+                Some(st) if st.state() == control::ServerState::Failed => {
+                    format!("failed: {}", st.error)
+                }
+                Some(st) => st.state().as_str_name()["SERVER_STATE_".len()..].to_lowercase(),
+            },
         });
     }
     Ok(out)
@@ -367,11 +354,18 @@ impl mpb::manage_server::Manage for ManageService {
         let s = Arc::clone(&self.snapshotter);
         let count = blocking(move || s.list().map(|l| l.len() as u64))
             .await
-            .map_err(status)?;
-        let remote = disks(&self.snapshotter).await.map_err(status)?.len() as u64;
+            .map_err(Status::from)?;
+        let remote = disks(&self.snapshotter).await.map_err(Status::from)?.len() as u64;
+        // What is shown is kept: no later restart reports less.
+        self.snapshotter.save_counters().await.map_err(Status::from)?;
         Ok(Response::new(mpb::StatusResponse {
             version: env!("CARGO_PKG_VERSION").to_string(),
-            decisions: self.snapshotter.decisions.snapshot().into_iter().collect(),
+            decisions: self
+                .snapshotter
+                .counters
+                .with_prefix("decision/")
+                .into_iter()
+                .collect(),
             snapshots: count,
             remote_layers: remote,
         }))
@@ -386,7 +380,7 @@ impl mpb::manage_server::Manage for ManageService {
             .snapshotter
             .ensure_disk(&reference)
             .await
-            .map_err(status)?;
+            .map_err(Status::from)?;
         self.disk(&layer).await
     }
 
@@ -395,9 +389,16 @@ impl mpb::manage_server::Manage for ManageService {
         request: Request<mpb::DiskRequest>,
     ) -> Result<Response<mpb::Disk>, Status> {
         let disk = self.ensure_disk(request).await?;
-        let layer = disk.get_ref().layer_key.parse().map_err(status)?;
-        self.snapshotter.request_hydration(&layer).map_err(status)?;
-        Ok(disk)
+        let layer = disk.get_ref().layer_key.parse().map_err(Status::from)?;
+        let started = self
+            .snapshotter
+            .servers
+            .hydrate(&layer)
+            .await
+            .map_err(Status::from)?;
+        tracing::info!(%layer, started, "hydration asked for");
+        // Report the hydration this call started (or found running).
+        self.disk(&layer).await
     }
 
     async fn remove_disk(
@@ -409,7 +410,7 @@ impl mpb::manage_server::Manage for ManageService {
             .snapshotter
             .remove_disk(&reference)
             .await
-            .map_err(status)?;
+            .map_err(Status::from)?;
         Ok(Response::new(mpb::RemoveDiskResponse { unmounted }))
     }
 
@@ -418,7 +419,7 @@ impl mpb::manage_server::Manage for ManageService {
         request: Request<mpb::GcRequest>,
     ) -> Result<Response<mpb::GcResponse>, Status> {
         let limit = Some(request.into_inner().limit_bytes).filter(|&l| l > 0);
-        let (freed_bytes, stopped_mounts) = self.snapshotter.gc(limit).await.map_err(status)?;
+        let (freed_bytes, stopped_mounts) = self.snapshotter.gc(limit).await.map_err(Status::from)?;
         Ok(Response::new(mpb::GcResponse {
             freed_bytes,
             stopped_mounts,
@@ -429,7 +430,7 @@ impl mpb::manage_server::Manage for ManageService {
         &self,
         _request: Request<mpb::ListDisksRequest>,
     ) -> Result<Response<mpb::ListDisksResponse>, Status> {
-        let disks = disks(&self.snapshotter).await.map_err(status)?;
+        let disks = disks(&self.snapshotter).await.map_err(Status::from)?;
         Ok(Response::new(mpb::ListDisksResponse { disks }))
     }
 }

@@ -1,198 +1,142 @@
-//! Prometheus metrics in the text exposition format, on a unix socket or a loopback TCP port
-//! (`metrics.address`). Names, types and units are documented in `docs/snapshotter.md`; the
-//! per-layer counters are summed over the mount servers' status files at scrape time.
+//! Prometheus metrics in the OpenMetrics text format (`prometheus-client`), on a unix socket
+//! or a loopback TCP port (`metrics.address`). Names, types and units are documented in
+//! `docs/snapshotter.md`. Counters come from the daemon's own [`super::counters`] (they only
+//! go up, across layer removals and server and daemon restarts); gauges are measured at
+//! scrape time from the store and the servers' status, each server asked under a deadline.
 
-use std::fmt::Write as _;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::grpc::{disks, CallCounts};
+use super::counters::LAYER_COUNTERS;
+use super::grpc::disks;
 use super::Snapshotter;
 use crate::error::{Error, Result};
 
-/// One metric family and its samples (`labels` → value).
-struct Family {
-    name: &'static str,
-    kind: &'static str,
-    help: &'static str,
-    samples: Vec<(String, u64)>,
+type Labels = Vec<(&'static str, String)>;
+
+/// The snapshots API's methods, for per-method call counters.
+const METHODS: [&str; 10] = [
+    "Prepare", "View", "Mounts", "Commit", "Remove", "Stat", "Update", "List", "Usage", "Cleanup",
+];
+
+fn counter(value: u64) -> Counter {
+    let c = Counter::default();
+    c.inc_by(value);
+    c
 }
 
-impl Family {
-    fn new(name: &'static str, kind: &'static str, help: &'static str) -> Self {
-        Family {
-            name,
-            kind,
-            help,
-            samples: Vec::new(),
-        }
-    }
-
-    fn one(name: &'static str, kind: &'static str, help: &'static str, value: u64) -> Self {
-        let mut f = Family::new(name, kind, help);
-        f.samples.push((String::new(), value));
-        f
-    }
-
-    fn write(&self, out: &mut String) {
-        let _ = writeln!(
-            out,
-            "# HELP {} {}\n# TYPE {} {}",
-            self.name, self.help, self.name, self.kind
-        );
-        for (labels, v) in &self.samples {
-            let labels = if labels.is_empty() {
-                String::new()
-            } else {
-                format!("{{{labels}}}")
-            };
-            let _ = writeln!(out, "{}{labels} {v}", self.name);
-        }
-    }
+fn gauge(value: usize) -> Gauge {
+    let g = Gauge::default();
+    g.set(i64::try_from(value).unwrap_or(i64::MAX));
+    g
 }
 
-/// Renders every metric.
-pub async fn render(s: &Arc<Snapshotter>, calls: &CallCounts) -> Result<String> {
-    let mut families = Vec::new();
-    let mut f = Family::new(
-        "vmdisk_prepare_decisions_total",
-        "counter",
-        "Layer Prepare decisions by outcome (remote, reused, ordinary, fallback) and reason.",
-    );
-    for (d, v) in s.decisions.snapshot() {
-        let (outcome, reason) = d.split_once(':').unwrap_or((&d, ""));
-        f.samples
-            .push((format!("decision=\"{outcome}\",reason=\"{reason}\""), v));
-    }
-    families.push(f);
-    let mut c = Family::new(
-        "vmdisk_snapshot_calls_total",
-        "counter",
-        "Snapshots API calls by method.",
-    );
-    let mut e = Family::new(
-        "vmdisk_snapshot_call_errors_total",
-        "counter",
-        "Failed snapshots API calls by method (Prepare's AlreadyExists handshake excluded).",
-    );
-    for (m, n) in &calls.calls {
-        c.samples
-            .push((format!("method=\"{m}\""), n.load(Ordering::Relaxed)));
-        e.samples.push((
-            format!("method=\"{m}\""),
-            calls.errors[m].load(Ordering::Relaxed),
-        ));
-    }
-    families.extend([c, e]);
-
+/// Renders every metric. What it shows is kept first (no later restart shows less).
+pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
+    let disks = disks(s).await?;
+    s.save_counters().await?;
     let me = Arc::clone(s);
     let records = super::blocking(move || me.list()).await?;
-    let mut f = Family::new(
-        "vmdisk_snapshots",
-        "gauge",
-        "Snapshots by kind; remote ones are also committed.",
+    let mut registry = Registry::default();
+
+    let decisions = Family::<Labels, Counter>::default();
+    for (d, v) in s.counters.with_prefix("decision/") {
+        let (outcome, reason) = d.split_once(':').unwrap_or((&d, ""));
+        decisions
+            .get_or_create(&vec![
+                ("decision", outcome.to_string()),
+                ("reason", reason.to_string()),
+            ])
+            .inc_by(v);
+    }
+    registry.register(
+        "vmdisk_prepare_decisions",
+        "Layer Prepare decisions by outcome (remote, reused, ordinary, fallback) and reason.",
+        decisions,
     );
+    let (calls, errors) = (
+        Family::<Labels, Counter>::default(),
+        Family::<Labels, Counter>::default(),
+    );
+    for m in METHODS {
+        let labels = vec![("method", m.to_string())];
+        calls
+            .get_or_create(&labels)
+            .inc_by(s.counters.get(&format!("call/{m}")));
+        errors
+            .get_or_create(&labels)
+            .inc_by(s.counters.get(&format!("call_error/{m}")));
+    }
+    registry.register(
+        "vmdisk_snapshot_calls",
+        "Snapshots API calls by method.",
+        calls,
+    );
+    registry.register(
+        "vmdisk_snapshot_call_errors",
+        "Failed snapshots API calls by method (Prepare's AlreadyExists handshake excluded).",
+        errors,
+    );
+    for (name, help, _) in LAYER_COUNTERS {
+        registry.register(name, help, counter(s.counters.get(name)));
+    }
+
+    let snapshots = Family::<Labels, Gauge>::default();
     for kind in ["View", "Active", "Committed"] {
-        let n = records
-            .iter()
-            .filter(|(_, r)| r.kind.name() == kind)
-            .count();
-        f.samples
-            .push((format!("kind=\"{}\"", kind.to_lowercase()), n as u64));
+        let n = records.iter().filter(|(_, r)| r.kind.name() == kind).count();
+        snapshots
+            .get_or_create(&vec![("kind", kind.to_lowercase())])
+            .set(n as i64);
     }
     let remote = records.iter().filter(|(_, r)| r.remote.is_some()).count();
-    f.samples.push(("kind=\"remote\"".into(), remote as u64));
-    families.push(f);
-
-    let disks = disks(s).await?;
-    let serving = disks.iter().filter(|d| d.serving).count() as u64;
-    let mut f = Family::new(
-        "vmdisk_remote_layers",
-        "gauge",
-        "Remote layers by whether a mount server serves them.",
+    snapshots
+        .get_or_create(&vec![("kind", "remote".to_string())])
+        .set(remote as i64);
+    registry.register(
+        "vmdisk_snapshots",
+        "Snapshots by kind; remote ones are also committed.",
+        snapshots,
     );
-    f.samples.push(("state=\"serving\"".into(), serving));
-    f.samples
-        .push(("state=\"down\"".into(), disks.len() as u64 - serving));
-    families.push(f);
-    families.push(Family::one(
+    let serving = disks.iter().filter(|d| d.serving).count();
+    let layers = Family::<Labels, Gauge>::default();
+    layers
+        .get_or_create(&vec![("state", "serving".to_string())])
+        .set(serving as i64);
+    layers
+        .get_or_create(&vec![("state", "down".to_string())])
+        .set((disks.len() - serving) as i64);
+    registry.register(
+        "vmdisk_remote_layers",
+        "Remote layers by whether a mount server serves them.",
+        layers,
+    );
+    registry.register(
         "vmdisk_layers_integrity_failed",
-        "gauge",
         "Remote layers whose complete tar stream differs from their image config (every read fails).",
-        disks
-            .iter()
-            .filter(|d| d.integrity.starts_with("failed"))
-            .count() as u64,
-    ));
-
-    let statuses: Vec<crate::serve::LayerStatus> = disks
-        .iter()
-        .filter_map(|d| d.layer_key.parse().ok())
-        .filter_map(|l| s.servers.paths(&l).stats())
-        .collect();
-    let sum = |g: fn(&crate::serve::LayerStatus) -> u64| statuses.iter().map(g).sum::<u64>();
-    families.extend([
-        Family::one(
-            "vmdisk_registry_bytes_total",
-            "counter",
-            "Compressed chunk bytes received from registries.",
-            sum(|x| x.counters.bytes_fetched),
-        ),
-        Family::one(
-            "vmdisk_registry_requests_total",
-            "counter",
-            "Range requests sent for chunks.",
-            sum(|x| x.counters.fetch_requests),
-        ),
-        Family::one(
-            "vmdisk_chunks_fetched_total",
-            "counter",
-            "Chunks fetched and verified.",
-            sum(|x| x.counters.chunks_fetched),
-        ),
-        Family::one(
-            "vmdisk_chunks_deduplicated_total",
-            "counter",
-            "Chunks copied from another cached layer instead of fetched.",
-            sum(|x| x.counters.chunks_deduplicated),
-        ),
-        Family::one(
-            "vmdisk_verify_failures_total",
-            "counter",
-            "Chunks that failed digest verification.",
-            sum(|x| x.counters.verify_failures),
-        ),
-        Family::one(
-            "vmdisk_read_errors_total",
-            "counter",
-            "FUSE reads answered with EIO.",
-            sum(|x| x.counters.read_errors),
-        ),
-        Family::one(
-            "vmdisk_served_bytes_total",
-            "counter",
-            "Bytes returned to FUSE readers by the servers (passthrough reads excluded).",
-            sum(|x| x.counters.bytes_served),
-        ),
-        Family::one(
-            "vmdisk_chunks",
-            "gauge",
-            "Chunks of all remote layers.",
-            sum(|x| x.chunks),
-        ),
-        Family::one(
-            "vmdisk_chunks_cached",
-            "gauge",
-            "Chunks of remote layers present in the cache.",
-            sum(|x| x.chunks_cached),
-        ),
-    ]);
+        gauge(disks.iter().filter(|d| d.integrity.starts_with("failed")).count()),
+    );
+    let sum = |f: fn(&crate::api::vmdisk::v1::Disk) -> u64| {
+        disks.iter().map(f).sum::<u64>() as usize
+    };
+    registry.register(
+        "vmdisk_chunks",
+        "Chunks of the remote layers being served.",
+        gauge(sum(|d| d.chunks)),
+    );
+    registry.register(
+        "vmdisk_chunks_cached",
+        "Chunks of the remote layers being served that are present in the cache.",
+        gauge(sum(|d| d.chunks_cached)),
+    );
     let mut out = String::new();
-    for f in &families {
-        f.write(&mut out);
-    }
+    encode(&mut out, &registry)
+        .map_err(|e| Error::new(crate::error::ErrorKind::Io, "encoding the metrics").with_source(e))?;
     Ok(out)
 }
 
@@ -200,7 +144,6 @@ pub async fn render(s: &Arc<Snapshotter>, calls: &CallCounts) -> Result<String> 
 async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     mut stream: S,
     s: Arc<Snapshotter>,
-    calls: Arc<CallCounts>,
 ) {
     let mut buf = vec![0u8; 8192];
     let mut len = 0;
@@ -221,9 +164,9 @@ async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     }
     let head = String::from_utf8_lossy(&buf[..len]);
     let response = if head.starts_with("GET /metrics ") || head.starts_with("GET / ") {
-        match render(&s, &calls).await {
+        match render(&s).await {
             Ok(body) => format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                "HTTP/1.1 200 OK\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()
             ),
             Err(e) => {
@@ -242,7 +185,6 @@ async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
 pub async fn serve(
     address: super::config::MetricsAddress,
     s: Arc<Snapshotter>,
-    calls: Arc<CallCounts>,
 ) -> Result<()> {
     use super::config::MetricsAddress;
     match address {
@@ -253,7 +195,7 @@ pub async fn serve(
                 .map_err(|e| Error::io(format!("listening on {addr} for metrics"), e))?;
             loop {
                 if let Ok((stream, _)) = listener.accept().await {
-                    tokio::spawn(answer(stream, Arc::clone(&s), Arc::clone(&calls)));
+                    tokio::spawn(answer(stream, Arc::clone(&s)));
                 }
             }
         }
@@ -261,7 +203,7 @@ pub async fn serve(
             let listener = super::daemon::bind_unix(&path, 0o600)?;
             loop {
                 if let Ok((stream, _)) = listener.accept().await {
-                    tokio::spawn(answer(stream, Arc::clone(&s), Arc::clone(&calls)));
+                    tokio::spawn(answer(stream, Arc::clone(&s)));
                 }
             }
         }

@@ -5,31 +5,37 @@
 //! overlay or bind mounts over the parent chain, with the metadata in a transactional store
 //! ([`store`]). During a CRI pull, `Prepare` with `containerd.io/snapshot.ref` asks
 //! [`classify`] whether the layer is a lazily loadable disk; if so, a mount server
-//! ([`layers`]) mounts it through FUSE, the committed snapshot is recorded with that mount as its
+//! ([`server`], run by the [`supervisor`]) mounts it through FUSE, the committed snapshot is recorded with that mount as its
 //! directory, and containerd is told the target exists, so it neither downloads nor unpacks
 //! the layer. Every decision is logged and counted.
 //!
-//! All changes to the store and the snapshot directories happen under one lock, in an order
-//! that leaves at worst an unreferenced directory after a crash (removed by `Cleanup`):
-//! directories are created before the record and removed after it.
+//! All changes to the store and the snapshot directories happen under one lock, on blocking
+//! threads, in an order that leaves at worst an unreferenced directory after a crash (removed
+//! by `Cleanup`): directories are created before the record and removed after it. A remote
+//! layer's server is started or stopped under that layer's own lock
+//! ([`supervisor::LayerServers::lock`]), never under a lock other layers wait for.
 
 pub mod classify;
 pub mod config;
+pub mod control;
+pub mod counters;
 pub mod daemon;
 pub mod filter;
 pub mod grpc;
-pub mod layers;
 pub mod metrics;
+pub mod server;
 pub mod store;
+pub mod supervisor;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, ErrorKind, Result};
-use classify::{Classifier, Decision, Decisions, LABEL_REMOTE, LABEL_TARGET};
-use layers::LayerServers;
+use classify::{Classifier, Decision, LABEL_REMOTE, LABEL_TARGET};
+use counters::Counters;
+use supervisor::LayerServers;
 use store::{Kind, Record, RemoteLayerRef, Store, Usage};
 
 /// A mount for containerd to perform (`containerd.types.Mount`).
@@ -47,11 +53,9 @@ pub struct Snapshotter {
     /// Serialises every change to the store and the snapshot directories.
     lock: Mutex<()>,
     pub servers: LayerServers,
-    /// Held while a layer's server is started or stopped together with the records that use
-    /// it, so a removal never stops a server a concurrent Prepare just recorded a use of.
-    remote_lock: tokio::sync::Mutex<()>,
     classifier: Classifier,
-    pub decisions: Decisions,
+    /// Decisions, calls and the servers' engine counters.
+    pub counters: Counters,
     overlay_index_off: bool,
     cache: CacheSettings,
 }
@@ -77,19 +81,17 @@ impl Snapshotter {
         classifier: Classifier,
         cache: CacheSettings,
     ) -> Result<Self> {
-        for dir in ["snapshots", "mounts", "servers"] {
-            let d = root.join(dir);
-            std::fs::create_dir_all(&d).map_err(io(format!("creating {}", d.display())))?;
-        }
+        let snapshots = root.join("snapshots");
+        std::fs::create_dir_all(&snapshots).map_err(io(format!("creating {}", snapshots.display())))?;
+        control::LayerPaths::prepare_root(root)?;
         let store = Store::open(&root.join("metadata.db"))?;
         Ok(Snapshotter {
             root: root.to_path_buf(),
             store,
             lock: Mutex::new(()),
             servers,
-            remote_lock: tokio::sync::Mutex::new(()),
             classifier,
-            decisions: Decisions::default(),
+            counters: Counters::load(&root.join("counters.json")),
             overlay_index_off: Path::new("/sys/module/overlay/parameters/index").exists(),
             cache,
         })
@@ -300,6 +302,25 @@ impl Snapshotter {
             .filter_map(|(_, r)| r.remote.as_ref().map(|x| x.layer.hex()))
             .collect();
         let mounts = self.root.join("mounts");
+        // Logs of layers no record uses and no mount serves (and the directories the servers
+        // of earlier versions kept their files in).
+        let servers = self.root.join("servers");
+        for entry in
+            std::fs::read_dir(&servers).map_err(io(format!("listing {}", servers.display())))?
+        {
+            let entry = entry.map_err(io(format!("listing {}", servers.display())))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let hex = name.strip_suffix(".log").unwrap_or(&name);
+            if !used.contains(hex) && !mounts.join(hex).exists() {
+                let path = entry.path();
+                let removed = if path.is_dir() {
+                    std::fs::remove_dir_all(&path)
+                } else {
+                    std::fs::remove_file(&path)
+                };
+                removed.map_err(io(format!("removing {}", path.display())))?;
+            }
+        }
         let mut unused = Vec::new();
         for entry in
             std::fs::read_dir(&mounts).map_err(io(format!("listing {}", mounts.display())))?
@@ -382,12 +403,12 @@ impl Snapshotter {
                     .await
                 {
                     Ok(outcome) => {
-                        self.decisions.count(outcome);
+                        self.counters.add(&format!("decision/{outcome}"), 1);
                         tracing::info!(%layer, %reference, outcome, "layer is served lazily");
                         return true;
                     }
                     Err(e) => {
-                        self.decisions.count("fallback:mount_failed");
+                        self.counters.add("decision/fallback:mount_failed", 1);
                         tracing::warn!(%layer, error = %e.chain(), "lazy mount failed; containerd pulls the layer normally");
                     }
                 }
@@ -398,14 +419,14 @@ impl Snapshotter {
                 candidate,
             } => {
                 if candidate {
-                    self.decisions.count(&format!("fallback:{reason}"));
+                    self.counters.add(&format!("decision/fallback:{reason}"), 1);
                     tracing::warn!(
                         reason,
                         detail,
                         "a published VM-disk layer is pulled normally"
                     );
                 } else {
-                    self.decisions.count(&format!("ordinary:{reason}"));
+                    self.counters.add(&format!("decision/ordinary:{reason}"), 1);
                     tracing::info!(reason, detail, "ordinary layer; containerd pulls it");
                 }
             }
@@ -421,7 +442,9 @@ impl Snapshotter {
         reference: &crate::reference::Reference,
         layer: crate::digest::Digest,
     ) -> Result<&'static str> {
-        if let Some(existing) = self.store.get(target)? {
+        let me = Arc::clone(self);
+        let name = target.to_string();
+        if let Some(existing) = blocking(move || me.store.get(&name)).await? {
             if existing.kind == Kind::Committed && existing.parent == parent {
                 return Ok("reused");
             }
@@ -431,9 +454,8 @@ impl Snapshotter {
             ));
         }
         let alias = labels.get(classify::LABEL_IMAGE_REF).cloned();
-        let _remote = self.remote_lock.lock().await;
-        self.servers
-            .ensure(&reference.to_string(), &layer, alias.as_deref())
+        let mut lock = self.servers.lock(&layer).await;
+        lock.ensure(&reference.to_string(), alias.as_deref())
             .await?;
         let mut labels = labels.clone();
         labels.insert(LABEL_REMOTE.to_string(), "vmdisk".to_string());
@@ -442,34 +464,79 @@ impl Snapshotter {
             layer,
             alias,
         };
-        let _g = self.guard();
-        match self
-            .store
-            .create(target, Kind::Committed, parent, labels, Some(remote))
-        {
-            Ok(_) => Ok("remote"),
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok("reused"),
-            Err(e) => Err(e),
-        }
+        let (me, target, parent) = (Arc::clone(self), target.to_string(), parent.to_string());
+        let created = blocking(move || {
+            let _g = me.guard();
+            match me
+                .store
+                .create(&target, Kind::Committed, &parent, labels, Some(remote))
+            {
+                Ok(_) => Ok("remote"),
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok("reused"),
+                Err(e) => Err(e),
+            }
+        })
+        .await;
+        drop(lock);
+        created
     }
 }
 
 impl Snapshotter {
     /// Stops the servers of `layers` that no snapshot or pin uses (after Remove, RemoveDisk or
-    /// Cleanup); returns how many it stopped.
+    /// Cleanup); returns how many it stopped. Each layer is checked and stopped under its own
+    /// lock, and its server's final counters are kept.
     pub async fn stop_unused(self: &Arc<Self>, layers: Vec<crate::digest::Digest>) -> Result<u32> {
-        if layers.is_empty() {
-            return Ok(0);
-        }
-        let _remote = self.remote_lock.lock().await;
-        let me = Arc::clone(self);
-        let used = blocking(move || me.remote_layers()).await?;
         let mut stopped = 0;
-        for layer in layers.iter().filter(|l| !used.contains_key(l)) {
-            self.servers.stop(layer).await;
-            stopped += 1;
+        for layer in layers {
+            let mut lock = self.servers.lock(&layer).await;
+            let me = Arc::clone(self);
+            if blocking(move || me.remote_layers()).await?.contains_key(&layer) {
+                continue;
+            }
+            match lock.stop().await {
+                Ok(Some(last)) => {
+                    self.observe(&last);
+                    self.counters.forget(&last.instance);
+                    stopped += 1;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(%layer, error = %e.chain(), "the unused layer's server keeps serving")
+                }
+            }
         }
         Ok(stopped)
+    }
+
+    /// Takes in a server's counters.
+    pub fn observe(&self, status: &control::LayerStatus) {
+        if let Some(counters) = &status.counters {
+            self.counters.observe(&status.instance, counters);
+        }
+    }
+
+    /// What each of `layers`' servers says now (`None`: no server answered within the call
+    /// deadline), asked all at once; their counters are taken in.
+    pub async fn statuses(
+        &self,
+        layers: impl IntoIterator<Item = crate::digest::Digest>,
+    ) -> HashMap<crate::digest::Digest, Option<control::LayerStatus>> {
+        let asked = layers.into_iter().map(|layer| async move {
+            let status = self.servers.status(&layer).await;
+            (layer, status)
+        });
+        let answers = futures_util::future::join_all(asked).await;
+        for status in answers.iter().filter_map(|(_, s)| s.as_ref()) {
+            self.observe(status);
+        }
+        answers.into_iter().collect()
+    }
+
+    /// Writes the counters if they changed, off the async workers.
+    pub async fn save_counters(self: &Arc<Self>) -> Result<()> {
+        let me = Arc::clone(self);
+        blocking(move || me.counters.save()).await
     }
 }
 
@@ -494,7 +561,9 @@ impl Snapshotter {
                 }
             }
             Err(e) if e.kind() == ErrorKind::Network => {
-                let known = self.store.pins()?.into_iter().find(|(n, _)| n == reference);
+                let me = Arc::clone(self);
+                let pins = blocking(move || me.store.pins()).await?;
+                let known = pins.into_iter().find(|(n, _)| n == reference);
                 match known {
                     Some((_, r)) => {
                         tracing::warn!(reference, error = %e.chain(), "registry unreachable; serving the disk kept before");
@@ -505,29 +574,26 @@ impl Snapshotter {
             }
             Err(e) => return Err(e),
         };
-        let _remote = self.remote_lock.lock().await;
-        self.servers
-            .ensure(&remote.reference, &remote.layer, remote.alias.as_deref())
+        let layer = remote.layer;
+        let mut lock = self.servers.lock(&layer).await;
+        lock.ensure(&remote.reference, remote.alias.as_deref())
             .await?;
-        self.store.pin(reference, &remote)?;
-        Ok(remote.layer)
+        let (me, name) = (Arc::clone(self), reference.to_string());
+        blocking(move || me.store.pin(&name, &remote)).await?;
+        drop(lock);
+        Ok(layer)
     }
 
     /// Forgets a disk kept by [`Snapshotter::ensure_disk`]; returns whether its mount stopped.
     pub async fn remove_disk(self: &Arc<Self>, reference: &str) -> Result<bool> {
-        let Some(pin) = self.store.unpin(reference)? else {
+        let (me, name) = (Arc::clone(self), reference.to_string());
+        let Some(pin) = blocking(move || me.store.unpin(&name)).await? else {
             return Err(Error::not_found(format!(
                 "{reference} is not a disk kept by `vmdisk path` or `vmdisk prefetch` (see `vmdisk ls`)"
             )));
         };
         self.stop_unused(vec![pin.layer]).await?;
-        Ok(self.servers.pid(&pin.layer).await.is_none())
-    }
-
-    /// Asks the mount server of `layer` to fetch the whole disk in the background.
-    pub fn request_hydration(&self, layer: &crate::digest::Digest) -> Result<()> {
-        let path = self.servers.paths(layer).hydrate_request();
-        std::fs::write(&path, b"").map_err(io(format!("writing {}", path.display())))
+        Ok(self.servers.status(&pin.layer).await.is_none())
     }
 
     /// Stops unused mounts, removes stale directories, evicts unused cached layers down to

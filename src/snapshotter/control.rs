@@ -1,0 +1,160 @@
+//! The control channel between the daemon and its mount servers: where a server's files and
+//! socket are (`LayerPaths`), the client calls the daemon makes, each under a deadline, and the
+//! translation of the engine's counters into the API's.
+//!
+//! Each server answers a small gRPC API (`proto/vmdisk/v1/layer.proto`) on its own unix socket:
+//! status and counters, hydrate, stop, and its identity (layer key, pid, a random instance id),
+//! which is how a restarted daemon adopts it. Nothing passes through files: the server's log is
+//! for people, not for the daemon to parse.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::api::vmdisk::v1 as pb;
+use crate::digest::Digest;
+use crate::engine::stats::StatsSnapshot;
+use crate::error::{Error, ErrorKind, Result};
+
+pub use pb::{HydrationState, LayerCounters, LayerStatus, ServerState};
+
+type Client = pb::layer_server_client::LayerServerClient<tonic::transport::Channel>;
+
+/// How long a status or hydrate call may take: a server answers from memory.
+pub const CALL_DEADLINE: Duration = Duration::from_secs(1);
+
+/// The longest unix socket path Linux accepts (`sun_path` less its terminating NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// Where a layer's server keeps its mount, its socket and its log on the host.
+#[derive(Debug, Clone)]
+pub struct LayerPaths {
+    /// The layer's FUSE mount: `<root>/mounts/<key hex>`.
+    pub mountpoint: PathBuf,
+    /// The control socket: `<root>/control/<first 32 hex digits of the key>.sock` (short, for
+    /// `sun_path`; the server's identity is checked on every use, so a prefix suffices).
+    pub control: PathBuf,
+    /// The server's log: `<root>/servers/<key hex>.log`.
+    pub log: PathBuf,
+}
+
+impl LayerPaths {
+    pub fn new(root: &Path, layer: &Digest) -> Self {
+        let hex = layer.hex();
+        LayerPaths {
+            mountpoint: root.join("mounts").join(&hex),
+            control: root.join("control").join(format!("{}.sock", &hex[..32])),
+            log: root.join("servers").join(format!("{hex}.log")),
+        }
+    }
+
+    /// The directories servers need under `root`; fails naming the root when its control
+    /// sockets could not be bound (a path too long for a unix socket).
+    pub fn prepare_root(root: &Path) -> Result<()> {
+        let probe = LayerPaths::new(root, &Digest::of(b""));
+        if probe.control.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(Error::invalid(format!(
+                "root {} is too long: mount servers' control sockets ({}) must fit in {MAX_SOCKET_PATH} bytes; choose a shorter root",
+                root.display(),
+                probe.control.display()
+            )));
+        }
+        for dir in ["mounts", "control", "servers"] {
+            let d = root.join(dir);
+            std::fs::create_dir_all(&d)
+                .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs one call against the server at `socket`, connection included, within `deadline`.
+async fn call<T, F>(
+    socket: &Path,
+    deadline: Duration,
+    what: &str,
+    f: impl FnOnce(Client) -> F,
+) -> Result<T>
+where
+    F: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+{
+    let work = async {
+        let channel = crate::api::unix_channel(socket).await?;
+        f(Client::new(channel))
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(Error::from)
+    };
+    tokio::time::timeout(deadline, work)
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the mount server at {} did not answer {what} within {deadline:?}",
+                    socket.display()
+                ),
+            )
+        })?
+        .map_err(|e| e.context(format!("{what} of the mount server at {}", socket.display())))
+}
+
+/// The status of the server at `socket`.
+pub async fn status(socket: &Path) -> Result<LayerStatus> {
+    call(socket, CALL_DEADLINE, "status", |mut c| async move {
+        c.status(pb::LayerStatusRequest {}).await
+    })
+    .await
+}
+
+/// Asks the server at `socket` to fetch its whole disk; whether a new hydration started.
+pub async fn hydrate(socket: &Path) -> Result<bool> {
+    call(socket, CALL_DEADLINE, "hydrate", |mut c| async move {
+        c.hydrate(pb::HydrateRequest {}).await
+    })
+    .await
+    .map(|r| r.started)
+}
+
+/// Asks the server at `socket` to unmount and exit; its final counters. Fails with
+/// `FailedPrecondition` while the mount is busy. Unmounting waits for the FUSE session to end,
+/// hence the longer deadline.
+pub async fn stop(socket: &Path) -> Result<LayerCounters> {
+    call(socket, Duration::from_secs(10), "stop", |mut c| async move {
+        c.stop(pb::StopRequest {}).await
+    })
+    .await
+    .map(|r| r.counters.unwrap_or_default())
+}
+
+impl From<StatsSnapshot> for LayerCounters {
+    fn from(s: StatsSnapshot) -> Self {
+        LayerCounters {
+            read_calls: s.read_calls,
+            bytes_served: s.bytes_served,
+            cache_hits: s.cache_hits,
+            cache_misses: s.cache_misses,
+            bytes_fetched: s.bytes_fetched,
+            fetch_requests: s.fetch_requests,
+            chunks_fetched: s.chunks_fetched,
+            chunks_deduplicated: s.chunks_deduplicated,
+            bytes_deduplicated: s.bytes_deduplicated,
+            verify_failures: s.verify_failures,
+            fetch_errors: s.fetch_errors,
+            read_errors: s.read_errors,
+            fetch_micros: s.fetch_micros,
+            passthrough_opens: s.passthrough_opens,
+            integrity_failures: s.integrity_failures,
+        }
+    }
+}
+
+/// How `vmdisk ls` and `prefetch --wait` show a server's hydration: `idle`, `running`, `done`
+/// or `failed: <why>`.
+pub fn hydration_text(status: &LayerStatus) -> String {
+    match status.hydration() {
+        HydrationState::Running => "running".into(),
+        HydrationState::Done => "done".into(),
+        HydrationState::Failed => format!("failed: {}", status.hydration_error),
+        HydrationState::Idle | HydrationState::Unspecified => "idle".into(),
+    }
+}

@@ -1,0 +1,245 @@
+//! The daemon's counters: Prepare decisions, snapshots API calls, and the engine counters of
+//! every mount server it ran. They only go up, across a layer's removal, a server's restart and
+//! the daemon's own restart, as Prometheus counters must.
+//!
+//! A server's counters start at zero with each server (its `instance`); the daemon remembers
+//! what each instance last reported and adds only the increase to its totals, so a server that
+//! goes away takes nothing with it (its final counters come with its `Stop` answer) and a new
+//! one adds from zero. Totals and what each instance reported are kept in
+//! `<root>/counters.json`, written before any value is shown (a scrape, `vmdisk stats`), so
+//! no value once seen is lost by a crash.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+use super::control::LayerCounters;
+use crate::error::{Error, Result};
+
+/// The engine counters the daemon keeps: metric name (without `_total`), help, and where the
+/// value is in a server's counters.
+pub const LAYER_COUNTERS: [(&str, &str, fn(&LayerCounters) -> u64); 8] = [
+    (
+        "vmdisk_registry_bytes",
+        "Compressed chunk bytes received from registries.",
+        |c| c.bytes_fetched,
+    ),
+    (
+        "vmdisk_registry_requests",
+        "Range requests sent for chunks.",
+        |c| c.fetch_requests,
+    ),
+    (
+        "vmdisk_chunks_fetched",
+        "Chunks fetched and verified.",
+        |c| c.chunks_fetched,
+    ),
+    (
+        "vmdisk_chunks_deduplicated",
+        "Chunks copied from another cached layer instead of fetched.",
+        |c| c.chunks_deduplicated,
+    ),
+    (
+        "vmdisk_verify_failures",
+        "Chunks that failed digest verification.",
+        |c| c.verify_failures,
+    ),
+    (
+        "vmdisk_read_errors",
+        "FUSE reads answered with EIO.",
+        |c| c.read_errors,
+    ),
+    (
+        "vmdisk_served_bytes",
+        "Bytes returned to FUSE readers by the servers (passthrough reads excluded).",
+        |c| c.bytes_served,
+    ),
+    (
+        "vmdisk_integrity_failures",
+        "Checks of a complete layer that found it differs from its image config.",
+        |c| c.integrity_failures,
+    ),
+];
+
+/// How long what a server reported is remembered after it was last heard of; a server silent
+/// that long is gone (a crash: its last counters were counted already).
+const FORGET_AFTER_SECS: u64 = 24 * 3600;
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct State {
+    /// Each counter's total, by name (`decision/<outcome>`, `call/<method>`, a metric name).
+    totals: BTreeMap<String, u64>,
+    /// What each server instance reported last, and when (Unix seconds).
+    servers: BTreeMap<String, Reported>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Reported {
+    counters: BTreeMap<String, u64>,
+    heard: u64,
+}
+
+/// The counters and where they are kept.
+#[derive(Debug)]
+pub struct Counters {
+    path: PathBuf,
+    /// The state and whether it changed since it was written.
+    state: Mutex<(State, bool)>,
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl Counters {
+    /// The counters kept at `path`; a missing file starts from zero, an unreadable one too
+    /// (logged: the counters then restart, which Prometheus reads as a reset).
+    pub fn load(path: &Path) -> Self {
+        let state = match std::fs::read(path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                tracing::warn!(path = %path.display(), error = %e, "the counters file is unreadable; counting from zero");
+                State::default()
+            }),
+            Err(_) => State::default(),
+        };
+        Counters {
+            path: path.to_path_buf(),
+            state: Mutex::new((state, false)),
+        }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (state, dirty) = &mut *guard;
+        *dirty = true;
+        f(state)
+    }
+
+    /// Adds `n` to the counter `name`.
+    pub fn add(&self, name: &str, n: u64) {
+        self.with(|s| *s.totals.entry(name.to_string()).or_default() += n);
+    }
+
+    /// The total of `name`.
+    pub fn get(&self, name: &str) -> u64 {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.0.totals.get(name).copied().unwrap_or(0)
+    }
+
+    /// Every counter whose name starts with `prefix`, with the prefix removed.
+    pub fn with_prefix(&self, prefix: &str) -> BTreeMap<String, u64> {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard
+            .0
+            .totals
+            .range(prefix.to_string()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k[prefix.len()..].to_string(), *v))
+            .collect()
+    }
+
+    /// Takes in what server `instance` reports now: adds the increase since its last report.
+    pub fn observe(&self, instance: &str, counters: &LayerCounters) {
+        if instance.is_empty() {
+            return;
+        }
+        let heard = now();
+        self.with(|s| {
+            let reported = s.servers.entry(instance.to_string()).or_default();
+            reported.heard = heard;
+            for (name, _, get) in LAYER_COUNTERS {
+                let value = get(counters);
+                let before = reported.counters.entry(name.to_string()).or_default();
+                let increase = value.saturating_sub(*before);
+                *before = (*before).max(value);
+                *s.totals.entry(name.to_string()).or_default() += increase;
+            }
+            s.servers
+                .retain(|_, r| heard.saturating_sub(r.heard) < FORGET_AFTER_SECS);
+        });
+    }
+
+    /// Forgets server `instance` once its final counters were observed (it exited).
+    pub fn forget(&self, instance: &str) {
+        self.with(|s| s.servers.remove(instance));
+    }
+
+    /// Writes the counters if they changed (atomically). Blocking: call off the async workers.
+    pub fn save(&self) -> Result<()> {
+        let bytes = {
+            let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if !guard.1 {
+                return Ok(());
+            }
+            guard.1 = false;
+            serde_json::to_vec(&guard.0).expect("counters serialise")
+        };
+        let tmp = self.path.with_extension("json.tmp");
+        std::fs::write(&tmp, bytes)
+            .and_then(|()| std::fs::rename(&tmp, &self.path))
+            .map_err(|e| {
+                // Written again next time.
+                self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+                Error::io(format!("writing {}", self.path.display()), e)
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counters(fetched: u64, served: u64) -> LayerCounters {
+        LayerCounters {
+            bytes_fetched: fetched,
+            bytes_served: served,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn totals_only_go_up_across_servers_and_restarts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("counters.json");
+        let c = Counters::load(&path);
+        c.observe("a", &counters(100, 10));
+        c.observe("a", &counters(150, 10));
+        assert_eq!(c.get("vmdisk_registry_bytes"), 150);
+        // The server restarts: a new instance counts from zero; nothing is subtracted.
+        c.observe("b", &counters(20, 5));
+        assert_eq!(c.get("vmdisk_registry_bytes"), 170);
+        assert_eq!(c.get("vmdisk_served_bytes"), 15);
+        // A report never lowers what an instance was credited with.
+        c.observe("a", &counters(120, 10));
+        c.observe("a", &counters(160, 10));
+        assert_eq!(c.get("vmdisk_registry_bytes"), 180);
+        c.add("decision/remote", 2);
+        c.save().unwrap();
+        // The daemon restarts: totals and what each server reported come back, so an adopted
+        // server's counters are not counted twice.
+        let again = Counters::load(&path);
+        assert_eq!(again.get("vmdisk_registry_bytes"), 180);
+        again.observe("b", &counters(25, 5));
+        assert_eq!(again.get("vmdisk_registry_bytes"), 185);
+        assert_eq!(again.with_prefix("decision/").get("remote"), Some(&2));
+        again.forget("b");
+        again.observe("b", &counters(25, 5));
+        assert_eq!(again.get("vmdisk_registry_bytes"), 210);
+    }
+
+    #[test]
+    fn a_corrupt_file_starts_from_zero() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("counters.json");
+        std::fs::write(&path, b"{not json").unwrap();
+        let c = Counters::load(&path);
+        assert_eq!(c.get("vmdisk_registry_bytes"), 0);
+        c.add("call/Prepare", 1);
+        c.save().unwrap();
+        assert_eq!(Counters::load(&path).get("call/Prepare"), 1);
+    }
+}

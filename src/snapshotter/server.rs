@@ -1,0 +1,350 @@
+//! The mount server (`vmdisk-snapshotter serve-layer`): one process per remote layer, holding
+//! the layer's FUSE mount and its ready-disk directory, driven by the daemon through its
+//! control socket ([`super::control`]).
+//!
+//! It binds its control socket first, then resolves the image and mounts; the daemon watches
+//! that through `Status` (starting → serving, or failed with the reason and its error kind).
+//! `Stop` aborts a start that is still running, or unmounts (refused while busy) and exits.
+//! A server that failed to start waits for the daemon's `Stop` (at most [`FAILED_LINGER`]), so
+//! the daemon always learns why. SIGTERM and SIGINT stop it too, like `vmdisk mount`.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tonic::{Request, Response, Status};
+
+use super::config::Config;
+use super::control::{HydrationState, LayerPaths, ServerState};
+use crate::api::vmdisk::v1 as pb;
+use crate::cache::CacheRoot;
+use crate::digest::Digest;
+use crate::error::{Error, Result};
+use crate::reference::Reference;
+use crate::serve::Serving;
+
+/// How long a server that failed to start waits for the daemon to collect the reason.
+pub const FAILED_LINGER: Duration = Duration::from_secs(300);
+
+/// Where the server is.
+enum Phase {
+    Starting,
+    Serving(Arc<Serving>),
+    Failed(Error),
+    /// Unmounted; ending the session.
+    Stopping,
+}
+
+/// What the control service shares with the serving loop.
+struct Shared {
+    layer: Digest,
+    reference: String,
+    instance: String,
+    mountpoint: String,
+    phase: Mutex<Phase>,
+    /// Stop requests, each answered with the final counters or why not.
+    stops: mpsc::Sender<oneshot::Sender<Result<pb::LayerCounters>>>,
+}
+
+struct ControlService(Arc<Shared>);
+
+impl Shared {
+    fn serving(&self) -> Option<Arc<Serving>> {
+        match &*self.phase.lock().unwrap_or_else(|p| p.into_inner()) {
+            Phase::Serving(s) => Some(Arc::clone(s)),
+            _ => None,
+        }
+    }
+
+    fn status(&self) -> pb::LayerStatus {
+        let mut status = pb::LayerStatus {
+            layer_key: self.layer.to_string(),
+            pid: std::process::id(),
+            instance: self.instance.clone(),
+            reference: self.reference.clone(),
+            mountpoint: self.mountpoint.clone(),
+            ..Default::default()
+        };
+        let serving = match &*self.phase.lock().unwrap_or_else(|p| p.into_inner()) {
+            Phase::Starting => {
+                status.set_state(ServerState::Starting);
+                return status;
+            }
+            Phase::Stopping => {
+                status.set_state(ServerState::Stopping);
+                return status;
+            }
+            Phase::Failed(e) => {
+                status.set_state(ServerState::Failed);
+                let as_status = tonic::Status::from(Error::new(e.kind(), e.chain()));
+                status.error = e.chain();
+                status.error_code = as_status.code() as i32;
+                return status;
+            }
+            Phase::Serving(s) => Arc::clone(s),
+        };
+        status.set_state(ServerState::Serving);
+        let engine = serving.engine();
+        let layer = &engine.layer;
+        status.layer_digest = layer.meta.layer_digest.to_string();
+        status.disk_path = layer.nodes[layer.files[layer.disk].node].path.clone();
+        status.disk_size = layer.file_size(layer.disk);
+        status.chunks = layer.chunks.len() as u64;
+        status.chunks_cached = engine.cache.present_count() as u64;
+        status.integrity = engine.integrity().to_string();
+        status.counters = Some(engine.stats.snapshot().into());
+        match serving.hydration() {
+            crate::serve::HydrationState::Idle => status.set_hydration(HydrationState::Idle),
+            crate::serve::HydrationState::Running => {
+                status.set_hydration(HydrationState::Running)
+            }
+            crate::serve::HydrationState::Done => status.set_hydration(HydrationState::Done),
+            crate::serve::HydrationState::Failed(why) => {
+                status.set_hydration(HydrationState::Failed);
+                status.hydration_error = why;
+            }
+        }
+        status
+    }
+}
+
+#[tonic::async_trait]
+impl pb::layer_server_server::LayerServer for ControlService {
+    async fn status(
+        &self,
+        _request: Request<pb::LayerStatusRequest>,
+    ) -> Result<Response<pb::LayerStatus>, Status> {
+        Ok(Response::new(self.0.status()))
+    }
+
+    async fn hydrate(
+        &self,
+        _request: Request<pb::HydrateRequest>,
+    ) -> Result<Response<pb::HydrateResponse>, Status> {
+        let serving = self.0.serving().ok_or_else(|| {
+            Status::failed_precondition("the layer is not mounted yet; ask again once it serves")
+        })?;
+        Ok(Response::new(pb::HydrateResponse {
+            started: serving.hydrate(),
+        }))
+    }
+
+    async fn stop(
+        &self,
+        _request: Request<pb::StopRequest>,
+    ) -> Result<Response<pb::StopResponse>, Status> {
+        let (tx, rx) = oneshot::channel();
+        self.0
+            .stops
+            .send(tx)
+            .await
+            .map_err(|_| Status::unavailable("the server is stopping"))?;
+        let counters = rx
+            .await
+            .map_err(|_| Status::unavailable("the server is stopping"))??;
+        Ok(Response::new(pb::StopResponse {
+            counters: Some(counters),
+        }))
+    }
+}
+
+/// Runs the mount server of `layer` (the key the daemon expects) for `reference` until stopped.
+pub async fn serve_layer(
+    config: &Config,
+    reference: &str,
+    layer: &Digest,
+    alias: Option<&str>,
+) -> Result<()> {
+    let paths = LayerPaths::new(&config.root, layer);
+    let listener = super::daemon::bind_unix(&paths.control, 0o600)?;
+    let (stops, mut stop_requests) = mpsc::channel(4);
+    let shared = Arc::new(Shared {
+        layer: *layer,
+        reference: reference.to_string(),
+        instance: Digest::of(
+            format!(
+                "{}/{:?}/{:?}",
+                std::process::id(),
+                std::time::SystemTime::now(),
+                std::thread::current().id()
+            )
+            .as_bytes(),
+        )
+        .hex()[..16]
+            .to_string(),
+        mountpoint: paths.mountpoint.display().to_string(),
+        phase: Mutex::new(Phase::Starting),
+        stops,
+    });
+    let (done, done_rx) = tokio::sync::watch::channel(false);
+    let control_task = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::layer_server_server::LayerServerServer::new(
+                ControlService(Arc::clone(&shared)),
+            ))
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(listener),
+                async move {
+                    let mut rx = done_rx;
+                    let _ = rx.wait_for(|d| *d).await;
+                },
+            ),
+    );
+    let outcome = run(config, reference, layer, alias, &paths, &shared, &mut stop_requests).await;
+    let _ = done.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(2), control_task).await;
+    let _ = std::fs::remove_file(&paths.control);
+    outcome
+}
+
+/// Starts serving (unless stopped first), then answers stop requests and signals.
+async fn run(
+    config: &Config,
+    reference: &str,
+    layer: &Digest,
+    alias: Option<&str>,
+    paths: &LayerPaths,
+    shared: &Shared,
+    stop_requests: &mut mpsc::Receiver<oneshot::Sender<Result<pb::LayerCounters>>>,
+) -> Result<()> {
+    let started = tokio::select! {
+        r = start(config, reference, layer, alias, paths) => r,
+        Some(reply) = stop_requests.recv() => {
+            let _ = reply.send(Ok(pb::LayerCounters::default()));
+            tracing::info!(%layer, "stopped while starting");
+            return Ok(());
+        }
+        r = crate::serve::wait_for_signal() => {
+            r?;
+            tracing::info!(%layer, "signalled while starting");
+            return Ok(());
+        }
+    };
+    let serving = match started {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            tracing::error!(%layer, error = %e.chain(), "the layer cannot be served");
+            let (kind, why) = (e.kind(), e.chain());
+            *shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Failed(e);
+            // Keep answering Status until the daemon has read why, then go.
+            let _ = tokio::time::timeout(FAILED_LINGER, async {
+                tokio::select! {
+                    Some(reply) = stop_requests.recv() => {
+                        let _ = reply.send(Ok(pb::LayerCounters::default()));
+                    }
+                    _ = crate::serve::wait_for_signal() => {}
+                }
+            })
+            .await;
+            return Err(Error::new(kind, why));
+        }
+    };
+    *shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Serving(Arc::clone(&serving));
+    tracing::info!(%reference, %layer, mountpoint = %paths.mountpoint.display(), "serving");
+    loop {
+        let reply = tokio::select! {
+            Some(reply) = stop_requests.recv() => Some(reply),
+            r = crate::serve::wait_for_signal() => { r?; None }
+        };
+        match serving.unmount() {
+            Ok(()) => {
+                let counters = serving.engine().stats.snapshot().into();
+                if let Some(reply) = reply {
+                    let _ = reply.send(Ok(counters));
+                }
+                break;
+            }
+            Err(e) => {
+                tracing::warn!(%layer, error = %e.chain(), "not stopping: the mount is in use");
+                if let Some(reply) = reply {
+                    let _ = reply.send(Err(e));
+                }
+            }
+        }
+    }
+    *shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Stopping;
+    // A status call may hold the serving state for a moment.
+    let mut serving = serving;
+    let serving = loop {
+        match Arc::try_unwrap(serving) {
+            Ok(s) => break s,
+            Err(s) => serving = s,
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    serving.finish().await?;
+    tracing::info!(%layer, "mount server stopped");
+    Ok(())
+}
+
+/// Resolves `reference`, checks that its disk layer has the key `layer`, and mounts it with its
+/// ready-disk directory.
+async fn start(
+    config: &Config,
+    reference: &str,
+    layer: &Digest,
+    alias: Option<&str>,
+    paths: &LayerPaths,
+) -> Result<Serving> {
+    let reference: Reference = reference.parse()?;
+    let digest = reference.digest.ok_or_else(|| {
+        Error::invalid(format!(
+            "{reference}: serve-layer needs a reference by digest"
+        ))
+    })?;
+    let cache_dir = config.cache_dir();
+    let cache = tokio::task::spawn_blocking(move || CacheRoot::open(&cache_dir))
+        .await
+        .map_err(|e| Error::new(crate::error::ErrorKind::Io, "opening the cache").with_source(e))??;
+    let client = Arc::new(crate::registry::RegistryClient::new(config.registry_config())?);
+    let opts = crate::engine::EngineOptions {
+        fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
+        ..Default::default()
+    };
+    let engine = crate::remote::open_engine(client, &cache, &reference, opts).await?;
+    let key = engine.layer.id().key();
+    if key != *layer {
+        return Err(Error::corrupt(format!(
+            "{reference} resolves to disk layer {} with key {key}, not {layer}; the image changed since the snapshot was made",
+            engine.layer.meta.layer_digest
+        )));
+    }
+    let platform = cache
+        .load_ref(&reference.to_string())
+        .map(|r| r.platform)
+        .unwrap_or_default();
+    let ready = crate::ready::ReadyDir::new(
+        &config.ready_dir,
+        &digest,
+        alias,
+        reference.to_string(),
+        platform,
+    );
+    let mountpoint = paths.mountpoint.clone();
+    tokio::task::spawn_blocking(move || prepare_mountpoint(&mountpoint))
+        .await
+        .map_err(|e| Error::new(crate::error::ErrorKind::Io, "preparing the mount point").with_source(e))??;
+    crate::serve::start(
+        engine,
+        &cache,
+        &paths.mountpoint,
+        &crate::serve::ServeOptions {
+            hydrate: config.cache.hydrate,
+            hydrate_rate: config.cache.hydrate_rate,
+            passthrough: config.cache.passthrough,
+            announce: false,
+            ready: Some(ready),
+        },
+    )
+    .await
+}
+
+/// Makes `dir` an empty directory to mount on, detaching a mount left by a server that died
+/// (it answers ENOTCONN).
+fn prepare_mountpoint(dir: &Path) -> Result<()> {
+    if nix::sys::statfs::statfs(dir).is_err() || std::fs::metadata(dir).is_err() {
+        let _ = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH);
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))
+}

@@ -1,0 +1,286 @@
+//! The supervisor of the mount servers: one process per remote layer
+//! (`vmdisk-snapshotter serve-layer`, [`super::server`]), started, watched, adopted and stopped
+//! through each server's control socket ([`super::control`]).
+//!
+//! Why processes: a FUSE mount dies with the process that serves it, and an overlay mount that
+//! uses it as a lower directory keeps pointing at the dead connection. Serving each layer from
+//! its own process, in its own process group, lets the daemon restart (upgrade, crash) while
+//! containers keep reading: the new daemon asks each recorded layer's socket who is there
+//! (layer key, pid, instance) and adopts a server that serves that layer. The systemd unit uses
+//! `KillMode=process` for the same reason.
+//!
+//! Concurrency: each layer has its own lock ([`LayerServers::lock`]), held by whoever starts or
+//! stops that layer's server together with the records that use it, so a removal never stops
+//! a server a concurrent Prepare just recorded a use of. Nothing holds a lock over all layers
+//! across an await: a mount stuck on an unreachable registry delays only its own layer, and
+//! status queries ([`LayerServers::status`]) take no lock at all.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::control::{self, LayerPaths, LayerStatus, ServerState};
+use crate::digest::Digest;
+use crate::error::{Error, ErrorKind, Result};
+
+/// How to start servers.
+#[derive(Debug, Clone)]
+pub struct ServerCommand {
+    /// The daemon's own executable.
+    pub exe: PathBuf,
+    pub config: Option<PathBuf>,
+    pub root: PathBuf,
+    /// Where servers mount ready-disk directories (`ready_dir` of the configuration).
+    pub ready_dir: PathBuf,
+    pub mount_timeout: Duration,
+}
+
+/// The running servers, one lock per layer.
+pub struct LayerServers {
+    command: ServerCommand,
+    locks: Mutex<HashMap<Digest, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// A layer's lock, held while its server is started or stopped (see the module doc).
+pub struct LayerLock<'a> {
+    servers: &'a LayerServers,
+    layer: Digest,
+    _guard: tokio::sync::OwnedMutexGuard<()>,
+}
+
+/// Whether the process `pid` exists (the pid a server reported about itself).
+fn process_alive(pid: u32) -> bool {
+    i32::try_from(pid).is_ok_and(|pid| {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+    })
+}
+
+impl LayerServers {
+    pub fn new(command: ServerCommand) -> Self {
+        LayerServers {
+            command,
+            locks: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn paths(&self, layer: &Digest) -> LayerPaths {
+        LayerPaths::new(&self.command.root, layer)
+    }
+
+    /// The ready-disk directory of a layer resolved from `reference` (by digest).
+    pub fn ready_dir(&self, reference: &str) -> Option<PathBuf> {
+        let reference: crate::reference::Reference = reference.parse().ok()?;
+        Some(crate::ready::dir_of(
+            &self.command.ready_dir,
+            &reference.digest?,
+        ))
+    }
+
+    /// Waits for `layer`'s lock (only operations on the same layer wait).
+    pub async fn lock(&self, layer: &Digest) -> LayerLock<'_> {
+        let lock = {
+            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+            // Forget locks nobody holds or waits for, so the map stays as small as the work.
+            locks.retain(|_, l| Arc::strong_count(l) > 1);
+            Arc::clone(locks.entry(*layer).or_default())
+        };
+        LayerLock {
+            servers: self,
+            layer: *layer,
+            _guard: lock.lock_owned().await,
+        }
+    }
+
+    /// What `layer`'s server says about itself, if a server for that layer answers within
+    /// [`control::CALL_DEADLINE`]. Takes no lock.
+    pub async fn status(&self, layer: &Digest) -> Option<LayerStatus> {
+        let status = control::status(&self.paths(layer).control).await.ok()?;
+        (status.layer_key == layer.to_string()).then_some(status)
+    }
+
+    /// Asks `layer`'s server to fetch its whole disk; whether a new hydration started.
+    pub async fn hydrate(&self, layer: &Digest) -> Result<bool> {
+        control::hydrate(&self.paths(layer).control).await
+    }
+}
+
+impl LayerLock<'_> {
+    /// Makes sure the layer (of `reference`) is mounted, adopting a running server or starting
+    /// one; returns the mount point.
+    pub async fn ensure(&mut self, reference: &str, alias: Option<&str>) -> Result<PathBuf> {
+        let paths = self.servers.paths(&self.layer);
+        if let Some(status) = self.servers.status(&self.layer).await {
+            match status.state() {
+                ServerState::Serving => {
+                    tracing::debug!(layer = %self.layer, pid = status.pid, instance = status.instance, "the layer's server is serving");
+                    return Ok(paths.mountpoint);
+                }
+                // A start begun by an earlier daemon: see it through.
+                ServerState::Starting => return self.wait_serving(reference, None).await,
+                // Failed or stopping: make room for a new one.
+                _ => {
+                    let _ = control::stop(&paths.control).await;
+                }
+            }
+        }
+        self.start(reference, alias).await
+    }
+
+    async fn start(&mut self, reference: &str, alias: Option<&str>) -> Result<PathBuf> {
+        let command = &self.servers.command;
+        let paths = self.servers.paths(&self.layer);
+        let log_path = paths.log.clone();
+        let log = tokio::task::spawn_blocking(move || {
+            if let Some(dir) = log_path.parent() {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+            }
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log_path)
+                .map_err(|e| Error::io(format!("opening {}", log_path.display()), e))
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, "opening a server log").with_source(e))??;
+        let mut cmd = tokio::process::Command::new(&command.exe);
+        cmd.arg("serve-layer");
+        if let Some(config) = &command.config {
+            cmd.arg("--config").arg(config);
+        }
+        cmd.arg("--root")
+            .arg(&command.root)
+            .arg("--reference")
+            .arg(reference)
+            .arg("--layer")
+            .arg(self.layer.to_string());
+        if let Some(alias) = alias {
+            cmd.arg("--alias").arg(alias);
+        }
+        cmd.stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            // Its own process group: a signal to the daemon's group does not stop it.
+            .process_group(0)
+            .kill_on_drop(false);
+        let child = cmd
+            .spawn()
+            .map_err(|e| Error::io(format!("starting {}", command.exe.display()), e))?;
+        self.wait_serving(reference, Some(child)).await
+    }
+
+    /// Waits until the layer's server serves, up to the mount timeout; a server that failed
+    /// or timed out is stopped, and the error says why (the server's own reason, or the
+    /// timeout and the log to read).
+    async fn wait_serving(
+        &mut self,
+        reference: &str,
+        mut child: Option<tokio::process::Child>,
+    ) -> Result<PathBuf> {
+        let paths = self.servers.paths(&self.layer);
+        let layer = self.layer;
+        let timeout = self.servers.command.mount_timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let outcome = loop {
+            if let Some(exit) = child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                break Err(Error::new(
+                    ErrorKind::Io,
+                    format!(
+                        "the mount server of layer {layer} ({reference}) exited with {exit} before serving; see {}",
+                        paths.log.display()
+                    ),
+                ));
+            }
+            if let Ok(status) = control::status(&paths.control).await {
+                if status.layer_key != layer.to_string() {
+                    break Err(Error::new(
+                        ErrorKind::AlreadyExists,
+                        format!(
+                            "{} is served by pid {} for layer {}, not {layer}; stop that server",
+                            paths.control.display(),
+                            status.pid,
+                            status.layer_key
+                        ),
+                    ));
+                }
+                match status.state() {
+                    ServerState::Serving => {
+                        tracing::info!(%layer, pid = status.pid, instance = status.instance, mountpoint = %paths.mountpoint.display(), "mount server ready");
+                        break Ok(paths.mountpoint.clone());
+                    }
+                    ServerState::Failed => {
+                        let cause = Error::from(tonic::Status::new(
+                            tonic::Code::from(status.error_code),
+                            status.error,
+                        ));
+                        break Err(cause.context(format!(
+                            "mounting layer {layer} of {reference} failed (log: {})",
+                            paths.log.display()
+                        )));
+                    }
+                    _ => {}
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                break Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "mounting layer {layer} of {reference} did not finish within {}s (registry.mount_timeout); is the registry reachable? (log: {})",
+                        timeout.as_secs(),
+                        paths.log.display()
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        match (&outcome, child) {
+            (Ok(_), Some(mut child)) => {
+                // Reap it if it exits while this daemon lives; it keeps running if the daemon
+                // goes.
+                tokio::spawn(async move {
+                    let _ = child.wait().await;
+                });
+            }
+            (Err(_), child) => {
+                let _ = control::stop(&paths.control).await;
+                if let Some(mut child) = child {
+                    if tokio::time::timeout(Duration::from_secs(5), child.wait())
+                        .await
+                        .is_err()
+                    {
+                        let _ = child.start_kill();
+                        let _ = child.wait().await;
+                    }
+                }
+            }
+            (Ok(_), None) => {}
+        }
+        outcome
+    }
+
+    /// Stops the layer's server: it unmounts and exits. Returns its last status with its final
+    /// counters, or `None` if no server answered. A busy mount refuses (`FailedPrecondition`)
+    /// and keeps serving.
+    pub async fn stop(&mut self) -> Result<Option<LayerStatus>> {
+        let Some(mut status) = self.servers.status(&self.layer).await else {
+            return Ok(None);
+        };
+        let paths = self.servers.paths(&self.layer);
+        status.counters = Some(control::stop(&paths.control).await?);
+        // The server answers before its session ends; wait (bounded) for it to go.
+        for _ in 0..100 {
+            if !process_alive(status.pid) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if process_alive(status.pid) {
+            tracing::warn!(layer = %self.layer, pid = status.pid, "mount server still running 10 s after it was stopped");
+        }
+        let dir = paths.mountpoint.clone();
+        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir(dir)).await;
+        tracing::info!(layer = %self.layer, pid = status.pid, "mount server stopped");
+        Ok(Some(status))
+    }
+}
