@@ -24,7 +24,7 @@ use crate::harness::*;
 
 /// How a blob answers Range requests that start inside `at`.
 #[derive(Clone, Debug)]
-enum Answer {
+pub(crate) enum Answer {
     /// 206 with the bytes asked for.
     Honest,
     /// One byte every `0` (a registry that trickles).
@@ -54,7 +54,7 @@ struct Content {
 }
 
 /// The in-process registry, serving until dropped.
-struct HostileRegistry {
+pub(crate) struct HostileRegistry {
     port: u16,
     content: Arc<Mutex<Content>>,
     _runtime: tokio::runtime::Runtime,
@@ -153,7 +153,7 @@ async fn serve(
 }
 
 impl HostileRegistry {
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -176,7 +176,7 @@ impl HostileRegistry {
         }
     }
 
-    fn host(&self) -> String {
+    pub(crate) fn host(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
 
@@ -184,7 +184,7 @@ impl HostileRegistry {
         self.put_blob_answering(repo, digest, bytes, Answer::Honest, 0..0);
     }
 
-    fn put_blob_answering(
+    pub(crate) fn put_blob_answering(
         &self,
         repo: &str,
         digest: Digest,
@@ -205,7 +205,7 @@ impl HostileRegistry {
     /// Publishes `layer` as the one layer of `repo:tag`. The manifest names the layer by
     /// `claim.digest` (default: its real digest; the blob is stored under that name) and the
     /// config claims `claim.diff_id` (default: the real one). Returns the reference.
-    fn publish(&self, repo: &str, tag: &str, layer: &CraftedLayer, claim: Claim) -> String {
+    pub(crate) fn publish(&self, repo: &str, tag: &str, layer: &CraftedLayer, claim: Claim) -> String {
         let (blob, annotations) = layer.blob();
         let digest = claim.digest.unwrap_or_else(|| Digest::of(&blob));
         let size = blob.len();
@@ -243,11 +243,11 @@ impl HostileRegistry {
 }
 
 /// What a manifest and config claim about a layer, and how its blob answers.
-struct Claim {
-    digest: Option<Digest>,
-    diff_id: Option<Digest>,
-    answer: Answer,
-    at: Range<u64>,
+pub(crate) struct Claim {
+    pub(crate) digest: Option<Digest>,
+    pub(crate) diff_id: Option<Digest>,
+    pub(crate) answer: Answer,
+    pub(crate) at: Range<u64>,
 }
 
 impl Default for Claim {
@@ -264,7 +264,7 @@ impl Default for Claim {
 /// A zstd:chunked layer as crafted: the tar data (up to the TOC) and the TOC that will be
 /// appended and pinned.
 #[derive(Clone)]
-struct CraftedLayer {
+pub(crate) struct CraftedLayer {
     data: Vec<u8>,
     toc: Toc,
     /// TOC JSON to pin instead of `toc` (for TOCs too big to build as values).
@@ -275,7 +275,7 @@ struct CraftedLayer {
 impl CraftedLayer {
     /// An honest layer with directory `disk` and `files` (path, content), cut in `chunk`-byte
     /// chunks.
-    fn honest(files: &[(&str, &[u8])], chunk: usize) -> Self {
+    pub(crate) fn honest(files: &[(&str, &[u8])], chunk: usize) -> Self {
         let meta = |path: &str, mode| EntryMeta {
             path: path.into(),
             mode,
@@ -320,7 +320,7 @@ impl CraftedLayer {
     }
 
     /// The blob (tar data, then the TOC in a skippable frame) and the annotations pinning it.
-    fn blob(&self) -> (Vec<u8>, serde_json::Value) {
+    pub(crate) fn blob(&self) -> (Vec<u8>, serde_json::Value) {
         let json = match &self.toc_json {
             Some(json) => json.clone(),
             None => serde_json::to_vec(&self.toc).unwrap(),
@@ -348,7 +348,7 @@ impl CraftedLayer {
     }
 
     /// Where the chunks start and end in the blob.
-    fn chunk_area(&self) -> Range<u64> {
+    pub(crate) fn chunk_area(&self) -> Range<u64> {
         let chunks = self
             .toc
             .entries
@@ -366,7 +366,7 @@ impl CraftedLayer {
     }
 }
 
-fn random(len: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn random(len: usize, seed: u64) -> Vec<u8> {
     let mut state = seed.wrapping_mul(6364136223846793005) | 1;
     (0..len)
         .map(|_| {
@@ -480,7 +480,7 @@ fn direct_read(path: &Path, offset: u64, len: usize) -> (std::io::Result<Vec<u8>
     (result, started.elapsed())
 }
 
-const CHUNK: usize = 64 << 10;
+pub(crate) const CHUNK: usize = 64 << 10;
 
 #[test]
 fn an_image_claiming_anothers_layer_digest_never_changes_what_that_image_serves() {

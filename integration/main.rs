@@ -3,6 +3,7 @@
 
 mod boot;
 mod cri;
+mod daemon;
 mod harness;
 mod hostile;
 mod mount;

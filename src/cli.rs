@@ -434,7 +434,7 @@ async fn wait_hydrated(
     mut disk: crate::api::vmdisk::v1::Disk,
 ) -> Result<crate::api::vmdisk::v1::Disk> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.timeout);
-    while disk.chunks_cached < disk.chunks || disk.integrity == "pending" {
+    loop {
         if disk.integrity.starts_with("failed") {
             return Err(Error::corrupt(format!(
                 "{}: the layer differs from its image config and serves nothing: {}",
@@ -449,6 +449,9 @@ async fn wait_hydrated(
                     args.reference, disk.chunks_cached, disk.chunks
                 ),
             ));
+        }
+        if disk.chunks_cached >= disk.chunks && disk.integrity != "pending" {
+            return Ok(disk);
         }
         if !disk.serving {
             return Err(Error::new(
@@ -476,7 +479,6 @@ async fn wait_hydrated(
             .find(|d| d.layer_key == layer)
             .ok_or_else(|| Error::not_found(format!("{} is no longer served", args.reference)))?;
     }
-    Ok(disk)
 }
 
 type ManageClient = crate::api::vmdisk::v1::manage_client::ManageClient<tonic::transport::Channel>;

@@ -15,7 +15,7 @@
 //! across an await: a mount stuck on an unreachable registry delays only its own layer, and
 //! status queries ([`LayerServers::status`]) take no lock at all.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -40,6 +40,8 @@ pub struct ServerCommand {
 pub struct LayerServers {
     command: ServerCommand,
     locks: Mutex<HashMap<Digest, Arc<tokio::sync::Mutex<()>>>>,
+    /// Server instances this daemon started or adopted (to log an adoption once).
+    known: Mutex<HashSet<String>>,
 }
 
 /// A layer's lock, held while its server is started or stopped (see the module doc).
@@ -61,6 +63,7 @@ impl LayerServers {
         LayerServers {
             command,
             locks: Mutex::new(HashMap::new()),
+            known: Mutex::new(HashSet::new()),
         }
     }
 
@@ -99,6 +102,14 @@ impl LayerServers {
         (status.layer_key == layer.to_string()).then_some(status)
     }
 
+    /// Remembers a server instance; whether it was new to this daemon.
+    fn know(&self, instance: &str) -> bool {
+        self.known
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(instance.to_string())
+    }
+
     /// Asks `layer`'s server to fetch its whole disk; whether a new hydration started.
     pub async fn hydrate(&self, layer: &Digest) -> Result<bool> {
         control::hydrate(&self.paths(layer).control).await
@@ -113,7 +124,9 @@ impl LayerLock<'_> {
         if let Some(status) = self.servers.status(&self.layer).await {
             match status.state() {
                 ServerState::Serving => {
-                    tracing::debug!(layer = %self.layer, pid = status.pid, instance = status.instance, "the layer's server is serving");
+                    if self.servers.know(&status.instance) {
+                        tracing::info!(layer = %self.layer, pid = status.pid, instance = status.instance, "adopted the running mount server");
+                    }
                     return Ok(paths.mountpoint);
                 }
                 // A start begun by an earlier daemon: see it through.
@@ -206,6 +219,7 @@ impl LayerLock<'_> {
                 }
                 match status.state() {
                     ServerState::Serving => {
+                        self.servers.know(&status.instance);
                         tracing::info!(%layer, pid = status.pid, instance = status.instance, mountpoint = %paths.mountpoint.display(), "mount server ready");
                         break Ok(paths.mountpoint.clone());
                     }
