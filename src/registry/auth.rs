@@ -5,9 +5,8 @@
 //! are never logged: [`Credential`]'s `Debug` prints only the user name.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use base64::Engine as _;
 use serde::Deserialize;
@@ -129,7 +128,7 @@ impl CredentialStore {
     }
 
     /// The credential for `registry` (host[:port]), if any file has one.
-    pub fn get(&self, registry: &str) -> Result<Option<Credential>> {
+    pub async fn get(&self, registry: &str) -> Result<Option<Credential>> {
         let want = normalize_key(registry);
         for (path, config) in &self.files {
             if let Some(helper) = config
@@ -137,7 +136,7 @@ impl CredentialStore {
                 .get(&want)
                 .or(config.creds_store.as_ref())
             {
-                if let Some(c) = run_helper(helper, registry)? {
+                if let Some(c) = run_helper(helper, registry).await? {
                     return Ok(Some(c));
                 }
             }
@@ -178,7 +177,13 @@ fn decode_entry(entry: &AuthEntry) -> Result<Credential> {
     })
 }
 
-fn run_helper(helper: &str, registry: &str) -> Result<Option<Credential>> {
+/// How long a credential helper may take to answer.
+pub const HELPER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Asks `docker-credential-<helper> get` for `registry`'s credential, within
+/// [`HELPER_TIMEOUT`] (a helper that hangs, waiting for a keyring or a prompt, is killed).
+async fn run_helper(helper: &str, registry: &str) -> Result<Option<Credential>> {
+    use tokio::io::AsyncWriteExt;
     if !helper
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
@@ -188,22 +193,36 @@ fn run_helper(helper: &str, registry: &str) -> Result<Option<Credential>> {
         )));
     }
     let program = format!("docker-credential-{helper}");
-    let mut child = match Command::new(&program)
+    let mut child = match tokio::process::Command::new(&program)
         .arg("get")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
+        .kill_on_drop(true)
         .spawn()
     {
         Ok(c) => c,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io(format!("running {program}"), e)),
     };
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(registry.as_bytes());
-    }
-    let out = child
-        .wait_with_output()
+    let stdin = child.stdin.take();
+    let asked = async move {
+        if let Some(mut stdin) = stdin {
+            let _ = stdin.write_all(registry.as_bytes()).await;
+        }
+        child.wait_with_output().await
+    };
+    let out = tokio::time::timeout(HELPER_TIMEOUT, asked)
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "{program} did not answer within {}s; check the helper (a locked keyring?)",
+                    HELPER_TIMEOUT.as_secs()
+                ),
+            )
+        })?
         .map_err(|e| Error::io(format!("running {program}"), e))?;
     if !out.status.success() {
         return Ok(None);
@@ -318,8 +337,8 @@ mod tests {
         assert!(parse_challenge("Negotiate abc").is_err());
     }
 
-    #[test]
-    fn reads_docker_config_files() {
+    #[tokio::test]
+    async fn reads_docker_config_files() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("config.json");
         let auth = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
@@ -330,18 +349,74 @@ mod tests {
         .unwrap();
         let store =
             CredentialStore::from_files(&[dir.path().join("missing.json"), path.clone()]).unwrap();
-        let c = store.get("127.0.0.1:5000").unwrap().unwrap();
+        let c = store.get("127.0.0.1:5000").await.unwrap().unwrap();
         assert_eq!(
             (c.username.as_str(), c.secret.as_str()),
             ("alice", "s3cret")
         );
-        assert_eq!(store.get("docker.io").unwrap().unwrap().username, "bob");
-        assert!(store.get("quay.io").unwrap().is_none());
+        assert_eq!(
+            store.get("docker.io").await.unwrap().unwrap().username,
+            "bob"
+        );
+        assert!(store.get("quay.io").await.unwrap().is_none());
         assert!(!format!("{c:?}").contains("s3cret"));
         std::fs::write(&path, "{not json").unwrap();
         assert!(CredentialStore::from_files(&[path])
             .unwrap_err()
             .to_string()
             .contains("not a valid docker config"));
+    }
+
+    /// Installs the test's credential helpers (real programs on PATH; nextest runs each test
+    /// in its own process, so changing PATH here touches no other test) and a config naming
+    /// them.
+    fn helpers(dir: &Path) -> CredentialStore {
+        use std::os::unix::fs::PermissionsExt;
+        for (name, body) in [
+            (
+                "vmdisk-test-ok",
+                r#"read host; echo "{\"Username\":\"carol\",\"Secret\":\"for-$host\"}""#,
+            ),
+            ("vmdisk-test-hang", "exec sleep 60"),
+        ] {
+            let path = dir.join(format!("docker-credential-{name}"));
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let path = format!(
+            "{}:{}",
+            dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        std::env::set_var("PATH", path);
+        let config = dir.join("config.json");
+        std::fs::write(
+            &config,
+            r#"{"credHelpers":{"ok.example":"vmdisk-test-ok","hang.example":"vmdisk-test-hang"}}"#,
+        )
+        .unwrap();
+        CredentialStore::from_files(&[config]).unwrap()
+    }
+
+    #[tokio::test]
+    async fn credential_helpers_are_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = helpers(dir.path());
+        let c = store.get("ok.example").await.unwrap().unwrap();
+        assert_eq!(
+            (c.username.as_str(), c.secret.as_str()),
+            ("carol", "for-ok.example")
+        );
+    }
+
+    /// Paused time: the deadline passes as soon as the hanging helper is all there is to wait
+    /// for, so the test takes no 10 s.
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_credential_helper_times_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = helpers(dir.path());
+        let err = store.get("hang.example").await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Timeout, "{}", err.chain());
+        assert!(err.chain().contains("docker-credential-vmdisk-test-hang"));
     }
 }

@@ -5,9 +5,15 @@
 //! For registry `host:port` the file is `<dir>/<host:port>/hosts.toml`, else
 //! `<dir>/_default/hosts.toml`. Each `[host."URL"]` table is a mirror tried in file order for
 //! the capabilities it lists (`pull`, `resolve`, `push`); `server` is the upstream, tried last.
+//!
+//! Every chunk request asks for endpoints, so [`HostsCache`] keeps what was read and looks at
+//! the file again at most every [`RECHECK`] (one `stat`), re-reading it only when it changed:
+//! an edited `hosts.toml` takes effect within a second without a restart.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
 
 use serde::Deserialize;
 
@@ -228,6 +234,79 @@ pub fn parse_hosts_toml(text: &str, dir: &Path, upstream: Endpoint) -> Result<Ve
     Ok(endpoints)
 }
 
+/// How often a cached registry's `hosts.toml` is looked at again.
+pub const RECHECK: Duration = Duration::from_secs(1);
+
+/// Which file configures a registry, and its modification time and size when read.
+type Stamp = Option<(PathBuf, SystemTime, u64)>;
+
+/// The file that configures `registry` under `root` (its own, else `_default`), stamped.
+fn stamp(root: &Path, registry: &str) -> Stamp {
+    [registry, "_default"].iter().find_map(|name| {
+        let file = root.join(name).join("hosts.toml");
+        let m = std::fs::metadata(&file).ok()?;
+        Some((file, m.modified().ok()?, m.len()))
+    })
+}
+
+/// Endpoints per registry as last read from a hosts directory.
+#[derive(Debug, Default)]
+pub struct HostsCache {
+    entries: Mutex<HashMap<String, Cached>>,
+}
+
+#[derive(Debug)]
+struct Cached {
+    stamp: Stamp,
+    endpoints: Vec<Endpoint>,
+    checked: Instant,
+}
+
+impl HostsCache {
+    /// [`endpoints_for`], read again only when the registry's file changed.
+    pub fn endpoints(
+        &self,
+        hosts_dir: Option<&Path>,
+        registry: &str,
+        upstream: Endpoint,
+    ) -> Result<Vec<Endpoint>> {
+        let Some(root) = hosts_dir else {
+            return Ok(vec![upstream]);
+        };
+        let now = Instant::now();
+        let stamp = {
+            let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(c) = entries.get_mut(registry) {
+                if now.duration_since(c.checked) < RECHECK {
+                    return Ok(c.endpoints.clone());
+                }
+                let current = stamp(root, registry);
+                if current == c.stamp {
+                    c.checked = now;
+                    return Ok(c.endpoints.clone());
+                }
+                current
+            } else {
+                stamp(root, registry)
+            }
+        };
+        // Read outside the lock; a file that fails to parse is not kept (read again next time).
+        let endpoints = endpoints_for(hosts_dir, registry, upstream)?;
+        self.entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                registry.to_string(),
+                Cached {
+                    stamp,
+                    endpoints: endpoints.clone(),
+                    checked: now,
+                },
+            );
+        Ok(endpoints)
+    }
+}
+
 /// The endpoints for `registry`, from `hosts_dir` if it has a file for it, else the upstream.
 pub fn endpoints_for(
     hosts_dir: Option<&Path>,
@@ -337,5 +416,34 @@ server = "https://registry.example:5000"
         assert_eq!(eps[1].base, "https://quay.io");
         let eps = endpoints_for(None, "quay.io", Endpoint::upstream("quay.io", false)).unwrap();
         assert_eq!(eps.len(), 1);
+    }
+
+    #[test]
+    fn the_cache_rereads_a_changed_file_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg_dir = dir.path().join("r.example");
+        std::fs::create_dir_all(&reg_dir).unwrap();
+        let file = reg_dir.join("hosts.toml");
+        let mirror = |n: u32| format!("[host.\"http://mirror{n}.example\"]\ncapabilities = [\"pull\"]\n");
+        std::fs::write(&file, mirror(1)).unwrap();
+        let cache = HostsCache::default();
+        let upstream = Endpoint::upstream("r.example", false);
+        let get = || {
+            cache
+                .endpoints(Some(dir.path()), "r.example", upstream.clone())
+                .unwrap()[0]
+                .base
+                .clone()
+        };
+        assert_eq!(get(), "http://mirror1.example");
+        // Within RECHECK nothing is looked at; after it, a changed file is read again.
+        std::fs::write(&file, mirror(22)).unwrap();
+        assert_eq!(get(), "http://mirror1.example");
+        std::thread::sleep(RECHECK + Duration::from_millis(50));
+        assert_eq!(get(), "http://mirror22.example");
+        // A removed file falls back to the upstream.
+        std::fs::remove_file(&file).unwrap();
+        std::thread::sleep(RECHECK + Duration::from_millis(50));
+        assert_eq!(get(), upstream.base);
     }
 }

@@ -83,6 +83,7 @@ pub struct RegistryClient {
     clients: Mutex<HashMap<TlsSettings, reqwest::Client>>,
     /// Authorization per endpoint base and scope.
     auth: Mutex<HashMap<(String, String), CachedAuth>>,
+    hosts: hosts::HostsCache,
 }
 
 /// What distinguishes one HTTP client from another: TLS verification, CAs, client identity.
@@ -234,6 +235,7 @@ impl RegistryClient {
             credentials,
             clients: Mutex::new(HashMap::new()),
             auth: Mutex::new(HashMap::new()),
+            hosts: hosts::HostsCache::default(),
         })
     }
 
@@ -272,7 +274,7 @@ impl RegistryClient {
     /// Endpoints for `r`, mirrors first; `push` selects push-capable ones.
     fn endpoints(&self, r: &Reference, access: Access) -> Result<Vec<Endpoint>> {
         let upstream = Endpoint::upstream(r.api_host(), self.plain_http(&r.registry));
-        let all = hosts::endpoints_for(
+        let all = self.hosts.endpoints(
             self.config.hosts_dir.as_deref(),
             &r.registry,
             upstream.clone(),
@@ -302,7 +304,7 @@ impl RegistryClient {
         let host = &r.registry;
         let challenge =
             auth::parse_challenge(challenge).map_err(|e| e.context(format!("registry {host}")))?;
-        let credential = self.credentials.get(host)?;
+        let credential = self.credentials.get(host).await?;
         let (value, expiry) = match challenge {
             Challenge::Basic => {
                 let c = credential.ok_or_else(|| {
@@ -456,7 +458,7 @@ impl RegistryClient {
                             continue;
                         }
                         _ => {
-                            let who = match self.credentials.get(&r.registry)? {
+                            let who = match self.credentials.get(&r.registry).await? {
                                 Some(c) => format!("the credentials of user {} were refused", c.username),
                                 None => "no credentials were found (REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json)".to_string(),
                             };
