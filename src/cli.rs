@@ -211,7 +211,7 @@ fn publish_options(
     chunk_size: &str,
     format: Option<&str>,
 ) -> Result<PublishOptions> {
-    let chunk_size = publish::check_chunk_size(publish::parse_size(chunk_size)?)?;
+    let chunk_size = crate::format::layout::check_chunk_size(crate::units::parse_size(chunk_size)?)?;
     let format = match format {
         Some("raw") => Some(DiskFormat::Raw),
         Some("qcow2") => Some(DiskFormat::Qcow2),
@@ -385,7 +385,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         }
         Command::Gc(args) => {
             let limit_bytes = match &args.limit {
-                Some(l) => publish::parse_size(l)? as u64,
+                Some(l) => crate::units::parse_size(l)? as u64,
                 None => 0,
             };
             let r = manage(&args.daemon, |mut c| async move {
@@ -586,7 +586,7 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
     let engine = crate::remote::open_engine(client, &cache, &reference, opts).await?;
     // Evict only now: the layer being mounted holds its lock and cannot be chosen.
     if let Some(limit) = &args.cache_size {
-        let freed = cache.evict(publish::parse_size(limit)? as u64)?;
+        let freed = cache.evict(crate::units::parse_size(limit)? as u64)?;
         tracing::info!(freed, "cache eviction done");
     }
     let serving = crate::serve::start(

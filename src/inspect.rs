@@ -14,11 +14,10 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::format::disk::{self, DiskFormat};
-use crate::format::zstd_chunked::{self, decompress_bounded, NodeKind, TocLocation};
+use crate::format::zstd_chunked::{self, NodeKind, TocLocation};
 use crate::oci::{
     self, Descriptor, ImageConfig, LayerCompression, Manifest, ManifestKind, Platform,
 };
-use crate::publish;
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
 
@@ -103,7 +102,7 @@ impl LayerReport {
             vmdisk_annotations: desc
                 .annotations
                 .keys()
-                .any(|k| k.starts_with(publish::ANN_PREFIX)),
+                .any(|k| k.starts_with(crate::format::layout::ANN_PREFIX)),
         }
     }
 }
@@ -260,24 +259,15 @@ async fn inspect_chunked(
     let mut rep = LayerReport::new(desc, "zstd:chunked");
     rep.toc_size = loc.length;
     rep.toc_uncompressed_size = loc.uncompressed_length;
-    if loc.range().end > desc.size || loc.offset < 8 {
-        return Err(Error::corrupt(format!(
-            "TOC range {:?} lies outside the {}-byte layer",
-            loc.range(),
-            desc.size
-        )));
-    }
+    loc.check_within(desc.size)?;
     let compressed = client.get_blob_range(r, &desc.digest, loc.range()).await?;
     let toc = zstd_chunked::decode_toc(&compressed, loc)?;
     let nodes = toc.nodes(loc.offset - 8)?;
-    let wanted = desc.annotations.get(publish::ANN_PATH).cloned();
+    let wanted = desc.annotations.get(crate::format::layout::ANN_PATH).cloned();
     let disk = nodes
         .iter()
         .filter(|n| n.kind == NodeKind::Regular && n.size > 0)
-        .find(|n| match &wanted {
-            Some(w) => &n.path == w,
-            None => n.path.starts_with("disk/") || n.path.starts_with("image/"),
-        });
+        .find(|n| crate::format::layout::is_disk_path(&n.path, wanted.as_deref()));
     let Some(disk) = disk else {
         rep.reason = Some("no regular file under /disk/ or /image/ in the TOC".into());
         return Ok(rep);
@@ -301,15 +291,15 @@ async fn inspect_chunked(
         });
     }
     let (format, virtual_size) = match (
-        desc.annotations.get(publish::ANN_FORMAT),
-        desc.annotations.get(publish::ANN_VIRTUAL_SIZE),
+        desc.annotations.get(crate::format::layout::ANN_FORMAT),
+        desc.annotations.get(crate::format::layout::ANN_VIRTUAL_SIZE),
     ) {
         (Some(f), Some(v)) => (
             f.clone(),
             v.parse::<u64>().map_err(|_| {
                 Error::corrupt(format!(
                     "annotation {} is not a number",
-                    publish::ANN_VIRTUAL_SIZE
+                    crate::format::layout::ANN_VIRTUAL_SIZE
                 ))
             })?,
         ),
@@ -322,17 +312,8 @@ async fn inspect_chunked(
                 let frame = client
                     .get_blob_range(r, &desc.digest, first.compressed.clone())
                     .await?;
-                let data = decompress_bounded(&frame, first.size)?;
-                match first.digest {
-                    Some(d) => d.verify(&data, &format!("first chunk of {}", disk.path))?,
-                    None => {
-                        return Err(Error::corrupt(format!(
-                            "first chunk of {} has no digest",
-                            disk.path
-                        )))
-                    }
-                }
-                data
+                crate::format::layout::decode_chunk(&frame, first)
+                    .map_err(|e| e.context(format!("first chunk of {}", disk.path)))?
             };
             let (format, virtual_size) = disk::identify(&head, disk.size)?;
             (
@@ -389,7 +370,7 @@ async fn peek_stream_disk(
             };
             let size = entry.size();
             if entry.header().entry_type() == tar::EntryType::Regular
-                && (path.starts_with("disk/") || path.starts_with("image/"))
+                && crate::format::layout::is_disk_path(&path, None)
             {
                 let mut head = vec![0u8; size.min(66 * 1024) as usize];
                 entry

@@ -18,7 +18,6 @@ use crate::engine::{BlobSource, Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
-use crate::publish;
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
 
@@ -128,11 +127,7 @@ impl RemoteLayer {
         let disk = files
             .iter()
             .position(|f| {
-                let path = &nodes[f.node].path;
-                match &meta.disk_path {
-                    Some(p) => path == p,
-                    None => path.starts_with("disk/") || path.starts_with("image/"),
-                }
+                crate::format::layout::is_disk_path(&nodes[f.node].path, meta.disk_path.as_deref())
             })
             .ok_or_else(|| {
                 Error::new(
@@ -250,19 +245,13 @@ pub async fn disk_layer_id(
     };
     let loc = TocLocation::from_annotations(&layer.annotations)?
         .expect("disk_layer checked the TOC annotations");
-    if loc.range().end > layer.size || loc.offset < 8 {
-        return Err(Error::corrupt(format!(
-            "TOC range {:?} lies outside the {}-byte layer",
-            loc.range(),
-            layer.size
-        )));
-    }
+    loc.check_within(layer.size)?;
     let disk_path = layer
         .annotations
-        .get(publish::ANN_PATH)
+        .get(crate::format::layout::ANN_PATH)
         .map(|p| zstd_chunked::clean_path(p))
         .transpose()
-        .map_err(|e| e.context(format!("the {} annotation", publish::ANN_PATH)))?;
+        .map_err(|e| e.context(format!("the {} annotation", crate::format::layout::ANN_PATH)))?;
     let config = client
         .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
         .await

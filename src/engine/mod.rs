@@ -37,7 +37,8 @@ use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::qcow2;
-use crate::format::zstd_chunked::{check_regular_frames, decompress_bounded, Chunk};
+use crate::format::layout::decode_chunk;
+use crate::format::zstd_chunked::Chunk;
 use crate::reference::Reference;
 use crate::remote::RemoteLayer;
 
@@ -127,30 +128,6 @@ impl Drop for Claim<'_> {
     }
 }
 
-/// Checks that a chunk's range is whole regular frames, decompresses it within its size and
-/// checks its digest.
-pub(crate) fn decode_verified(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
-    check_regular_frames(frame)?;
-    let data = decompress_bounded(frame, chunk.size)?;
-    if data.len() as u64 != chunk.size {
-        return Err(Error::corrupt(format!(
-            "chunk at {} decompressed to {} bytes, expected {}",
-            chunk.offset,
-            data.len(),
-            chunk.size
-        )));
-    }
-    match chunk.digest {
-        Some(d) => d.verify(&data, &format!("chunk at offset {}", chunk.offset))?,
-        None => {
-            return Err(Error::corrupt(format!(
-                "chunk at {} has no digest",
-                chunk.offset
-            )))
-        }
-    }
-    Ok(data)
-}
 
 fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> {
     let mut map = HashMap::new();
@@ -427,7 +404,7 @@ impl Engine {
             let (file, chunk) = &self.layer.chunks[idx];
             let frame = &bytes[(chunk.compressed.start - range.start) as usize
                 ..(chunk.compressed.end - range.start) as usize];
-            match decode_verified(frame, chunk) {
+            match decode_chunk(frame, chunk) {
                 Ok(data) => self.store(idx, *file, chunk, &data)?,
                 Err(e) => {
                     Stats::add(&self.stats.verify_failures, 1);
@@ -439,7 +416,7 @@ impl Engine {
         for idx in failed {
             let (file, chunk) = &self.layer.chunks[idx];
             let frame = self.fetch_range(chunk.compressed.clone()).await?;
-            let data = decode_verified(&frame, chunk).map_err(|e| {
+            let data = decode_chunk(&frame, chunk).map_err(|e| {
                 Stats::add(&self.stats.verify_failures, 1);
                 e.context(format!(
                     "chunk {idx} (offset {} of {}, digest {:?}) failed verification twice",
@@ -1038,11 +1015,11 @@ mod tests {
         let (_, chunk) = &engine.layer.chunks[0];
         let mut frame = vec![0x50, 0x2a, 0x4d, 0x18, 4, 0, 0, 0, 1, 2, 3, 4];
         frame.extend(zstd::bulk::compress(&data, 1).unwrap());
-        let err = decode_verified(&frame, chunk).unwrap_err();
+        let err = decode_chunk(&frame, chunk).unwrap_err();
         assert!(err.chain().contains("skippable frame"), "{}", err.chain());
         let mut trailing = zstd::bulk::compress(&data, 1).unwrap();
         trailing.extend_from_slice(b"junk");
-        assert!(decode_verified(&trailing, chunk).is_err());
+        assert!(decode_chunk(&trailing, chunk).is_err());
     }
 
     #[tokio::test(start_paused = true)]

@@ -2,11 +2,14 @@
 //!
 //! - [`zstd_chunked`]: the lazily loadable layer layout (containers/storage's zstd:chunked),
 //!   its TOC, the writer used by `vmdisk push` and the reader used by everything that fetches.
+//! - [`layout`]: the vmdisk image layout: annotations, where the disk is, the verified decode
+//!   of a chunk.
 //! - [`tarsplit`]: the tar-split metadata containers/storage uses to rebuild the tar stream.
 //! - [`disk`]: recognising VM disk images by content, validating qcow2, unpacking OVA.
-//! - [`qcow2`]: the qcow2 header and cluster tables.
+//! - [`qcow2`]: the qcow2 header and cluster tables; [`qcow2_raw`]: the raw view through them.
 
 pub mod disk;
+pub mod layout;
 pub mod qcow2;
 pub mod qcow2_raw;
 pub mod tarsplit;

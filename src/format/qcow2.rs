@@ -64,10 +64,23 @@ pub struct Header {
     pub backing_file_offset: u64,
     pub crypt_method: u32,
     pub incompatible_features: u64,
+    /// How compressed clusters are compressed (v3 header extension byte 104).
+    pub compression: Compression,
 }
 
-const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// The compression of compressed clusters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    Deflate,
+    Zstd,
+}
+
+/// The host offset bits of an L1 or a standard L2 entry.
+const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// L2 entry: the cluster is compressed (then the other bits are offset and sector count).
 const COMPRESSED_FLAG: u64 = 1 << 62;
+/// Standard L2 entry, v3: the cluster reads as zeros.
+const ZERO_FLAG: u64 = 1;
 /// Incompatible feature bits we can read: compression type (bit 3).
 const KNOWN_INCOMPATIBLE: u64 = 1 << 3;
 
@@ -102,6 +115,7 @@ impl Header {
             refcount_table_offset: be64(&b, 48),
             refcount_table_clusters: be32(&b, 56),
             incompatible_features: 0,
+            compression: Compression::Deflate,
         };
         match version {
             2 => {}
@@ -150,6 +164,21 @@ impl Header {
             return Err(Error::unsupported(format!(
                 "qcow2 incompatible features {unknown:#x} are not supported"
             )));
+        }
+        if h.incompatible_features & KNOWN_INCOMPATIBLE != 0 {
+            // v3 headers longer than 104 bytes carry the compression type at byte 104.
+            let mut t = [0u8; 1];
+            src.read_exact_at(&mut t, 104)
+                .map_err(|_| Error::corrupt("qcow2 header is truncated before its compression type"))?;
+            h.compression = match t[0] {
+                0 => Compression::Deflate,
+                1 => Compression::Zstd,
+                t => {
+                    return Err(Error::unsupported(format!(
+                        "qcow2 compression type {t} (only deflate and zstd)"
+                    )))
+                }
+            };
         }
         Ok(h)
     }
@@ -210,11 +239,60 @@ pub struct Tables {
     pub refcount: std::ops::Range<u64>,
 }
 
+/// The big-endian 64-bit entries of a table.
+pub fn entries(table: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    table
+        .chunks_exact(8)
+        .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")))
+}
+
+/// The L2 table an L1 entry points at (0: none).
+pub fn l2_offset(l1_entry: u64) -> u64 {
+    l1_entry & OFFSET_MASK
+}
+
 /// The offsets of the L2 tables an L1 table (big-endian entries) points at.
 pub fn l2_offsets(l1: &[u8]) -> impl Iterator<Item = u64> + '_ {
-    l1.chunks_exact(8)
-        .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")) & L2_OFFSET_MASK)
-        .filter(|&o| o != 0)
+    entries(l1).map(l2_offset).filter(|&o| o != 0)
+}
+
+/// What an L2 entry says about one guest cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cluster {
+    /// Reads as zeros: unallocated, or (v3) marked zero.
+    Zero,
+    /// Stored as is at this host offset.
+    Data(u64),
+    /// Compressed at `offset`, in at most `max_len` bytes (its sectors, less the offset into
+    /// the first one).
+    Compressed { offset: u64, max_len: u64 },
+}
+
+impl Header {
+    /// L2 entries per table (one cluster of 8-byte entries).
+    pub fn l2_entries(&self) -> u64 {
+        1 << (self.cluster_bits - 3)
+    }
+
+    /// Decodes an L2 entry (the one place that knows its bits).
+    pub fn cluster(&self, entry: u64) -> Cluster {
+        if entry & COMPRESSED_FLAG != 0 {
+            let bits = 62 - (self.cluster_bits - 8);
+            let offset = entry & ((1u64 << bits) - 1);
+            let sectors = ((entry >> bits) & ((1u64 << (self.cluster_bits - 8)) - 1)) + 1;
+            return Cluster::Compressed {
+                offset,
+                max_len: sectors * 512 - (offset & 511),
+            };
+        }
+        if entry & ZERO_FLAG != 0 && self.version >= 3 {
+            return Cluster::Zero;
+        }
+        match entry & OFFSET_MASK {
+            0 => Cluster::Zero,
+            o => Cluster::Data(o),
+        }
+    }
 }
 
 /// Checks that the image's tables and every cluster they reference lie inside `src`; a
@@ -231,27 +309,21 @@ pub fn check_complete(src: &(impl ReadAt + ?Sized)) -> Result<Header> {
     src.read_exact_at(&mut l1, tables.l1.start)
         .map_err(|e| Error::io("reading the qcow2 L1 table", e))?;
     let mut l2 = vec![0u8; cs as usize];
-    let compressed_bits = 62 - (h.cluster_bits - 8);
     for l2_offset in l2_offsets(&l1) {
         if l2_offset.saturating_add(cs) > len {
             return Err(truncated(format!("an L2 table at {l2_offset}")));
         }
         src.read_exact_at(&mut l2, l2_offset)
             .map_err(|e| Error::io("reading a qcow2 L2 table", e))?;
-        for entry in l2
-            .chunks_exact(8)
-            .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")))
-        {
-            if entry & COMPRESSED_FLAG != 0 {
-                let offset = entry & ((1u64 << compressed_bits) - 1);
-                if offset >= len {
+        for entry in entries(&l2) {
+            match h.cluster(entry) {
+                Cluster::Compressed { offset, .. } if offset >= len => {
                     return Err(truncated(format!("a compressed cluster at {offset}")));
                 }
-            } else {
-                let offset = entry & L2_OFFSET_MASK;
-                if offset != 0 && offset.saturating_add(cs) > len {
+                Cluster::Data(offset) if offset.saturating_add(cs) > len => {
                     return Err(truncated(format!("a data cluster at {offset}")));
                 }
+                _ => {}
             }
         }
     }

@@ -13,23 +13,12 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::qcow2::{Header, ReadAt};
+use super::qcow2::{self, Cluster, Header, ReadAt};
 use crate::error::{Error, Result};
 
-const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
-const COMPRESSED: u64 = 1 << 62;
-/// v3: the cluster reads as zeros (bit 0 of a standard L2 entry).
-const ZERO: u64 = 1;
 /// L2 tables kept in memory (each one cluster); enough to cover 64 GiB at 64 KiB clusters.
 const L2_CACHE: usize = 128;
 
-/// How a guest cluster is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Cluster {
-    Zero,
-    Data(u64),
-    Compressed { offset: u64, max_len: u64 },
-}
 
 /// The raw view of one qcow2 image read through `S`.
 pub struct RawView<S> {
@@ -48,25 +37,8 @@ impl<S: ReadAt> RawView<S> {
         let l1_bytes = tables.l1.end - tables.l1.start;
         let mut raw = vec![0u8; l1_bytes as usize];
         read(&src, &mut raw, header.l1_table_offset, "the L1 table")?;
-        let l1 = raw
-            .chunks_exact(8)
-            .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")))
-            .collect();
-        // v3 headers longer than 104 bytes carry the compression type at byte 104.
-        let mut zstd = false;
-        if header.version == 3 && header.incompatible_features & (1 << 3) != 0 {
-            let mut b = [0u8; 1];
-            read(&src, &mut b, 104, "the compression type")?;
-            zstd = match b[0] {
-                0 => false,
-                1 => true,
-                t => {
-                    return Err(Error::unsupported(format!(
-                        "qcow2 compression type {t} (only deflate and zstd)"
-                    )))
-                }
-            };
-        }
+        let l1 = qcow2::entries(&raw).collect();
+        let zstd = header.compression == qcow2::Compression::Zstd;
         Ok(RawView {
             src,
             header,
@@ -87,11 +59,7 @@ impl<S: ReadAt> RawView<S> {
         }
         let mut raw = vec![0u8; self.header.cluster_size() as usize];
         read(&self.src, &mut raw, offset, "an L2 table")?;
-        let table: Arc<Vec<u64>> = Arc::new(
-            raw.chunks_exact(8)
-                .map(|e| u64::from_be_bytes(e.try_into().expect("8 bytes")))
-                .collect(),
-        );
+        let table: Arc<Vec<u64>> = Arc::new(qcow2::entries(&raw).collect());
         let mut cache = self.l2_cache.lock().expect("l2 cache");
         if cache.len() >= L2_CACHE {
             cache.clear();
@@ -101,29 +69,20 @@ impl<S: ReadAt> RawView<S> {
     }
 
     fn cluster(&self, index: u64) -> Result<Cluster> {
-        let bits = self.header.cluster_bits;
-        let per_l2 = 1u64 << (bits - 3);
+        let per_l2 = self.header.l2_entries();
         let l1_entry = self.l1.get((index / per_l2) as usize).copied().unwrap_or(0);
-        let l2_offset = l1_entry & L2_OFFSET_MASK;
+        let l2_offset = qcow2::l2_offset(l1_entry);
         if l2_offset == 0 {
             return Ok(Cluster::Zero);
         }
         let entry = self.l2(l2_offset)?[(index % per_l2) as usize];
-        if entry & COMPRESSED != 0 {
-            let x = 62 - (bits - 8);
-            let offset = entry & ((1u64 << x) - 1);
-            let sectors = ((entry >> x) & ((1u64 << (bits - 8)) - 1)) + 1;
-            let max_len =
-                (sectors * 512 - (offset & 511)).min(self.src.size().saturating_sub(offset));
-            return Ok(Cluster::Compressed { offset, max_len });
-        }
-        if entry & ZERO != 0 && self.header.version >= 3 {
-            return Ok(Cluster::Zero);
-        }
-        match entry & L2_OFFSET_MASK {
-            0 => Ok(Cluster::Zero),
-            o => Ok(Cluster::Data(o)),
-        }
+        Ok(match self.header.cluster(entry) {
+            Cluster::Compressed { offset, max_len } => Cluster::Compressed {
+                offset,
+                max_len: max_len.min(self.src.size().saturating_sub(offset)),
+            },
+            c => c,
+        })
     }
 
     /// Fills `buf` with the guest's bytes at `offset`; reads past the end fail.

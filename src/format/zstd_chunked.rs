@@ -162,6 +162,18 @@ pub struct TocLocation {
 }
 
 impl TocLocation {
+    /// Checks that the TOC lies inside a blob of `blob_size` bytes, after at least the 8 bytes
+    /// of the skippable frame header that precedes it.
+    pub fn check_within(&self, blob_size: u64) -> Result<()> {
+        if self.range().end > blob_size || self.offset < 8 {
+            return Err(Error::corrupt(format!(
+                "TOC range {:?} lies outside the {blob_size}-byte layer",
+                self.range()
+            )));
+        }
+        Ok(())
+    }
+
     /// Reads the current or the older annotation generation; `Ok(None)` if neither is present.
     pub fn from_annotations(ann: &BTreeMap<String, String>) -> Result<Option<Self>> {
         let pair = [

@@ -18,31 +18,14 @@ use self::pipeline::{build_layer, BuiltLayer, ChunkingOptions, LayerContent};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::disk::{self, DiskFormat};
+use crate::format::layout::{
+    is_disk_path, ANN_CHUNK_SIZE, ANN_DISK_DIGEST, ANN_DISK_SIZE, ANN_FORMAT, ANN_PATH, ANN_PREFIX,
+    ANN_TOC_DIGEST, ANN_TOC_POSITION, ANN_VIRTUAL_SIZE, LABEL_PREFIX,
+};
 use crate::format::zstd_chunked::{clean_path, EntryMeta, TocLocation};
 use crate::oci::{self, Descriptor, ImageConfig, Manifest, ManifestKind, Platform, RootFs};
 use crate::reference::Reference;
 use crate::registry::{BlobUpload, RegistryClient, UPLOAD_SEGMENT};
-
-/// Annotation (and snapshot label) prefix for our disk metadata.
-pub const ANN_PREFIX: &str = "containerd.io/snapshot/vmdisk.";
-/// Disk format, `qcow2` or `raw`.
-pub const ANN_FORMAT: &str = "containerd.io/snapshot/vmdisk.format";
-/// Virtual size of the disk in bytes.
-pub const ANN_VIRTUAL_SIZE: &str = "containerd.io/snapshot/vmdisk.virtual-size";
-/// Size of the disk file in bytes.
-pub const ANN_DISK_SIZE: &str = "containerd.io/snapshot/vmdisk.disk-size";
-/// sha256 of the disk file.
-pub const ANN_DISK_DIGEST: &str = "containerd.io/snapshot/vmdisk.disk-digest";
-/// Path of the disk in the layer, e.g. `disk/fedora.qcow2`.
-pub const ANN_PATH: &str = "containerd.io/snapshot/vmdisk.path";
-/// Chunk size used when publishing.
-pub const ANN_CHUNK_SIZE: &str = "containerd.io/snapshot/vmdisk.chunk-size";
-/// Copy of the TOC position, so a snapshotter has it among its labels.
-pub const ANN_TOC_POSITION: &str = "containerd.io/snapshot/vmdisk.toc-position";
-/// Copy of the TOC checksum.
-pub const ANN_TOC_DIGEST: &str = "containerd.io/snapshot/vmdisk.toc-digest";
-/// Config label prefix for the same metadata in the image config.
-pub const LABEL_PREFIX: &str = "vmdisk.io/";
 
 /// Default chunk size: 256 KiB (see docs/format.md for the measurement behind it).
 pub const DEFAULT_CHUNK_SIZE: usize = 256 << 10;
@@ -71,42 +54,6 @@ impl Default for PublishOptions {
             format: None,
         }
     }
-}
-
-/// Parses sizes like `256K`, `1M`, `1MiB`, `65536`.
-pub fn parse_size(s: &str) -> Result<usize> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: usize = num.parse().map_err(|_| {
-        Error::invalid(format!(
-            "size {s:?} is not a number with an optional K, M, G or T suffix"
-        ))
-    })?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        _ => {
-            return Err(Error::invalid(format!(
-                "size {s:?}: unknown unit {unit:?} (use K, M, G or T)"
-            )))
-        }
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| Error::invalid(format!("size {s:?} is too large")))
-}
-
-/// Checks a chunk size: a power of two from 64 KiB to 16 MiB.
-pub fn check_chunk_size(size: usize) -> Result<usize> {
-    if !size.is_power_of_two() || !((64 << 10)..=(16 << 20)).contains(&size) {
-        return Err(Error::invalid(format!(
-            "chunk size {size} must be a power of two between 64K and 16M"
-        )));
-    }
-    Ok(size)
 }
 
 /// The in-layer path for a disk: `--path` (absolute, clean) or `disk/<file name>`.
@@ -508,14 +455,6 @@ pub fn check_target(target: &Reference) -> Result<()> {
     Ok(())
 }
 
-/// Whether `path` (clean, relative) is where a containerDisk or peer-pod image keeps its disk.
-fn is_disk_path(path: &str, wanted: Option<&str>) -> bool {
-    match wanted {
-        Some(w) => path == w,
-        None => path.starts_with("disk/") || path.starts_with("image/"),
-    }
-}
-
 /// Looks for the disk in one source layer and, if it is there, republishes it.
 type ConvertedLayer = (BuiltLayer, String, u64);
 
@@ -693,16 +632,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes_and_paths() {
-        assert_eq!(parse_size("256K").unwrap(), 256 << 10);
-        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
-        assert_eq!(parse_size("65536").unwrap(), 65536);
-        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
-        assert!(parse_size("1P").is_err());
-        assert!(parse_size("abc").is_err());
-        assert!(check_chunk_size(100_000).is_err());
-        assert!(check_chunk_size(32 << 10).is_err());
-        assert_eq!(check_chunk_size(1 << 20).unwrap(), 1 << 20);
+    fn layer_paths() {
         assert_eq!(
             layer_path(None, "fedora.qcow2").unwrap(),
             "disk/fedora.qcow2"

@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 use crate::digest::Digest;
 use crate::error::Result;
 use crate::oci::{self, ManifestKind};
-use crate::publish;
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
 
@@ -85,7 +84,7 @@ impl Classifier {
 
     /// Classifies the layer a Prepare with `labels` is about to unpack.
     pub async fn classify(&self, labels: &BTreeMap<String, String>) -> Decision {
-        let candidate = labels.keys().any(|k| k.starts_with(publish::ANN_PREFIX));
+        let candidate = labels.keys().any(|k| k.starts_with(crate::format::layout::ANN_PREFIX));
         let ordinary = |reason: &'static str, detail: String| Decision::Ordinary {
             reason,
             detail,

@@ -135,7 +135,7 @@ impl Config {
         })?;
         config.metrics_address()?;
         if !config.cache.size.is_empty() {
-            crate::publish::parse_size(&config.cache.size)
+            crate::units::parse_size(&config.cache.size)
                 .map_err(|e| e.context(format!("configuration {}: cache.size", path.display())))?;
         }
         Ok(config)
@@ -155,7 +155,7 @@ impl Config {
         if self.cache.size.is_empty() {
             return Ok(None);
         }
-        Ok(Some(crate::publish::parse_size(&self.cache.size)? as u64))
+        Ok(Some(crate::units::parse_size(&self.cache.size)? as u64))
     }
 
     /// The registry client settings.

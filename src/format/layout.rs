@@ -1,0 +1,106 @@
+//! The vmdisk image layout: what a published VM-disk layer says about itself and where its disk
+//! is. The producer (`publish`), the readers (`remote`, `engine`, `inspect`) and the
+//! snapshotter's classifier ask this module; none spells an annotation, a disk directory or a
+//! chunk decode itself.
+//!
+//! - **Annotations** on the disk layer (and, as `vmdisk.io/` labels, in the config): format,
+//!   sizes, digest and path of the disk, chunk size, and a copy of the TOC's position and
+//!   digest. They describe; they never decide: the TOC pinned by the manifest does.
+//! - **The disk** is the regular file the `path` annotation names, else the first regular file
+//!   under `/disk/` (KubeVirt containerDisk) or `/image/` (peer-pod and Kata images).
+//! - **A chunk** is decoded in one place, [`decode_chunk`], and only verified bytes leave it.
+
+use crate::error::{Error, Result};
+use crate::format::zstd_chunked::{check_regular_frames, decompress_bounded, Chunk};
+
+/// Annotation (and snapshot label) prefix for our disk metadata.
+pub const ANN_PREFIX: &str = "containerd.io/snapshot/vmdisk.";
+/// Disk format, `qcow2` or `raw`.
+pub const ANN_FORMAT: &str = "containerd.io/snapshot/vmdisk.format";
+/// Virtual size of the disk in bytes.
+pub const ANN_VIRTUAL_SIZE: &str = "containerd.io/snapshot/vmdisk.virtual-size";
+/// Size of the disk file in bytes.
+pub const ANN_DISK_SIZE: &str = "containerd.io/snapshot/vmdisk.disk-size";
+/// sha256 of the disk file.
+pub const ANN_DISK_DIGEST: &str = "containerd.io/snapshot/vmdisk.disk-digest";
+/// Path of the disk in the layer, e.g. `disk/fedora.qcow2`.
+pub const ANN_PATH: &str = "containerd.io/snapshot/vmdisk.path";
+/// Chunk size used when publishing.
+pub const ANN_CHUNK_SIZE: &str = "containerd.io/snapshot/vmdisk.chunk-size";
+/// Copy of the TOC position, so a snapshotter has it among its labels.
+pub const ANN_TOC_POSITION: &str = "containerd.io/snapshot/vmdisk.toc-position";
+/// Copy of the TOC checksum.
+pub const ANN_TOC_DIGEST: &str = "containerd.io/snapshot/vmdisk.toc-digest";
+/// Config label prefix for the same metadata in the image config.
+pub const LABEL_PREFIX: &str = "vmdisk.io/";
+
+/// The directories a disk lives in: KubeVirt's `/disk/` and the peer-pod `/image/`.
+pub const DISK_DIRS: [&str; 2] = ["disk/", "image/"];
+
+/// Whether `path` (clean, relative) is the disk: the path the layer's annotation names
+/// (`wanted`), or without one, a path under one of the [`DISK_DIRS`].
+pub fn is_disk_path(path: &str, wanted: Option<&str>) -> bool {
+    match wanted {
+        Some(w) => path == w,
+        None => DISK_DIRS.iter().any(|d| path.starts_with(d)),
+    }
+}
+
+/// Checks a publishing chunk size: a power of two from 64 KiB to 16 MiB.
+pub fn check_chunk_size(size: usize) -> Result<usize> {
+    if !size.is_power_of_two() || !((64 << 10)..=(16 << 20)).contains(&size) {
+        return Err(Error::invalid(format!(
+            "chunk size {size} must be a power of two between 64K and 16M"
+        )));
+    }
+    Ok(size)
+}
+
+/// The content of `chunk` from its `frame` (the compressed range): the range must be whole
+/// regular zstd frames (what an ordinary decoder reads as file content), decompress within the
+/// chunk's size to exactly that size, and match the chunk's digest. The one decode of chunk
+/// bytes; nothing else turns registry bytes into chunk content.
+pub fn decode_chunk(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
+    check_regular_frames(frame)?;
+    let data = decompress_bounded(frame, chunk.size)?;
+    if data.len() as u64 != chunk.size {
+        return Err(Error::corrupt(format!(
+            "chunk at {} decompressed to {} bytes, expected {}",
+            chunk.offset,
+            data.len(),
+            chunk.size
+        )));
+    }
+    match chunk.digest {
+        Some(d) => d.verify(&data, &format!("chunk at offset {}", chunk.offset))?,
+        None => {
+            return Err(Error::corrupt(format!(
+                "chunk at {} has no digest",
+                chunk.offset
+            )))
+        }
+    }
+    Ok(data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disk_paths() {
+        assert!(is_disk_path("disk/fedora.qcow2", None));
+        assert!(is_disk_path("image/podvm.qcow2", None));
+        assert!(!is_disk_path("etc/disk/x", None));
+        assert!(!is_disk_path("diskette", None));
+        assert!(is_disk_path("vm/x.raw", Some("vm/x.raw")));
+        assert!(!is_disk_path("disk/x.raw", Some("vm/x.raw")));
+    }
+
+    #[test]
+    fn chunk_sizes() {
+        assert!(check_chunk_size(100_000).is_err());
+        assert!(check_chunk_size(32 << 10).is_err());
+        assert_eq!(check_chunk_size(1 << 20).unwrap(), 1 << 20);
+    }
+}
