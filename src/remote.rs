@@ -19,12 +19,12 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
 use crate::reference::Reference;
-use crate::registry::RegistryClient;
+use crate::registry::Registry;
 
 /// A layer blob in a registry, read with HTTP Range requests: the engine's source in
 /// production.
 pub struct RegistrySource {
-    client: Arc<RegistryClient>,
+    client: Arc<dyn Registry>,
     reference: Reference,
     blob: Digest,
 }
@@ -42,12 +42,12 @@ impl BlobSource for RegistrySource {
 /// resolves `reference` to its disk layer and starts an engine over its cache and its blob in
 /// the registry.
 pub async fn open_engine(
-    client: Arc<RegistryClient>,
+    client: Arc<dyn Registry>,
     cache: &CacheRoot,
     reference: &Reference,
     opts: EngineOptions,
 ) -> Result<Arc<Engine>> {
-    let layer = resolve(&client, cache, reference).await?;
+    let layer = resolve(client.as_ref(), cache, reference).await?;
     let source = RegistrySource {
         client,
         reference: layer.reference.clone(),
@@ -189,7 +189,7 @@ pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
 /// The image manifest of `reference` for the host's platform (through an index if there is
 /// one), with its digest and platform.
 pub async fn platform_manifest(
-    client: &RegistryClient,
+    client: &dyn Registry,
     reference: &Reference,
 ) -> Result<(oci::Manifest, crate::digest::Digest, Platform)> {
     let fetched = client.get_manifest(reference).await?;
@@ -227,7 +227,7 @@ pub async fn platform_manifest(
 /// The disk layer of a manifest, where its TOC is, and its identity: the config (fetched by
 /// its digest) supplies the diff_id the layer claims.
 pub async fn disk_layer_id(
-    client: &RegistryClient,
+    client: &dyn Registry,
     reference: &Reference,
     manifest: &oci::Manifest,
 ) -> Result<(Descriptor, TocLocation, LayerId)> {
@@ -283,7 +283,7 @@ pub async fn disk_layer_id(
 }
 
 async fn resolve_online(
-    client: &RegistryClient,
+    client: &dyn Registry,
     cache: &CacheRoot,
     reference: &Reference,
 ) -> Result<RemoteLayer> {
@@ -327,7 +327,7 @@ async fn resolve_online(
 /// Resolves `reference` to its disk layer: from the registry, or from the cache when the
 /// registry is unreachable and this reference was resolved before.
 pub async fn resolve(
-    client: &RegistryClient,
+    client: &dyn Registry,
     cache: &CacheRoot,
     reference: &Reference,
 ) -> Result<RemoteLayer> {

@@ -223,6 +223,58 @@ pub struct FetchedManifest {
     pub manifest: ManifestKind,
 }
 
+/// What the read side (classification, resolution, chunk fetches) needs from a registry: the
+/// seam that unit tests replace with an in-memory image store. [`RegistryClient`] is the one
+/// real implementation.
+pub trait Registry: Send + Sync {
+    /// The manifest or index `r` names, verified against its digest when `r` has one.
+    fn get_manifest<'a>(
+        &'a self,
+        r: &'a Reference,
+    ) -> futures_util::future::BoxFuture<'a, Result<FetchedManifest>>;
+    /// A whole small blob (at most `limit` bytes), verified against its digest.
+    fn get_blob<'a>(
+        &'a self,
+        r: &'a Reference,
+        desc: &'a Descriptor,
+        limit: u64,
+    ) -> futures_util::future::BoxFuture<'a, Result<Vec<u8>>>;
+    /// Exactly the bytes of `range` of a blob (the caller verifies what they mean).
+    fn get_blob_range<'a>(
+        &'a self,
+        r: &'a Reference,
+        digest: &'a Digest,
+        range: std::ops::Range<u64>,
+    ) -> futures_util::future::BoxFuture<'a, Result<Bytes>>;
+}
+
+impl Registry for RegistryClient {
+    fn get_manifest<'a>(
+        &'a self,
+        r: &'a Reference,
+    ) -> futures_util::future::BoxFuture<'a, Result<FetchedManifest>> {
+        Box::pin(RegistryClient::get_manifest(self, r))
+    }
+
+    fn get_blob<'a>(
+        &'a self,
+        r: &'a Reference,
+        desc: &'a Descriptor,
+        limit: u64,
+    ) -> futures_util::future::BoxFuture<'a, Result<Vec<u8>>> {
+        Box::pin(RegistryClient::get_blob(self, r, desc, limit))
+    }
+
+    fn get_blob_range<'a>(
+        &'a self,
+        r: &'a Reference,
+        digest: &'a Digest,
+        range: std::ops::Range<u64>,
+    ) -> futures_util::future::BoxFuture<'a, Result<Bytes>> {
+        Box::pin(RegistryClient::get_blob_range(self, r, digest, range))
+    }
+}
+
 impl RegistryClient {
     /// A client with credentials from `config.auth_files` or the default docker config path.
     pub fn new(config: RegistryConfig) -> Result<Self> {

@@ -14,7 +14,7 @@ use crate::digest::Digest;
 use crate::error::Result;
 use crate::oci::{self, ManifestKind};
 use crate::reference::Reference;
-use crate::registry::RegistryClient;
+use crate::registry::Registry;
 
 pub const LABEL_TARGET: &str = "containerd.io/snapshot.ref";
 pub const LABEL_IMAGE_REF: &str = "containerd.io/snapshot/cri.image-ref";
@@ -43,12 +43,12 @@ const MANIFEST_CACHE: usize = 64;
 
 /// Fetches manifests (once per digest) and classifies layers.
 pub struct Classifier {
-    client: Arc<RegistryClient>,
+    client: Arc<dyn Registry>,
     manifests: Mutex<HashMap<String, Arc<oci::Manifest>>>,
 }
 
 impl Classifier {
-    pub fn new(client: Arc<RegistryClient>) -> Self {
+    pub fn new(client: Arc<dyn Registry>) -> Self {
         Classifier {
             client,
             manifests: Mutex::new(HashMap::new()),
@@ -56,8 +56,8 @@ impl Classifier {
     }
 
     /// The registry client.
-    pub fn client(&self) -> &RegistryClient {
-        &self.client
+    pub fn client(&self) -> &dyn Registry {
+        self.client.as_ref()
     }
 
     async fn manifest(&self, reference: &Reference) -> Result<Arc<oci::Manifest>> {
@@ -122,7 +122,7 @@ impl Classifier {
         }
         match crate::remote::disk_layer(&manifest) {
             Some(disk) if disk.digest == layer => {
-                match crate::remote::disk_layer_id(&self.client, &reference, &manifest).await {
+                match crate::remote::disk_layer_id(self.client.as_ref(), &reference, &manifest).await {
                     Ok((_, _, id)) => Decision::Remote {
                         reference,
                         layer: id.key(),
@@ -139,26 +139,5 @@ impl Classifier {
                 "no zstd:chunked layer with a TOC in the manifest".into(),
             ),
         }
-    }
-}
-
-/// Counted decisions, by "remote", "reused" or "ordinary:<reason>"/"fallback:<reason>".
-#[derive(Default)]
-pub struct Decisions {
-    counts: Mutex<BTreeMap<String, u64>>,
-}
-
-impl Decisions {
-    pub fn count(&self, what: &str) {
-        *self
-            .counts
-            .lock()
-            .expect("decision counts")
-            .entry(what.to_string())
-            .or_default() += 1;
-    }
-
-    pub fn snapshot(&self) -> BTreeMap<String, u64> {
-        self.counts.lock().expect("decision counts").clone()
     }
 }

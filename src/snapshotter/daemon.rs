@@ -88,29 +88,13 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     );
     let snapshotter = Arc::new(
         super::blocking(move || {
-            Snapshotter::open(&root, servers, Classifier::new(client), cache)
+            Snapshotter::open(&root, Box::new(servers), Classifier::new(client), cache)
         })
         .await?,
     );
 
     // Remote snapshots come back before containerd can ask for them.
-    let me = Arc::clone(&snapshotter);
-    let layers = super::blocking(move || me.remote_layers()).await?;
-    let mounted = layers.iter().map(|(layer, (remote, snapshots))| {
-        let snapshotter = &snapshotter;
-        async move {
-            let mut lock = snapshotter.servers.lock(layer).await;
-            match lock.ensure(&remote.reference, remote.alias.as_deref()).await {
-                Ok(mnt) => {
-                    tracing::info!(%layer, mountpoint = %mnt.display(), snapshots = snapshots.len(), "remote snapshot layer mounted")
-                }
-                Err(e) => {
-                    tracing::error!(%layer, error = %e.chain(), "cannot mount a remote snapshot's layer; reads of it fail until a restart mounts it")
-                }
-            }
-        }
-    });
-    futures_util::future::join_all(mounted).await;
+    let remote_layers = snapshotter.mount_recorded().await?;
     if let Some(limit) = config.cache_limit()? {
         let cache = CacheRoot::open(&config.cache_dir())?;
         let freed = super::blocking(move || cache.evict(limit)).await?;
@@ -145,7 +129,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     let manage_svc = ManageServer::new(ManageService {
         snapshotter: Arc::clone(&snapshotter),
     });
-    tracing::info!(address = %config.address.display(), manage = %config.manage_address.display(), remote_layers = layers.len(), "vmdisk-snapshotter ready");
+    tracing::info!(address = %config.address.display(), manage = %config.manage_address.display(), remote_layers, "vmdisk-snapshotter ready");
     let shutdown = async {
         if let Err(e) = crate::serve::wait_for_signal().await {
             tracing::error!(error = %e.chain(), "signal handling failed");

@@ -294,7 +294,6 @@ pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>>
     .await?;
     let mut out = Vec::new();
     for ((layer, (remote, snapshots)), last_used) in layers.into_iter().zip(last_used) {
-        let paths = s.servers.paths(&layer);
         let status = statuses.remove(&layer).flatten();
         let serving = status
             .as_ref()
@@ -321,7 +320,7 @@ pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>>
             } else {
                 st.integrity.clone()
             },
-            mountpoint: paths.mountpoint.display().to_string(),
+            mountpoint: s.servers.mountpoint(&layer).display().to_string(),
             disk_path: st.disk_path.clone(),
             chunks: st.chunks,
             chunks_cached: st.chunks_cached,

@@ -13,7 +13,7 @@
 //! threads, in an order that leaves at worst an unreferenced directory after a crash (removed
 //! by `Cleanup`): directories are created before the record and removed after it. A remote
 //! layer's server is started or stopped under that layer's own lock
-//! ([`supervisor::LayerServers::lock`]), never under a lock other layers wait for.
+//! ([`supervisor::LayerLocks`]), never under a lock other layers wait for.
 
 pub mod classify;
 pub mod config;
@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::{Error, ErrorKind, Result};
 use classify::{Classifier, Decision, LABEL_REMOTE, LABEL_TARGET};
 use counters::Counters;
-use supervisor::LayerServers;
+use supervisor::{LayerLocks, Supervisor};
 use store::{Kind, Record, RemoteLayerRef, Store, Usage};
 
 /// A mount for containerd to perform (`containerd.types.Mount`).
@@ -52,7 +52,9 @@ pub struct Snapshotter {
     store: Store,
     /// Serialises every change to the store and the snapshot directories.
     lock: Mutex<()>,
-    pub servers: LayerServers,
+    pub servers: Box<dyn Supervisor>,
+    /// Held while a layer's server is started or stopped with the records that use it.
+    layer_locks: LayerLocks,
     classifier: Classifier,
     /// Decisions, calls and the servers' engine counters.
     pub counters: Counters,
@@ -77,7 +79,7 @@ impl Snapshotter {
     /// Opens the store under `root` and prepares the directory layout.
     pub fn open(
         root: &Path,
-        servers: LayerServers,
+        servers: Box<dyn Supervisor>,
         classifier: Classifier,
         cache: CacheSettings,
     ) -> Result<Self> {
@@ -90,6 +92,7 @@ impl Snapshotter {
             store,
             lock: Mutex::new(()),
             servers,
+            layer_locks: LayerLocks::default(),
             classifier,
             counters: Counters::load(&root.join("counters.json")),
             overlay_index_off: Path::new("/sys/module/overlay/parameters/index").exists(),
@@ -108,7 +111,7 @@ impl Snapshotter {
     /// The directory holding a snapshot's files: its `fs`, or its layer's FUSE mount.
     fn fs_dir(&self, record: &Record) -> PathBuf {
         match &record.remote {
-            Some(r) => self.servers.paths(&r.layer).mountpoint,
+            Some(r) => self.servers.mountpoint(&r.layer),
             None => self.snapshot_dir(record.id).join("fs"),
         }
     }
@@ -454,8 +457,9 @@ impl Snapshotter {
             ));
         }
         let alias = labels.get(classify::LABEL_IMAGE_REF).cloned();
-        let mut lock = self.servers.lock(&layer).await;
-        lock.ensure(&reference.to_string(), alias.as_deref())
+        let lock = self.layer_locks.lock(&layer).await;
+        self.servers
+            .ensure(&layer, &reference.to_string(), alias.as_deref())
             .await?;
         let mut labels = labels.clone();
         labels.insert(LABEL_REMOTE.to_string(), "vmdisk".to_string());
@@ -489,12 +493,12 @@ impl Snapshotter {
     pub async fn stop_unused(self: &Arc<Self>, layers: Vec<crate::digest::Digest>) -> Result<u32> {
         let mut stopped = 0;
         for layer in layers {
-            let mut lock = self.servers.lock(&layer).await;
+            let _lock = self.layer_locks.lock(&layer).await;
             let me = Arc::clone(self);
             if blocking(move || me.remote_layers()).await?.contains_key(&layer) {
                 continue;
             }
-            match lock.stop().await {
+            match self.servers.stop(&layer).await {
                 Ok(Some(last)) => {
                     self.observe(&last);
                     self.counters.forget(&last.instance);
@@ -575,8 +579,9 @@ impl Snapshotter {
             Err(e) => return Err(e),
         };
         let layer = remote.layer;
-        let mut lock = self.servers.lock(&layer).await;
-        lock.ensure(&remote.reference, remote.alias.as_deref())
+        let lock = self.layer_locks.lock(&layer).await;
+        self.servers
+            .ensure(&layer, &remote.reference, remote.alias.as_deref())
             .await?;
         let (me, name) = (Arc::clone(self), reference.to_string());
         blocking(move || me.store.pin(&name, &remote)).await?;
@@ -659,3 +664,32 @@ pub fn disk_usage(dir: &Path) -> Result<Usage> {
     }
     Ok(usage)
 }
+
+impl Snapshotter {
+    /// Mounts every layer the store records (adopting running servers), all at once; a layer
+    /// that cannot be mounted is logged and left for a later start.
+    pub async fn mount_recorded(self: &Arc<Self>) -> Result<usize> {
+        let me = Arc::clone(self);
+        let layers = blocking(move || me.remote_layers()).await?;
+        let mounted = layers.iter().map(|(layer, (remote, snapshots))| async move {
+            let _lock = self.layer_locks.lock(layer).await;
+            match self
+                .servers
+                .ensure(layer, &remote.reference, remote.alias.as_deref())
+                .await
+            {
+                Ok(mnt) => {
+                    tracing::info!(%layer, mountpoint = %mnt.display(), snapshots = snapshots.len(), "remote snapshot layer mounted")
+                }
+                Err(e) => {
+                    tracing::error!(%layer, error = %e.chain(), "cannot mount a remote snapshot's layer; reads of it fail until a restart mounts it")
+                }
+            }
+        });
+        futures_util::future::join_all(mounted).await;
+        Ok(layers.len())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -9,16 +9,17 @@
 //! (layer key, pid, instance) and adopts a server that serves that layer. The systemd unit uses
 //! `KillMode=process` for the same reason.
 //!
-//! Concurrency: each layer has its own lock ([`LayerServers::lock`]), held by whoever starts or
-//! stops that layer's server together with the records that use it, so a removal never stops
-//! a server a concurrent Prepare just recorded a use of. Nothing holds a lock over all layers
-//! across an await: a mount stuck on an unreachable registry delays only its own layer, and
-//! status queries ([`LayerServers::status`]) take no lock at all.
+//! [`Supervisor`] is the seam the snapshotter drives (a fake one in its unit tests);
+//! [`LayerServers`] is the real one. Callers serialise the start and stop of one layer with
+//! [`LayerLocks`]; nothing holds a lock over all layers across an await, so a mount stuck on
+//! an unreachable registry delays only its own layer, and status queries take no lock at all.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use futures_util::future::BoxFuture;
 
 use super::control::{self, LayerPaths, LayerStatus, ServerState};
 use crate::digest::Digest;
@@ -36,19 +37,81 @@ pub struct ServerCommand {
     pub mount_timeout: Duration,
 }
 
-/// The running servers, one lock per layer.
-pub struct LayerServers {
-    command: ServerCommand,
-    locks: Mutex<HashMap<Digest, Arc<tokio::sync::Mutex<()>>>>,
-    /// Server instances this daemon started or adopted (to log an adoption once).
-    known: Mutex<HashSet<String>>,
+/// What the snapshotter asks of whoever runs the mount servers.
+pub trait Supervisor: Send + Sync {
+    /// Where `layer`'s files are mounted.
+    fn mountpoint(&self, layer: &Digest) -> PathBuf;
+    /// The ready-disk directory of the image `reference` (repository@manifest digest).
+    fn ready_dir(&self, reference: &str) -> Option<PathBuf>;
+    /// What `layer`'s server says about itself, if one answers in time.
+    fn status<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Option<LayerStatus>>;
+    /// Asks `layer`'s server to fetch its whole disk; whether a new hydration started.
+    fn hydrate<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<bool>>;
+    /// Makes sure a server serves `layer` (of `reference`), adopting a running one or starting
+    /// one; returns the mount point. The caller holds the layer's lock.
+    fn ensure<'a>(
+        &'a self,
+        layer: &'a Digest,
+        reference: &'a str,
+        alias: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<PathBuf>>;
+    /// Stops `layer`'s server; its last status with its final counters, or `None` if no server
+    /// answered. A busy mount refuses (`FailedPrecondition`). The caller holds the layer's lock.
+    fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>>;
 }
 
-/// A layer's lock, held while its server is started or stopped (see the module doc).
-pub struct LayerLock<'a> {
-    servers: &'a LayerServers,
-    layer: Digest,
-    _guard: tokio::sync::OwnedMutexGuard<()>,
+/// A shared supervisor is one too (the daemon's tests keep a handle on their fake).
+impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
+    fn mountpoint(&self, layer: &Digest) -> PathBuf {
+        (**self).mountpoint(layer)
+    }
+    fn ready_dir(&self, reference: &str) -> Option<PathBuf> {
+        (**self).ready_dir(reference)
+    }
+    fn status<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Option<LayerStatus>> {
+        (**self).status(layer)
+    }
+    fn hydrate<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<bool>> {
+        (**self).hydrate(layer)
+    }
+    fn ensure<'a>(
+        &'a self,
+        layer: &'a Digest,
+        reference: &'a str,
+        alias: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<PathBuf>> {
+        (**self).ensure(layer, reference, alias)
+    }
+    fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
+        (**self).stop(layer)
+    }
+}
+
+/// One lock per layer, held while its server is started or stopped together with the records
+/// that use it, so a removal never stops a server a concurrent Prepare just recorded a use of.
+#[derive(Default)]
+pub struct LayerLocks {
+    locks: Mutex<HashMap<Digest, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl LayerLocks {
+    /// Waits for `layer`'s lock (only operations on the same layer wait).
+    pub async fn lock(&self, layer: &Digest) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+            // Forget locks nobody holds or waits for, so the map stays as small as the work.
+            locks.retain(|_, l| Arc::strong_count(l) > 1);
+            Arc::clone(locks.entry(*layer).or_default())
+        };
+        lock.lock_owned().await
+    }
+}
+
+/// The mount server processes.
+pub struct LayerServers {
+    command: ServerCommand,
+    /// Server instances this daemon started or adopted (to log an adoption once).
+    known: Mutex<HashSet<String>>,
 }
 
 /// Whether the process `pid` exists (the pid a server reported about itself).
@@ -62,7 +125,6 @@ impl LayerServers {
     pub fn new(command: ServerCommand) -> Self {
         LayerServers {
             command,
-            locks: Mutex::new(HashMap::new()),
             known: Mutex::new(HashSet::new()),
         }
     }
@@ -71,33 +133,9 @@ impl LayerServers {
         LayerPaths::new(&self.command.root, layer)
     }
 
-    /// The ready-disk directory of a layer resolved from `reference` (by digest).
-    pub fn ready_dir(&self, reference: &str) -> Option<PathBuf> {
-        let reference: crate::reference::Reference = reference.parse().ok()?;
-        Some(crate::ready::dir_of(
-            &self.command.ready_dir,
-            &reference.digest?,
-        ))
-    }
-
-    /// Waits for `layer`'s lock (only operations on the same layer wait).
-    pub async fn lock(&self, layer: &Digest) -> LayerLock<'_> {
-        let lock = {
-            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
-            // Forget locks nobody holds or waits for, so the map stays as small as the work.
-            locks.retain(|_, l| Arc::strong_count(l) > 1);
-            Arc::clone(locks.entry(*layer).or_default())
-        };
-        LayerLock {
-            servers: self,
-            layer: *layer,
-            _guard: lock.lock_owned().await,
-        }
-    }
-
     /// What `layer`'s server says about itself, if a server for that layer answers within
-    /// [`control::CALL_DEADLINE`]. Takes no lock.
-    pub async fn status(&self, layer: &Digest) -> Option<LayerStatus> {
+    /// [`control::CALL_DEADLINE`].
+    async fn server_status(&self, layer: &Digest) -> Option<LayerStatus> {
         let status = control::status(&self.paths(layer).control).await.ok()?;
         (status.layer_key == layer.to_string()).then_some(status)
     }
@@ -110,39 +148,74 @@ impl LayerServers {
             .insert(instance.to_string())
     }
 
-    /// Asks `layer`'s server to fetch its whole disk; whether a new hydration started.
-    pub async fn hydrate(&self, layer: &Digest) -> Result<bool> {
-        control::hydrate(&self.paths(layer).control).await
+}
+
+impl Supervisor for LayerServers {
+    fn mountpoint(&self, layer: &Digest) -> PathBuf {
+        self.paths(layer).mountpoint
+    }
+
+    fn ready_dir(&self, reference: &str) -> Option<PathBuf> {
+        let reference: crate::reference::Reference = reference.parse().ok()?;
+        Some(crate::ready::dir_of(
+            &self.command.ready_dir,
+            &reference.digest?,
+        ))
+    }
+
+    fn status<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Option<LayerStatus>> {
+        Box::pin(self.server_status(layer))
+    }
+
+    fn hydrate<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<bool>> {
+        let socket = self.paths(layer).control;
+        Box::pin(async move { control::hydrate(&socket).await })
+    }
+
+    fn ensure<'a>(
+        &'a self,
+        layer: &'a Digest,
+        reference: &'a str,
+        alias: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<PathBuf>> {
+        Box::pin(self.ensure_server(layer, reference, alias))
+    }
+
+    fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
+        Box::pin(self.stop_server(layer))
     }
 }
 
-impl LayerLock<'_> {
-    /// Makes sure the layer (of `reference`) is mounted, adopting a running server or starting
-    /// one; returns the mount point.
-    pub async fn ensure(&mut self, reference: &str, alias: Option<&str>) -> Result<PathBuf> {
-        let paths = self.servers.paths(&self.layer);
-        if let Some(status) = self.servers.status(&self.layer).await {
+impl LayerServers {
+    async fn ensure_server(
+        &self,
+        layer: &Digest,
+        reference: &str,
+        alias: Option<&str>,
+    ) -> Result<PathBuf> {
+        let paths = self.paths(layer);
+        if let Some(status) = self.server_status(layer).await {
             match status.state() {
                 ServerState::Serving => {
-                    if self.servers.know(&status.instance) {
-                        tracing::info!(layer = %self.layer, pid = status.pid, instance = status.instance, "adopted the running mount server");
+                    if self.know(&status.instance) {
+                        tracing::info!(%layer, pid = status.pid, instance = status.instance, "adopted the running mount server");
                     }
                     return Ok(paths.mountpoint);
                 }
                 // A start begun by an earlier daemon: see it through.
-                ServerState::Starting => return self.wait_serving(reference, None).await,
+                ServerState::Starting => return self.wait_serving(layer, reference, None).await,
                 // Failed or stopping: make room for a new one.
                 _ => {
                     let _ = control::stop(&paths.control).await;
                 }
             }
         }
-        self.start(reference, alias).await
+        self.start(layer, reference, alias).await
     }
 
-    async fn start(&mut self, reference: &str, alias: Option<&str>) -> Result<PathBuf> {
-        let command = &self.servers.command;
-        let paths = self.servers.paths(&self.layer);
+    async fn start(&self, layer: &Digest, reference: &str, alias: Option<&str>) -> Result<PathBuf> {
+        let command = &self.command;
+        let paths = self.paths(layer);
         let log_path = paths.log.clone();
         let log = tokio::task::spawn_blocking(move || {
             if let Some(dir) = log_path.parent() {
@@ -167,7 +240,7 @@ impl LayerLock<'_> {
             .arg("--reference")
             .arg(reference)
             .arg("--layer")
-            .arg(self.layer.to_string());
+            .arg(layer.to_string());
         if let Some(alias) = alias {
             cmd.arg("--alias").arg(alias);
         }
@@ -180,20 +253,20 @@ impl LayerLock<'_> {
         let child = cmd
             .spawn()
             .map_err(|e| Error::io(format!("starting {}", command.exe.display()), e))?;
-        self.wait_serving(reference, Some(child)).await
+        self.wait_serving(layer, reference, Some(child)).await
     }
 
     /// Waits until the layer's server serves, up to the mount timeout; a server that failed
     /// or timed out is stopped, and the error says why (the server's own reason, or the
     /// timeout and the log to read).
     async fn wait_serving(
-        &mut self,
+        &self,
+        layer: &Digest,
         reference: &str,
         mut child: Option<tokio::process::Child>,
     ) -> Result<PathBuf> {
-        let paths = self.servers.paths(&self.layer);
-        let layer = self.layer;
-        let timeout = self.servers.command.mount_timeout;
+        let paths = self.paths(layer);
+        let timeout = self.command.mount_timeout;
         let deadline = tokio::time::Instant::now() + timeout;
         let outcome = loop {
             if let Some(exit) = child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
@@ -219,7 +292,7 @@ impl LayerLock<'_> {
                 }
                 match status.state() {
                     ServerState::Serving => {
-                        self.servers.know(&status.instance);
+                        self.know(&status.instance);
                         tracing::info!(%layer, pid = status.pid, instance = status.instance, mountpoint = %paths.mountpoint.display(), "mount server ready");
                         break Ok(paths.mountpoint.clone());
                     }
@@ -273,14 +346,12 @@ impl LayerLock<'_> {
         outcome
     }
 
-    /// Stops the layer's server: it unmounts and exits. Returns its last status with its final
-    /// counters, or `None` if no server answered. A busy mount refuses (`FailedPrecondition`)
-    /// and keeps serving.
-    pub async fn stop(&mut self) -> Result<Option<LayerStatus>> {
-        let Some(mut status) = self.servers.status(&self.layer).await else {
+    /// Stops the layer's server: it unmounts and exits (see [`Supervisor::stop`]).
+    async fn stop_server(&self, layer: &Digest) -> Result<Option<LayerStatus>> {
+        let Some(mut status) = self.server_status(layer).await else {
             return Ok(None);
         };
-        let paths = self.servers.paths(&self.layer);
+        let paths = self.paths(layer);
         status.counters = Some(control::stop(&paths.control).await?);
         // The server answers before its session ends; wait (bounded) for it to go.
         for _ in 0..100 {
@@ -290,11 +361,11 @@ impl LayerLock<'_> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         if process_alive(status.pid) {
-            tracing::warn!(layer = %self.layer, pid = status.pid, "mount server still running 10 s after it was stopped");
+            tracing::warn!(%layer, pid = status.pid, "mount server still running 10 s after it was stopped");
         }
         let dir = paths.mountpoint.clone();
         let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir(dir)).await;
-        tracing::info!(layer = %self.layer, pid = status.pid, "mount server stopped");
+        tracing::info!(%layer, pid = status.pid, "mount server stopped");
         Ok(Some(status))
     }
 }

@@ -1,0 +1,329 @@
+//! The Prepare decision without root, network or processes: an in-memory registry behind the
+//! [`Registry`] seam and a recording [`Supervisor`]. What each outcome does to the store and
+//! the counters is checked here; the real thing (containerd, FUSE, mount servers) is checked
+//! in `integration/snapshotter.rs`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures_util::future::BoxFuture;
+
+use super::classify::{Classifier, LABEL_IMAGE_REF, LABEL_LAYER, LABEL_MANIFEST, LABEL_TARGET};
+use super::control::LayerStatus;
+use super::supervisor::Supervisor;
+use super::{CacheSettings, Snapshotter};
+use crate::digest::Digest;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::zstd_chunked::{ANN_TOC_CHECKSUM, ANN_TOC_POSITION};
+use crate::oci::Descriptor;
+use crate::reference::Reference;
+use crate::registry::{FetchedManifest, Registry};
+
+/// Images in memory; `down` makes every call fail as an unreachable registry would.
+#[derive(Default)]
+struct MemoryRegistry {
+    manifests: Mutex<HashMap<Digest, Vec<u8>>>,
+    blobs: Mutex<HashMap<Digest, Vec<u8>>>,
+    down: AtomicBool,
+}
+
+impl MemoryRegistry {
+    fn check(&self) -> Result<()> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Error::new(ErrorKind::Network, "registry unreachable"));
+        }
+        Ok(())
+    }
+
+    /// Stores an image whose layers have `layers` (media type, annotations) and returns the
+    /// manifest digest and the layer digests.
+    fn image(&self, layers: &[(&str, BTreeMap<String, String>)]) -> (Digest, Vec<Digest>) {
+        let digests: Vec<Digest> = (0..layers.len())
+            .map(|i| Digest::of(format!("layer {i} of {layers:?}").as_bytes()))
+            .collect();
+        let config = serde_json::to_vec(&serde_json::json!({
+            "architecture": "amd64", "os": "linux",
+            "rootfs": {"type": "layers", "diff_ids": digests.iter().map(|d| d.to_string()).collect::<Vec<_>>()},
+        }))
+        .unwrap();
+        let config_digest = Digest::of(&config);
+        self.blobs.lock().unwrap().insert(config_digest, config.clone());
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                       "digest": config_digest.to_string(), "size": config.len()},
+            "layers": layers.iter().zip(&digests).map(|((media_type, annotations), d)| serde_json::json!({
+                "mediaType": media_type, "digest": d.to_string(), "size": 1 << 20,
+                "annotations": annotations,
+            })).collect::<Vec<_>>(),
+        }))
+        .unwrap();
+        let digest = Digest::of(&manifest);
+        self.manifests.lock().unwrap().insert(digest, manifest);
+        (digest, digests)
+    }
+}
+
+impl Registry for MemoryRegistry {
+    fn get_manifest<'a>(&'a self, r: &'a Reference) -> BoxFuture<'a, Result<FetchedManifest>> {
+        Box::pin(async move {
+            self.check()?;
+            let digest = r.digest.expect("CRI labels pin manifests by digest");
+            let bytes = self
+                .manifests
+                .lock()
+                .unwrap()
+                .get(&digest)
+                .cloned()
+                .ok_or_else(|| Error::not_found(format!("manifest {digest}")))?;
+            Ok(FetchedManifest {
+                digest,
+                media_type: crate::oci::OCI_MANIFEST.into(),
+                manifest: crate::oci::parse_manifest(&bytes, Some(crate::oci::OCI_MANIFEST))?,
+                bytes,
+            })
+        })
+    }
+
+    fn get_blob<'a>(
+        &'a self,
+        _r: &'a Reference,
+        desc: &'a Descriptor,
+        _limit: u64,
+    ) -> BoxFuture<'a, Result<Vec<u8>>> {
+        Box::pin(async move {
+            self.check()?;
+            self.blobs
+                .lock()
+                .unwrap()
+                .get(&desc.digest)
+                .cloned()
+                .ok_or_else(|| Error::not_found(format!("blob {}", desc.digest)))
+        })
+    }
+
+    fn get_blob_range<'a>(
+        &'a self,
+        _r: &'a Reference,
+        digest: &'a Digest,
+        _range: std::ops::Range<u64>,
+    ) -> BoxFuture<'a, Result<bytes::Bytes>> {
+        Box::pin(async move { Err(Error::not_found(format!("no ranges of {digest} here"))) })
+    }
+}
+
+/// Records what it was asked; mounts are plain directories; `fail` makes `ensure` fail.
+struct FakeSupervisor {
+    root: PathBuf,
+    ensured: Mutex<Vec<(Digest, String)>>,
+    stopped: Mutex<Vec<Digest>>,
+    fail: AtomicBool,
+}
+
+impl Supervisor for FakeSupervisor {
+    fn mountpoint(&self, layer: &Digest) -> PathBuf {
+        self.root.join(layer.hex())
+    }
+
+    fn ready_dir(&self, _reference: &str) -> Option<PathBuf> {
+        None
+    }
+
+    fn status<'a>(&'a self, _layer: &'a Digest) -> BoxFuture<'a, Option<LayerStatus>> {
+        Box::pin(async { None })
+    }
+
+    fn hydrate<'a>(&'a self, _layer: &'a Digest) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async { Ok(true) })
+    }
+
+    fn ensure<'a>(
+        &'a self,
+        layer: &'a Digest,
+        reference: &'a str,
+        _alias: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<PathBuf>> {
+        Box::pin(async move {
+            if self.fail.load(Ordering::SeqCst) {
+                return Err(Error::new(ErrorKind::Timeout, "the mount did not come up"));
+            }
+            let dir = self.mountpoint(layer);
+            std::fs::create_dir_all(&dir).unwrap();
+            self.ensured
+                .lock()
+                .unwrap()
+                .push((*layer, reference.to_string()));
+            Ok(dir)
+        })
+    }
+
+    fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
+        Box::pin(async move {
+            self.stopped.lock().unwrap().push(*layer);
+            Ok(Some(LayerStatus::default()))
+        })
+    }
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    registry: Arc<MemoryRegistry>,
+    supervisor: Arc<FakeSupervisor>,
+    snapshotter: Arc<Snapshotter>,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Arc::new(MemoryRegistry::default());
+    let supervisor = Arc::new(FakeSupervisor {
+        root: dir.path().join("fake-mounts"),
+        ensured: Mutex::default(),
+        stopped: Mutex::default(),
+        fail: AtomicBool::new(false),
+    });
+    let snapshotter = Snapshotter::open(
+        &dir.path().join("root"),
+        Box::new(Arc::clone(&supervisor)),
+        Classifier::new(Arc::clone(&registry) as Arc<dyn Registry>),
+        CacheSettings {
+            dir: dir.path().join("cache"),
+            limit: None,
+        },
+    )
+    .unwrap();
+    Fixture {
+        _dir: dir,
+        registry,
+        supervisor,
+        snapshotter: Arc::new(snapshotter),
+    }
+}
+
+const ZSTD: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
+const GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+
+/// The annotations of a zstd:chunked layer whose TOC sits near its end.
+fn chunked() -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (ANN_TOC_POSITION.to_string(), "1000000:4000:20000:1".to_string()),
+        (
+            ANN_TOC_CHECKSUM.to_string(),
+            Digest::of(b"toc").to_string(),
+        ),
+    ])
+}
+
+/// The labels containerd's CRI plugin sets on the Prepare of `layer` of `manifest`.
+fn cri_labels(target: &str, manifest: &Digest, layer: &Digest) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (LABEL_TARGET.to_string(), target.to_string()),
+        (LABEL_IMAGE_REF.to_string(), "r.example/vm/disk:1".to_string()),
+        (LABEL_MANIFEST.to_string(), manifest.to_string()),
+        (LABEL_LAYER.to_string(), layer.to_string()),
+    ])
+}
+
+impl Fixture {
+    fn decisions(&self) -> BTreeMap<String, u64> {
+        self.snapshotter.counters.with_prefix("decision/")
+    }
+}
+
+#[tokio::test]
+async fn a_disk_layer_is_served_remotely_then_reused() {
+    let f = fixture();
+    let (manifest, layers) = f.registry.image(&[(GZIP, BTreeMap::new()), (ZSTD, chunked())]);
+    // The base layer is ordinary: containerd unpacks it into an active snapshot.
+    let base = f
+        .snapshotter
+        .prepare("extract-0", "", cri_labels("base", &manifest, &layers[0]))
+        .await
+        .unwrap();
+    assert!(base.is_some(), "an ordinary layer gets mounts to unpack into");
+    f.snapshotter.commit("base", "extract-0", BTreeMap::new()).unwrap();
+    // The disk layer becomes a committed remote snapshot: no mounts, the target exists.
+    let disk = f
+        .snapshotter
+        .prepare("extract-1", "base", cri_labels("disk", &manifest, &layers[1]))
+        .await
+        .unwrap();
+    assert!(disk.is_none(), "the remote handshake answers AlreadyExists");
+    let record = f.snapshotter.stat("disk").unwrap();
+    let remote = record.remote.expect("recorded as remote");
+    assert_eq!(record.parent, "base");
+    assert_eq!(record.labels.get(super::LABEL_REMOTE).map(String::as_str), Some("vmdisk"));
+    let ensured = f.supervisor.ensured.lock().unwrap().clone();
+    assert_eq!(ensured.len(), 1);
+    assert_eq!(ensured[0].0, remote.layer, "the layer key, not the blob digest, is mounted");
+    assert_ne!(remote.layer, layers[1]);
+    assert!(ensured[0].1.ends_with(&format!("@{manifest}")));
+    // A second pull of the same image finds the snapshot.
+    let again = f
+        .snapshotter
+        .prepare("extract-2", "base", cri_labels("disk", &manifest, &layers[1]))
+        .await
+        .unwrap();
+    assert!(again.is_none());
+    let d = f.decisions();
+    assert_eq!(d.get("remote"), Some(&1), "{d:?}");
+    assert_eq!(d.get("reused"), Some(&1), "{d:?}");
+    assert_eq!(d.get("ordinary:not_disk_layer"), Some(&1), "{d:?}");
+    // Removing the last user stops the layer's server.
+    let layer = f.snapshotter.remove("disk").unwrap().expect("a remote layer");
+    assert_eq!(f.snapshotter.stop_unused(vec![layer]).await.unwrap(), 1);
+    assert_eq!(*f.supervisor.stopped.lock().unwrap(), [layer]);
+}
+
+#[tokio::test]
+async fn every_other_outcome_is_an_ordinary_snapshot_with_its_reason() {
+    let f = fixture();
+    let (plain, plain_layers) = f.registry.image(&[(GZIP, BTreeMap::new())]);
+    let (disk, disk_layers) = f.registry.image(&[(ZSTD, chunked())]);
+    let mut bad_toc = chunked();
+    bad_toc.insert(ANN_TOC_POSITION.into(), "1000000:4000:20000:7".into());
+    let (odd, odd_layers) = f.registry.image(&[(ZSTD, bad_toc)]);
+    let mut n = 0;
+    let mut prepare = |labels: BTreeMap<String, String>| {
+        n += 1;
+        let s = Arc::clone(&f.snapshotter);
+        async move {
+            let mounts = s.prepare(&format!("extract-{n}"), "", labels).await.unwrap();
+            assert!(mounts.is_some(), "an ordinary snapshot to unpack into");
+        }
+    };
+    prepare(cri_labels("a", &plain, &plain_layers[0])).await;
+    // No CRI labels (a `ctr` pull).
+    prepare(BTreeMap::from([(LABEL_TARGET.to_string(), "b".to_string())])).await;
+    // Labels that do not parse.
+    let mut malformed = cri_labels("c", &disk, &disk_layers[0]);
+    malformed.insert(LABEL_MANIFEST.into(), "sha256:nothex".into());
+    prepare(malformed).await;
+    // A layer the manifest does not list.
+    prepare(cri_labels("d", &disk, &Digest::of(b"elsewhere"))).await;
+    // A TOC type nobody reads.
+    prepare(cri_labels("e", &odd, &odd_layers[0])).await;
+    // The registry is down.
+    f.registry.down.store(true, Ordering::SeqCst);
+    prepare(cri_labels("f", &disk, &disk_layers[0])).await;
+    f.registry.down.store(false, Ordering::SeqCst);
+    // The mount does not come up: containerd pulls the layer after all.
+    f.supervisor.fail.store(true, Ordering::SeqCst);
+    prepare(cri_labels("g", &disk, &disk_layers[0])).await;
+    let d = f.decisions();
+    for reason in [
+        "ordinary:not_lazy",
+        "ordinary:no_cri_labels",
+        "ordinary:malformed_labels",
+        "ordinary:layer_not_in_manifest",
+        "ordinary:not_lazy",
+        "ordinary:registry_error",
+        "fallback:mount_failed",
+    ] {
+        assert!(d.contains_key(reason), "{reason} missing from {d:?}");
+    }
+    assert_eq!(d.get("ordinary:not_lazy"), Some(&2), "{d:?}");
+    assert!(f.snapshotter.list().unwrap().iter().all(|(_, r)| r.remote.is_none()));
+}
