@@ -1134,3 +1134,6 @@ impl Read for BlobReader {
         Ok(n)
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,291 @@
+//! The registry client against an in-process HTTP server (axum on loopback): retries, bearer
+//! authentication, upload resume and the body deadline, each with the server's side of the
+//! conversation checked. Paused tokio time stands in for the clock where a test waits on a
+//! deadline. The real registry (distribution) is exercised in `integration/publish.rs`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes as AxumBytes};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
+use axum::response::Response;
+use bytes::Bytes;
+
+use super::{RegistryClient, RegistryConfig, RetryPolicy};
+use crate::digest::Digest;
+use crate::error::ErrorKind;
+use crate::reference::Reference;
+
+/// What the test server saw and holds.
+#[derive(Default)]
+struct Server {
+    /// Requests by "METHOD path".
+    seen: Mutex<Vec<String>>,
+    /// 503 answers still to give to manifest GETs.
+    unavailable: AtomicUsize,
+    /// The bearer token the registry accepts, and the user:password the token endpoint wants.
+    token: Option<(String, String)>,
+    /// Upload sessions: bytes kept so far; the first PATCH keeps half and fails.
+    uploads: Mutex<HashMap<String, Vec<u8>>>,
+    patches: AtomicUsize,
+    /// Completed blobs.
+    blobs: Mutex<HashMap<String, Vec<u8>>>,
+    /// A manifest body that never ends.
+    stall: bool,
+}
+
+const MANIFEST: &str = r#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","size":2},"layers":[]}"#;
+
+fn respond(status: StatusCode) -> axum::http::response::Builder {
+    Response::builder().status(status)
+}
+
+async fn handle(
+    State(server): State<Arc<Server>>,
+    method: Method,
+    Path(rest): Path<String>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: AxumBytes,
+) -> Response {
+    server.seen.lock().unwrap().push(format!("{method} /{rest}"));
+    if rest == "token" {
+        let (token, userpass) = server.token.clone().unwrap();
+        use base64::Engine as _;
+        let want = format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(userpass)
+        );
+        let ok = headers.get(header::AUTHORIZATION).is_some_and(|v| v == want.as_str());
+        return if ok {
+            respond(StatusCode::OK)
+                .body(Body::from(format!(r#"{{"token":"{token}"}}"#)))
+                .unwrap()
+        } else {
+            respond(StatusCode::UNAUTHORIZED).body(Body::empty()).unwrap()
+        };
+    }
+    if let Some((token, _)) = &server.token {
+        let bearer = format!("Bearer {token}");
+        if headers.get(header::AUTHORIZATION).is_none_or(|v| v != bearer.as_str()) {
+            let host = headers.get(header::HOST).unwrap().to_str().unwrap();
+            return respond(StatusCode::UNAUTHORIZED)
+                .header(
+                    header::WWW_AUTHENTICATE,
+                    format!(r#"Bearer realm="http://{host}/token",service="test",scope="repository:vm/disk:pull""#),
+                )
+                .body(Body::empty())
+                .unwrap();
+        }
+    }
+    if rest.contains("/manifests/") {
+        if server
+            .unavailable
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return respond(StatusCode::SERVICE_UNAVAILABLE).body(Body::empty()).unwrap();
+        }
+        if rest.ends_with("/missing") {
+            return respond(StatusCode::NOT_FOUND).body(Body::empty()).unwrap();
+        }
+        let body = if server.stall {
+            Body::from_stream(futures_util::stream::pending::<Result<Vec<u8>, std::io::Error>>())
+        } else {
+            Body::from(MANIFEST)
+        };
+        return respond(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "application/vnd.oci.image.manifest.v1+json")
+            .body(body)
+            .unwrap();
+    }
+    if rest.ends_with("/blobs/uploads/") && method == Method::POST {
+        server.uploads.lock().unwrap().insert("u1".into(), Vec::new());
+        return respond(StatusCode::ACCEPTED)
+            .header(header::LOCATION, "/v2/vm/disk/blobs/uploads/u1")
+            .body(Body::empty())
+            .unwrap();
+    }
+    if rest.ends_with("/blobs/uploads/u1") {
+        let mut uploads = server.uploads.lock().unwrap();
+        let kept = uploads.get_mut("u1").unwrap();
+        let location = |b: axum::http::response::Builder| {
+            b.header(header::LOCATION, "/v2/vm/disk/blobs/uploads/u1")
+        };
+        let range = |n: usize| format!("0-{}", n.saturating_sub(1));
+        match method {
+            Method::PATCH => {
+                let from: usize = headers[header::CONTENT_RANGE]
+                    .to_str()
+                    .unwrap()
+                    .split('-')
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert_eq!(from, kept.len(), "a PATCH starts where the registry is");
+                if server.patches.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // The request broke part-way: half of it arrived.
+                    kept.extend_from_slice(&body[..body.len() / 2]);
+                    return respond(StatusCode::INTERNAL_SERVER_ERROR).body(Body::empty()).unwrap();
+                }
+                kept.extend_from_slice(&body);
+                return location(respond(StatusCode::ACCEPTED))
+                    .header(header::RANGE, range(kept.len()))
+                    .body(Body::empty())
+                    .unwrap();
+            }
+            Method::GET => {
+                return location(respond(StatusCode::NO_CONTENT))
+                    .header(header::RANGE, range(kept.len()))
+                    .body(Body::empty())
+                    .unwrap();
+            }
+            Method::PUT => {
+                let digest = url::form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
+                    .find(|(k, _)| k == "digest")
+                    .map(|(_, v)| v.into_owned())
+                    .unwrap_or_default();
+                if Digest::of(kept).to_string() != digest {
+                    return respond(StatusCode::BAD_REQUEST).body(Body::empty()).unwrap();
+                }
+                server.blobs.lock().unwrap().insert(digest, kept.clone());
+                return respond(StatusCode::CREATED).body(Body::empty()).unwrap();
+            }
+            _ => {}
+        }
+    }
+    respond(StatusCode::NOT_FOUND).body(Body::empty()).unwrap()
+}
+
+/// Serves `server` on a loopback port; returns the host:port.
+async fn serve(server: Arc<Server>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let host = listener.local_addr().unwrap().to_string();
+    let app = axum::Router::new()
+        .route("/v2/", axum::routing::get(|| async { "{}" }))
+        .route("/v2/{*rest}", axum::routing::any(handle))
+        .route("/{*rest}", axum::routing::any(handle))
+        .with_state(server);
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    host
+}
+
+fn client(auth_files: Vec<std::path::PathBuf>) -> RegistryClient {
+    RegistryClient::new(RegistryConfig {
+        auth_files: Some(auth_files),
+        retry: RetryPolicy {
+            attempts: 4,
+            base_delay: Duration::from_millis(10),
+            max_delay: Duration::from_millis(50),
+        },
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn reference(host: &str, tag: &str) -> Reference {
+    format!("{host}/vm/disk:{tag}").parse().unwrap()
+}
+
+fn count(server: &Server, what: &str) -> usize {
+    server
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.starts_with(what))
+        .count()
+}
+
+#[tokio::test]
+async fn server_errors_are_retried_and_not_found_is_not() {
+    let server = Arc::new(Server {
+        unavailable: AtomicUsize::new(2),
+        ..Default::default()
+    });
+    let host = serve(Arc::clone(&server)).await;
+    let c = client(vec![]);
+    let m = c.get_manifest(&reference(&host, "1")).await.unwrap();
+    assert_eq!(m.bytes, MANIFEST.as_bytes());
+    assert_eq!(count(&server, "GET /vm/disk/manifests/1"), 3, "two 503s, then 200");
+    let e = c.get_manifest(&reference(&host, "missing")).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{}", e.chain());
+    assert_eq!(count(&server, "GET /vm/disk/manifests/missing"), 1, "404 is final");
+    // A registry that stays down fails after the policy's attempts, as a network error.
+    server.unavailable.store(100, Ordering::SeqCst);
+    let e = c.get_manifest(&reference(&host, "2")).await.unwrap_err();
+    assert_eq!(count(&server, "GET /vm/disk/manifests/2"), 4);
+    assert!(matches!(e.kind(), ErrorKind::Network | ErrorKind::Io), "{}", e.chain());
+}
+
+#[tokio::test]
+async fn bearer_tokens_come_from_the_realm_with_the_configured_credentials() {
+    let server = Arc::new(Server {
+        token: Some(("t0k3n".into(), "alice:s3cret".into())),
+        ..Default::default()
+    });
+    let host = serve(Arc::clone(&server)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let write_auth = |name: &str, userpass: &str| {
+        use base64::Engine as _;
+        let path = dir.path().join(name);
+        let auth = base64::engine::general_purpose::STANDARD.encode(userpass);
+        std::fs::write(&path, format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#)).unwrap();
+        path
+    };
+    let good = client(vec![write_auth("good.json", "alice:s3cret")]);
+    good.get_manifest(&reference(&host, "1")).await.unwrap();
+    assert_eq!(count(&server, "GET /token"), 1);
+    // The token is cached: a second call needs no new one.
+    good.get_manifest(&reference(&host, "1")).await.unwrap();
+    assert_eq!(count(&server, "GET /token"), 1);
+    let bad = client(vec![write_auth("bad.json", "alice:wrong")]);
+    let e = bad.get_manifest(&reference(&host, "1")).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Auth, "{}", e.chain());
+    let none = client(vec![dir.path().join("absent.json")]);
+    let e = none.get_manifest(&reference(&host, "1")).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Auth, "{}", e.chain());
+}
+
+#[tokio::test]
+async fn a_broken_upload_request_resumes_where_the_registry_is() {
+    let server = Arc::new(Server::default());
+    let host = serve(Arc::clone(&server)).await;
+    let c = client(vec![]);
+    let r = reference(&host, "1");
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let mut upload = c.start_upload(&r).await.unwrap();
+    upload.write(Bytes::from(data.clone())).await.unwrap();
+    assert_eq!(upload.offset(), data.len() as u64);
+    let digest = Digest::of(&data);
+    upload.finish(&digest).await.unwrap();
+    assert_eq!(server.blobs.lock().unwrap()[&digest.to_string()], data);
+    // One PATCH broke after half, the status was asked, the rest was sent once.
+    assert_eq!(server.patches.load(Ordering::SeqCst), 2);
+    assert_eq!(count(&server, "GET /vm/disk/blobs/uploads/u1"), 1);
+}
+
+/// Paused time: the 30 s body deadline passes as soon as the stalled body is all there is
+/// to wait for.
+#[tokio::test(start_paused = true)]
+async fn a_body_that_never_ends_fails_at_its_deadline() {
+    let server = Arc::new(Server {
+        stall: true,
+        ..Default::default()
+    });
+    let host = serve(server).await;
+    let c = client(vec![]);
+    let started = tokio::time::Instant::now();
+    let e = c.get_manifest(&reference(&host, "1")).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Network, "{}", e.chain());
+    assert!(e.chain().contains("too slowly"), "{}", e.chain());
+    let waited = started.elapsed();
+    assert!(
+        waited >= super::BODY_DEADLINE && waited < super::BODY_DEADLINE + Duration::from_secs(60),
+        "failed after {waited:?} of (virtual) time"
+    );
+}
