@@ -96,8 +96,8 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     // Remote snapshots come back before containerd can ask for them.
     let remote_layers = snapshotter.mount_recorded().await?;
     if let Some(limit) = config.cache_limit()? {
-        let cache = CacheRoot::open(&config.cache_dir())?;
-        let freed = super::blocking(move || cache.evict(limit)).await?;
+        let dir = config.cache_dir();
+        let freed = super::blocking(move || CacheRoot::open(&dir)?.evict(limit)).await?;
         tracing::info!(freed, limit, "cache eviction done");
     }
 

@@ -11,7 +11,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::counters::LAYER_COUNTERS;
 use super::grpc::disks;
@@ -140,72 +139,44 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
     Ok(out)
 }
 
-/// Answers one HTTP request on `stream` with the metrics (GET /metrics) or 404.
-async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
-    mut stream: S,
-    s: Arc<Snapshotter>,
-) {
-    let mut buf = vec![0u8; 8192];
-    let mut len = 0;
-    // Read the request head (bounded); the body, if any, is ignored.
-    while len < buf.len() {
-        match tokio::time::timeout(
-            std::time::Duration::from_secs(5),
-            stream.read(&mut buf[len..]),
+/// `GET /metrics` (and `/`): the metrics, or a 500 that says why not.
+async fn scrape(
+    axum::extract::State(s): axum::extract::State<Arc<Snapshotter>>,
+) -> axum::response::Response {
+    use axum::http::{header, StatusCode};
+    use axum::response::IntoResponse;
+    match render(&s).await {
+        Ok(body) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
         )
-        .await
-        {
-            Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
-            Ok(Ok(n)) => len += n,
-        }
-        if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-            break;
-        }
+            .into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.chain()).into_response(),
     }
-    let head = String::from_utf8_lossy(&buf[..len]);
-    let response = if head.starts_with("GET /metrics ") || head.starts_with("GET / ") {
-        match render(&s).await {
-            Ok(body) => format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            ),
-            Err(e) => {
-                let body = e.chain();
-                format!("HTTP/1.1 500 Internal Server Error\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())
-            }
-        }
-    } else {
-        "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string()
-    };
-    let _ = stream.write_all(response.as_bytes()).await;
-    let _ = stream.shutdown().await;
 }
 
 /// Serves metrics at `address` until the task is dropped.
-pub async fn serve(
-    address: super::config::MetricsAddress,
-    s: Arc<Snapshotter>,
-) -> Result<()> {
+pub async fn serve(address: super::config::MetricsAddress, s: Arc<Snapshotter>) -> Result<()> {
     use super::config::MetricsAddress;
+    let app = axum::Router::new()
+        .route("/metrics", axum::routing::get(scrape))
+        .route("/", axum::routing::get(scrape))
+        .with_state(s);
+    let failed = |e: std::io::Error| Error::io("serving metrics", e);
     match address {
         MetricsAddress::Off => Ok(()),
         MetricsAddress::Tcp(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|e| Error::io(format!("listening on {addr} for metrics"), e))?;
-            loop {
-                if let Ok((stream, _)) = listener.accept().await {
-                    tokio::spawn(answer(stream, Arc::clone(&s)));
-                }
-            }
+            axum::serve(listener, app).await.map_err(failed)
         }
         MetricsAddress::Unix(path) => {
             let listener = super::daemon::bind_unix(&path, 0o600)?;
-            loop {
-                if let Ok((stream, _)) = listener.accept().await {
-                    tokio::spawn(answer(stream, Arc::clone(&s)));
-                }
-            }
+            axum::serve(listener, app).await.map_err(failed)
         }
     }
 }

@@ -609,8 +609,8 @@ impl Snapshotter {
         let stopped = self.stop_unused(unused).await?;
         let freed = match limit.or(self.cache.limit) {
             Some(limit) => {
-                let cache = crate::cache::CacheRoot::open(&self.cache.dir)?;
-                blocking(move || cache.evict(limit)).await?
+                let dir = self.cache.dir.clone();
+                blocking(move || crate::cache::CacheRoot::open(&dir)?.evict(limit)).await?
             }
             None => 0,
         };

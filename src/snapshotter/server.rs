@@ -310,9 +310,11 @@ async fn start(
             engine.layer.meta.layer_digest
         )));
     }
-    let platform = cache
-        .load_ref(&reference.to_string())
-        .map(|r| r.platform)
+    let (c, name) = (cache.clone(), reference.to_string());
+    let platform = tokio::task::spawn_blocking(move || c.load_ref(&name).map(|r| r.platform))
+        .await
+        .ok()
+        .flatten()
         .unwrap_or_default();
     let ready = crate::ready::ReadyDir::new(
         &config.ready_dir,
