@@ -108,7 +108,12 @@ fn a_stuck_mount_holds_up_only_its_own_layer() {
     let (daemon, metrics) = daemon_with_metrics(&scratch);
     let started = Instant::now();
     let stuck_path = Command::new(env!("CARGO_BIN_EXE_vmdisk"))
-        .args(["path", &stuck_ref, "--manage", daemon.manage.to_str().unwrap()])
+        .args([
+            "path",
+            &stuck_ref,
+            "--manage",
+            daemon.manage.to_str().unwrap(),
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -128,7 +133,10 @@ fn a_stuck_mount_holds_up_only_its_own_layer() {
     assert!(took < Duration::from_secs(1), "ls took {took:?}");
     let (stats, took) = timed(|| node_ok(&daemon, &["stats"]));
     eprintln!("stats (Status) while a mount is stuck: {took:?}");
-    assert!(took < Duration::from_secs(1), "stats took {took:?}: {stats}");
+    assert!(
+        took < Duration::from_secs(1),
+        "stats took {took:?}: {stats}"
+    );
     let (text, took) = timed(|| scrape(&metrics));
     eprintln!("/metrics while a mount is stuck: {took:?}");
     assert!(took < Duration::from_secs(1), "/metrics took {took:?}");
@@ -294,11 +302,17 @@ fn prefetch_after_a_failed_hydration_starts_again_and_wait_names_its_timeout() {
     let daemon = Daemon::start(&scratch, "");
     let out = node(&daemon, &["prefetch", "--wait", &reference]);
     let text = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "hydration through a broken registry succeeded");
+    assert!(
+        !out.status.success(),
+        "hydration through a broken registry succeeded"
+    );
     assert!(text.contains("fetching the disk stopped"), "{text}");
     let disks = ls(&daemon);
     assert!(
-        disks[0]["hydration"].as_str().unwrap().starts_with("failed"),
+        disks[0]["hydration"]
+            .as_str()
+            .unwrap()
+            .starts_with("failed"),
         "{disks:?}"
     );
 
@@ -331,7 +345,12 @@ fn prefetch_after_a_failed_hydration_starts_again_and_wait_names_its_timeout() {
             ..Claim::default()
         },
     );
-    let (out, took) = timed(|| node(&daemon, &["prefetch", "--wait", "--timeout", "2", &slow_ref]));
+    let (out, took) = timed(|| {
+        node(
+            &daemon,
+            &["prefetch", "--wait", "--timeout", "2", &slow_ref],
+        )
+    });
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("--timeout 2s"), "{text}");

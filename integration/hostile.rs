@@ -205,7 +205,13 @@ impl HostileRegistry {
     /// Publishes `layer` as the one layer of `repo:tag`. The manifest names the layer by
     /// `claim.digest` (default: its real digest; the blob is stored under that name) and the
     /// config claims `claim.diff_id` (default: the real one). Returns the reference.
-    pub(crate) fn publish(&self, repo: &str, tag: &str, layer: &CraftedLayer, claim: Claim) -> String {
+    pub(crate) fn publish(
+        &self,
+        repo: &str,
+        tag: &str,
+        layer: &CraftedLayer,
+        claim: Claim,
+    ) -> String {
         let (blob, annotations) = layer.blob();
         let digest = claim.digest.unwrap_or_else(|| Digest::of(&blob));
         let size = blob.len();

@@ -31,7 +31,10 @@ pub mod vmdisk {
 const CODES: [(ErrorKind, tonic::Code); 10] = [
     (ErrorKind::NotFound, tonic::Code::NotFound),
     (ErrorKind::AlreadyExists, tonic::Code::AlreadyExists),
-    (ErrorKind::FailedPrecondition, tonic::Code::FailedPrecondition),
+    (
+        ErrorKind::FailedPrecondition,
+        tonic::Code::FailedPrecondition,
+    ),
     (ErrorKind::InvalidInput, tonic::Code::InvalidArgument),
     (ErrorKind::Unsupported, tonic::Code::Unimplemented),
     (ErrorKind::Network, tonic::Code::Unavailable),

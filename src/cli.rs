@@ -211,7 +211,8 @@ fn publish_options(
     chunk_size: &str,
     format: Option<&str>,
 ) -> Result<PublishOptions> {
-    let chunk_size = crate::format::layout::check_chunk_size(crate::units::parse_size(chunk_size)?)?;
+    let chunk_size =
+        crate::format::layout::check_chunk_size(crate::units::parse_size(chunk_size)?)?;
     let format = match format {
         Some("raw") => Some(DiskFormat::Raw),
         Some("qcow2") => Some(DiskFormat::Qcow2),

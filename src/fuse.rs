@@ -340,7 +340,8 @@ impl LayerFs {
             RawSource::Unavailable => None,
         };
         if raw_inode.is_some() {
-            root.children.push((OsString::from(crate::ready::RAW_NAME), 3));
+            root.children
+                .push((OsString::from(crate::ready::RAW_NAME), 3));
         }
         // Inode 3 exists either way (numbers are positions); without a raw view nothing names it.
         let raw_inode = raw_inode.unwrap_or_else(|| file(3, 0, Content::None));

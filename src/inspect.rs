@@ -263,7 +263,10 @@ async fn inspect_chunked(
     let compressed = client.get_blob_range(r, &desc.digest, loc.range()).await?;
     let toc = zstd_chunked::decode_toc(&compressed, loc)?;
     let nodes = toc.nodes(loc.offset - 8)?;
-    let wanted = desc.annotations.get(crate::format::layout::ANN_PATH).cloned();
+    let wanted = desc
+        .annotations
+        .get(crate::format::layout::ANN_PATH)
+        .cloned();
     let disk = nodes
         .iter()
         .filter(|n| n.kind == NodeKind::Regular && n.size > 0)
@@ -292,7 +295,8 @@ async fn inspect_chunked(
     }
     let (format, virtual_size) = match (
         desc.annotations.get(crate::format::layout::ANN_FORMAT),
-        desc.annotations.get(crate::format::layout::ANN_VIRTUAL_SIZE),
+        desc.annotations
+            .get(crate::format::layout::ANN_VIRTUAL_SIZE),
     ) {
         (Some(f), Some(v)) => (
             f.clone(),

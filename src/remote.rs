@@ -251,7 +251,12 @@ pub async fn disk_layer_id(
         .get(crate::format::layout::ANN_PATH)
         .map(|p| zstd_chunked::clean_path(p))
         .transpose()
-        .map_err(|e| e.context(format!("the {} annotation", crate::format::layout::ANN_PATH)))?;
+        .map_err(|e| {
+            e.context(format!(
+                "the {} annotation",
+                crate::format::layout::ANN_PATH
+            ))
+        })?;
     let config = client
         .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
         .await

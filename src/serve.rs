@@ -231,12 +231,16 @@ impl Serving {
     /// The path of the layer's disk file on the mount.
     pub fn disk_path(&self) -> PathBuf {
         let layer = &self.engine.layer;
-        self.dir.join(&layer.nodes[layer.files[layer.disk].node].path)
+        self.dir
+            .join(&layer.nodes[layer.files[layer.disk].node].path)
     }
 
     /// Where hydration stands.
     pub fn hydration(&self) -> HydrationState {
-        self.hydration.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.hydration
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Starts fetching the whole disk at full speed unless a hydration is running; whether

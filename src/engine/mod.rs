@@ -36,8 +36,8 @@ use self::stats::Stats;
 use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::qcow2;
 use crate::format::layout::decode_chunk;
+use crate::format::qcow2;
 use crate::format::zstd_chunked::Chunk;
 use crate::reference::Reference;
 use crate::remote::RemoteLayer;
@@ -127,7 +127,6 @@ impl Drop for Claim<'_> {
         self.finish(false);
     }
 }
-
 
 fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> {
     let mut map = HashMap::new();

@@ -168,8 +168,9 @@ impl Header {
         if h.incompatible_features & KNOWN_INCOMPATIBLE != 0 {
             // v3 headers longer than 104 bytes carry the compression type at byte 104.
             let mut t = [0u8; 1];
-            src.read_exact_at(&mut t, 104)
-                .map_err(|_| Error::corrupt("qcow2 header is truncated before its compression type"))?;
+            src.read_exact_at(&mut t, 104).map_err(|_| {
+                Error::corrupt("qcow2 header is truncated before its compression type")
+            })?;
             h.compression = match t[0] {
                 0 => Compression::Deflate,
                 1 => Compression::Zstd,

@@ -19,7 +19,6 @@ use crate::error::{Error, Result};
 /// L2 tables kept in memory (each one cluster); enough to cover 64 GiB at 64 KiB clusters.
 const L2_CACHE: usize = 128;
 
-
 /// The raw view of one qcow2 image read through `S`.
 pub struct RawView<S> {
     src: S,

@@ -424,7 +424,8 @@ server = "https://registry.example:5000"
         let reg_dir = dir.path().join("r.example");
         std::fs::create_dir_all(&reg_dir).unwrap();
         let file = reg_dir.join("hosts.toml");
-        let mirror = |n: u32| format!("[host.\"http://mirror{n}.example\"]\ncapabilities = [\"pull\"]\n");
+        let mirror =
+            |n: u32| format!("[host.\"http://mirror{n}.example\"]\ncapabilities = [\"pull\"]\n");
         std::fs::write(&file, mirror(1)).unwrap();
         let cache = HostsCache::default();
         let upstream = Endpoint::upstream("r.example", false);

@@ -51,7 +51,11 @@ async fn handle(
     headers: HeaderMap,
     body: AxumBytes,
 ) -> Response {
-    server.seen.lock().unwrap().push(format!("{method} /{rest}"));
+    server
+        .seen
+        .lock()
+        .unwrap()
+        .push(format!("{method} /{rest}"));
     if rest == "token" {
         let (token, userpass) = server.token.clone().unwrap();
         use base64::Engine as _;
@@ -59,18 +63,25 @@ async fn handle(
             "Basic {}",
             base64::engine::general_purpose::STANDARD.encode(userpass)
         );
-        let ok = headers.get(header::AUTHORIZATION).is_some_and(|v| v == want.as_str());
+        let ok = headers
+            .get(header::AUTHORIZATION)
+            .is_some_and(|v| v == want.as_str());
         return if ok {
             respond(StatusCode::OK)
                 .body(Body::from(format!(r#"{{"token":"{token}"}}"#)))
                 .unwrap()
         } else {
-            respond(StatusCode::UNAUTHORIZED).body(Body::empty()).unwrap()
+            respond(StatusCode::UNAUTHORIZED)
+                .body(Body::empty())
+                .unwrap()
         };
     }
     if let Some((token, _)) = &server.token {
         let bearer = format!("Bearer {token}");
-        if headers.get(header::AUTHORIZATION).is_none_or(|v| v != bearer.as_str()) {
+        if headers
+            .get(header::AUTHORIZATION)
+            .is_none_or(|v| v != bearer.as_str())
+        {
             let host = headers.get(header::HOST).unwrap().to_str().unwrap();
             return respond(StatusCode::UNAUTHORIZED)
                 .header(
@@ -87,23 +98,34 @@ async fn handle(
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok()
         {
-            return respond(StatusCode::SERVICE_UNAVAILABLE).body(Body::empty()).unwrap();
+            return respond(StatusCode::SERVICE_UNAVAILABLE)
+                .body(Body::empty())
+                .unwrap();
         }
         if rest.ends_with("/missing") {
             return respond(StatusCode::NOT_FOUND).body(Body::empty()).unwrap();
         }
         let body = if server.stall {
-            Body::from_stream(futures_util::stream::pending::<Result<Vec<u8>, std::io::Error>>())
+            Body::from_stream(futures_util::stream::pending::<
+                Result<Vec<u8>, std::io::Error>,
+            >())
         } else {
             Body::from(MANIFEST)
         };
         return respond(StatusCode::OK)
-            .header(header::CONTENT_TYPE, "application/vnd.oci.image.manifest.v1+json")
+            .header(
+                header::CONTENT_TYPE,
+                "application/vnd.oci.image.manifest.v1+json",
+            )
             .body(body)
             .unwrap();
     }
     if rest.ends_with("/blobs/uploads/") && method == Method::POST {
-        server.uploads.lock().unwrap().insert("u1".into(), Vec::new());
+        server
+            .uploads
+            .lock()
+            .unwrap()
+            .insert("u1".into(), Vec::new());
         return respond(StatusCode::ACCEPTED)
             .header(header::LOCATION, "/v2/vm/disk/blobs/uploads/u1")
             .body(Body::empty())
@@ -130,7 +152,9 @@ async fn handle(
                 if server.patches.fetch_add(1, Ordering::SeqCst) == 0 {
                     // The request broke part-way: half of it arrived.
                     kept.extend_from_slice(&body[..body.len() / 2]);
-                    return respond(StatusCode::INTERNAL_SERVER_ERROR).body(Body::empty()).unwrap();
+                    return respond(StatusCode::INTERNAL_SERVER_ERROR)
+                        .body(Body::empty())
+                        .unwrap();
                 }
                 kept.extend_from_slice(&body);
                 return location(respond(StatusCode::ACCEPTED))
@@ -150,7 +174,9 @@ async fn handle(
                     .map(|(_, v)| v.into_owned())
                     .unwrap_or_default();
                 if Digest::of(kept).to_string() != digest {
-                    return respond(StatusCode::BAD_REQUEST).body(Body::empty()).unwrap();
+                    return respond(StatusCode::BAD_REQUEST)
+                        .body(Body::empty())
+                        .unwrap();
                 }
                 server.blobs.lock().unwrap().insert(digest, kept.clone());
                 return respond(StatusCode::CREATED).body(Body::empty()).unwrap();
@@ -211,15 +237,30 @@ async fn server_errors_are_retried_and_not_found_is_not() {
     let c = client(vec![]);
     let m = c.get_manifest(&reference(&host, "1")).await.unwrap();
     assert_eq!(m.bytes, MANIFEST.as_bytes());
-    assert_eq!(count(&server, "GET /vm/disk/manifests/1"), 3, "two 503s, then 200");
-    let e = c.get_manifest(&reference(&host, "missing")).await.unwrap_err();
+    assert_eq!(
+        count(&server, "GET /vm/disk/manifests/1"),
+        3,
+        "two 503s, then 200"
+    );
+    let e = c
+        .get_manifest(&reference(&host, "missing"))
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound, "{}", e.chain());
-    assert_eq!(count(&server, "GET /vm/disk/manifests/missing"), 1, "404 is final");
+    assert_eq!(
+        count(&server, "GET /vm/disk/manifests/missing"),
+        1,
+        "404 is final"
+    );
     // A registry that stays down fails after the policy's attempts, as a network error.
     server.unavailable.store(100, Ordering::SeqCst);
     let e = c.get_manifest(&reference(&host, "2")).await.unwrap_err();
     assert_eq!(count(&server, "GET /vm/disk/manifests/2"), 4);
-    assert!(matches!(e.kind(), ErrorKind::Network | ErrorKind::Io), "{}", e.chain());
+    assert!(
+        matches!(e.kind(), ErrorKind::Network | ErrorKind::Io),
+        "{}",
+        e.chain()
+    );
 }
 
 #[tokio::test]
@@ -234,7 +275,11 @@ async fn bearer_tokens_come_from_the_realm_with_the_configured_credentials() {
         use base64::Engine as _;
         let path = dir.path().join(name);
         let auth = base64::engine::general_purpose::STANDARD.encode(userpass);
-        std::fs::write(&path, format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#)).unwrap();
+        std::fs::write(
+            &path,
+            format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#),
+        )
+        .unwrap();
         path
     };
     let good = client(vec![write_auth("good.json", "alice:s3cret")]);

@@ -84,7 +84,9 @@ impl Classifier {
 
     /// Classifies the layer a Prepare with `labels` is about to unpack.
     pub async fn classify(&self, labels: &BTreeMap<String, String>) -> Decision {
-        let candidate = labels.keys().any(|k| k.starts_with(crate::format::layout::ANN_PREFIX));
+        let candidate = labels
+            .keys()
+            .any(|k| k.starts_with(crate::format::layout::ANN_PREFIX));
         let ordinary = |reason: &'static str, detail: String| Decision::Ordinary {
             reason,
             detail,
@@ -122,7 +124,9 @@ impl Classifier {
         }
         match crate::remote::disk_layer(&manifest) {
             Some(disk) if disk.digest == layer => {
-                match crate::remote::disk_layer_id(self.client.as_ref(), &reference, &manifest).await {
+                match crate::remote::disk_layer_id(self.client.as_ref(), &reference, &manifest)
+                    .await
+                {
                     Ok((_, _, id)) => Decision::Remote {
                         reference,
                         layer: id.key(),

@@ -95,7 +95,12 @@ where
                 ),
             )
         })?
-        .map_err(|e| e.context(format!("{what} of the mount server at {}", socket.display())))
+        .map_err(|e| {
+            e.context(format!(
+                "{what} of the mount server at {}",
+                socket.display()
+            ))
+        })
 }
 
 /// The status of the server at `socket`.
@@ -119,9 +124,12 @@ pub async fn hydrate(socket: &Path) -> Result<bool> {
 /// `FailedPrecondition` while the mount is busy. Unmounting waits for the FUSE session to end,
 /// hence the longer deadline.
 pub async fn stop(socket: &Path) -> Result<LayerCounters> {
-    call(socket, Duration::from_secs(10), "stop", |mut c| async move {
-        c.stop(pb::StopRequest {}).await
-    })
+    call(
+        socket,
+        Duration::from_secs(10),
+        "stop",
+        |mut c| async move { c.stop(pb::StopRequest {}).await },
+    )
     .await
     .map(|r| r.counters.unwrap_or_default())
 }

@@ -18,9 +18,12 @@ use serde::{Deserialize, Serialize};
 use super::control::LayerCounters;
 use crate::error::{Error, Result};
 
-/// The engine counters the daemon keeps: metric name (without `_total`), help, and where the
+/// One engine counter the daemon keeps: metric name (without `_total`), help, and where the
 /// value is in a server's counters.
-pub const LAYER_COUNTERS: [(&str, &str, fn(&LayerCounters) -> u64); 8] = [
+pub type LayerCounter = (&'static str, &'static str, fn(&LayerCounters) -> u64);
+
+/// The engine counters the daemon keeps.
+pub const LAYER_COUNTERS: [LayerCounter; 8] = [
     (
         "vmdisk_registry_bytes",
         "Compressed chunk bytes received from registries.",
@@ -46,11 +49,9 @@ pub const LAYER_COUNTERS: [(&str, &str, fn(&LayerCounters) -> u64); 8] = [
         "Chunks that failed digest verification.",
         |c| c.verify_failures,
     ),
-    (
-        "vmdisk_read_errors",
-        "FUSE reads answered with EIO.",
-        |c| c.read_errors,
-    ),
+    ("vmdisk_read_errors", "FUSE reads answered with EIO.", |c| {
+        c.read_errors
+    }),
     (
         "vmdisk_served_bytes",
         "Bytes returned to FUSE readers by the servers (passthrough reads excluded).",

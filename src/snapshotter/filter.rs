@@ -327,11 +327,16 @@ mod tests {
         assert!(m("^ab*c$", "ac") && m("^ab*c$", "abbbc") && !m("^ab+c$", "ac"));
         // Character classes, alternation, counted repetition: what containerd's Go regexp takes.
         assert!(m("^[0-9]+$", "42") && !m("^[0-9]+$", "4a"));
-        assert!(m(r"^default/\d+/sha256:[[:xdigit:]]{3}$", "default/3/sha256:abc"));
+        assert!(m(
+            r"^default/\d+/sha256:[[:xdigit:]]{3}$",
+            "default/3/sha256:abc"
+        ));
         assert!(m("^(View|Active)$", "Active") && !m("^(View|Active)$", "Committed"));
         assert!(m("", "anything"));
         // Backreferences and look-around are not RE2; refused with a reason.
-        assert!(compile(r"(a)\1").unwrap_err().contains("regular expression"));
+        assert!(compile(r"(a)\1")
+            .unwrap_err()
+            .contains("regular expression"));
         assert!(compile(&"a".repeat(MAX_PATTERN + 1)).is_err());
     }
 

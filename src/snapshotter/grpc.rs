@@ -245,7 +245,10 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
 
     async fn cleanup(&self, _request: Request<pb::CleanupRequest>) -> Result<Response<()>, Status> {
         let unused = self.run("Cleanup", |s| s.cleanup()).await?;
-        self.snapshotter.stop_unused(unused).await.map_err(Status::from)?;
+        self.snapshotter
+            .stop_unused(unused)
+            .await
+            .map_err(Status::from)?;
         Ok(Response::new(()))
     }
 }
@@ -356,7 +359,10 @@ impl mpb::manage_server::Manage for ManageService {
             .map_err(Status::from)?;
         let remote = disks(&self.snapshotter).await.map_err(Status::from)?.len() as u64;
         // What is shown is kept: no later restart reports less.
-        self.snapshotter.save_counters().await.map_err(Status::from)?;
+        self.snapshotter
+            .save_counters()
+            .await
+            .map_err(Status::from)?;
         Ok(Response::new(mpb::StatusResponse {
             version: env!("CARGO_PKG_VERSION").to_string(),
             decisions: self
@@ -418,7 +424,8 @@ impl mpb::manage_server::Manage for ManageService {
         request: Request<mpb::GcRequest>,
     ) -> Result<Response<mpb::GcResponse>, Status> {
         let limit = Some(request.into_inner().limit_bytes).filter(|&l| l > 0);
-        let (freed_bytes, stopped_mounts) = self.snapshotter.gc(limit).await.map_err(Status::from)?;
+        let (freed_bytes, stopped_mounts) =
+            self.snapshotter.gc(limit).await.map_err(Status::from)?;
         Ok(Response::new(mpb::GcResponse {
             freed_bytes,
             stopped_mounts,

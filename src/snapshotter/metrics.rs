@@ -88,7 +88,10 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
 
     let snapshots = Family::<Labels, Gauge>::default();
     for kind in ["View", "Active", "Committed"] {
-        let n = records.iter().filter(|(_, r)| r.kind.name() == kind).count();
+        let n = records
+            .iter()
+            .filter(|(_, r)| r.kind.name() == kind)
+            .count();
         snapshots
             .get_or_create(&vec![("kind", kind.to_lowercase())])
             .set(n as i64);
@@ -120,9 +123,8 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
         "Remote layers whose complete tar stream differs from their image config (every read fails).",
         gauge(disks.iter().filter(|d| d.integrity.starts_with("failed")).count()),
     );
-    let sum = |f: fn(&crate::api::vmdisk::v1::Disk) -> u64| {
-        disks.iter().map(f).sum::<u64>() as usize
-    };
+    let sum =
+        |f: fn(&crate::api::vmdisk::v1::Disk) -> u64| disks.iter().map(f).sum::<u64>() as usize;
     registry.register(
         "vmdisk_chunks",
         "Chunks of the remote layers being served.",
@@ -134,8 +136,9 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
         gauge(sum(|d| d.chunks_cached)),
     );
     let mut out = String::new();
-    encode(&mut out, &registry)
-        .map_err(|e| Error::new(crate::error::ErrorKind::Io, "encoding the metrics").with_source(e))?;
+    encode(&mut out, &registry).map_err(|e| {
+        Error::new(crate::error::ErrorKind::Io, "encoding the metrics").with_source(e)
+    })?;
     Ok(out)
 }
 

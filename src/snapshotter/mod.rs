@@ -35,8 +35,8 @@ use std::sync::{Arc, Mutex};
 use crate::error::{Error, ErrorKind, Result};
 use classify::{Classifier, Decision, LABEL_REMOTE, LABEL_TARGET};
 use counters::Counters;
-use supervisor::{LayerLocks, Supervisor};
 use store::{Kind, Record, RemoteLayerRef, Store, Usage};
+use supervisor::{LayerLocks, Supervisor};
 
 /// A mount for containerd to perform (`containerd.types.Mount`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,7 +84,8 @@ impl Snapshotter {
         cache: CacheSettings,
     ) -> Result<Self> {
         let snapshots = root.join("snapshots");
-        std::fs::create_dir_all(&snapshots).map_err(io(format!("creating {}", snapshots.display())))?;
+        std::fs::create_dir_all(&snapshots)
+            .map_err(io(format!("creating {}", snapshots.display())))?;
         control::LayerPaths::prepare_root(root)?;
         let store = Store::open(&root.join("metadata.db"))?;
         Ok(Snapshotter {
@@ -495,7 +496,10 @@ impl Snapshotter {
         for layer in layers {
             let _lock = self.layer_locks.lock(&layer).await;
             let me = Arc::clone(self);
-            if blocking(move || me.remote_layers()).await?.contains_key(&layer) {
+            if blocking(move || me.remote_layers())
+                .await?
+                .contains_key(&layer)
+            {
                 continue;
             }
             match self.servers.stop(&layer).await {

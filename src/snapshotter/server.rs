@@ -96,9 +96,7 @@ impl Shared {
         status.counters = Some(engine.stats.snapshot().into());
         match serving.hydration() {
             crate::serve::HydrationState::Idle => status.set_hydration(HydrationState::Idle),
-            crate::serve::HydrationState::Running => {
-                status.set_hydration(HydrationState::Running)
-            }
+            crate::serve::HydrationState::Running => status.set_hydration(HydrationState::Running),
             crate::serve::HydrationState::Done => status.set_hydration(HydrationState::Done),
             crate::serve::HydrationState::Failed(why) => {
                 status.set_hydration(HydrationState::Failed);
@@ -191,7 +189,16 @@ pub async fn serve_layer(
                 },
             ),
     );
-    let outcome = run(config, reference, layer, alias, &paths, &shared, &mut stop_requests).await;
+    let outcome = run(
+        config,
+        reference,
+        layer,
+        alias,
+        &paths,
+        &shared,
+        &mut stop_requests,
+    )
+    .await;
     let _ = done.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(2), control_task).await;
     let _ = std::fs::remove_file(&paths.control);
@@ -296,8 +303,12 @@ async fn start(
     let cache_dir = config.cache_dir();
     let cache = tokio::task::spawn_blocking(move || CacheRoot::open(&cache_dir))
         .await
-        .map_err(|e| Error::new(crate::error::ErrorKind::Io, "opening the cache").with_source(e))??;
-    let client = Arc::new(crate::registry::RegistryClient::new(config.registry_config())?);
+        .map_err(|e| {
+            Error::new(crate::error::ErrorKind::Io, "opening the cache").with_source(e)
+        })??;
+    let client = Arc::new(crate::registry::RegistryClient::new(
+        config.registry_config(),
+    )?);
     let opts = crate::engine::EngineOptions {
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
         ..Default::default()
@@ -326,7 +337,9 @@ async fn start(
     let mountpoint = paths.mountpoint.clone();
     tokio::task::spawn_blocking(move || prepare_mountpoint(&mountpoint))
         .await
-        .map_err(|e| Error::new(crate::error::ErrorKind::Io, "preparing the mount point").with_source(e))??;
+        .map_err(|e| {
+            Error::new(crate::error::ErrorKind::Io, "preparing the mount point").with_source(e)
+        })??;
     crate::serve::start(
         engine,
         &cache,

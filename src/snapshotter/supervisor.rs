@@ -116,9 +116,8 @@ pub struct LayerServers {
 
 /// Whether the process `pid` exists (the pid a server reported about itself).
 fn process_alive(pid: u32) -> bool {
-    i32::try_from(pid).is_ok_and(|pid| {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
-    })
+    i32::try_from(pid)
+        .is_ok_and(|pid| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok())
 }
 
 impl LayerServers {
@@ -147,7 +146,6 @@ impl LayerServers {
             .unwrap_or_else(|p| p.into_inner())
             .insert(instance.to_string())
     }
-
 }
 
 impl Supervisor for LayerServers {

@@ -49,7 +49,10 @@ impl MemoryRegistry {
         }))
         .unwrap();
         let config_digest = Digest::of(&config);
-        self.blobs.lock().unwrap().insert(config_digest, config.clone());
+        self.blobs
+            .lock()
+            .unwrap()
+            .insert(config_digest, config.clone());
         let manifest = serde_json::to_vec(&serde_json::json!({
             "schemaVersion": 2,
             "mediaType": "application/vnd.oci.image.manifest.v1+json",
@@ -208,11 +211,11 @@ const GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 /// The annotations of a zstd:chunked layer whose TOC sits near its end.
 fn chunked() -> BTreeMap<String, String> {
     BTreeMap::from([
-        (ANN_TOC_POSITION.to_string(), "1000000:4000:20000:1".to_string()),
         (
-            ANN_TOC_CHECKSUM.to_string(),
-            Digest::of(b"toc").to_string(),
+            ANN_TOC_POSITION.to_string(),
+            "1000000:4000:20000:1".to_string(),
         ),
+        (ANN_TOC_CHECKSUM.to_string(), Digest::of(b"toc").to_string()),
     ])
 }
 
@@ -220,7 +223,10 @@ fn chunked() -> BTreeMap<String, String> {
 fn cri_labels(target: &str, manifest: &Digest, layer: &Digest) -> BTreeMap<String, String> {
     BTreeMap::from([
         (LABEL_TARGET.to_string(), target.to_string()),
-        (LABEL_IMAGE_REF.to_string(), "r.example/vm/disk:1".to_string()),
+        (
+            LABEL_IMAGE_REF.to_string(),
+            "r.example/vm/disk:1".to_string(),
+        ),
         (LABEL_MANIFEST.to_string(), manifest.to_string()),
         (LABEL_LAYER.to_string(), layer.to_string()),
     ])
@@ -235,35 +241,56 @@ impl Fixture {
 #[tokio::test]
 async fn a_disk_layer_is_served_remotely_then_reused() {
     let f = fixture();
-    let (manifest, layers) = f.registry.image(&[(GZIP, BTreeMap::new()), (ZSTD, chunked())]);
+    let (manifest, layers) = f
+        .registry
+        .image(&[(GZIP, BTreeMap::new()), (ZSTD, chunked())]);
     // The base layer is ordinary: containerd unpacks it into an active snapshot.
     let base = f
         .snapshotter
         .prepare("extract-0", "", cri_labels("base", &manifest, &layers[0]))
         .await
         .unwrap();
-    assert!(base.is_some(), "an ordinary layer gets mounts to unpack into");
-    f.snapshotter.commit("base", "extract-0", BTreeMap::new()).unwrap();
+    assert!(
+        base.is_some(),
+        "an ordinary layer gets mounts to unpack into"
+    );
+    f.snapshotter
+        .commit("base", "extract-0", BTreeMap::new())
+        .unwrap();
     // The disk layer becomes a committed remote snapshot: no mounts, the target exists.
     let disk = f
         .snapshotter
-        .prepare("extract-1", "base", cri_labels("disk", &manifest, &layers[1]))
+        .prepare(
+            "extract-1",
+            "base",
+            cri_labels("disk", &manifest, &layers[1]),
+        )
         .await
         .unwrap();
     assert!(disk.is_none(), "the remote handshake answers AlreadyExists");
     let record = f.snapshotter.stat("disk").unwrap();
     let remote = record.remote.expect("recorded as remote");
     assert_eq!(record.parent, "base");
-    assert_eq!(record.labels.get(super::LABEL_REMOTE).map(String::as_str), Some("vmdisk"));
+    assert_eq!(
+        record.labels.get(super::LABEL_REMOTE).map(String::as_str),
+        Some("vmdisk")
+    );
     let ensured = f.supervisor.ensured.lock().unwrap().clone();
     assert_eq!(ensured.len(), 1);
-    assert_eq!(ensured[0].0, remote.layer, "the layer key, not the blob digest, is mounted");
+    assert_eq!(
+        ensured[0].0, remote.layer,
+        "the layer key, not the blob digest, is mounted"
+    );
     assert_ne!(remote.layer, layers[1]);
     assert!(ensured[0].1.ends_with(&format!("@{manifest}")));
     // A second pull of the same image finds the snapshot.
     let again = f
         .snapshotter
-        .prepare("extract-2", "base", cri_labels("disk", &manifest, &layers[1]))
+        .prepare(
+            "extract-2",
+            "base",
+            cri_labels("disk", &manifest, &layers[1]),
+        )
         .await
         .unwrap();
     assert!(again.is_none());
@@ -272,7 +299,11 @@ async fn a_disk_layer_is_served_remotely_then_reused() {
     assert_eq!(d.get("reused"), Some(&1), "{d:?}");
     assert_eq!(d.get("ordinary:not_disk_layer"), Some(&1), "{d:?}");
     // Removing the last user stops the layer's server.
-    let layer = f.snapshotter.remove("disk").unwrap().expect("a remote layer");
+    let layer = f
+        .snapshotter
+        .remove("disk")
+        .unwrap()
+        .expect("a remote layer");
     assert_eq!(f.snapshotter.stop_unused(vec![layer]).await.unwrap(), 1);
     assert_eq!(*f.supervisor.stopped.lock().unwrap(), [layer]);
 }
@@ -290,13 +321,20 @@ async fn every_other_outcome_is_an_ordinary_snapshot_with_its_reason() {
         n += 1;
         let s = Arc::clone(&f.snapshotter);
         async move {
-            let mounts = s.prepare(&format!("extract-{n}"), "", labels).await.unwrap();
+            let mounts = s
+                .prepare(&format!("extract-{n}"), "", labels)
+                .await
+                .unwrap();
             assert!(mounts.is_some(), "an ordinary snapshot to unpack into");
         }
     };
     prepare(cri_labels("a", &plain, &plain_layers[0])).await;
     // No CRI labels (a `ctr` pull).
-    prepare(BTreeMap::from([(LABEL_TARGET.to_string(), "b".to_string())])).await;
+    prepare(BTreeMap::from([(
+        LABEL_TARGET.to_string(),
+        "b".to_string(),
+    )]))
+    .await;
     // Labels that do not parse.
     let mut malformed = cri_labels("c", &disk, &disk_layers[0]);
     malformed.insert(LABEL_MANIFEST.into(), "sha256:nothex".into());
@@ -325,5 +363,10 @@ async fn every_other_outcome_is_an_ordinary_snapshot_with_its_reason() {
         assert!(d.contains_key(reason), "{reason} missing from {d:?}");
     }
     assert_eq!(d.get("ordinary:not_lazy"), Some(&2), "{d:?}");
-    assert!(f.snapshotter.list().unwrap().iter().all(|(_, r)| r.remote.is_none()));
+    assert!(f
+        .snapshotter
+        .list()
+        .unwrap()
+        .iter()
+        .all(|(_, r)| r.remote.is_none()));
 }
