@@ -205,6 +205,7 @@ impl LayerServers {
                 // Failed or stopping: make room for a new one.
                 _ => {
                     let _ = control::stop(&paths.control).await;
+                    self.wait_gone(layer, status.pid).await;
                 }
             }
         }
@@ -278,7 +279,13 @@ impl LayerServers {
             }
             if let Ok(status) = control::status(&paths.control).await {
                 if status.layer_key != layer.to_string() {
-                    break Err(Error::new(
+                    // Another layer's server holds the socket (ours could not bind it): leave
+                    // that one alone.
+                    if let Some(mut child) = child {
+                        let _ = child.start_kill();
+                        let _ = child.wait().await;
+                    }
+                    return Err(Error::new(
                         ErrorKind::AlreadyExists,
                         format!(
                             "{} is served by pid {} for layer {}, not {layer}; stop that server",
@@ -344,6 +351,18 @@ impl LayerServers {
         outcome
     }
 
+    /// Waits (at most 10 s) until the stopped server `pid` of `layer` has exited and its socket
+    /// no longer answers: it answers `Stop` before its session ends.
+    async fn wait_gone(&self, layer: &Digest, pid: u32) {
+        for _ in 0..100 {
+            if !process_alive(pid) && self.server_status(layer).await.is_none() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tracing::warn!(%layer, pid, "mount server still running 10 s after it was stopped");
+    }
+
     /// Stops the layer's server: it unmounts and exits (see [`Supervisor::stop`]).
     async fn stop_server(&self, layer: &Digest) -> Result<Option<LayerStatus>> {
         let Some(mut status) = self.server_status(layer).await else {
@@ -351,16 +370,7 @@ impl LayerServers {
         };
         let paths = self.paths(layer);
         status.counters = Some(control::stop(&paths.control).await?);
-        // The server answers before its session ends; wait (bounded) for it to go.
-        for _ in 0..100 {
-            if !process_alive(status.pid) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        if process_alive(status.pid) {
-            tracing::warn!(%layer, pid = status.pid, "mount server still running 10 s after it was stopped");
-        }
+        self.wait_gone(layer, status.pid).await;
         let dir = paths.mountpoint.clone();
         let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir(dir)).await;
         tracing::info!(%layer, pid = status.pid, "mount server stopped");
