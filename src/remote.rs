@@ -14,12 +14,19 @@ use futures_util::future::BoxFuture;
 
 use crate::cache::{CacheRoot, LayerId, LayerMeta, RefRecord};
 use crate::digest::Digest;
-use crate::engine::{BlobSource, Engine, EngineOptions};
+use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
 use crate::reference::Reference;
 use crate::registry::Registry;
+
+/// Where a layer's bytes come from: ranges of one blob. The registry in production
+/// ([`RegistrySource`]); an in-memory blob in the engine's unit tests.
+pub trait BlobSource: Send + Sync {
+    /// The bytes of `range`; the length is checked by the source, the content by the engine.
+    fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>>;
+}
 
 /// A layer blob in a registry, read with HTTP Range requests: the engine's source in
 /// production.

@@ -40,16 +40,7 @@ use crate::format::layout::decode_chunk;
 use crate::format::qcow2;
 use crate::format::zstd_chunked::Chunk;
 use crate::reference::Reference;
-use crate::remote::RemoteLayer;
-
-type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
-
-/// Where a layer's bytes come from: ranges of one blob. The registry in production
-/// ([`crate::remote::RegistrySource`]); an in-memory blob in unit tests.
-pub trait BlobSource: Send + Sync {
-    /// The bytes of `range`; the length is checked by the source, the content by the engine.
-    fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>>;
-}
+use crate::remote::{BlobSource, RemoteLayer};
 
 /// Tunables of the engine.
 #[derive(Clone, Debug)]
@@ -610,7 +601,10 @@ mod tests {
     }
 
     impl BlobSource for Arc<FakeBlob> {
-        fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
+        fn fetch(
+            &self,
+            range: Range<u64>,
+        ) -> futures_util::future::BoxFuture<'_, Result<bytes::Bytes>> {
             self.calls.lock().unwrap().push(range.clone());
             let fail = std::mem::replace(&mut *self.failures.lock().unwrap(), 0);
             if fail > 0 {
@@ -1025,7 +1019,10 @@ mod tests {
     async fn a_registry_that_never_finishes_an_answer_fails_the_read_at_the_deadline() {
         struct Stalled;
         impl BlobSource for Stalled {
-            fn fetch(&self, _range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
+            fn fetch(
+                &self,
+                _range: Range<u64>,
+            ) -> futures_util::future::BoxFuture<'_, Result<bytes::Bytes>> {
                 Box::pin(std::future::pending())
             }
         }

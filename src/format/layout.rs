@@ -7,11 +7,12 @@
 //!   sizes, digest and path of the disk, chunk size, and a copy of the TOC's position and
 //!   digest. They describe; they never decide: the TOC pinned by the manifest does.
 //! - **The disk** is the regular file the `path` annotation names, else the first regular file
-//!   under `/disk/` (KubeVirt containerDisk) or `/image/` (peer-pod and Kata images).
+//!   under `/disk/` (KubeVirt containerDisk) or `/image/` (peer-pod and Kata images); we
+//!   publish it at `--path` or `/disk/<file name>`.
 //! - **A chunk** is decoded in one place, [`decode_chunk`], and only verified bytes leave it.
 
 use crate::error::{Error, Result};
-use crate::format::zstd_chunked::{check_regular_frames, decompress_bounded, Chunk};
+use crate::format::zstd_chunked::{check_regular_frames, clean_path, decompress_bounded, Chunk};
 
 /// Annotation (and snapshot label) prefix for our disk metadata.
 pub const ANN_PREFIX: &str = "containerd.io/snapshot/vmdisk.";
@@ -43,6 +44,35 @@ pub fn is_disk_path(path: &str, wanted: Option<&str>) -> bool {
     match wanted {
         Some(w) => path == w,
         None => DISK_DIRS.iter().any(|d| path.starts_with(d)),
+    }
+}
+
+/// The in-layer path for a disk: `--path` (absolute, clean) or `disk/<file name>`.
+pub fn layer_path(path: Option<&str>, file_name: &str) -> Result<String> {
+    match path {
+        Some(p) => {
+            if !p.starts_with('/') || p.ends_with('/') {
+                return Err(Error::invalid(format!(
+                    "--path {p:?} must be an absolute file path such as /disk/disk.qcow2"
+                )));
+            }
+            let clean = clean_path(p)
+                .map_err(|_| Error::invalid(format!("--path {p:?} must not contain '..'")))?;
+            if !clean.contains('/') {
+                return Err(Error::invalid(format!(
+                    "--path {p:?} must name a file inside a directory (e.g. /disk/{file_name})"
+                )));
+            }
+            Ok(clean)
+        }
+        None => {
+            if file_name.is_empty() || file_name.contains('/') || file_name.starts_with('.') {
+                return Err(Error::invalid(format!(
+                    "disk file name {file_name:?} cannot be used under /disk/"
+                )));
+            }
+            Ok(format!("{}{file_name}", DISK_DIRS[0]))
+        }
     }
 }
 
@@ -102,5 +132,21 @@ mod tests {
         assert!(check_chunk_size(100_000).is_err());
         assert!(check_chunk_size(32 << 10).is_err());
         assert_eq!(check_chunk_size(1 << 20).unwrap(), 1 << 20);
+    }
+
+    #[test]
+    fn layer_paths() {
+        assert_eq!(
+            layer_path(None, "fedora.qcow2").unwrap(),
+            "disk/fedora.qcow2"
+        );
+        assert_eq!(
+            layer_path(Some("/image/podvm.qcow2"), "x").unwrap(),
+            "image/podvm.qcow2"
+        );
+        assert!(layer_path(Some("image/podvm.qcow2"), "x").is_err());
+        assert!(layer_path(Some("/disk/../etc/x"), "x").is_err());
+        assert!(layer_path(Some("/disk.qcow2"), "x").is_err());
+        assert!(layer_path(None, ".hidden").is_err());
     }
 }

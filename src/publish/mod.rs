@@ -19,8 +19,8 @@ use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::disk::{self, DiskFormat};
 use crate::format::layout::{
-    is_disk_path, ANN_CHUNK_SIZE, ANN_DISK_DIGEST, ANN_DISK_SIZE, ANN_FORMAT, ANN_PATH, ANN_PREFIX,
-    ANN_TOC_DIGEST, ANN_TOC_POSITION, ANN_VIRTUAL_SIZE, LABEL_PREFIX,
+    is_disk_path, layer_path, ANN_CHUNK_SIZE, ANN_DISK_DIGEST, ANN_DISK_SIZE, ANN_FORMAT, ANN_PATH,
+    ANN_PREFIX, ANN_TOC_DIGEST, ANN_TOC_POSITION, ANN_VIRTUAL_SIZE, LABEL_PREFIX,
 };
 use crate::format::zstd_chunked::{clean_path, EntryMeta, TocLocation};
 use crate::oci::{self, Descriptor, ImageConfig, Manifest, ManifestKind, Platform, RootFs};
@@ -52,35 +52,6 @@ impl Default for PublishOptions {
             level: DEFAULT_LEVEL,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             format: None,
-        }
-    }
-}
-
-/// The in-layer path for a disk: `--path` (absolute, clean) or `disk/<file name>`.
-pub fn layer_path(path: Option<&str>, file_name: &str) -> Result<String> {
-    match path {
-        Some(p) => {
-            if !p.starts_with('/') || p.ends_with('/') {
-                return Err(Error::invalid(format!(
-                    "--path {p:?} must be an absolute file path such as /disk/disk.qcow2"
-                )));
-            }
-            let clean = clean_path(p)
-                .map_err(|_| Error::invalid(format!("--path {p:?} must not contain '..'")))?;
-            if !clean.contains('/') {
-                return Err(Error::invalid(format!(
-                    "--path {p:?} must name a file inside a directory (e.g. /disk/{file_name})"
-                )));
-            }
-            Ok(clean)
-        }
-        None => {
-            if file_name.is_empty() || file_name.contains('/') || file_name.starts_with('.') {
-                return Err(Error::invalid(format!(
-                    "disk file name {file_name:?} cannot be used under /disk/"
-                )));
-            }
-            Ok(format!("disk/{file_name}"))
         }
     }
 }
@@ -630,22 +601,6 @@ pub async fn convert(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn layer_paths() {
-        assert_eq!(
-            layer_path(None, "fedora.qcow2").unwrap(),
-            "disk/fedora.qcow2"
-        );
-        assert_eq!(
-            layer_path(Some("/image/podvm.qcow2"), "x").unwrap(),
-            "image/podvm.qcow2"
-        );
-        assert!(layer_path(Some("image/podvm.qcow2"), "x").is_err());
-        assert!(layer_path(Some("/disk/../etc/x"), "x").is_err());
-        assert!(layer_path(Some("/disk.qcow2"), "x").is_err());
-        assert!(layer_path(None, ".hidden").is_err());
-    }
 
     #[test]
     fn parents_are_listed_outermost_first() {
