@@ -29,7 +29,7 @@ deps:
 	@$(CARGO) nextest --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-nextest
 
 build:
-	$(CARGO) build --release --locked --bins --example cri-pull
+	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link
 
 demo: deps build
 	integration/demo.sh

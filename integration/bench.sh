@@ -79,3 +79,4 @@ done
 integration/bench-engine.sh
 integration/bench-pull.sh
 integration/bench-boot.sh
+integration/bench-link.sh
