@@ -97,6 +97,25 @@ impl Daemon {
         }
     }
 
+    /// `vmdisk ARGS --manage <this daemon's socket>`.
+    pub fn vmdisk(&self, args: &[&str]) -> std::process::Output {
+        let manage = self.manage.display().to_string();
+        let mut all = args.to_vec();
+        all.extend(["--manage", &manage]);
+        crate::harness::vmdisk(&all)
+    }
+
+    /// [`Daemon::vmdisk`] that must succeed; its stdout.
+    pub fn vmdisk_ok(&self, args: &[&str]) -> String {
+        let out = self.vmdisk(args);
+        assert!(
+            out.status.success(),
+            "vmdisk {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
     /// Kills the daemon with SIGKILL (a crash), leaving its mount servers.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

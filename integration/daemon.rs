@@ -24,24 +24,6 @@ fn daemon_with_metrics(scratch: &Scratch) -> (Daemon, PathBuf) {
     (daemon, metrics)
 }
 
-/// `vmdisk ARGS --manage SOCKET`.
-fn node(daemon: &Daemon, args: &[&str]) -> std::process::Output {
-    let mut all = args.to_vec();
-    let manage = daemon.manage.display().to_string();
-    all.extend(["--manage", &manage]);
-    vmdisk(&all)
-}
-
-fn node_ok(daemon: &Daemon, args: &[&str]) -> String {
-    let out = node(daemon, args);
-    assert!(
-        out.status.success(),
-        "vmdisk {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
 fn scrape(metrics: &Path) -> String {
     String::from_utf8(curl(&[
         "-sf",
@@ -76,7 +58,7 @@ fn never_lower(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, wh
 }
 
 fn ls(daemon: &Daemon) -> Vec<serde_json::Value> {
-    serde_json::from_str(&node_ok(daemon, &["ls", "--json"])).unwrap()
+    serde_json::from_str(&daemon.vmdisk_ok(&["ls", "--json"])).unwrap()
 }
 
 /// Runs `f` and returns how long it took.
@@ -128,10 +110,10 @@ fn a_stuck_mount_holds_up_only_its_own_layer() {
     std::thread::sleep(Duration::from_millis(500));
 
     // Meanwhile the daemon answers at once, and another image's disk gets ready.
-    let (_, took) = timed(|| node_ok(&daemon, &["ls"]));
+    let (_, took) = timed(|| daemon.vmdisk_ok(&["ls"]));
     eprintln!("ls while a mount is stuck: {took:?}");
     assert!(took < Duration::from_secs(1), "ls took {took:?}");
-    let (stats, took) = timed(|| node_ok(&daemon, &["stats"]));
+    let (stats, took) = timed(|| daemon.vmdisk_ok(&["stats"]));
     eprintln!("stats (Status) while a mount is stuck: {took:?}");
     assert!(
         took < Duration::from_secs(1),
@@ -141,7 +123,7 @@ fn a_stuck_mount_holds_up_only_its_own_layer() {
     eprintln!("/metrics while a mount is stuck: {took:?}");
     assert!(took < Duration::from_secs(1), "/metrics took {took:?}");
     assert!(text.contains("vmdisk_remote_layers"), "{text}");
-    let (path, took) = timed(|| node_ok(&daemon, &["path", &good_ref]));
+    let (path, took) = timed(|| daemon.vmdisk_ok(&["path", &good_ref]));
     eprintln!("another image's disk made ready while a mount is stuck: {took:?}");
     assert_eq!(
         std::fs::read(path.trim()).unwrap(),
@@ -185,7 +167,7 @@ fn counters_never_decrease_across_removal_and_restarts() {
     let (mut daemon, metrics) = daemon_with_metrics(&scratch);
 
     // A first server reads the whole disk: bytes come from the registry.
-    let path = node_ok(&daemon, &["path", &reference]);
+    let path = daemon.vmdisk_ok(&["path", &reference]);
     assert_eq!(std::fs::read(path.trim()).unwrap(), data);
     let fetched = ls(&daemon)[0]["registry_bytes"].as_u64().unwrap();
     assert!(fetched > 0);
@@ -193,7 +175,7 @@ fn counters_never_decrease_across_removal_and_restarts() {
     assert!(m0["vmdisk_registry_bytes_total"] >= fetched, "{m0:?}");
 
     // Its removal stops the server; what it counted stays.
-    node_ok(&daemon, &["rm", &reference]);
+    daemon.vmdisk_ok(&["rm", &reference]);
     assert!(ls(&daemon).is_empty());
     let m1 = counters(&scrape(&metrics));
     never_lower(&m0, &m1, "after vmdisk rm");
@@ -203,13 +185,13 @@ fn counters_never_decrease_across_removal_and_restarts() {
     );
 
     // A new server, killed and started again: the new one counts from zero, the totals not.
-    node_ok(&daemon, &["path", &reference]);
+    daemon.vmdisk_ok(&["path", &reference]);
     let pid = ls(&daemon)[0]["server_pid"].as_u64().unwrap();
     let m2 = counters(&scrape(&metrics));
     never_lower(&m1, &m2, "after a new server started");
     crate::cri::run_quiet("kill", &["-KILL", &pid.to_string()]);
     std::thread::sleep(Duration::from_millis(300));
-    node_ok(&daemon, &["path", &reference]);
+    daemon.vmdisk_ok(&["path", &reference]);
     let restarted = ls(&daemon);
     assert_ne!(restarted[0]["server_pid"].as_u64().unwrap(), pid);
     let m3 = counters(&scrape(&metrics));
@@ -300,7 +282,7 @@ fn prefetch_after_a_failed_hydration_starts_again_and_wait_names_its_timeout() {
         },
     );
     let daemon = Daemon::start(&scratch, "");
-    let out = node(&daemon, &["prefetch", "--wait", &reference]);
+    let out = daemon.vmdisk(&["prefetch", "--wait", &reference]);
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),
@@ -325,7 +307,7 @@ fn prefetch_after_a_failed_hydration_starts_again_and_wait_names_its_timeout() {
         Answer::Honest,
         0..0,
     );
-    let out = node_ok(&daemon, &["prefetch", "--wait", &reference]);
+    let out = daemon.vmdisk_ok(&["prefetch", "--wait", &reference]);
     assert!(out.contains("8 of 8 chunks cached"), "{out}");
     let disks = ls(&daemon);
     assert_eq!(disks[0]["hydration"], "done", "{disks:?}");
@@ -345,12 +327,7 @@ fn prefetch_after_a_failed_hydration_starts_again_and_wait_names_its_timeout() {
             ..Claim::default()
         },
     );
-    let (out, took) = timed(|| {
-        node(
-            &daemon,
-            &["prefetch", "--wait", "--timeout", "2", &slow_ref],
-        )
-    });
+    let (out, took) = timed(|| daemon.vmdisk(&["prefetch", "--wait", "--timeout", "2", &slow_ref]));
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("--timeout 2s"), "{text}");

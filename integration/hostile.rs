@@ -882,18 +882,7 @@ fn ready_disks_are_keyed_and_named_by_what_was_verified() {
         },
     );
     let daemon = Daemon::start(&scratch, "");
-    let sock = daemon.manage.to_str().unwrap().to_string();
-    let path = |args: &[&str]| {
-        let mut a = args.to_vec();
-        a.extend(["--manage", &sock]);
-        let out = vmdisk(&a);
-        assert!(
-            out.status.success(),
-            "vmdisk {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-    };
+    let path = |args: &[&str]| std::path::PathBuf::from(daemon.vmdisk_ok(args).trim());
     let evil_path = path(&["path", &attacker_ref]);
     assert!(std::fs::read(&evil_path).unwrap() == evil);
     let good_path = path(&["path", &victim_ref]);
@@ -941,7 +930,7 @@ fn ready_disks_are_keyed_and_named_by_what_was_verified() {
             ..Claim::default()
         },
     );
-    let out = vmdisk(&["prefetch", "--wait", &liar_ref, "--manage", &sock]);
+    let out = daemon.vmdisk(&["prefetch", "--wait", &liar_ref]);
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "prefetch of a lying layer succeeded");
     assert!(
@@ -949,7 +938,7 @@ fn ready_disks_are_keyed_and_named_by_what_was_verified() {
         "{text}"
     );
     let ls: serde_json::Value = serde_json::from_str(&String::from_utf8_lossy(
-        &vmdisk(&["ls", "--json", "--manage", &sock]).stdout,
+        &daemon.vmdisk(&["ls", "--json"]).stdout,
     ))
     .unwrap();
     let row = ls

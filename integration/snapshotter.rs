@@ -900,21 +900,8 @@ fn node_commands_make_disks_ready_and_clean_up() {
     let (reg, disk) = small_images(&scratch, "node", "256M", 32);
     let image = format!("{}/node:1", reg.host());
     let daemon = Daemon::start(&scratch, "");
-    let sock = daemon.manage.to_str().unwrap().to_string();
-    let cmd = |args: &[&str]| {
-        let mut a = args.to_vec();
-        a.extend(["--manage", &sock]);
-        vmdisk(&a)
-    };
-    let ok = |args: &[&str]| {
-        let out = cmd(args);
-        assert!(
-            out.status.success(),
-            "vmdisk {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let cmd = |args: &[&str]| daemon.vmdisk(args);
+    let ok = |args: &[&str]| daemon.vmdisk_ok(args);
 
     let path = PathBuf::from(ok(&["path", &image]).trim());
     assert_eq!(path.file_name().unwrap(), "node.qcow2");

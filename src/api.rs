@@ -44,13 +44,17 @@ const CODES: [(ErrorKind, tonic::Code); 10] = [
     (ErrorKind::Io, tonic::Code::Internal),
 ];
 
+/// The gRPC code of an error kind.
+pub fn code(kind: ErrorKind) -> tonic::Code {
+    CODES
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map_or(tonic::Code::Internal, |(_, c)| *c)
+}
+
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> Self {
-        let code = CODES
-            .iter()
-            .find(|(k, _)| *k == e.kind())
-            .map_or(tonic::Code::Internal, |(_, c)| *c);
-        tonic::Status::new(code, e.chain())
+        tonic::Status::new(code(e.kind()), e.chain())
     }
 }
 

@@ -113,16 +113,21 @@ impl Counters {
         }
     }
 
-    fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+    /// Applies `change`, which says whether it changed anything worth writing.
+    fn change(&self, change: impl FnOnce(&mut State) -> bool) {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let (state, dirty) = &mut *guard;
-        *dirty = true;
-        f(state)
+        if change(state) {
+            *dirty = true;
+        }
     }
 
     /// Adds `n` to the counter `name`.
     pub fn add(&self, name: &str, n: u64) {
-        self.with(|s| *s.totals.entry(name.to_string()).or_default() += n);
+        self.change(|s| {
+            *s.totals.entry(name.to_string()).or_default() += n;
+            n > 0
+        });
     }
 
     /// The total of `name`.
@@ -149,8 +154,12 @@ impl Counters {
             return;
         }
         let heard = now();
-        self.with(|s| {
+        self.change(|s| {
+            let known = s.servers.len();
             let reported = s.servers.entry(instance.to_string()).or_default();
+            // An idle server changes nothing but when it was last heard of; that is written
+            // at most hourly, enough for the 24-hour pruning below.
+            let mut changed = heard.saturating_sub(reported.heard) >= 3600;
             reported.heard = heard;
             for (name, _, get) in LAYER_COUNTERS {
                 let value = get(counters);
@@ -158,15 +167,17 @@ impl Counters {
                 let increase = value.saturating_sub(*before);
                 *before = (*before).max(value);
                 *s.totals.entry(name.to_string()).or_default() += increase;
+                changed |= increase > 0;
             }
             s.servers
                 .retain(|_, r| heard.saturating_sub(r.heard) < FORGET_AFTER_SECS);
+            changed || s.servers.len() != known
         });
     }
 
     /// Forgets server `instance` once its final counters were observed (it exited).
     pub fn forget(&self, instance: &str) {
-        self.with(|s| s.servers.remove(instance));
+        self.change(|s| s.servers.remove(instance).is_some());
     }
 
     /// Writes the counters if they changed (atomically). Blocking: call off the async workers.
@@ -227,6 +238,12 @@ mod tests {
         again.observe("b", &counters(25, 5));
         assert_eq!(again.get("vmdisk_registry_bytes"), 185);
         assert_eq!(again.with_prefix("decision/").get("remote"), Some(&2));
+        // Nothing new from a server: nothing to write.
+        again.save().unwrap();
+        std::fs::remove_file(&path).unwrap();
+        again.observe("b", &counters(25, 5));
+        again.save().unwrap();
+        assert!(!path.exists(), "an unchanged report rewrote the counters");
         again.forget("b");
         again.observe("b", &counters(25, 5));
         assert_eq!(again.get("vmdisk_registry_bytes"), 210);

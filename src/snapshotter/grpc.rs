@@ -301,7 +301,18 @@ pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>>
         let serving = status
             .as_ref()
             .is_some_and(|st| st.state() == control::ServerState::Serving);
-        let st = status.clone().unwrap_or_default();
+        let hydration = status
+            .as_ref()
+            .map(control::hydration_text)
+            .unwrap_or_default();
+        let server_state = match &status {
+            None => "down".into(),
+            Some(st) if st.state() == control::ServerState::Failed => {
+                format!("failed: {}", st.error)
+            }
+            Some(st) => st.state().as_str_name()["SERVER_STATE_".len()..].to_lowercase(),
+        };
+        let st = status.unwrap_or_default();
         let ready_dir = s
             .servers
             .ready_dir(&remote.reference)
@@ -315,33 +326,24 @@ pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>>
             layer_digest: if st.layer_digest.is_empty() {
                 layer.to_string()
             } else {
-                st.layer_digest.clone()
+                st.layer_digest
             },
             layer_key: layer.to_string(),
             integrity: if st.integrity.is_empty() {
                 "pending".into()
             } else {
-                st.integrity.clone()
+                st.integrity
             },
             mountpoint: s.servers.mountpoint(&layer).display().to_string(),
-            disk_path: st.disk_path.clone(),
+            disk_path: st.disk_path,
             chunks: st.chunks,
             chunks_cached: st.chunks_cached,
             registry_bytes: st.counters.as_ref().map_or(0, |c| c.bytes_fetched),
             snapshots,
             serving,
-            server_pid: status.as_ref().map_or(0, |st| st.pid),
-            hydration: status
-                .as_ref()
-                .map(control::hydration_text)
-                .unwrap_or_default(),
-            server_state: match &status {
-                None => "down".into(),
-                Some(st) if st.state() == control::ServerState::Failed => {
-                    format!("failed: {}", st.error)
-                }
-                Some(st) => st.state().as_str_name()["SERVER_STATE_".len()..].to_lowercase(),
-            },
+            server_pid: st.pid,
+            hydration,
+            server_state,
         });
     }
     Ok(out)
@@ -354,10 +356,10 @@ impl mpb::manage_server::Manage for ManageService {
         _request: Request<mpb::StatusRequest>,
     ) -> Result<Response<mpb::StatusResponse>, Status> {
         let s = Arc::clone(&self.snapshotter);
-        let count = blocking(move || s.list().map(|l| l.len() as u64))
-            .await
-            .map_err(Status::from)?;
-        let remote = disks(&self.snapshotter).await.map_err(Status::from)?.len() as u64;
+        let (count, remote) =
+            blocking(move || Ok((s.list()?.len() as u64, s.remote_layers()?.len() as u64)))
+                .await
+                .map_err(Status::from)?;
         // What is shown is kept: no later restart reports less.
         self.snapshotter
             .save_counters()
@@ -393,8 +395,12 @@ impl mpb::manage_server::Manage for ManageService {
         &self,
         request: Request<mpb::DiskRequest>,
     ) -> Result<Response<mpb::Disk>, Status> {
-        let disk = self.ensure_disk(request).await?;
-        let layer = disk.get_ref().layer_key.parse().map_err(Status::from)?;
+        let reference = request.into_inner().reference;
+        let layer = self
+            .snapshotter
+            .ensure_disk(&reference)
+            .await
+            .map_err(Status::from)?;
         let started = self
             .snapshotter
             .servers

@@ -77,9 +77,8 @@ impl Shared {
             }
             Phase::Failed(e) => {
                 status.set_state(ServerState::Failed);
-                let as_status = tonic::Status::from(Error::new(e.kind(), e.chain()));
                 status.error = e.chain();
-                status.error_code = as_status.code() as i32;
+                status.error_code = crate::api::code(e.kind()) as i32;
                 return status;
             }
             Phase::Serving(s) => Arc::clone(s),

@@ -216,11 +216,8 @@ impl LayerServers {
         let command = &self.command;
         let paths = self.paths(layer);
         let log_path = paths.log.clone();
+        // Its directory was made with the root (`LayerPaths::prepare_root`).
         let log = tokio::task::spawn_blocking(move || {
-            if let Some(dir) = log_path.parent() {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-            }
             std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
