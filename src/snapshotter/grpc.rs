@@ -259,6 +259,18 @@ pub struct ManageService {
 }
 
 impl ManageService {
+    /// Makes the requested disk ready (EnsureDisk); its layer key.
+    async fn ensure(
+        &self,
+        request: Request<mpb::DiskRequest>,
+    ) -> Result<crate::digest::Digest, Status> {
+        let reference = request.into_inner().reference;
+        self.snapshotter
+            .ensure_disk(&reference)
+            .await
+            .map_err(Status::from)
+    }
+
     async fn disk(&self, layer: &crate::digest::Digest) -> Result<Response<mpb::Disk>, Status> {
         let want = layer.to_string();
         disks(&self.snapshotter)
@@ -382,12 +394,7 @@ impl mpb::manage_server::Manage for ManageService {
         &self,
         request: Request<mpb::DiskRequest>,
     ) -> Result<Response<mpb::Disk>, Status> {
-        let reference = request.into_inner().reference;
-        let layer = self
-            .snapshotter
-            .ensure_disk(&reference)
-            .await
-            .map_err(Status::from)?;
+        let layer = self.ensure(request).await?;
         self.disk(&layer).await
     }
 
@@ -395,12 +402,7 @@ impl mpb::manage_server::Manage for ManageService {
         &self,
         request: Request<mpb::DiskRequest>,
     ) -> Result<Response<mpb::Disk>, Status> {
-        let reference = request.into_inner().reference;
-        let layer = self
-            .snapshotter
-            .ensure_disk(&reference)
-            .await
-            .map_err(Status::from)?;
+        let layer = self.ensure(request).await?;
         let started = self
             .snapshotter
             .servers
