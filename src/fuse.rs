@@ -21,6 +21,7 @@ use fuser::{
     SessionACL,
 };
 
+use crate::engine::readahead::Stream;
 use crate::engine::stats::Stats;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -109,15 +110,9 @@ impl ReadAt for EngineFile {
 }
 
 struct OpenFile {
-    /// Where the last read ended, to detect sequential reading.
-    next_offset: u64,
-    /// Bytes read back to back so far; read-ahead starts past [`SEQUENTIAL_THRESHOLD`].
-    sequential_bytes: u64,
+    /// What to fetch ahead of this reader.
+    stream: Stream,
 }
-
-/// A reader must read this much back to back before read-ahead starts: the kernel splits one
-/// large read into several FUSE requests, which alone must not look like a stream.
-const SEQUENTIAL_THRESHOLD: u64 = 1 << 20;
 
 /// The filesystem of one mounted layer.
 pub struct LayerFs {
@@ -453,8 +448,7 @@ impl fuser::Filesystem for LayerFs {
         self.open.lock().expect("open lock").insert(
             fh,
             OpenFile {
-                next_offset: 0,
-                sequential_bytes: 0,
+                stream: Stream::default(),
             },
         );
         if let Some(id) = inode
@@ -494,23 +488,15 @@ impl fuser::Filesystem for LayerFs {
             }
             Some(Content::None) | None => return reply.data(&[]),
         };
-        let sequential = {
-            let mut open = self.open.lock().expect("open lock");
-            match open.get_mut(&fh.0) {
-                Some(state) => {
-                    state.sequential_bytes = if state.next_offset == offset {
-                        state.sequential_bytes + u64::from(size)
-                    } else {
-                        0
-                    };
-                    state.next_offset = offset + u64::from(size);
-                    state.sequential_bytes >= SEQUENTIAL_THRESHOLD
-                }
-                None => false,
-            }
-        };
-        if sequential {
-            self.read_ahead(file, offset + u64::from(size));
+        let window = self.engine.options().readahead_bytes;
+        let ahead = self
+            .open
+            .lock()
+            .expect("open lock")
+            .get_mut(&fh.0)
+            .and_then(|state| state.stream.advance(offset, u64::from(size), window));
+        if let Some(range) = ahead {
+            self.read_ahead(file, range);
         }
         if let Some(result) = self.engine.read_cached(file, offset, u64::from(size)) {
             Stats::add(&stats.cache_hits, 1);
@@ -632,18 +618,15 @@ impl LayerFs {
         });
     }
 
-    /// Fetches the chunks after `from` in the background for a sequential reader.
-    fn read_ahead(&self, file: usize, from: u64) {
-        let layer = &self.engine.layer;
-        let start = layer.chunks_for(file, from..from + 1).start;
-        let f = &layer.files[file];
-        let end = (start + self.engine.options().readahead_chunks).min(f.first + f.count);
-        if start >= end || self.engine.all_present(start..end) {
+    /// Fetches the chunks of `range` of `file` in the background for a sequential reader.
+    fn read_ahead(&self, file: usize, range: std::ops::Range<u64>) {
+        let chunks = self.engine.layer.chunks_for(file, range);
+        if self.engine.all_present(chunks.clone()) {
             return;
         }
         let engine = Arc::clone(&self.engine);
         self.runtime.spawn(async move {
-            if let Err(e) = engine.ensure(start..end).await {
+            if let Err(e) = engine.ensure(chunks).await {
                 tracing::debug!(error = %e.chain(), "read-ahead failed");
             }
         });

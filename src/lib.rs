@@ -9,7 +9,7 @@
 //! - [`remote`], [`engine`], [`fuse`], [`serve`]: a lazily loaded layer, from chunk index to
 //!   FUSE mount; [`ready`]: the ready-disk directory handed to runtimes.
 //! - [`snapshotter`]: the containerd proxy snapshotter daemon; [`api`]: its gRPC definitions.
-//! - [`oci`], [`reference`], [`digest`], [`error`], [`units`]: the shared vocabulary.
+//! - [`oci`], [`reference`], [`digest`], [`error`], [`units`], [`task`]: the shared vocabulary.
 
 pub mod api;
 pub mod cache;
@@ -29,4 +29,5 @@ pub mod remote;
 pub mod serve;
 pub mod shim;
 pub mod snapshotter;
+pub mod task;
 pub mod units;

@@ -28,6 +28,7 @@ use crate::digest::Hasher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{clean_path, decode_region, NodeKind};
 use crate::remote::RemoteLayer;
+use crate::task::blocking;
 
 /// Most compressed bytes of one region between chunks (the last one holds the TOC, whose
 /// compressed size is bounded at 64 MiB, and the tar-split).
@@ -213,12 +214,6 @@ impl Engine {
 }
 
 /// Runs blocking work off the async workers.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::new(ErrorKind::Io, "checking the layer").with_source(e))?
-}
-
 /// Compares the tar entries with the TOC's nodes and the chunks' places in the stream with the
 /// tar headers.
 fn compare(layer: &RemoteLayer, entries: &[TarEntry], chunk_starts: &[u64]) -> Result<()> {

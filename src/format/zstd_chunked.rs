@@ -261,20 +261,15 @@ pub fn decode_toc(compressed: &[u8], loc: &TocLocation) -> Result<Toc> {
 
 /// Decompresses all zstd frames of `data`, failing if the output would exceed `limit` bytes.
 pub fn decompress_bounded(data: &[u8], limit: u64) -> Result<Vec<u8>> {
-    use std::io::Read;
-    let decoder = zstd::stream::read::Decoder::with_buffer(data)
-        .map_err(|e| Error::io("starting zstd decoder", e))?;
-    let mut out = Vec::new();
-    decoder
-        .take(limit + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| Error::corrupt(format!("zstd data is corrupt: {e}")))?;
-    if out.len() as u64 > limit {
-        return Err(Error::corrupt(format!(
-            "zstd data decompresses to more than the expected {limit} bytes"
-        )));
-    }
-    Ok(out)
+    // One call into the bulk decoder (every frame, into a buffer of exactly `limit` bytes:
+    // pages are only touched as they are written) instead of a stream that regrows its output.
+    let capacity = usize::try_from(limit)
+        .map_err(|_| Error::corrupt(format!("{limit} bytes cannot be held in memory")))?;
+    zstd::bulk::decompress(data, capacity).map_err(|e| {
+        Error::corrupt(format!(
+            "zstd data is corrupt or decompresses to more than the expected {limit} bytes ({e})"
+        ))
+    })
 }
 
 /// The length of the zstd frame (regular or skippable) at the start of `data`, if a whole one
