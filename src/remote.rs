@@ -20,6 +20,7 @@ use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
 use crate::reference::Reference;
 use crate::registry::Registry;
+use crate::task::blocking;
 
 /// Where a layer's bytes come from: ranges of one blob. The registry in production
 /// ([`RegistrySource`]); an in-memory blob in the engine's unit tests.
@@ -313,8 +314,10 @@ async fn resolve_online(
         diff_id: id.diff_id,
     };
     let key = id.key();
-    let toc = match cache.load_layer_meta(&key) {
-        Some((_, toc)) => toc,
+    let c = cache.clone();
+    let cached = blocking(move || Ok(c.load_layer_meta(&key).map(|(_, toc)| toc))).await?;
+    let toc = match cached {
+        Some(toc) => toc,
         None => {
             let toc = client
                 .get_blob_range(reference, &layer.digest, loc.range())
@@ -325,15 +328,20 @@ async fn resolve_online(
         }
     };
     // Validate before anything is stored: a TOC that does not parse never reaches the cache.
-    let remote = RemoteLayer::build(reference.clone(), meta, &toc, true)?;
-    cache.save_layer_meta(&remote.meta, &toc)?;
-    cache.save_ref(&RefRecord {
-        reference: reference.to_string(),
-        manifest_digest,
-        layer_key: key,
-        platform: platform.to_string(),
-    })?;
-    Ok(remote)
+    // Parsing grows with the chunk count (tens of ms per 8 GiB): off the async workers.
+    let (cache, reference) = (cache.clone(), reference.clone());
+    blocking(move || {
+        let remote = RemoteLayer::build(reference.clone(), meta, &toc, true)?;
+        cache.save_layer_meta(&remote.meta, &toc)?;
+        cache.save_ref(&RefRecord {
+            reference: reference.to_string(),
+            manifest_digest,
+            layer_key: key,
+            platform: platform.to_string(),
+        })?;
+        Ok(remote)
+    })
+    .await
 }
 
 /// Resolves `reference` to its disk layer: from the registry, or from the cache when the
@@ -346,17 +354,21 @@ pub async fn resolve(
     match resolve_online(client, cache, reference).await {
         Ok(layer) => Ok(layer),
         Err(e) if e.kind() == ErrorKind::Network => {
-            let record = cache.load_ref(&reference.to_string()).ok_or(e)?;
-            let (meta, toc) = cache.load_layer_meta(&record.layer_key).ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Network,
-                    format!(
-                        "{reference}: the registry is unreachable and the cache has no TOC for it"
-                    ),
-                )
-            })?;
-            tracing::warn!(%reference, layer = %meta.layer_digest, "registry unreachable; using the cached resolution");
-            RemoteLayer::build(reference.clone(), meta, &toc, false)
+            let (cache, reference) = (cache.clone(), reference.clone());
+            blocking(move || {
+                let record = cache.load_ref(&reference.to_string()).ok_or(e)?;
+                let (meta, toc) = cache.load_layer_meta(&record.layer_key).ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::Network,
+                        format!(
+                            "{reference}: the registry is unreachable and the cache has no TOC for it"
+                        ),
+                    )
+                })?;
+                tracing::warn!(%reference, layer = %meta.layer_digest, "registry unreachable; using the cached resolution");
+                RemoteLayer::build(reference, meta, &toc, false)
+            })
+            .await
         }
         Err(e) => Err(e),
     }

@@ -106,7 +106,17 @@ where
 /// The status of the server at `socket`.
 pub async fn status(socket: &Path) -> Result<LayerStatus> {
     call(socket, CALL_DEADLINE, "status", |mut c| async move {
-        c.status(pb::LayerStatusRequest {}).await
+        c.status(pb::LayerStatusRequest::default()).await
+    })
+    .await
+}
+
+/// The status of the server at `socket` once it is no longer starting, or after `wait`
+/// (at most 1 s) if it still is.
+pub async fn wait_started(socket: &Path, wait: Duration) -> Result<LayerStatus> {
+    let wait_started_ms = wait.as_millis().min(1000) as u32;
+    call(socket, CALL_DEADLINE + wait, "status", |mut c| async move {
+        c.status(pb::LayerStatusRequest { wait_started_ms }).await
     })
     .await
 }

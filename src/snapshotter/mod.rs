@@ -400,6 +400,7 @@ impl Snapshotter {
         parent: &str,
         labels: &BTreeMap<String, String>,
     ) -> bool {
+        let started = std::time::Instant::now();
         match self.classifier.classify(labels).await {
             Decision::Remote { reference, layer } => {
                 match self
@@ -408,7 +409,8 @@ impl Snapshotter {
                 {
                     Ok(outcome) => {
                         self.counters.add(&format!("decision/{outcome}"), 1);
-                        tracing::info!(%layer, %reference, outcome, "layer is served lazily");
+                        let ms = started.elapsed().as_millis() as u64;
+                        tracing::info!(%layer, %reference, outcome, ms, "layer is served lazily");
                         return true;
                     }
                     Err(e) => {
@@ -627,14 +629,7 @@ impl Snapshotter {
     }
 }
 
-/// Runs blocking store and file-system work off the async threads.
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T> + Send + 'static,
-) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::new(ErrorKind::Io, "a snapshot operation panicked").with_source(e))?
-}
+pub use crate::task::blocking;
 
 fn set_mode(path: &Path, mode: u32) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;

@@ -43,6 +43,8 @@ struct Shared {
     instance: String,
     mountpoint: String,
     phase: Mutex<Phase>,
+    /// Woken at every change of `phase`.
+    phase_changed: tokio::sync::Notify,
     /// Stop requests, each answered with the final counters or why not.
     stops: mpsc::Sender<oneshot::Sender<Result<pb::LayerCounters>>>,
 }
@@ -50,6 +52,33 @@ struct Shared {
 struct ControlService(Arc<Shared>);
 
 impl Shared {
+    fn set_phase(&self, phase: Phase) {
+        *self.phase.lock().unwrap_or_else(|p| p.into_inner()) = phase;
+        self.phase_changed.notify_waiters();
+    }
+
+    fn starting(&self) -> bool {
+        matches!(
+            *self.phase.lock().unwrap_or_else(|p| p.into_inner()),
+            Phase::Starting
+        )
+    }
+
+    /// Returns once the server is no longer starting, or after `wait`.
+    async fn wait_started(&self, wait: Duration) {
+        let _ = tokio::time::timeout(wait, async {
+            loop {
+                // Registered before the check, so a change in between is not missed.
+                let changed = self.phase_changed.notified();
+                if !self.starting() {
+                    return;
+                }
+                changed.await;
+            }
+        })
+        .await;
+    }
+
     fn serving(&self) -> Option<Arc<Serving>> {
         match &*self.phase.lock().unwrap_or_else(|p| p.into_inner()) {
             Phase::Serving(s) => Some(Arc::clone(s)),
@@ -110,8 +139,12 @@ impl Shared {
 impl pb::layer_server_server::LayerServer for ControlService {
     async fn status(
         &self,
-        _request: Request<pb::LayerStatusRequest>,
+        request: Request<pb::LayerStatusRequest>,
     ) -> Result<Response<pb::LayerStatus>, Status> {
+        let wait = u64::from(request.into_inner().wait_started_ms).min(1000);
+        if wait > 0 {
+            self.0.wait_started(Duration::from_millis(wait)).await;
+        }
         Ok(Response::new(self.0.status()))
     }
 
@@ -172,6 +205,7 @@ pub async fn serve_layer(
             .to_string(),
         mountpoint: paths.mountpoint.display().to_string(),
         phase: Mutex::new(Phase::Starting),
+        phase_changed: tokio::sync::Notify::new(),
         stops,
     });
     let (done, done_rx) = tokio::sync::watch::channel(false);
@@ -232,7 +266,7 @@ async fn run(
         Err(e) => {
             tracing::error!(%layer, error = %e.chain(), "the layer cannot be served");
             let (kind, why) = (e.kind(), e.chain());
-            *shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Failed(e);
+            shared.set_phase(Phase::Failed(e));
             // Keep answering Status until the daemon has read why, then go.
             let _ = tokio::time::timeout(FAILED_LINGER, async {
                 tokio::select! {
@@ -246,7 +280,7 @@ async fn run(
             return Err(Error::new(kind, why));
         }
     };
-    *shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Serving(Arc::clone(&serving));
+    shared.set_phase(Phase::Serving(Arc::clone(&serving)));
     tracing::info!(%reference, %layer, mountpoint = %paths.mountpoint.display(), "serving");
     loop {
         let reply = tokio::select! {
@@ -269,7 +303,7 @@ async fn run(
             }
         }
     }
-    *shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Stopping;
+    shared.set_phase(Phase::Stopping);
     // A status call may hold the serving state for a moment.
     let mut serving = serving;
     let serving = loop {

@@ -25,6 +25,10 @@ use super::control::{self, LayerPaths, LayerStatus, ServerState};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 
+/// How long one status call waits for a starting server to serve (or fail): the daemon learns
+/// the outcome as it happens instead of at its next poll.
+const STARTED_WAIT: Duration = Duration::from_millis(250);
+
 /// How to start servers.
 #[derive(Debug, Clone)]
 pub struct ServerCommand {
@@ -274,7 +278,9 @@ impl LayerServers {
                     ),
                 ));
             }
-            if let Ok(status) = control::status(&paths.control).await {
+            let asked = tokio::time::Instant::now();
+            let answer = control::wait_started(&paths.control, STARTED_WAIT).await;
+            if let Ok(status) = answer {
                 if status.layer_key != layer.to_string() {
                     // Another layer's server holds the socket (ours could not bind it): leave
                     // that one alone.
@@ -321,7 +327,11 @@ impl LayerServers {
                     ),
                 ));
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            // The socket is not bound yet, or the server answered at once without waiting
+            // (one from before `wait_started_ms`): ask again shortly.
+            if asked.elapsed() < Duration::from_millis(5) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
         };
         match (&outcome, child) {
             (Ok(_), Some(mut child)) => {
