@@ -16,8 +16,8 @@ B=$(mktemp -d "$PWD/scratch/bench-boot-XXXXXX")
 PIDS=()
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
-  for f in "$B"/vmdisk/servers/*/pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null; done
   wait 2>/dev/null || true
+  stop_mount_servers "$B"
   grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
   rm -rf "$B"
 }

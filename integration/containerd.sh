@@ -1,4 +1,4 @@
-# Sourced by demo.sh and bench-pull.sh (which keep started pids in the PIDS array).
+# Sourced by demo.sh and the bench scripts (which keep started pids in the PIDS array).
 # start_containerd DIR REGISTRY SNAPSHOTTER_SOCK|"": containerd 1.6 with its CRI plugin in DIR
 # (socket DIR/containerd.sock), plain HTTP to the loopback REGISTRY, and vmdisk-snapshotter at
 # SNAPSHOTTER_SOCK as the CRI snapshotter (containerd's overlayfs when empty). Returns when the
@@ -30,4 +30,12 @@ TOML
   PIDS+=($!)
   for _ in $(seq 200); do [ -S "$dir/containerd.sock" ] && break; sleep 0.05; done
   sleep 0.5
+}
+
+# stop_mount_servers DIR: mount servers outlive their daemon by design; stop the ones started
+# with a configuration under DIR (each unmounts and exits on SIGTERM).
+stop_mount_servers() {
+  pkill -TERM -f "serve-layer --config $1" 2>/dev/null || true
+  for _ in $(seq 50); do pgrep -f "serve-layer --config $1" > /dev/null || return 0; sleep 0.1; done
+  pkill -KILL -f "serve-layer --config $1" 2>/dev/null || true
 }

@@ -16,13 +16,13 @@ PORT=${PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1"
 PIDS=()
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
-  # Mount servers outlive the daemon by design; stop them with the demo.
-  for f in "$SCRATCH"/vmdisk/servers/*/pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null; done
   wait 2>/dev/null || true
+  stop_mount_servers "$SCRATCH"
   grep -o " $SCRATCH[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
   true
 }
 trap 'status=$?; cleanup || true; exit $status' EXIT
+source integration/containerd.sh
 
 echo "== scratch directory: $SCRATCH"
 mkdir -p "$SCRATCH/registry"
@@ -62,7 +62,6 @@ TOML
 "$SNAPSHOTTER" --config "$SCRATCH/vmdisk.toml" 2> "$SCRATCH/vmdisk.log" &
 PIDS+=($!)
 for _ in $(seq 100); do [ -S "$SCRATCH/vmdisk.sock" ] && break; sleep 0.05; done
-source integration/containerd.sh
 start_containerd "$SCRATCH/containerd" "127.0.0.1:$PORT" "$SCRATCH/vmdisk.sock"
 
 echo "== CRI PullImage $REF (what kubelet does for a KubeVirt containerDisk)"

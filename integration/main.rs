@@ -11,3 +11,4 @@ mod publish;
 mod rawview;
 mod snapshotter;
 mod token;
+mod trace;

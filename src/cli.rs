@@ -9,7 +9,7 @@ use crate::api::vmdisk::v1::{DiskRequest, GcRequest, ListDisksRequest, StatusReq
 use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
-use crate::oci::Platform;
+use crate::oci::{Descriptor, Platform};
 use crate::publish::{self, PublishOptions};
 use crate::reference::Reference;
 use crate::registry::{RegistryClient, RegistryConfig};
@@ -76,6 +76,34 @@ pub enum Command {
     Gc(GcArgs),
     /// The daemon's version and counters.
     Stats(ManageArgs),
+    /// Boot traces: what a boot reads, fetched first at every cold start.
+    #[command(subcommand)]
+    Trace(TraceCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TraceCommand {
+    /// Mount REF, run a boot against it and record which chunks of the disk it reads, in
+    /// order; write the trace to a file and/or publish it beside the image.
+    Record(TraceRecordArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct TraceRecordArgs {
+    /// Cache directory.
+    #[arg(long, default_value = crate::cache::DEFAULT_ROOT)]
+    pub cache: PathBuf,
+    /// Write the trace (JSON, docs/format.md) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Publish the trace beside the image: an OCI artifact referring to its manifest.
+    #[arg(long)]
+    pub push: bool,
+    pub reference: String,
+    /// The boot to record, run with VMDISK_DISK set to the mounted disk file (e.g. qemu with
+    /// `-drive file=$VMDISK_DISK,format=qcow2,readonly=on`).
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
 }
 
 /// How to reach vmdisk-snapshotter.
@@ -335,6 +363,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             println!("{digest}");
         }
         Command::Mount(args) => mount(&cli.registry, args).await?,
+        Command::Trace(TraceCommand::Record(args)) => trace_record(&cli.registry, args).await?,
         Command::Ls(args) => ls(args).await?,
         Command::Path(args) => {
             let disk = manage(&args.daemon, |mut c| async move {
@@ -617,6 +646,90 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
             "{}",
             serde_json::to_string(&stats).expect("stats serialise")
         );
+    }
+    Ok(())
+}
+
+/// `vmdisk trace record`: mounts the image in a scratch directory (no passthrough, so every
+/// read reaches the engine), runs the command, and keeps what it read.
+async fn trace_record(registry: &RegistryArgs, args: TraceRecordArgs) -> Result<()> {
+    use crate::trace::BootTrace;
+    if args.output.is_none() && !args.push {
+        return Err(Error::invalid(
+            "a recorded trace goes nowhere: give --output FILE, --push, or both",
+        ));
+    }
+    let reference: Reference = args.reference.parse()?;
+    let client = std::sync::Arc::new(registry.client()?);
+    let cache = crate::cache::CacheRoot::open(&args.cache)?;
+    let engine = crate::remote::open_engine(
+        std::sync::Arc::clone(&client) as _,
+        &cache,
+        &reference,
+        Default::default(),
+    )
+    .await?;
+    engine.start_recording();
+    let dir = std::env::temp_dir().join(format!("vmdisk-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let serving = crate::serve::start(
+        std::sync::Arc::clone(&engine),
+        &cache,
+        &dir,
+        &ServeOptions {
+            hydrate: Hydrate::Off,
+            hydrate_rate: 0,
+            passthrough: false,
+            announce: false,
+            ready: None,
+        },
+    )
+    .await?;
+    let status = tokio::process::Command::new(&args.command[0])
+        .args(&args.command[1..])
+        .env("VMDISK_DISK", serving.disk_path())
+        .status()
+        .await;
+    let stopped = serving.unmount();
+    serving.finish().await?;
+    stopped?;
+    let _ = std::fs::remove_dir(&dir);
+    let status = status.map_err(|e| Error::io(format!("running {}", args.command[0]), e))?;
+    if !status.success() {
+        return Err(Error::invalid(format!(
+            "{} exited with {status}: no trace kept (record a boot that succeeds)",
+            args.command[0]
+        )));
+    }
+    let trace = BootTrace::of(&engine, engine.recorded());
+    let bytes: u64 = trace.ranges.iter().map(|[_, len]| len).sum();
+    if let Some(output) = &args.output {
+        std::fs::write(output, trace.to_json())
+            .map_err(|e| Error::io(format!("writing {}", output.display()), e))?;
+    }
+    println!(
+        "recorded {} ranges, {bytes} bytes of the {}-byte disk /{}",
+        trace.ranges.len(),
+        engine.layer.file_size(engine.layer.disk),
+        trace.disk
+    );
+    if args.push {
+        let (_, manifest, _) =
+            crate::remote::platform_manifest(client.as_ref(), &reference).await?;
+        let fetched = client
+            .get_manifest(&reference.with_digest(manifest))
+            .await?;
+        let subject = Descriptor {
+            media_type: fetched.media_type,
+            digest: fetched.digest,
+            size: fetched.bytes.len() as u64,
+            annotations: Default::default(),
+            platform: None,
+            artifact_type: None,
+        };
+        let digest = crate::trace::publish(&client, &reference, subject, &trace).await?;
+        println!("published as {digest} (refers to {manifest})");
     }
     Ok(())
 }

@@ -7,7 +7,8 @@
 //! - [`inspect`]: reading any image and describing how lazily loadable it is.
 //! - [`cache`]: the persistent block cache (data files, presence bitmaps, eviction).
 //! - [`remote`], [`engine`], [`fuse`], [`serve`]: a lazily loaded layer, from chunk index to
-//!   FUSE mount; [`ready`]: the ready-disk directory handed to runtimes.
+//!   FUSE mount; [`ready`]: the ready-disk directory handed to runtimes; [`trace`]: boot
+//!   traces, recorded once and fetched first at every cold start.
 //! - [`snapshotter`]: the containerd proxy snapshotter daemon; [`api`]: its gRPC definitions.
 //! - [`oci`], [`reference`], [`digest`], [`error`], [`units`], [`task`]: the shared vocabulary.
 
@@ -30,4 +31,5 @@ pub mod serve;
 pub mod shim;
 pub mod snapshotter;
 pub mod task;
+pub mod trace;
 pub mod units;

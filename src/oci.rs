@@ -10,6 +10,8 @@ use crate::error::{Error, Result};
 
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+/// The empty descriptor's media type (an artifact's config `{}`).
+pub const OCI_EMPTY: &str = "application/vnd.oci.empty.v1+json";
 pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 pub const OCI_LAYER_TAR: &str = "application/vnd.oci.image.layer.v1.tar";
 pub const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
@@ -56,6 +58,9 @@ pub struct Descriptor {
     pub annotations: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub platform: Option<Platform>,
+    /// What an artifact manifest holds (in referrers indexes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_type: Option<String>,
 }
 
 impl Descriptor {
@@ -67,6 +72,7 @@ impl Descriptor {
             size: data.len() as u64,
             annotations: BTreeMap::new(),
             platform: None,
+            artifact_type: None,
         }
     }
 }
@@ -136,8 +142,14 @@ pub struct Manifest {
     pub schema_version: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub media_type: Option<String>,
+    /// Set for artifacts (OCI 1.1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_type: Option<String>,
     pub config: Descriptor,
     pub layers: Vec<Descriptor>,
+    /// The manifest an artifact refers to (OCI 1.1 referrers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subject: Option<Box<Descriptor>>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub annotations: BTreeMap<String, String>,
 }
@@ -185,6 +197,9 @@ pub struct RootFs {
 }
 
 /// What a manifest endpoint returned.
+// A handful live at a time, for the length of a resolution: boxing the larger variant would
+// buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum ManifestKind {
     Image(Manifest),

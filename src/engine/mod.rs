@@ -92,7 +92,16 @@ pub struct Engine {
     integrity: std::sync::OnceLock<Integrity>,
     /// Held while that check runs, so it runs once however many ask.
     checking: tokio::sync::Mutex<()>,
+    /// Records which chunks of the disk are read, once started ([`Engine::start_recording`]).
+    recorder: std::sync::OnceLock<Recorder>,
     opts: EngineOptions,
+}
+
+/// The chunks of the disk file that readers touched, in first-touch order.
+struct Recorder {
+    seen: Vec<std::sync::atomic::AtomicU64>,
+    /// Disk-file byte ranges, adjacent ones merged.
+    order: Mutex<Vec<Range<u64>>>,
 }
 
 /// Completes claimed chunks exactly once, also when the fetching future is dropped.
@@ -223,6 +232,7 @@ impl Engine {
             dedup: std::sync::OnceLock::new(),
             integrity: std::sync::OnceLock::new(),
             checking: tokio::sync::Mutex::new(()),
+            recorder: std::sync::OnceLock::new(),
             opts,
         })
     }
@@ -493,8 +503,15 @@ impl Engine {
     }
 
     /// Reads `size` bytes of file `file` at `offset` (short at the end of the file),
-    /// fetching what is missing.
+    /// fetching what is missing: a reader's read (recorded when recording).
     pub async fn read(&self, file: usize, offset: u64, size: u64) -> Result<Vec<u8>> {
+        let end = (offset + size).min(self.layer.file_size(file));
+        self.note_read(file, offset..end);
+        self.read_unrecorded(file, offset, size).await
+    }
+
+    /// [`Engine::read`] for the engine's own reads (qcow2 metadata), which are not a boot's.
+    async fn read_unrecorded(&self, file: usize, offset: u64, size: u64) -> Result<Vec<u8>> {
         let end = (offset + size).min(self.layer.file_size(file));
         if offset >= end {
             return Ok(Vec::new());
@@ -518,8 +535,91 @@ impl Engine {
         if !self.all_present(self.layer.chunks_for(file, offset..end)) {
             return None;
         }
+        self.note_read(file, offset..end);
         let mut buf = vec![0u8; (end - offset) as usize];
         Some(self.cache.read_at(file, &mut buf, offset).map(|()| buf))
+    }
+
+    /// Starts recording which chunks of the disk readers touch, in order (a boot trace).
+    /// Reads through the kernel's page cache or FUSE passthrough never reach the engine: mount
+    /// without passthrough to record.
+    pub fn start_recording(&self) {
+        let words = self.layer.chunks.len().div_ceil(64);
+        let _ = self.recorder.set(Recorder {
+            seen: (0..words)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+            order: Mutex::new(Vec::new()),
+        });
+    }
+
+    /// What was recorded since [`Engine::start_recording`]: disk-file byte ranges of the
+    /// touched chunks in first-touch order.
+    pub fn recorded(&self) -> Vec<Range<u64>> {
+        self.recorder
+            .get()
+            .map_or_else(Vec::new, |r| r.order.lock().expect("recorder lock").clone())
+    }
+
+    /// Records a read of `range` of `file` if recording and `file` is the disk.
+    fn note_read(&self, file: usize, range: Range<u64>) {
+        use std::sync::atomic::Ordering;
+        let Some(recorder) = self.recorder.get().filter(|_| file == self.layer.disk) else {
+            return;
+        };
+        for idx in self.layer.chunks_for(file, range) {
+            let bit = 1u64 << (idx % 64);
+            if recorder.seen[idx / 64].fetch_or(bit, Ordering::Relaxed) & bit != 0 {
+                continue;
+            }
+            let chunk = &self.layer.chunks[idx].1;
+            let span = chunk.offset..chunk.offset + chunk.size;
+            let mut order = recorder.order.lock().expect("recorder lock");
+            match order.last_mut() {
+                Some(last) if last.end == span.start => last.end = span.end,
+                _ => order.push(span),
+            }
+        }
+    }
+
+    /// Fetches the chunks of the disk that `ranges` (disk-file byte ranges) cover, in that
+    /// order, a few requests at a time so that readers' misses keep slots of their own; each
+    /// chunk once, present ones skipped. Returns how many chunks the ranges cover.
+    pub async fn replay(&self, ranges: &[Range<u64>]) -> Result<usize> {
+        use futures_util::StreamExt;
+        let disk = self.layer.disk;
+        let mut seen = std::collections::HashSet::new();
+        let mut order: Vec<usize> = Vec::new();
+        for range in ranges {
+            order.extend(
+                self.layer
+                    .chunks_for(disk, range.clone())
+                    .filter(|&c| seen.insert(c)),
+            );
+        }
+        // Runs of chunks adjacent in the trace and in the blob, one request each.
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for &c in &order {
+            let chunk = &self.layer.chunks[c].1;
+            match runs.last_mut() {
+                Some(run)
+                    if run.end == c
+                        && chunk.compressed.end
+                            - self.layer.chunks[run.start].1.compressed.start
+                            <= self.opts.max_request_bytes =>
+                {
+                    run.end += 1
+                }
+                _ => runs.push(c..c + 1),
+            }
+        }
+        let in_flight = (self.opts.max_concurrent_fetches / 2).max(1);
+        let mut fetches = futures_util::stream::iter(runs.into_iter().map(|r| self.ensure(r)))
+            .buffered(in_flight);
+        while let Some(result) = fetches.next().await {
+            result?;
+        }
+        Ok(order.len())
     }
 
     /// Reads the disk's qcow2 header, then its L1 and refcount tables together (two round
@@ -527,15 +627,15 @@ impl Engine {
     /// describing the disk for its ready directory reads.
     pub async fn qcow2_head(&self) -> Result<Option<(qcow2::Header, Vec<u8>)>> {
         let disk = self.layer.disk;
-        let head = self.read(disk, 0, 104).await?;
+        let head = self.read_unrecorded(disk, 0, 104).await?;
         if head.len() < 4 || head[..4] != qcow2::MAGIC {
             return Ok(None);
         }
         let header = qcow2::Header::read(&head[..])?;
         let tables = header.tables(self.layer.file_size(disk))?;
         let (l1, _) = futures_util::future::join(
-            self.read(disk, tables.l1.start, tables.l1.end - tables.l1.start),
-            self.read(
+            self.read_unrecorded(disk, tables.l1.start, tables.l1.end - tables.l1.start),
+            self.read_unrecorded(
                 disk,
                 tables.refcount.start,
                 tables.refcount.end - tables.refcount.start,

@@ -282,12 +282,15 @@ async fn finish_image(
         size: summary.size,
         annotations,
         platform: None,
+        artifact_type: None,
     };
     let manifest = Manifest {
         schema_version: 2,
         media_type: Some(oci::OCI_MANIFEST.into()),
+        artifact_type: None,
         config: config_desc,
         layers: vec![layer.clone()],
+        subject: None,
         annotations: BTreeMap::new(),
     };
     let bytes = serde_json::to_vec(&manifest).expect("manifest serialises");

@@ -682,6 +682,68 @@ impl RegistryClient {
         })
     }
 
+    /// The referrers (OCI 1.1) of manifest `digest` in `r`'s repository whose artifact type is
+    /// `artifact_type`: from the referrers API, or where the registry has none from the
+    /// fallback tag `sha256-<hex>`; empty if there are none.
+    pub async fn referrers(
+        &self,
+        r: &Reference,
+        digest: &Digest,
+        artifact_type: &str,
+    ) -> Result<Vec<Descriptor>> {
+        let what = format!("referrers of {digest}");
+        let api = self
+            .pull_request(r, &what, |ep| {
+                Req::new(
+                    Method::GET,
+                    ep.url(&format!("{}/referrers/{digest}", r.repository)),
+                )
+                .header(ACCEPT, oci::OCI_INDEX)
+            })
+            .await;
+        let index = match api {
+            Ok(resp) => {
+                let bytes = read_limited(resp, oci::MAX_MANIFEST_SIZE, &what).await?;
+                match oci::parse_manifest(&bytes, Some(oci::OCI_INDEX))? {
+                    ManifestKind::Index(index) => Some(index),
+                    ManifestKind::Image(_) => {
+                        return Err(Error::corrupt(format!(
+                            "{what} in {}/{}: the registry answered with a manifest, not an index",
+                            r.registry, r.repository
+                        )))
+                    }
+                }
+            }
+            // No referrers API (or nothing there yet): the fallback tag.
+            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::InvalidInput) => None,
+            Err(e) => return Err(e),
+        };
+        let index = match index {
+            Some(index) if !index.manifests.is_empty() => index,
+            _ => {
+                let tag = Reference {
+                    tag: Some(format!("sha256-{}", digest.hex())),
+                    digest: None,
+                    ..r.clone()
+                };
+                match self.get_manifest(&tag).await {
+                    Ok(FetchedManifest {
+                        manifest: ManifestKind::Index(index),
+                        ..
+                    }) => index,
+                    Ok(_) => return Ok(Vec::new()),
+                    Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Vec::new()),
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        Ok(index
+            .manifests
+            .into_iter()
+            .filter(|d| d.artifact_type.as_deref() == Some(artifact_type))
+            .collect())
+    }
+
     /// Fetches a whole blob of at most `limit` bytes and verifies it against `desc`.
     pub async fn get_blob(&self, r: &Reference, desc: &Descriptor, limit: u64) -> Result<Vec<u8>> {
         if desc.size > limit {

@@ -44,6 +44,9 @@ pub struct CacheConfig {
     pub hydrate_rate: u64,
     /// Hand complete files to the kernel with FUSE passthrough.
     pub passthrough: bool,
+    /// Fetch the chunks of a boot trace published beside the image first when a layer that is
+    /// not complete is mounted (`vmdisk trace record --push`).
+    pub boot_traces: bool,
 }
 
 /// How registries are reached.
@@ -94,6 +97,7 @@ impl Default for CacheConfig {
             hydrate: Hydrate::Off,
             hydrate_rate: 50,
             passthrough: true,
+            boot_traces: true,
         }
     }
 }

@@ -346,7 +346,8 @@ async fn start(
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
         ..Default::default()
     };
-    let engine = crate::remote::open_engine(client, &cache, &reference, opts).await?;
+    let engine =
+        crate::remote::open_engine(Arc::clone(&client) as _, &cache, &reference, opts).await?;
     let key = engine.layer.id().key();
     if key != *layer {
         return Err(Error::corrupt(format!(
@@ -355,10 +356,13 @@ async fn start(
         )));
     }
     let (c, name) = (cache.clone(), reference.to_string());
-    let platform = tokio::task::spawn_blocking(move || c.load_ref(&name).map(|r| r.platform))
+    let record = tokio::task::spawn_blocking(move || c.load_ref(&name))
         .await
         .ok()
-        .flatten()
+        .flatten();
+    let platform = record
+        .as_ref()
+        .map(|r| r.platform.clone())
         .unwrap_or_default();
     let ready = crate::ready::ReadyDir::new(
         &config.ready_dir,
@@ -373,8 +377,8 @@ async fn start(
         .map_err(|e| {
             Error::new(crate::error::ErrorKind::Io, "preparing the mount point").with_source(e)
         })??;
-    crate::serve::start(
-        engine,
+    let serving = crate::serve::start(
+        Arc::clone(&engine),
         &cache,
         &paths.mountpoint,
         &crate::serve::ServeOptions {
@@ -385,7 +389,17 @@ async fn start(
             ready: Some(ready),
         },
     )
-    .await
+    .await?;
+    // After ready: the boot trace published for this image, if any, is fetched first.
+    if let Some(record) = record.filter(|_| config.cache.boot_traces) {
+        tokio::spawn(crate::trace::replay_published(
+            client,
+            engine,
+            reference,
+            record.manifest_digest,
+        ));
+    }
+    Ok(serving)
 }
 
 /// Makes `dir` an empty directory to mount on, detaching a mount left by a server that died
