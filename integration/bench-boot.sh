@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # Boot figures (part of `make bench`): a Linux guest booted the way Kata boots it (qemu TCG,
 # -kernel/-initrd, root=/dev/vda1, read-only raw virtio disk) from vmdisk's lazily loaded raw
-# view (`vmdisk path --raw`), cold and warm, vs. the same disk after a full pull (containerd's
-# overlayfs CRI pull of the gzip containerDisk, then booting the unpacked qcow2). The guest disk
-# is 512 MiB with a 256 MiB file the boot never reads. Registry bytes come from the registry's
-# request log. No KVM here: boot times are TCG times, the same for every row.
+# view (`vmdisk path --raw`) over the shaped "cluster" link (20 ms, 200 Mbit/s):
+# - cold, on a node that never saw the image, without a boot trace;
+# - warm, the same node again;
+# - cold on another fresh node after `vmdisk trace record --push` published a boot trace;
+# - baseline: containerd's overlayfs full pull of the gzip containerDisk over the same link,
+#   then a boot of the unpacked qcow2.
+# The guest's own reads come from qemu's block statistics (QMP query-blockstats, read when the
+# guest prints its marker); registry bytes from the registry's request log. The guest disk is
+# BOOT_BENCH_GIB (default 2) GiB, padded with a random file the boot never reads. No KVM here:
+# boot times are TCG times, the same for every row.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
+RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
+GIB=${BOOT_BENCH_GIB:-2}
 mkdir -p scratch/bench
 RESULTS=$PWD/scratch/bench/results.txt
 B=$(mktemp -d "$PWD/scratch/bench-boot-XXXXXX")
 PIDS=()
 cleanup() {
+  pkill -f "qemu-system-x86_64 .*$B" 2>/dev/null || true
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
   wait 2>/dev/null || true
   stop_mount_servers "$B"
@@ -23,96 +32,71 @@ cleanup() {
 }
 trap 'status=$?; cleanup || true; exit $status' EXIT
 source integration/containerd.sh
+source integration/guest.sh
 now() { date +%s.%N; }
-secs() { python3 -c "print(f'{$2 - $1:.1f}')"; }
+secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
+start_registry "$B"
+start_cluster_link "$B" "$REG"
+mark() { registry_mark "$B"; }
+served_since() { registry_bytes_since "$B" "$1"; }
 
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-REG=127.0.0.1:$PORT
-mkdir -p "$B/registry"
-printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: %s }\n' "$B/registry" "$REG" > "$B/registry.yml"
-docker-registry serve "$B/registry.yml" > "$B/registry.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 100); do curl -sf "http://$REG/v2/" >/dev/null && break; sleep 0.1; done
-mark() { wc -c < "$B/registry.log"; }
-served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | { grep 'http.request.method=GET' || true; } | { grep -o 'http.response.written=[0-9]*' || true; } | cut -d= -f2 | awk '{s+=$1} END {printf "%d\n", s}'; }
-
-# The guest disk (as in integration/boot.rs).
-R=$B/guest-root
-mkdir -p "$R"/{bin,sbin,proc,dev,run,sys,data}
-cp /bin/busybox "$R/bin/"
-for c in sh echo mount poweroff cat; do ln -s busybox "$R/bin/$c"; done
-printf '#!/bin/sh\nmount -t proc proc /proc\necho BOOT-MARKER\npoweroff -f\n' > "$R/sbin/init"
-chmod +x "$R/sbin/init"
-head -c 256M /dev/urandom > "$R/data/pad.bin"
-truncate -s 512M "$B/guest.raw"
-echo 'start=2048, type=83' | sfdisk -q "$B/guest.raw"
-mkfs.ext4 -q -d "$R" -E offset=1048576 "$B/guest.raw" 500M
-qemu-img convert -O qcow2 "$B/guest.raw" "$B/guest.qcow2"
-rm -rf "$B/guest.raw" "$R"
+make_guest_disk "$B" "$GIB"
 SIZE=$(stat -c %s "$B/guest.qcow2")
-"$VMDISK" push "$B/guest.qcow2" "$REG/vm/guest:lazy" > /dev/null
-mkdir -p "$B/root/disk"
-cp "$B/guest.qcow2" "$B/root/disk/guest.qcow2"
-tar --owner=107 --group=107 -C "$B/root" -cf "$B/layer.tar" disk
-rm -rf "$B/root"
-python3 integration/tar-layout.py "$B/layout" "$B/layer.tar"
-skopeo copy --quiet --dest-tls-verify=false --dest-compress-format gzip "oci:$B/layout:latest" "docker://$REG/vm/guest:gzip"
-rm -rf "$B/layout"
+publish_lazy_and_gzip "$B/guest.qcow2" "$REG/vm/guest:lazy" "$REG/vm/guest:gzip"
 
-KERNEL=$(ls /boot/vmlinuz-* | sort | tail -1)
-INITRD=/boot/initrd.img-${KERNEL#/boot/vmlinuz-}
-boot() {  # boot DISK FORMAT: fails unless the guest printed its marker
-  timeout 300 qemu-system-x86_64 -m 512 -nographic -no-reboot -kernel "$KERNEL" -initrd "$INITRD" \
-    -append "root=/dev/vda1 console=ttyS0 ro quiet panic=-1" \
-    -drive "file=$1,format=$2,if=virtio,readonly=on" 2>&1 | grep -aq BOOT-MARKER
+write_boot_script "$B"
+
+# Cold (or warm) boot on NODE through the cluster link: "ready_s boot_s guest_bytes registry_bytes".
+lazy_boot() {  # lazy_boot NODE
+  local m t0 t1 raw out
+  sync; echo 3 > /proc/sys/vm/drop_caches
+  m=$(mark); t0=$(now)
+  raw=$(VMDISK_MANAGE=$B/$1/manage.sock "$VMDISK" path --raw "$CLUSTER/vm/guest:lazy")
+  t1=$(now)
+  out=$("$B/boot.sh" "$raw" raw)
+  echo "$(secs "$t0" "$t1") $out $(served_since "$m")"
+}
+settle() {  # waits until the registry log has been quiet for 2 s (background fetches done)
+  local quiet=0 last cur
+  last=$(mark)
+  while [ $quiet -lt 2 ]; do sleep 1; cur=$(mark); if [ "$cur" = "$last" ]; then quiet=$((quiet + 1)); else quiet=0; fi; last=$cur; done
 }
 
-cat > "$B/vmdisk.toml" <<TOML
-root = "$B/vmdisk"
-ready_dir = "$B/vmdisk/disks"
-address = "$B/vmdisk.sock"
-manage_address = "$B/manage.sock"
-log_level = "warn"
-[registry]
-hosts_dir = "$B/no-hosts.d"
-TOML
-"$SNAPSHOTTER" --config "$B/vmdisk.toml" 2> "$B/vmdisk.log" &
-PIDS+=($!)
-for _ in $(seq 100); do [ -S "$B/manage.sock" ] && break; sleep 0.05; done
-export VMDISK_MANAGE=$B/manage.sock
+start_node "$B" a
+read -r COLD_READY COLD_BOOT COLD_GUEST COLD_BYTES < <(lazy_boot a)
+settle
+read -r WARM_READY WARM_BOOT WARM_GUEST WARM_BYTES < <(lazy_boot a)
+
+# The publisher records a boot once (qemu on the qcow2 file, on loopback) and publishes it.
+"$VMDISK" trace record --cache "$B/recording-cache" --push "$REG/vm/guest:lazy" -- \
+  sh -c 'exec "$0" "$VMDISK_DISK" qcow2' "$B/boot.sh" > "$B/trace.out" 2>&1 || { cat "$B/trace.out"; exit 1; }
+TRACE_LINE=$(grep '^recorded' "$B/trace.out")
+
+start_node "$B" b
+read -r TRACED_READY TRACED_BOOT TRACED_GUEST TRACED_BYTES < <(lazy_boot b)
+
+# Baseline: containerd's overlayfs full pull of the gzip containerDisk over the same link.
+start_containerd "$B/full-ctd" "$CLUSTER" ""
 sync; echo 3 > /proc/sys/vm/drop_caches
-
-# Cold: ready path, then boot; everything the boot reads is fetched on demand.
 m=$(mark); t0=$(now)
-RAW=$("$VMDISK" path --raw "$REG/vm/guest:lazy")
+"$CRI_PULL" --address "$B/full-ctd/containerd.sock" "$CLUSTER/vm/guest:gzip" > /dev/null
 t1=$(now)
-boot "$RAW" raw
-t2=$(now); sleep 0.3
-COLD_BYTES=$(served_since "$m"); COLD_READY=$(secs "$t0" "$t1"); COLD_TOTAL=$(secs "$t0" "$t2")
-# Warm: the same node boots again, once the cold boot's background fetches have settled.
-quiet=0; last=$(mark)
-while [ $quiet -lt 2 ]; do sleep 1; cur=$(mark); if [ "$cur" = "$last" ]; then quiet=$((quiet + 1)); else quiet=0; fi; last=$cur; done
-m=$(mark); t0=$(now)
-boot "$RAW" raw
-t1=$(now); sleep 0.3
-WARM_BYTES=$(served_since "$m"); WARM_TOTAL=$(secs "$t0" "$t1")
-
-# Baseline: containerd's overlayfs full pull of the gzip containerDisk, then boot the file.
-start_containerd "$B/full-ctd" "$REG" ""
-m=$(mark); t0=$(now)
-"$CRI_PULL" --address "$B/full-ctd/containerd.sock" "$REG/vm/guest:gzip" > /dev/null
-t1=$(now)
+FULL_BYTES=$(served_since "$m")
 UNPACKED=$(find "$B/full-ctd/root/io.containerd.snapshotter.v1.overlayfs/snapshots" -name guest.qcow2 | head -1)
-boot "$UNPACKED" qcow2
-t2=$(now); sleep 0.3
-FULL_BYTES=$(served_since "$m"); FULL_PULL=$(secs "$t0" "$t1"); FULL_TOTAL=$(secs "$t0" "$t2")
+read -r FULL_BOOT FULL_GUEST < <("$B/boot.sh" "$UNPACKED" qcow2)
+FULL_PULL=$(secs "$t0" "$t1")
 
-pct() { python3 -c "print(f'{$1 * 100 / $2:.2f}')"; }
+x() { python3 -c "print(f'{$1 / max($2, 1):.2f}x')"; }
+total() { python3 -c "print(f'{$1 + $2:.2f}')"; }
 {
   echo
-  echo "VM boot (qemu TCG, Kata-style raw virtio root) from a ${SIZE}-byte qcow2 guest disk, same run:"
-  printf '  %-48s %12s %12s %16s\n' path "ready s" "total s" "registry bytes"
-  printf '  %-48s %12s %12s %16s\n' "vmdisk lazy raw view, cold (path + boot)" "$COLD_READY" "$COLD_TOTAL" "$COLD_BYTES ($(pct "$COLD_BYTES" "$SIZE")%)"
-  printf '  %-48s %12s %12s %16s\n' "vmdisk lazy raw view, warm (boot again)" "0" "$WARM_TOTAL" "$WARM_BYTES"
-  printf '  %-48s %12s %12s %16s\n' "overlayfs full pull (gzip) + boot of the qcow2" "$FULL_PULL" "$FULL_TOTAL" "$FULL_BYTES ($(pct "$FULL_BYTES" "$SIZE")%)"
+  echo "VM boot (qemu TCG, Kata-style raw virtio root) from a $((GIB))-GiB guest disk (qcow2 file $SIZE bytes) over the"
+  echo "cluster link (20 ms, 200 Mbit/s), same run; guest bytes = qemu's block statistics at the boot marker:"
+  printf '  %-46s %8s %8s %9s %14s %14s %10s\n' path "ready s" "boot s" "total s" "guest bytes" "registry bytes" "reg/guest"
+  printf '  %-46s %8s %8s %9s %14s %14s %10s\n' "vmdisk raw view, cold, no trace" "$COLD_READY" "$COLD_BOOT" "$(total "$COLD_READY" "$COLD_BOOT")" "$COLD_GUEST" "$COLD_BYTES" "$(x "$COLD_BYTES" "$COLD_GUEST")"
+  printf '  %-46s %8s %8s %9s %14s %14s %10s\n' "vmdisk raw view, warm (same node again)" "$WARM_READY" "$WARM_BOOT" "$(total "$WARM_READY" "$WARM_BOOT")" "$WARM_GUEST" "$WARM_BYTES" "-"
+  printf '  %-46s %8s %8s %9s %14s %14s %10s\n' "vmdisk raw view, cold, published boot trace" "$TRACED_READY" "$TRACED_BOOT" "$(total "$TRACED_READY" "$TRACED_BOOT")" "$TRACED_GUEST" "$TRACED_BYTES" "$(x "$TRACED_BYTES" "$TRACED_GUEST")"
+  printf '  %-46s %8s %8s %9s %14s %14s %10s\n' "containerd full pull (gzip) + boot of the qcow2" "$FULL_PULL" "$FULL_BOOT" "$(total "$FULL_PULL" "$FULL_BOOT")" "$FULL_GUEST" "$FULL_BYTES" "$(x "$FULL_BYTES" "$FULL_GUEST")"
+  echo "  trace: $TRACE_LINE"
+  echo "  cold boot with trace / warm boot: $(python3 -c "print(f'{$TRACED_BOOT / $WARM_BOOT:.2f}')"); without trace / warm: $(python3 -c "print(f'{$COLD_BOOT / $WARM_BOOT:.2f}')")"
 } | tee -a "$RESULTS"

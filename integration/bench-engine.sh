@@ -7,8 +7,6 @@ VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 mkdir -p scratch/bench
 B=$(mktemp -d "$PWD/scratch/bench-engine-XXXXXX")
 RESULTS=$PWD/scratch/bench/results.txt
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-PORT=$(free_port)
 PIDS=()
 cleanup() {
   for m in "$B"/mnt*; do mountpoint -q "$m" 2>/dev/null && umount -l "$m"; done
@@ -19,16 +17,11 @@ cleanup() {
 }
 trap 'status=$?; cleanup || true; exit $status' EXIT
 
-mkdir -p "$B/registry"
-printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\n' "$B/registry" "$PORT" > "$B/registry.yml"
-docker-registry serve "$B/registry.yml" > "$B/registry.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$PORT/v2/" >/dev/null && break; sleep 0.1; done
-REG=127.0.0.1:$PORT
-
-# Registry-side byte count: sum of response bodies of blob GETs logged since a mark.
-mark() { wc -c < "$B/registry.log"; }
-served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | { grep 'http.request.method=GET' || true; } | { grep -o 'http.response.written=[0-9]*' || true; } | cut -d= -f2 | awk '{s+=$1} END {printf "%d\n", s}'; }
+source integration/containerd.sh
+start_registry "$B"
+# Registry-side byte count: sum of response bodies of GETs logged since a mark.
+mark() { registry_mark "$B"; }
+served_since() { registry_bytes_since "$B" "$1"; }
 now() { date +%s.%N; }
 secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
 

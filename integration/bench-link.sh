@@ -16,12 +16,9 @@ VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 SIZE_MIB=${LINK_BENCH_MIB:-4096}
-RTT_MS=20
-MBIT=200
 mkdir -p scratch/bench
 B=$(mktemp -d "$PWD/scratch/bench-link-XXXXXX")
 RESULTS=$PWD/scratch/bench/results.txt
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 PIDS=()
 cleanup() {
   for m in "$B"/mnt*; do mountpoint -q "$m" 2>/dev/null && umount -l "$m"; done
@@ -33,38 +30,17 @@ cleanup() {
 trap 'status=$?; cleanup || true; exit $status' EXIT
 source integration/containerd.sh
 
-PORT=$(free_port)
-mkdir -p "$B/registry"
-printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s }, delete: { enabled: true } }\nhttp: { addr: 127.0.0.1:%s }\n' "$B/registry" "$PORT" > "$B/registry.yml"
-docker-registry serve "$B/registry.yml" > "$B/registry.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$PORT/v2/" >/dev/null && break; sleep 0.1; done
-SHAPED=$(free_port)
-"$RELAY" "127.0.0.1:$SHAPED" "127.0.0.1:$PORT" "$RTT_MS" "$MBIT" > "$B/relay.out" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 100); do grep -q listening "$B/relay.out" && break; sleep 0.05; done
-mark() { wc -c < "$B/registry.log"; }
-served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | { grep 'http.request.method=GET' || true; } | { grep -o 'http.response.written=[0-9]*' || true; } | cut -d= -f2 | awk '{s+=$1} END {printf "%d\n", s}'; }
+start_registry "$B"
+start_cluster_link "$B" "$REG"
+mark() { registry_mark "$B"; }
+served_since() { registry_bytes_since "$B" "$1"; }
 
 # The disk: a qcow2 fully written with random data (file = virtual size), lazy and gzip.
 DISK=$B/disk.qcow2
-qemu-img create -q -f qcow2 "$DISK" "${SIZE_MIB}M"
-for i in $(seq 0 $((SIZE_MIB / 256 - 1))); do
-  head -c 256M /dev/urandom > "$B/piece"
-  qemu-io -c "write -s $B/piece $((i * 256))M 256M" "$DISK" > /dev/null
-done
-rm -f "$B/piece"
+random_qcow2 "$DISK" "$SIZE_MIB"
 DSIZE=$(stat -c %s "$DISK")
-"$VMDISK" push "$DISK" "127.0.0.1:$PORT/bench/disk:lazy" > /dev/null
-mkdir -p "$B/root/disk"
-ln "$DISK" "$B/root/disk/disk.qcow2"
-tar --owner=107 --group=107 -C "$B/root" -cf "$B/layer.tar" disk
-rm -rf "$B/root"
-python3 integration/tar-layout.py "$B/layout" "$B/layer.tar"
-rm -f "$B/layer.tar"
-skopeo copy --quiet --dest-tls-verify=false --dest-compress-format gzip "oci:$B/layout:latest" "docker://127.0.0.1:$PORT/bench/disk:gzip"
-rm -rf "$B/layout"
-LAYER=$(curl -s -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://127.0.0.1:$PORT/v2/bench/disk/manifests/lazy" | python3 -c 'import json,sys; print(json.load(sys.stdin)["layers"][0]["digest"])')
+publish_lazy_and_gzip "$DISK" "$REG/bench/disk:lazy" "$REG/bench/disk:gzip"
+LAYER=$(curl -s -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$REG/v2/bench/disk/manifests/lazy" | python3 -c 'import json,sys; print(json.load(sys.stdin)["layers"][0]["digest"])')
 LSIZE=$(stat -c %s "$B/registry/docker/registry/v2/blobs/sha256/${LAYER:7:2}/${LAYER:7}/data")
 now() { date +%s.%N; }
 secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
@@ -91,14 +67,13 @@ lazy() {  # lazy HOST N CMD
   out=$(secs "$t0" "$(now)")
   kill -INT $mpid; wait $mpid || true
   rm -rf "$B/cache$2"
-  sleep 0.3   # the registry logs a request after answering it
   echo "$out $(served_since "$m")"
 }
 SEQ='dd if=$MNT/disk/disk.qcow2 of=/dev/null bs=4M status=none'
 # 1% of the disk in 1 MiB reads at page-aligned random offsets (fio hints the kernel that
 # access is random, so its read-ahead adds nothing).
 RANDOM_READS=$(( (DSIZE / 100 + 1048575) / 1048576 ))
-RND="fio --name=random --filename=\$MNT/disk/disk.qcow2 --rw=randread --bs=1M --blockalign=4k --io_size=${RANDOM_READS}M --randseed=7 --output-format=terse > /dev/null"
+RND="fio --name=random --filename=\$MNT/disk/disk.qcow2 --rw=randread --bs=1M --blockalign=4k --norandommap --io_size=${RANDOM_READS}M --randseed=7 --output-format=terse > /dev/null"
 # containerd 1.6 (overlayfs) pulls and unpacks the gzip containerDisk through CRI.
 full_pull() {  # full_pull HOST N -> "seconds registry_bytes"
   local out m
@@ -106,13 +81,11 @@ full_pull() {  # full_pull HOST N -> "seconds registry_bytes"
   sync; echo 3 > /proc/sys/vm/drop_caches
   m=$(mark)
   out=$("$CRI_PULL" --address "$B/ctd$2/containerd.sock" "$1/bench/disk:gzip")
-  sleep 0.3
   echo "$(echo "$out" | sed -E 's/.* in ([0-9.]+) s$/\1/') $(served_since "$m")"
   "$CRI_PULL" --address "$B/ctd$2/containerd.sock" --rm "$1/bench/disk:gzip" > /dev/null
 }
 
-LOOP=127.0.0.1:$PORT
-CLUSTER=127.0.0.1:$SHAPED
+LOOP=$REG
 LOOP_RTT=$(link_rtt "$LOOP")
 CLUSTER_RTT=$(link_rtt "$CLUSTER")
 LOOP_DL=$(download "$LOOP")
@@ -128,7 +101,7 @@ ratio() { python3 -c "print(f'{$1 / $2:.3f}')"; }
 
 {
   echo
-  echo "links: loopback, and 'cluster' = shaped-link ${RTT_MS} ms round trip, ${MBIT} Mbit/s ($((MBIT / 8)) MB/s), same run:"
+  echo "links: loopback, and 'cluster' = shaped-link 20 ms round trip, 200 Mbit/s (25 MB/s), same run:"
   printf '  %-10s %16s %22s\n' link "request RTT ms" "one download MB/s"
   printf '  %-10s %16s %22s\n' loopback "$LOOP_RTT" "$(mbs "$LSIZE" "$LOOP_DL")"
   printf '  %-10s %16s %22s\n' cluster "$CLUSTER_RTT" "$(mbs "$LSIZE" "$CLUSTER_DL")"

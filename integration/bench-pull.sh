@@ -15,7 +15,6 @@ SIZES=${BENCH_PULL_GIB:-1 8}
 mkdir -p scratch/bench
 RESULTS=$PWD/scratch/bench/results.txt
 B=$(mktemp -d "$PWD/scratch/bench-pull-XXXXXX")
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 PIDS=()
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
@@ -26,31 +25,12 @@ cleanup() {
 }
 trap 'status=$?; cleanup || true; exit $status' EXIT
 
-PORT=$(free_port)
-REG=127.0.0.1:$PORT
-mkdir -p "$B/registry"
-printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s }, delete: { enabled: true } }\nhttp: { addr: %s }\n' "$B/registry" "$REG" > "$B/registry.yml"
-docker-registry serve "$B/registry.yml" > "$B/registry.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 100); do curl -sf "http://$REG/v2/" >/dev/null && break; sleep 0.1; done
-mark() { wc -c < "$B/registry.log"; }
-served_since() { tail -c +"$(($1 + 1))" "$B/registry.log" | { grep 'http.request.method=GET' || true; } | { grep -o 'http.response.written=[0-9]*' || true; } | cut -d= -f2 | awk '{s+=$1} END {printf "%d\n", s}'; }
-
 source integration/containerd.sh
+start_registry "$B"
+mark() { registry_mark "$B"; }
+served_since() { registry_bytes_since "$B" "$1"; }
 
-mkdir -p "$B/lazy"
-cat > "$B/lazy/vmdisk.toml" <<TOML
-root = "$B/lazy/vmdisk"
-address = "$B/lazy/vmdisk.sock"
-manage_address = "$B/lazy/manage.sock"
-ready_dir = "$B/lazy/vmdisk/disks"
-log_level = "info"
-[registry]
-hosts_dir = "$B/no-hosts.d"
-TOML
-"$SNAPSHOTTER" --config "$B/lazy/vmdisk.toml" 2> "$B/lazy/vmdisk.log" &
-PIDS+=($!)
-for _ in $(seq 100); do [ -S "$B/lazy/vmdisk.sock" ] && break; sleep 0.05; done
+start_node "$B" lazy
 start_containerd "$B/lazy-ctd" "$REG" "$B/lazy/vmdisk.sock"
 start_containerd "$B/full-ctd" "$REG" ""
 
@@ -58,7 +38,6 @@ start_containerd "$B/full-ctd" "$REG" ""
 pull() {
   local m; m=$(mark)
   local out; out=$("$CRI_PULL" --address "$B/$1/containerd.sock" "$2")
-  sleep 0.3   # the registry logs a request after answering it
   echo "$(echo "$out" | sed -E 's/.* in ([0-9.]+) s$/\1/') $(served_since "$m")"
 }
 # How long the last lazy Prepare took in vmdisk (from containerd's call to the mounted layer).
@@ -68,21 +47,9 @@ remove() { "$CRI_PULL" --address "$B/$1/containerd.sock" --rm "$2" > /dev/null; 
 ROWS=()
 for GIB in $SIZES; do
   DISK=$B/disk-$GIB.qcow2
-  qemu-img create -q -f qcow2 "$DISK" "${GIB}G"
-  for i in $(seq 0 $((GIB * 4 - 1))); do
-    head -c 256M /dev/urandom > "$B/piece"
-    qemu-io -c "write -s $B/piece $((i * 256))M 256M" "$DISK" > /dev/null
-  done
-  rm -f "$B/piece"
+  random_qcow2 "$DISK" "$((GIB * 1024))"
   SIZE=$(stat -c %s "$DISK")
-  "$VMDISK" push "$DISK" "$REG/bench/lazy-$GIB:1" > /dev/null
-  mkdir -p "$B/root/disk" "$B/layout-$GIB"
-  ln -f "$DISK" "$B/root/disk/disk.qcow2"
-  tar --owner=107 --group=107 -C "$B/root" -cf "$B/layer.tar" disk
-  rm -f "$B/root/disk/disk.qcow2"
-  python3 integration/tar-layout.py "$B/layout-$GIB" "$B/layer.tar"
-  skopeo copy --quiet --dest-tls-verify=false --dest-compress-format gzip "oci:$B/layout-$GIB:latest" "docker://$REG/bench/gzip-$GIB:1"
-  rm -rf "$B/layout-$GIB"
+  publish_lazy_and_gzip "$DISK" "$REG/bench/lazy-$GIB:1" "$REG/bench/gzip-$GIB:1"
   sync; echo 3 > /proc/sys/vm/drop_caches
 
   read -r L_SECS L_BYTES < <(pull lazy-ctd "$REG/bench/lazy-$GIB:1")

@@ -1,4 +1,5 @@
-# Sourced by demo.sh and the bench scripts (which keep started pids in the PIDS array).
+# Sourced by demo.sh and the bench scripts (which keep started pids in the PIDS array): containerd,
+# stopping mount servers, and the test disks they publish.
 # start_containerd DIR REGISTRY SNAPSHOTTER_SOCK|"": containerd 1.6 with its CRI plugin in DIR
 # (socket DIR/containerd.sock), plain HTTP to the loopback REGISTRY, and vmdisk-snapshotter at
 # SNAPSHOTTER_SOCK as the CRI snapshotter (containerd's overlayfs when empty). Returns when the
@@ -38,4 +39,84 @@ stop_mount_servers() {
   pkill -TERM -f "serve-layer --config $1" 2>/dev/null || true
   for _ in $(seq 50); do pgrep -f "serve-layer --config $1" > /dev/null || return 0; sleep 0.1; done
   pkill -KILL -f "serve-layer --config $1" 2>/dev/null || true
+}
+
+# publish_lazy_and_gzip DISK LAZY_REF GZIP_REF: pushes DISK with `vmdisk push` (lazy) and, as
+# KubeVirt users publish containerDisks today, as /disk/<name> in a gzip layer with skopeo.
+# Needs $VMDISK; works in a scratch directory beside DISK.
+publish_lazy_and_gzip() {
+  local disk=$1 work
+  work=$(mktemp -d "$(dirname "$disk")/publish-XXXXXX")
+  "$VMDISK" push "$disk" "$2" > /dev/null
+  mkdir -p "$work/root/disk"
+  ln "$disk" "$work/root/disk/$(basename "$disk")"
+  tar --owner=107 --group=107 -C "$work/root" -cf "$work/layer.tar" disk
+  python3 integration/tar-layout.py "$work/layout" "$work/layer.tar"
+  skopeo copy --quiet --dest-tls-verify=false --dest-compress-format gzip "oci:$work/layout:latest" "docker://$3"
+  rm -rf "$work"
+}
+
+# random_qcow2 DISK MIB: a qcow2 of MIB MiB fully written with random data (file = virtual
+# size), written in 256 MiB pieces.
+random_qcow2() {
+  local disk=$1 mib=$2
+  qemu-img create -q -f qcow2 "$disk" "${mib}M"
+  for i in $(seq 0 $((mib / 256 - 1))); do
+    head -c 256M /dev/urandom > "$disk.piece"
+    qemu-io -c "write -s $disk.piece $((i * 256))M 256M" "$disk" > /dev/null
+  done
+  rm -f "$disk.piece"
+}
+
+# free_port: a free TCP port on loopback.
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# start_registry DIR: a registry (CNCF distribution) on a free loopback port storing in
+# DIR/registry, logging each request with its response size to DIR/registry.log; sets REG.
+start_registry() {
+  local port; port=$(free_port)
+  REG=127.0.0.1:$port
+  mkdir -p "$1/registry"
+  printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s }, delete: { enabled: true } }\nhttp: { addr: %s }\n' "$1/registry" "$REG" > "$1/registry.yml"
+  docker-registry serve "$1/registry.yml" > "$1/registry.log" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 100); do curl -sf "http://$REG/v2/" > /dev/null && break; sleep 0.1; done
+}
+
+# start_cluster_link DIR UPSTREAM: the shaped "cluster" link to UPSTREAM (20 ms round trip,
+# 200 Mbit/s; examples/shaped-link.rs, needs $RELAY); sets CLUSTER to its host:port.
+start_cluster_link() {
+  CLUSTER=127.0.0.1:$(free_port)
+  "$RELAY" "$CLUSTER" "$2" 20 200 > "$1/relay.out" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 100); do grep -q listening "$1/relay.out" && break; sleep 0.05; done
+}
+
+# registry_mark DIR, then registry_bytes_since DIR MARK: the bytes of the GET responses the
+# registry of DIR logged since the mark (it logs a request just after answering it).
+registry_mark() { wc -c < "$1/registry.log"; }
+registry_bytes_since() {
+  sleep 0.3
+  tail -c +"$(($2 + 1))" "$1/registry.log" | { grep 'http.request.method=GET' || true; } |
+    { grep -o 'http.response.written=[0-9]*' || true; } | cut -d= -f2 | awk '{s+=$1} END {printf "%.0f\n", s}'
+}
+
+# start_node DIR NAME: vmdisk-snapshotter with its own root DIR/NAME (a node with a cold cache):
+# snapshots socket DIR/NAME/vmdisk.sock, management socket DIR/NAME/manage.sock, log
+# DIR/NAME/vmdisk.log (info). Needs $SNAPSHOTTER.
+start_node() {
+  local dir=$1/$2
+  mkdir -p "$dir"
+  cat > "$dir/vmdisk.toml" <<TOML
+root = "$dir/vmdisk"
+ready_dir = "$dir/vmdisk/disks"
+address = "$dir/vmdisk.sock"
+manage_address = "$dir/manage.sock"
+log_level = "info"
+[registry]
+hosts_dir = "$dir/no-hosts.d"
+TOML
+  "$SNAPSHOTTER" --config "$dir/vmdisk.toml" 2> "$dir/vmdisk.log" &
+  PIDS+=($!)
+  for _ in $(seq 100); do [ -S "$dir/manage.sock" ] && [ -S "$dir/vmdisk.sock" ] && break; sleep 0.05; done
 }

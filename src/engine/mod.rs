@@ -56,6 +56,11 @@ pub struct EngineOptions {
     /// Most bytes fetched ahead of a sequential reader ([`readahead`]); 0 turns read-ahead
     /// off. Keep it above the link's bandwidth-delay product.
     pub readahead_bytes: u64,
+    /// Fetch the disk's head (qcow2 header, L1 and refcount tables) while the layer's
+    /// structure is checked, a round trip sooner, for a mount that describes its disk before
+    /// it serves (ready directories). Those chunks are then fetched before other cached layers
+    /// are indexed for dedup, so a mount without a ready directory leaves it off.
+    pub head_during_check: bool,
 }
 
 impl Default for EngineOptions {
@@ -65,6 +70,7 @@ impl Default for EngineOptions {
             max_concurrent_fetches: 4,
             max_request_bytes: 4 << 20,
             readahead_bytes: 32 << 20,
+            head_during_check: false,
         }
     }
 }
@@ -192,11 +198,15 @@ impl Engine {
             let _ = engine.integrity.set(known);
         }
         engine.usable()?;
-        // The disk's head is fetched while the layer's structure is checked: describing the
-        // disk reads it next, so the mount is ready a round trip sooner. (Fetched chunks are
-        // verified as always; nothing is served before the check passes.)
-        let (checked, _) = tokio::join!(engine.check_structure(Some(cache)), engine.qcow2_head());
-        checked?;
+        if engine.opts.head_during_check {
+            // Describing the disk reads its head next: fetched now, the mount is ready a round
+            // trip sooner. (Verified as always; nothing is served before the check passes.)
+            let (checked, _) =
+                tokio::join!(engine.check_structure(Some(cache)), engine.qcow2_head());
+            checked?;
+        } else {
+            engine.check_structure(Some(cache)).await?;
+        }
         Ok(engine)
     }
 

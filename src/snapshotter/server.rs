@@ -344,6 +344,8 @@ async fn start(
     )?);
     let opts = crate::engine::EngineOptions {
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
+        // The ready directory is described before serving, head first.
+        head_during_check: true,
         ..Default::default()
     };
     let engine =
