@@ -691,9 +691,15 @@ async fn trace_record(registry: &RegistryArgs, args: TraceRecordArgs) -> Result<
         .env("VMDISK_DISK", serving.disk_path())
         .status()
         .await;
-    let stopped = serving.unmount();
+    // Ending the session waits for the unmount; a mount still in use is left to the kernel,
+    // which breaks it when this process exits.
+    serving.unmount().map_err(|e| {
+        e.context(format!(
+            "{} left the disk in use; no trace kept",
+            args.command[0]
+        ))
+    })?;
     serving.finish().await?;
-    stopped?;
     let _ = std::fs::remove_dir(&dir);
     let status = status.map_err(|e| Error::io(format!("running {}", args.command[0]), e))?;
     if !status.success() {
