@@ -691,8 +691,9 @@ fn crafted_sizes_and_counts_stay_within_memory_and_time() {
     let reg = HostileRegistry::start();
 
     // TOCs of a few hundred KiB compressed holding millions of tiny entries: one just over
-    // the entry bound (refused while parsing) and one of 4 M entries, which parsed would take
-    // well over 1 GiB (refused by its announced size).
+    // the entry bound (refused at its first entry that does not fit, as entries are validated
+    // while they are parsed) and one of 4 M entries, which parsed would take well over 1 GiB
+    // (refused by its announced size).
     let base = CraftedLayer::honest(&[("disk/disk.img", &random(CHUNK, 7))], CHUNK);
     let tiny_entries = |n: usize| {
         let mut toc = base.toc.clone();
@@ -709,7 +710,7 @@ fn crafted_sizes_and_counts_stay_within_memory_and_time() {
     for (entries, why) in [
         (
             vmdisk::format::zstd_chunked::MAX_TOC_ENTRIES,
-            "more than 1048576 entries",
+            "outside the layer data",
         ),
         (4 << 20, "outside the accepted bounds"),
     ] {

@@ -722,7 +722,7 @@ async fn trace_record(registry: &RegistryArgs, args: TraceRecordArgs) -> Result<
     );
     if args.push {
         let (_, manifest, _) =
-            crate::remote::platform_manifest(client.as_ref(), &reference).await?;
+            crate::remote::platform_manifest(client.as_ref(), None, &reference).await?;
         let fetched = client
             .get_manifest(&reference.with_digest(manifest))
             .await?;

@@ -261,8 +261,7 @@ async fn inspect_chunked(
     rep.toc_uncompressed_size = loc.uncompressed_length;
     loc.check_within(desc.size)?;
     let compressed = client.get_blob_range(r, &desc.digest, loc.range()).await?;
-    let toc = zstd_chunked::decode_toc(&compressed, loc)?;
-    let nodes = toc.nodes(loc.offset - 8)?;
+    let nodes = zstd_chunked::read_toc(&compressed, loc)?;
     let wanted = desc
         .annotations
         .get(crate::format::layout::ANN_PATH)

@@ -83,8 +83,8 @@ pub struct RemoteLayer {
     pub nodes: Vec<Node>,
     /// Regular files with content, in TOC order; "file number" n is `files[n]`.
     pub files: Vec<FileChunks>,
-    /// Every chunk of every file: (file number, chunk).
-    pub chunks: Vec<(usize, Chunk)>,
+    /// Every chunk of every file, file after file ([`RemoteLayer::chunk`] gives its file).
+    pub chunks: Vec<Chunk>,
     /// The file number of the disk (under `disk/` or `image/`, or the annotated path).
     pub disk: usize,
     /// Whether this came from the registry (false: offline, from the cache).
@@ -109,27 +109,26 @@ impl RemoteLayer {
             uncompressed_length: meta.toc_uncompressed_length,
             checksum: meta.toc_digest,
         };
-        let toc = zstd_chunked::decode_toc(toc_bytes, &loc)?;
-        let mut nodes = toc.nodes(loc.offset.saturating_sub(8))?;
+        let mut nodes = zstd_chunked::read_toc(toc_bytes, &loc)?;
         let mut files = Vec::new();
-        let mut chunks = Vec::new();
+        let mut chunks: Vec<Chunk> = Vec::new();
         for (i, node) in nodes.iter_mut().enumerate() {
             if node.kind == NodeKind::Regular && node.size > 0 {
                 if !node.verifiable() {
                     return Err(Error::unsupported(format!("{}: some chunks have no digest and cannot be verified; republish with `vmdisk convert`", node.path)));
                 }
-                let file_no = files.len();
                 files.push(FileChunks {
                     node: i,
                     first: chunks.len(),
                     count: node.chunks.len(),
                 });
-                // The flat table is the one copy of the chunks from here on.
-                chunks.extend(
-                    std::mem::take(&mut node.chunks)
-                        .into_iter()
-                        .map(|c| (file_no, c)),
-                );
+                // The flat table is the one copy of the chunks from here on (a disk layer's
+                // one file hands over its table without a copy).
+                if chunks.is_empty() {
+                    chunks = std::mem::take(&mut node.chunks);
+                } else {
+                    chunks.append(&mut node.chunks);
+                }
             }
         }
         let disk = files
@@ -154,6 +153,12 @@ impl RemoteLayer {
         })
     }
 
+    /// Chunk `idx` and the file number it belongs to.
+    pub fn chunk(&self, idx: usize) -> (usize, &Chunk) {
+        let file = self.files.partition_point(|f| f.first + f.count <= idx);
+        (file, &self.chunks[idx])
+    }
+
     /// The chunks of file `file` that overlap `range` (file offsets), as global indices.
     pub fn chunks_for(&self, file: usize, range: Range<u64>) -> Range<usize> {
         let f = &self.files[file];
@@ -161,8 +166,8 @@ impl RemoteLayer {
         if range.is_empty() {
             return f.first..f.first;
         }
-        let start = slice.partition_point(|(_, c)| c.offset + c.size <= range.start);
-        let end = slice.partition_point(|(_, c)| c.offset < range.end);
+        let start = slice.partition_point(|c| c.offset + c.size <= range.start);
+        let end = slice.partition_point(|c| c.offset < range.end);
         f.first + start..f.first + end
     }
 
@@ -194,16 +199,44 @@ pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
     })
 }
 
+/// The manifest or index `reference` names, and its digest: when `reference` is by digest
+/// and `cache` keeps that blob, from there (re-verified, no round trip); otherwise from the
+/// registry, and then kept.
+pub(crate) async fn manifest_of(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+) -> Result<(ManifestKind, Digest)> {
+    if let (Some(cache), Some(digest)) = (cache, reference.digest) {
+        let c = cache.clone();
+        let kept = blocking(move || Ok(c.load_blob(&digest, oci::MAX_MANIFEST_SIZE))).await?;
+        if let Some(manifest) = kept.and_then(|bytes| oci::parse_manifest(&bytes, None).ok()) {
+            return Ok((manifest, digest));
+        }
+    }
+    let fetched = client.get_manifest(reference).await?;
+    keep(cache, fetched.digest, fetched.bytes).await;
+    Ok((fetched.manifest, fetched.digest))
+}
+
+/// Keeps verified bytes in the cache's blob store; a failure only costs a round trip later.
+async fn keep(cache: Option<&CacheRoot>, digest: Digest, bytes: Vec<u8>) {
+    let Some(cache) = cache.cloned() else { return };
+    if let Err(e) = blocking(move || cache.save_blob(&digest, &bytes)).await {
+        tracing::debug!(%digest, error = %e.chain(), "keeping a fetched blob failed");
+    }
+}
+
 /// The image manifest of `reference` for the host's platform (through an index if there is
-/// one), with its digest and platform.
+/// one), with its digest and platform. Manifests kept in `cache` save their round trips.
 pub async fn platform_manifest(
     client: &dyn Registry,
+    cache: Option<&CacheRoot>,
     reference: &Reference,
-) -> Result<(oci::Manifest, crate::digest::Digest, Platform)> {
-    let fetched = client.get_manifest(reference).await?;
-    match fetched.manifest {
-        ManifestKind::Image(m) => Ok((m, fetched.digest, Platform::host())),
-        ManifestKind::Index(index) => {
+) -> Result<(oci::Manifest, Digest, Platform)> {
+    match manifest_of(client, cache, reference).await? {
+        (ManifestKind::Image(m), digest) => Ok((m, digest, Platform::host())),
+        (ManifestKind::Index(index), _) => {
             let host = Platform::host();
             let desc = index
                 .manifests
@@ -219,12 +252,9 @@ pub async fn platform_manifest(
                         format!("{reference} has no image for {host}"),
                     )
                 })?;
-            let child = client
-                .get_manifest(&reference.with_digest(desc.digest))
-                .await?;
-            match child.manifest {
-                ManifestKind::Image(m) => Ok((m, desc.digest, host)),
-                ManifestKind::Index(_) => {
+            match manifest_of(client, cache, &reference.with_digest(desc.digest)).await? {
+                (ManifestKind::Image(m), _) => Ok((m, desc.digest, host)),
+                (ManifestKind::Index(_), _) => {
                     Err(Error::unsupported(format!("{reference}: nested index")))
                 }
             }
@@ -236,6 +266,7 @@ pub async fn platform_manifest(
 /// its digest) supplies the diff_id the layer claims.
 pub async fn disk_layer_id(
     client: &dyn Registry,
+    cache: Option<&CacheRoot>,
     reference: &Reference,
     manifest: &oci::Manifest,
 ) -> Result<(Descriptor, TocLocation, LayerId)> {
@@ -265,10 +296,23 @@ pub async fn disk_layer_id(
                 crate::format::layout::ANN_PATH
             ))
         })?;
-    let config = client
-        .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
-        .await
-        .map_err(|e| e.context(format!("fetching the image config of {reference}")))?;
+    let digest = manifest.config.digest;
+    let kept = match cache.cloned() {
+        Some(c) => blocking(move || Ok(c.load_blob(&digest, oci::MAX_CONFIG_SIZE))).await?,
+        None => None,
+    };
+    let config = match kept {
+        Some(config) => config,
+        None => {
+            let config = client
+                .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
+                .await
+                .map_err(|e| e.context(format!("fetching the image config of {reference}")))?
+                .to_vec();
+            keep(cache, digest, config.clone()).await;
+            config
+        }
+    };
     let config: oci::ImageConfig = serde_json::from_slice(&config).map_err(|e| {
         Error::corrupt(format!("the image config of {reference} is not valid: {e}"))
     })?;
@@ -300,8 +344,9 @@ async fn resolve_online(
     cache: &CacheRoot,
     reference: &Reference,
 ) -> Result<RemoteLayer> {
-    let (manifest, manifest_digest, platform) = platform_manifest(client, reference).await?;
-    let (layer, loc, id) = disk_layer_id(client, reference, &manifest).await?;
+    let (manifest, manifest_digest, platform) =
+        platform_manifest(client, Some(cache), reference).await?;
+    let (layer, loc, id) = disk_layer_id(client, Some(cache), reference, &manifest).await?;
     let meta = LayerMeta {
         reference: reference.to_string(),
         layer_digest: id.layer,

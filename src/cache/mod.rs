@@ -13,6 +13,7 @@
 //!     lock          held shared while mounted, so eviction skips the layer
 //!     last-used     its mtime orders eviction
 //! refs/<sha256 of the reference>.json   the last resolution of an image reference
+//! blobs/<digest hex>   manifests and image configs fetched by digest (re-verified on load)
 //! ```
 //!
 //! **Identity.** A layer is keyed by what was verified about it ([`LayerId`]), never by the
@@ -167,20 +168,19 @@ pub fn data_file(layer_dir: &Path, n: usize) -> PathBuf {
     layer_dir.join(names::DATA).join(n.to_string())
 }
 
+/// Replaces `path` with `data` at once (written aside, then renamed). Not synced: everything
+/// written this way is checked when read back (against a digest or a key, or parsed), so a
+/// file a crash left torn is fetched or checked again, and the ready path waits on no flush.
 fn write_atomically(path: &Path, data: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, data).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-    let f = std::fs::File::open(&tmp)
-        .map_err(|e| Error::io(format!("opening {}", tmp.display()), e))?;
-    f.sync_all()
-        .map_err(|e| Error::io(format!("syncing {}", tmp.display()), e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("renaming {}", tmp.display()), e))
 }
 
 impl CacheRoot {
     /// Opens (creating if needed) the cache at `root`, mode 0700.
     pub fn open(root: &Path) -> Result<Self> {
-        for sub in ["layers", "refs"] {
+        for sub in ["layers", "refs", "blobs"] {
             std::fs::create_dir_all(root.join(sub)).map_err(|e| {
                 Error::io(format!("creating cache directory {}", root.display()), e)
             })?;
@@ -215,6 +215,23 @@ impl CacheRoot {
     pub fn load_ref(&self, reference: &str) -> Option<RefRecord> {
         let bytes = std::fs::read(self.ref_path(reference)).ok()?;
         serde_json::from_slice(&bytes).ok()
+    }
+
+    /// Keeps a manifest or image config that was fetched by `digest` (and so verified), for
+    /// the next resolution of the same image on this node: the daemon's classification
+    /// hands it to the mount server this way, and offline re-mounts find it.
+    pub fn save_blob(&self, digest: &Digest, bytes: &[u8]) -> Result<()> {
+        write_atomically(&self.root.join("blobs").join(digest.hex()), bytes)
+    }
+
+    /// A kept manifest or config, if it is there, at most `max` bytes and still hashes to
+    /// `digest`.
+    pub fn load_blob(&self, digest: &Digest, max: u64) -> Option<Vec<u8>> {
+        use std::io::Read;
+        let file = std::fs::File::open(self.root.join("blobs").join(digest.hex())).ok()?;
+        let mut bytes = Vec::new();
+        file.take(max + 1).read_to_end(&mut bytes).ok()?;
+        (bytes.len() as u64 <= max && digest.verify(&bytes, "kept blob").is_ok()).then_some(bytes)
     }
 
     /// Stores a verified TOC and the layer's metadata (the TOC first, so `meta.json` only ever

@@ -167,13 +167,13 @@ impl Engine {
         use futures_util::StreamExt;
         let layer = &self.layer;
         let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
-        order.sort_unstable_by_key(|&i| layer.chunks[i].1.compressed.start);
+        order.sort_unstable_by_key(|&i| layer.chunks[i].compressed.start);
         // (index in `pieces`, blob range) of each region to fetch.
         let mut wanted = Vec::new();
         let mut pieces = Vec::with_capacity(order.len() * 2 + 1);
         let mut at = 0u64;
         for next in order.iter().map(|&i| Some(i)).chain([None]) {
-            let end = next.map_or(until, |i| layer.chunks[i].1.compressed.start);
+            let end = next.map_or(until, |i| layer.chunks[i].compressed.start);
             if end > at {
                 if end - at > MAX_REGION_BYTES {
                     return Err(Error::corrupt(format!(
@@ -185,7 +185,7 @@ impl Engine {
             }
             if let Some(i) = next {
                 pieces.push(Piece::Chunk(i));
-                at = layer.chunks[i].1.compressed.end;
+                at = layer.chunks[i].compressed.end;
             }
         }
         let mut fetched =
@@ -272,7 +272,7 @@ fn compare(layer: &RemoteLayer, entries: &[TarEntry], chunk_starts: &[u64]) -> R
         };
         let f = &layer.files[file];
         let range = f.first..f.first + f.count;
-        for ((_, chunk), &start) in layer.chunks[range.clone()].iter().zip(&chunk_starts[range]) {
+        for (chunk, &start) in layer.chunks[range.clone()].iter().zip(&chunk_starts[range]) {
             let expected = entry.data_at + chunk.offset;
             if start != expected {
                 return Err(Error::corrupt(format!(
@@ -388,7 +388,7 @@ impl<'a> Stream<'a> {
     fn piece_len(&self, i: usize) -> u64 {
         match &self.pieces[i] {
             Piece::Region(bytes) => bytes.len() as u64,
-            Piece::Chunk(idx) => self.engine.layer.chunks[*idx].1.size,
+            Piece::Chunk(idx) => self.engine.layer.chunks[*idx].size,
         }
     }
 
@@ -445,7 +445,7 @@ impl Read for Stream<'_> {
                     n
                 }
                 Piece::Chunk(idx) => {
-                    let (file, chunk) = &layer.chunks[*idx];
+                    let (file, chunk) = layer.chunk(*idx);
                     if self.within == 0 {
                         self.chunk_starts[*idx] = self.position;
                     }
@@ -458,7 +458,7 @@ impl Read for Stream<'_> {
                     if let Err(e) =
                         self.engine
                             .cache
-                            .read_at(*file, &mut buf[..n], chunk.offset + self.within)
+                            .read_at(file, &mut buf[..n], chunk.offset + self.within)
                     {
                         let text = e.chain();
                         self.cache_error = Some(e);

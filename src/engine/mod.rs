@@ -157,13 +157,14 @@ fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> 
         let Some(bits) = crate::cache::layer::durable_bits(&dir, layer.chunks.len()) else {
             continue;
         };
-        for (idx, (file, chunk)) in layer.chunks.iter().enumerate() {
+        for idx in 0..layer.chunks.len() {
+            let (file, chunk) = layer.chunk(idx);
             if bits[idx / 8] & (1 << (idx % 8)) == 0 {
                 continue;
             }
             if let Some(d) = chunk.digest {
                 map.entry(d).or_insert(DedupSource {
-                    path: crate::cache::data_file(&dir, *file),
+                    path: crate::cache::data_file(&dir, file),
                     offset: chunk.offset,
                     size: chunk.size,
                 });
@@ -327,11 +328,11 @@ impl Engine {
         sorted.sort_unstable();
         let mut runs: Vec<Vec<usize>> = Vec::new();
         for idx in sorted {
-            let (file, chunk) = &self.layer.chunks[idx];
+            let (file, chunk) = self.layer.chunk(idx);
             if let Some(run) = runs.last_mut() {
                 let last = *run.last().expect("runs are never empty");
-                let (last_file, last_chunk) = &self.layer.chunks[last];
-                let first = &self.layer.chunks[run[0]].1;
+                let (last_file, last_chunk) = self.layer.chunk(last);
+                let first = &self.layer.chunks[run[0]];
                 if last + 1 == idx
                     && last_file == file
                     && last_chunk.compressed.end == chunk.compressed.start
@@ -372,7 +373,7 @@ impl Engine {
     }
 
     fn copy_from_dedup(&self, idx: usize) -> bool {
-        let (file, chunk) = &self.layer.chunks[idx];
+        let (file, chunk) = self.layer.chunk(idx);
         let Some(source) = chunk.digest.and_then(|d| self.dedup.get()?.get(&d)) else {
             return false;
         };
@@ -392,7 +393,7 @@ impl Engine {
         }
         if self
             .cache
-            .write_chunk(idx, *file, chunk.offset, &data)
+            .write_chunk(idx, file, chunk.offset, &data)
             .is_err()
         {
             return false;
@@ -404,8 +405,8 @@ impl Engine {
 
     /// Fetches contiguous chunks with one request, verifies each, refetches failures once.
     async fn fetch_verified(&self, run: &[usize]) -> Result<()> {
-        let first = &self.layer.chunks[run[0]].1;
-        let last = &self.layer.chunks[run[run.len() - 1]].1;
+        let first = &self.layer.chunks[run[0]];
+        let last = &self.layer.chunks[run[run.len() - 1]];
         let range = first.compressed.start..last.compressed.end;
         let bytes = self.fetch_range(range.clone()).await?;
         if bytes.len() as u64 != range.end - range.start {
@@ -419,11 +420,11 @@ impl Engine {
         let failed = off_the_runtime(|| {
             let mut failed = Vec::new();
             for &idx in run {
-                let (file, chunk) = &self.layer.chunks[idx];
+                let (file, chunk) = self.layer.chunk(idx);
                 let frame = &bytes[(chunk.compressed.start - range.start) as usize
                     ..(chunk.compressed.end - range.start) as usize];
                 match decode_chunk(frame, chunk) {
-                    Ok(data) => self.store(idx, *file, chunk, &data)?,
+                    Ok(data) => self.store(idx, file, chunk, &data)?,
                     Err(e) => {
                         Stats::add(&self.stats.verify_failures, 1);
                         tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, offset = chunk.offset, digest = ?chunk.digest, error = %e.chain(), "chunk failed verification; fetching it again");
@@ -434,7 +435,7 @@ impl Engine {
             Ok::<_, Error>(failed)
         })?;
         for idx in failed {
-            let (file, chunk) = &self.layer.chunks[idx];
+            let (file, chunk) = self.layer.chunk(idx);
             let frame = self.fetch_range(chunk.compressed.clone()).await?;
             off_the_runtime(|| {
                 let data = decode_chunk(&frame, chunk).map_err(|e| {
@@ -442,11 +443,11 @@ impl Engine {
                     e.context(format!(
                         "chunk {idx} (offset {} of {}, digest {:?}) failed verification twice",
                         chunk.offset,
-                        self.layer.nodes[self.layer.files[*file].node].path,
+                        self.layer.nodes[self.layer.files[file].node].path,
                         chunk.digest
                     ))
                 })?;
-                self.store(idx, *file, chunk, &data)
+                self.store(idx, file, chunk, &data)
             })?;
         }
         Ok(())
@@ -582,7 +583,7 @@ impl Engine {
             if recorder.seen[idx / 64].fetch_or(bit, Ordering::Relaxed) & bit != 0 {
                 continue;
             }
-            let chunk = &self.layer.chunks[idx].1;
+            let chunk = &self.layer.chunks[idx];
             let span = chunk.offset..chunk.offset + chunk.size;
             let mut order = recorder.order.lock().expect("recorder lock");
             match order.last_mut() {
@@ -610,12 +611,11 @@ impl Engine {
         // Runs of chunks adjacent in the trace and in the blob, one request each.
         let mut runs: Vec<Range<usize>> = Vec::new();
         for &c in &order {
-            let chunk = &self.layer.chunks[c].1;
+            let chunk = &self.layer.chunks[c];
             match runs.last_mut() {
                 Some(run)
                     if run.end == c
-                        && chunk.compressed.end
-                            - self.layer.chunks[run.start].1.compressed.start
+                        && chunk.compressed.end - self.layer.chunks[run.start].compressed.start
                             <= self.opts.max_request_bytes =>
                 {
                     run.end += 1
@@ -700,10 +700,7 @@ impl Engine {
             .map(|s| s..(s + batch).min(total))
             .collect();
         let mut stream = futures_util::stream::iter(batches.into_iter().map(|r| {
-            let bytes: u64 = self.layer.chunks[r.clone()]
-                .iter()
-                .map(|(_, c)| c.size)
-                .sum();
+            let bytes: u64 = self.layer.chunks[r.clone()].iter().map(|c| c.size).sum();
             async move { self.ensure(r).await.map(|()| bytes) }
         }))
         .buffered(concurrency.max(1));
@@ -1081,7 +1078,7 @@ mod tests {
                 .layer
                 .chunks
                 .iter()
-                .all(|(_, c)| c.compressed.start >= range.end || c.compressed.end <= range.start));
+                .all(|c| c.compressed.start >= range.end || c.compressed.end <= range.start));
         }
     }
 
@@ -1140,7 +1137,7 @@ mod tests {
         let data = content(1);
         let (blob, summary) = honest(&data);
         let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
-        let (_, chunk) = &engine.layer.chunks[0];
+        let (_, chunk) = engine.layer.chunk(0);
         let mut frame = vec![0x50, 0x2a, 0x4d, 0x18, 4, 0, 0, 0, 1, 2, 3, 4];
         frame.extend(zstd::bulk::compress(&data, 1).unwrap());
         let err = decode_chunk(&frame, chunk).unwrap_err();

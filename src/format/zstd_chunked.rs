@@ -54,6 +54,9 @@ const SKIPPABLE_HEADER: u64 = 8;
 pub const MAX_TOC_COMPRESSED: u64 = 64 << 20;
 /// Largest TOC we decompress (a 50 GiB disk at 256 KiB chunks is about 50 MB).
 pub const MAX_TOC_UNCOMPRESSED: u64 = 128 << 20;
+/// Largest TOC (uncompressed) parsed from memory; larger ones are parsed as they are
+/// decompressed, so a TOC never takes more than this much memory (an 8 GiB disk's is 6 MB).
+pub const TOC_IN_MEMORY: u64 = 8 << 20;
 /// Largest chunk (uncompressed) we accept from a third-party TOC.
 pub const MAX_CHUNK_SIZE: u64 = 64 << 20;
 /// Most TOC entries, chunks included (a 256 GiB disk at 256 KiB chunks). Parsed entries take
@@ -457,114 +460,383 @@ fn place(seen: &mut HashMap<String, Seen>, path: &str, kind: NodeKind) -> Result
 }
 
 impl Toc {
-    /// Validates the TOC against a blob whose data region ends at `data_end` (the TOC offset):
-    /// safe, unique paths of bounded depth; hardlinks to earlier non-directories; chunk ranges
-    /// that cover each file exactly, follow each other without gaps and lie inside the data
-    /// region without overlapping; bounded counts and chunk sizes.
+    /// Validates the whole document (see [`TocValidator`]); readers of a registry's TOC use
+    /// [`read_toc`], which never holds the document.
     pub fn nodes(&self, data_end: u64) -> Result<Vec<Node>> {
-        let mut nodes: Vec<Node> = Vec::new();
-        let mut seen: HashMap<String, Seen> = HashMap::new();
-        let mut i = 0;
-        while i < self.entries.len() {
-            let e = &self.entries[i];
-            i += 1;
-            let kind = match e.kind.as_str() {
-                "dir" => NodeKind::Dir,
-                "reg" => NodeKind::Regular,
-                "symlink" => NodeKind::Symlink,
-                "hardlink" => NodeKind::Hardlink,
-                "char" | "block" | "fifo" => {
-                    return Err(Error::unsupported(format!(
-                        "TOC lists {:?}, a {} entry: the lazy view serves no devices or fifos, so it would differ from the extracted layer",
-                        e.name, e.kind
-                    )))
+        let mut validator = TocValidator::new(data_end);
+        for entry in &self.entries {
+            validator.entry(entry.clone())?;
+        }
+        validator.finish()
+    }
+}
+
+/// Verifies a compressed TOC against its pinned checksum, then decompresses, parses and
+/// validates it in one pass: entries are checked and folded into nodes as they are decoded, so
+/// memory holds the chunk table and never the JSON or its parsed entries (a 50 GiB disk's TOC
+/// is about 40 MB of JSON). `data_end` is where the layer's data region ends (the TOC offset).
+pub fn read_toc(compressed: &[u8], loc: &TocLocation) -> Result<Vec<Node>> {
+    loc.checksum.verify(compressed, "zstd:chunked TOC")?;
+    let data_end = loc.offset.saturating_sub(SKIPPABLE_HEADER);
+    if loc.uncompressed_length > 0 && loc.uncompressed_length <= TOC_IN_MEMORY {
+        // Small enough to hold: parsing a slice is a third faster than parsing a stream.
+        let json = decompress_bounded(compressed, loc.uncompressed_length).map_err(|e| {
+            e.context(format!(
+                "decompressing the TOC (the annotation says {} bytes)",
+                loc.uncompressed_length
+            ))
+        })?;
+        if json.len() as u64 != loc.uncompressed_length {
+            return Err(Error::corrupt(format!(
+                "TOC decompressed to {} bytes, the annotation says {}",
+                json.len(),
+                loc.uncompressed_length
+            )));
+        }
+        return parse_toc(serde_json::Deserializer::from_slice(&json), data_end);
+    }
+    let decoder = zstd::stream::read::Decoder::with_buffer(compressed)
+        .map_err(|e| Error::io("starting the TOC decompressor", e))?;
+    let json = std::io::BufReader::with_capacity(
+        64 << 10,
+        Bounded {
+            inner: decoder,
+            read: 0,
+            expected: loc.uncompressed_length,
+        },
+    );
+    parse_toc(serde_json::Deserializer::from_reader(json), data_end)
+        .map_err(|e| e.context("reading the TOC"))
+}
+
+/// Decompressed TOC bytes, failing past [`MAX_TOC_UNCOMPRESSED`] or, when the annotation
+/// gives the uncompressed length (`expected` > 0), as soon as the length differs from it.
+struct Bounded<R> {
+    inner: R,
+    read: u64,
+    expected: u64,
+}
+
+impl<R: std::io::Read> std::io::Read for Bounded<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.read += n as u64;
+        let limit = if self.expected > 0 {
+            self.expected
+        } else {
+            MAX_TOC_UNCOMPRESSED
+        };
+        if self.read > limit || (n == 0 && self.expected > 0 && self.read != self.expected) {
+            return Err(std::io::Error::other(format!(
+                "the TOC decompresses to {} bytes, {}",
+                if n == 0 {
+                    self.read.to_string()
+                } else {
+                    format!("more than {limit}")
+                },
+                if self.expected > 0 {
+                    format!("the annotation says {}", self.expected)
+                } else {
+                    format!("the most accepted is {MAX_TOC_UNCOMPRESSED}")
                 }
-                "chunk" => {
-                    return Err(Error::corrupt(format!(
+            )));
+        }
+        Ok(n)
+    }
+}
+
+/// Parses TOC JSON (`{"version":1,"entries":[…]}`) and validates it entry by entry
+/// ([`TocValidator`]), to the end of the input: from a slice
+/// (`serde_json::Deserializer::from_slice`) or a stream (`from_reader` over a `BufReader`).
+pub fn parse_toc<'de, R: serde_json::de::Read<'de>>(
+    mut de: serde_json::Deserializer<R>,
+    data_end: u64,
+) -> Result<Vec<Node>> {
+    use serde::de::DeserializeSeed;
+    let mut document = TocDocument {
+        validator: TocValidator::new(data_end),
+        failure: None,
+        version: None,
+    };
+    let parsed = (&mut document).deserialize(&mut de).and_then(|()| de.end());
+    if let Some(e) = document.failure {
+        return Err(e);
+    }
+    parsed.map_err(|e| match e.classify() {
+        serde_json::error::Category::Io => Error::corrupt(format!("decompressing it: {e}")),
+        _ => Error::corrupt(format!("TOC is not valid JSON: {e}")),
+    })?;
+    match document.version {
+        Some(1) => document.validator.finish(),
+        Some(v) => Err(Error::unsupported(format!(
+            "TOC version {v} is not supported (only 1)"
+        ))),
+        None => Err(Error::corrupt("TOC has no version")),
+    }
+}
+
+/// The serde side of [`parse_toc`]: visits the document's keys and hands each entry to the
+/// validator as soon as it is decoded. A validation error is kept in `failure` (serde's
+/// errors carry only text) and stops the parse.
+struct TocDocument {
+    validator: TocValidator,
+    failure: Option<Error>,
+    version: Option<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "camelCase")]
+enum TocField {
+    Version,
+    Entries,
+    #[serde(other)]
+    Other,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for &mut TocDocument {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for &mut TocDocument {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a TOC object with a version and entries")
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<(), A::Error> {
+        use serde::de::Error as _;
+        let mut entries = false;
+        while let Some(field) = map.next_key::<TocField>()? {
+            match field {
+                TocField::Version if self.version.is_some() => {
+                    return Err(A::Error::duplicate_field("version"))
+                }
+                TocField::Version => {
+                    let version: u32 = map.next_value()?;
+                    if version != 1 {
+                        self.failure = Some(Error::unsupported(format!(
+                            "TOC version {version} is not supported (only 1)"
+                        )));
+                        return Err(A::Error::custom("unsupported version"));
+                    }
+                    self.version = Some(version);
+                }
+                TocField::Entries if entries => return Err(A::Error::duplicate_field("entries")),
+                TocField::Entries => {
+                    map.next_value_seed(TocEntries(&mut *self))?;
+                    entries = true;
+                }
+                TocField::Other => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        if !entries {
+            return Err(A::Error::missing_field("entries"));
+        }
+        Ok(())
+    }
+}
+
+/// The `entries` array, folded into the validator one entry at a time.
+struct TocEntries<'a>(&'a mut TocDocument);
+
+impl<'de> serde::de::DeserializeSeed<'de> for TocEntries<'_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for TocEntries<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list of TOC entries")
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+        self,
+        mut seq: A,
+    ) -> std::result::Result<(), A::Error> {
+        while let Some(entry) = seq.next_element::<TocEntry>()? {
+            if let Err(e) = self.0.validator.entry(entry) {
+                self.0.failure = Some(e);
+                return Err(serde::de::Error::custom("invalid entry"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Validates a TOC's entries in order against a blob whose data region ends at `data_end`:
+/// safe, unique paths of bounded depth; hardlinks to earlier non-directories; chunk ranges
+/// that cover each file exactly, follow each other without gaps and lie inside the data
+/// region without overlapping; bounded counts and chunk sizes. It keeps only what the nodes
+/// need: a file's last entry waits for the next one (which says where its frame ends).
+pub struct TocValidator {
+    data_end: u64,
+    nodes: Vec<Node>,
+    seen: HashMap<String, Seen>,
+    entries: usize,
+    open: Option<ReadingFile>,
+}
+
+/// The regular file whose chunk entries are being read.
+struct ReadingFile {
+    /// Its chunks so far are in `node.chunks`.
+    node: Node,
+    /// The name its chunk entries repeat, as the TOC spells it.
+    name: String,
+    /// Where its last frame ends in the blob (`endOffset` of its `reg` entry; 0 if not given).
+    end: u64,
+    /// Its latest entry, whose chunk is built once the next entry (or none) is known.
+    pending: TocEntry,
+}
+
+impl TocValidator {
+    pub fn new(data_end: u64) -> Self {
+        TocValidator {
+            data_end,
+            nodes: Vec::new(),
+            seen: HashMap::new(),
+            entries: 0,
+            open: None,
+        }
+    }
+
+    /// Takes the next entry.
+    pub fn entry(&mut self, e: TocEntry) -> Result<()> {
+        if self.entries == MAX_TOC_ENTRIES {
+            return Err(Error::corrupt(format!(
+                "TOC lists more than {MAX_TOC_ENTRIES} entries"
+            )));
+        }
+        self.entries += 1;
+        let kind = match e.kind.as_str() {
+            "chunk" => {
+                return match &mut self.open {
+                    Some(open) if open.name == e.name => open.push(e, self.data_end),
+                    Some(open) => Err(Error::corrupt(format!(
+                        "TOC: chunk entry for {:?} follows {:?}",
+                        e.name, open.name
+                    ))),
+                    None => Err(Error::corrupt(format!(
                         "TOC: chunk entry for {:?} without a preceding reg entry",
                         e.name
-                    )))
+                    ))),
                 }
-                other => {
-                    return Err(Error::unsupported(format!(
-                        "TOC entry type {other:?} for {:?}",
-                        e.name
-                    )))
-                }
-            };
-            if nodes.len() == MAX_TOC_FILES {
+            }
+            "dir" => NodeKind::Dir,
+            "reg" => NodeKind::Regular,
+            "symlink" => NodeKind::Symlink,
+            "hardlink" => NodeKind::Hardlink,
+            "char" | "block" | "fifo" => {
                 return Err(Error::unsupported(format!(
-                    "TOC lists more than {MAX_TOC_FILES} files, directories and links; a VM-disk layer needs a handful"
-                )));
+                    "TOC lists {:?}, a {} entry: the lazy view serves no devices or fifos, so it would differ from the extracted layer",
+                    e.name, e.kind
+                )))
             }
-            let path = clean_path(&e.name)?;
-            if path.split('/').count() > MAX_PATH_DEPTH {
+            other => {
                 return Err(Error::unsupported(format!(
-                    "TOC: {path}: deeper than {MAX_PATH_DEPTH} directories"
-                )));
+                    "TOC entry type {other:?} for {:?}",
+                    e.name
+                )))
             }
-            place(&mut seen, &path, kind)?;
-            let link = match kind {
-                NodeKind::Hardlink => {
-                    let target = clean_path(&e.link_name).map_err(|err| {
-                        err.context(format!("TOC: hardlink {path} has an unusable target"))
-                    })?;
-                    match seen.get(&target) {
-                        Some(Seen::Listed(k)) if *k != NodeKind::Dir && target != path => target,
-                        _ => {
-                            return Err(Error::corrupt(format!(
-                                "TOC: hardlink {path} points at {target:?}, which is not an earlier file of the layer"
-                            )))
-                        }
-                    }
-                }
-                NodeKind::Symlink if e.link_name.is_empty() || e.link_name.contains('\0') => {
-                    return Err(Error::corrupt(format!(
-                        "TOC: symlink {path} has an empty or NUL-containing target"
-                    )))
-                }
-                _ => e.link_name.clone(),
-            };
-            let size = u64::try_from(e.size)
-                .map_err(|_| Error::corrupt(format!("TOC: negative size for {path}")))?;
-            let to_u32 = |v: i64, what: &str| {
-                u32::try_from(v)
-                    .map_err(|_| Error::corrupt(format!("TOC: {what} {v} of {path} out of range")))
-            };
-            let mut node = Node {
-                kind,
-                link,
-                mode: to_u32(e.mode & 0o7777, "mode")?,
-                uid: to_u32(e.uid, "uid")?,
-                gid: to_u32(e.gid, "gid")?,
-                size: if kind == NodeKind::Regular { size } else { 0 },
-                mod_time: e.mod_time.clone(),
-                digest: parse_opt_digest(&e.digest, &format!("TOC digest of {path}"))?,
-                chunks: Vec::new(),
-                path,
-            };
-            if kind == NodeKind::Regular && size > 0 {
-                let start = i - 1;
-                while i < self.entries.len() && self.entries[i].kind == "chunk" {
-                    if self.entries[i].name != e.name {
-                        return Err(Error::corrupt(format!(
-                            "TOC: chunk entry for {:?} follows {:?}",
-                            self.entries[i].name, e.name
-                        )));
-                    }
-                    i += 1;
-                }
-                node.chunks = chunks_of(&self.entries[start..i], &node, data_end)?;
-            }
-            nodes.push(node);
+        };
+        self.close()?;
+        if self.nodes.len() == MAX_TOC_FILES {
+            return Err(Error::unsupported(format!(
+                "TOC lists more than {MAX_TOC_FILES} files, directories and links; a VM-disk layer needs a handful"
+            )));
         }
-        let mut ranges: Vec<(&Range<u64>, &str)> = nodes
+        let path = clean_path(&e.name)?;
+        if path.split('/').count() > MAX_PATH_DEPTH {
+            return Err(Error::unsupported(format!(
+                "TOC: {path}: deeper than {MAX_PATH_DEPTH} directories"
+            )));
+        }
+        place(&mut self.seen, &path, kind)?;
+        let link = match kind {
+            NodeKind::Hardlink => {
+                let target = clean_path(&e.link_name).map_err(|err| {
+                    err.context(format!("TOC: hardlink {path} has an unusable target"))
+                })?;
+                match self.seen.get(&target) {
+                    Some(Seen::Listed(k)) if *k != NodeKind::Dir && target != path => target,
+                    _ => {
+                        return Err(Error::corrupt(format!(
+                            "TOC: hardlink {path} points at {target:?}, which is not an earlier file of the layer"
+                        )))
+                    }
+                }
+            }
+            NodeKind::Symlink if e.link_name.is_empty() || e.link_name.contains('\0') => {
+                return Err(Error::corrupt(format!(
+                    "TOC: symlink {path} has an empty or NUL-containing target"
+                )))
+            }
+            _ => e.link_name.clone(),
+        };
+        let size = u64::try_from(e.size)
+            .map_err(|_| Error::corrupt(format!("TOC: negative size for {path}")))?;
+        let to_u32 = |v: i64, what: &str| {
+            u32::try_from(v)
+                .map_err(|_| Error::corrupt(format!("TOC: {what} {v} of {path} out of range")))
+        };
+        let node = Node {
+            kind,
+            link,
+            mode: to_u32(e.mode & 0o7777, "mode")?,
+            uid: to_u32(e.uid, "uid")?,
+            gid: to_u32(e.gid, "gid")?,
+            size: if kind == NodeKind::Regular { size } else { 0 },
+            mod_time: e.mod_time.clone(),
+            digest: parse_opt_digest(&e.digest, &format!("TOC digest of {path}"))?,
+            chunks: Vec::new(),
+            path,
+        };
+        if kind == NodeKind::Regular && size > 0 {
+            let end = u64::try_from(e.end_offset)
+                .map_err(|_| Error::corrupt(format!("TOC: {}: negative endOffset", node.path)))?;
+            self.open = Some(ReadingFile {
+                node,
+                name: e.name.clone(),
+                end,
+                pending: e,
+            });
+        } else {
+            self.nodes.push(node);
+        }
+        Ok(())
+    }
+
+    fn close(&mut self) -> Result<()> {
+        if let Some(open) = self.open.take() {
+            self.nodes.push(open.finish(self.data_end)?);
+        }
+        Ok(())
+    }
+
+    /// The validated nodes, once every entry was taken.
+    pub fn finish(mut self) -> Result<Vec<Node>> {
+        self.close()?;
+        // A file's frames follow each other exactly (checked as they came), so files overlap
+        // in the blob exactly when their spans do.
+        let mut spans: Vec<(Range<u64>, &str)> = self
+            .nodes
             .iter()
-            .flat_map(|n| n.chunks.iter().map(|c| (&c.compressed, n.path.as_str())))
+            .filter_map(|n| {
+                let (first, last) = (n.chunks.first()?, n.chunks.last()?);
+                Some((first.compressed.start..last.compressed.end, n.path.as_str()))
+            })
             .collect();
-        ranges.sort_unstable_by_key(|(r, _)| r.start);
-        for pair in ranges.windows(2) {
-            let ((a, a_path), (b, b_path)) = (pair[0], pair[1]);
+        spans.sort_unstable_by_key(|(r, _)| r.start);
+        for pair in spans.windows(2) {
+            let ((a, a_path), (b, b_path)) = (&pair[0], &pair[1]);
             if b.start < a.end {
                 return Err(Error::corrupt(format!(
                     "TOC: chunks of {a_path} ({}..{}) and {b_path} ({}..{}) overlap in the layer",
@@ -572,24 +844,46 @@ impl Toc {
                 )));
             }
         }
-        Ok(nodes)
+        Ok(self.nodes)
     }
 }
 
-fn chunks_of(entries: &[TocEntry], node: &Node, data_end: u64) -> Result<Vec<Chunk>> {
-    let path = &node.path;
-    let bad = |why: String| Error::corrupt(format!("TOC: {path}: {why}"));
-    let reg = &entries[0];
-    let file_end = u64::try_from(reg.end_offset).map_err(|_| bad("negative endOffset".into()))?;
-    let mut chunks = Vec::with_capacity(entries.len());
-    for (n, e) in entries.iter().enumerate() {
-        let chunk_offset =
-            u64::try_from(e.chunk_offset).map_err(|_| bad("negative chunkOffset".into()))?;
-        let start = u64::try_from(e.offset).map_err(|_| bad("negative offset".into()))?;
-        let next_offset = match entries.get(n + 1) {
-            Some(next) => {
-                u64::try_from(next.chunk_offset).map_err(|_| bad("negative chunkOffset".into()))?
-            }
+impl ReadingFile {
+    /// Takes the file's next chunk entry, which completes the pending one.
+    fn push(&mut self, next: TocEntry, data_end: u64) -> Result<()> {
+        let pending = std::mem::replace(&mut self.pending, next);
+        let chunk = self.chunk(&pending, Some(&self.pending), data_end)?;
+        self.node.chunks.push(chunk);
+        Ok(())
+    }
+
+    /// The node, with its last chunk, once no more chunk entries follow.
+    fn finish(mut self, data_end: u64) -> Result<Node> {
+        let pending = std::mem::take(&mut self.pending);
+        let chunk = self.chunk(&pending, None, data_end)?;
+        self.node.chunks.push(chunk);
+        self.node.chunks.shrink_to_fit();
+        let covered = chunk_end(&self.node.chunks);
+        if covered != self.node.size {
+            return Err(Error::corrupt(format!(
+                "TOC: {}: chunks cover {covered} bytes of a {}-byte file",
+                self.node.path, self.node.size
+            )));
+        }
+        Ok(self.node)
+    }
+
+    /// The chunk entry `e` describes, given the entry that follows it in this file (if any).
+    fn chunk(&self, e: &TocEntry, next: Option<&TocEntry>, data_end: u64) -> Result<Chunk> {
+        let node = &self.node;
+        let first = node.chunks.is_empty();
+        let bad = |why: String| Error::corrupt(format!("TOC: {}: {why}", node.path));
+        let offset_of =
+            |v: i64, what: &str| u64::try_from(v).map_err(|_| bad(format!("negative {what}")));
+        let chunk_offset = offset_of(e.chunk_offset, "chunkOffset")?;
+        let start = offset_of(e.offset, "offset")?;
+        let next_offset = match next {
+            Some(next) => offset_of(next.chunk_offset, "chunkOffset")?,
             None => node.size,
         };
         let size = if e.chunk_size > 0 {
@@ -598,17 +892,15 @@ fn chunks_of(entries: &[TocEntry], node: &Node, data_end: u64) -> Result<Vec<Chu
             next_offset.saturating_sub(chunk_offset)
         };
         // A chunk's frame ends where the next chunk's starts; the last one at the file's end.
-        let end = if n > 0 && e.end_offset > 0 {
+        let end = if !first && e.end_offset > 0 {
             e.end_offset as u64
         } else {
-            match entries.get(n + 1) {
-                Some(next) => {
-                    u64::try_from(next.offset).map_err(|_| bad("negative offset".into()))?
-                }
-                None => file_end,
+            match next {
+                Some(next) => offset_of(next.offset, "offset")?,
+                None => self.end,
             }
         };
-        let expected_offset = chunks.last().map_or(0, |c: &Chunk| c.offset + c.size);
+        let expected_offset = chunk_end(&node.chunks);
         if chunk_offset != expected_offset {
             return Err(bad(format!("chunk at {chunk_offset} does not follow the previous one ending at {expected_offset}")));
         }
@@ -622,9 +914,9 @@ fn chunks_of(entries: &[TocEntry], node: &Node, data_end: u64) -> Result<Vec<Chu
         }
         // Whatever lies between two chunks of a file would be part of its content in the tar
         // stream, so a file's frames must follow each other exactly.
-        let follows = match entries.get(n + 1) {
+        let follows = match next {
             Some(next) => u64::try_from(next.offset).ok(),
-            None if file_end > 0 => Some(file_end),
+            None if self.end > 0 => Some(self.end),
             None => None,
         };
         if let Some(next_start) = follows.filter(|&s| s != end) {
@@ -633,30 +925,30 @@ fn chunks_of(entries: &[TocEntry], node: &Node, data_end: u64) -> Result<Vec<Chu
         let zeros = e.chunk_type == "zeros";
         if !e.chunk_type.is_empty() && !zeros {
             return Err(Error::unsupported(format!(
-                "TOC: {path}: chunk type {:?}",
-                e.chunk_type
+                "TOC: {}: chunk type {:?}",
+                node.path, e.chunk_type
             )));
         }
-        let mut digest = parse_opt_digest(&e.chunk_digest, &format!("TOC chunk digest of {path}"))?;
-        if digest.is_none() && entries.len() == 1 && size == node.size {
+        let mut digest = parse_opt_digest(
+            &e.chunk_digest,
+            &format!("TOC chunk digest of {}", node.path),
+        )?;
+        if digest.is_none() && first && next.is_none() && size == node.size {
             digest = node.digest;
         }
-        chunks.push(Chunk {
+        Ok(Chunk {
             offset: chunk_offset,
             size,
             compressed: start..end,
             digest,
             zeros,
-        });
+        })
     }
-    let covered = chunks.last().map_or(0, |c| c.offset + c.size);
-    if covered != node.size {
-        return Err(bad(format!(
-            "chunks cover {covered} bytes of a {}-byte file",
-            node.size
-        )));
-    }
-    Ok(chunks)
+}
+
+/// Where the last of `chunks` ends in the file.
+fn chunk_end(chunks: &[Chunk]) -> u64 {
+    chunks.last().map_or(0, |c| c.offset + c.size)
 }
 
 /// Tar metadata of a file or directory written into a layer.
@@ -1111,6 +1403,90 @@ pub(crate) mod tests {
         assert_eq!(file.digest, Some(Digest::of(&content)));
     }
 
+    /// `read_toc` on `json` compressed, with the uncompressed length annotated (`annotated`:
+    /// parsed from memory) or not (parsed as it is decompressed).
+    fn read_json(json: &[u8], annotated: bool) -> Result<Vec<Node>> {
+        let compressed = zstd::bulk::compress(json, 1).unwrap();
+        let loc = TocLocation {
+            offset: 1 << 20,
+            length: compressed.len() as u64,
+            uncompressed_length: if annotated { json.len() as u64 } else { 0 },
+            checksum: Digest::of(&compressed),
+        };
+        read_toc(&compressed, &loc)
+    }
+
+    #[test]
+    fn a_toc_read_from_memory_or_as_a_stream_gives_the_same_nodes() {
+        let content = sample(20 * 4096 + 7);
+        let (summary, blob) = write_layer(&content, 4096);
+        let loc = summary.toc_location;
+        let toc = decode_toc(
+            &blob[loc.offset as usize..(loc.offset + loc.length) as usize],
+            &loc,
+        )
+        .unwrap();
+        let json = serde_json::to_vec(&toc).unwrap();
+        let expected = toc.nodes(1 << 20).unwrap();
+        for annotated in [true, false] {
+            let nodes = read_json(&json, annotated).unwrap();
+            assert_eq!(nodes.len(), expected.len());
+            for (a, b) in nodes.iter().zip(&expected) {
+                assert_eq!((&a.path, a.size, &a.chunks), (&b.path, b.size, &b.chunks));
+            }
+            assert_eq!(nodes[1].chunks.len(), 21);
+        }
+    }
+
+    #[test]
+    fn a_streamed_toc_is_bounded_and_checked_like_one_in_memory() {
+        let (summary, blob) = write_layer(&sample(5000), 4096);
+        let loc = summary.toc_location;
+        let compressed = &blob[loc.offset as usize..(loc.offset + loc.length) as usize];
+        // The annotated length is checked either way.
+        for uncompressed in [loc.uncompressed_length - 1, loc.uncompressed_length + 1] {
+            let wrong = TocLocation {
+                uncompressed_length: uncompressed,
+                ..loc
+            };
+            let err = read_toc(compressed, &wrong).unwrap_err();
+            assert!(err.to_string().contains("the annotation says"), "{err}");
+        }
+        // Documents that are not a version-1 TOC, as a stream and from memory.
+        let cases: [(&str, &str); 5] = [
+            (
+                r#"{"version":2,"entries":[]}"#,
+                "version 2 is not supported",
+            ),
+            (r#"{"entries":[]}"#, "no version"),
+            (r#"{"version":1}"#, "missing field `entries`"),
+            (
+                r#"{"version":1,"entries":[]} trailing"#,
+                "trailing characters",
+            ),
+            (
+                r#"{"version":1,"entries":[{"type":"chunk","name":"a"}]}"#,
+                "without a preceding reg entry",
+            ),
+        ];
+        for (json, why) in cases {
+            for annotated in [true, false] {
+                let err = read_json(json.as_bytes(), annotated).unwrap_err();
+                assert!(
+                    err.to_string().contains(why),
+                    "{json}: expected {why:?}: {err}"
+                );
+            }
+        }
+        // Unknown fields are ignored, as containers/storage adds some.
+        let nodes = read_json(
+            br#"{"version":1,"x":[1],"entries":[{"type":"dir","name":"d","y":{}}]}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(nodes[0].path, "d");
+    }
+
     #[test]
     fn footer_and_skippable_frames_are_well_formed() {
         let (summary, blob) = write_layer(&sample(5000), 4096);
@@ -1354,6 +1730,26 @@ pub(crate) mod tests {
         let started = std::time::Instant::now();
         let err = serde_json::from_str::<Toc>(&json).unwrap_err();
         assert!(err.to_string().contains("more than"), "{err}");
+        // Streamed, valid entries are counted as they come: one file of 1-byte chunks.
+        let mut json = String::from(
+            r#"{"version":1,"entries":[{"type":"reg","name":"a","size":9999999,"offset":100,"chunkSize":1}"#,
+        );
+        for i in 1..=MAX_TOC_ENTRIES {
+            json.push_str(&format!(
+                r#",{{"type":"chunk","name":"a","offset":{},"chunkOffset":{i},"chunkSize":1}}"#,
+                100 + i
+            ));
+        }
+        json.push_str("]}");
+        let err = parse_toc(
+            serde_json::Deserializer::from_reader(std::io::BufReader::new(json.as_bytes())),
+            1 << 40,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("more than 1048576 entries"),
+            "{err}"
+        );
         assert!(started.elapsed() < std::time::Duration::from_secs(20));
     }
 

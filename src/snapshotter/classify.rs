@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
+use crate::cache::CacheRoot;
 use crate::digest::Digest;
 use crate::error::Result;
 use crate::oci::{self, ManifestKind};
@@ -44,13 +45,16 @@ const MANIFEST_CACHE: usize = 64;
 /// Fetches manifests (once per digest) and classifies layers.
 pub struct Classifier {
     client: Arc<dyn Registry>,
+    /// Where verified manifests and configs are kept for the mount servers.
+    cache: Option<CacheRoot>,
     manifests: Mutex<HashMap<String, Arc<oci::Manifest>>>,
 }
 
 impl Classifier {
-    pub fn new(client: Arc<dyn Registry>) -> Self {
+    pub fn new(client: Arc<dyn Registry>, cache: Option<CacheRoot>) -> Self {
         Classifier {
             client,
+            cache,
             manifests: Mutex::new(HashMap::new()),
         }
     }
@@ -60,13 +64,20 @@ impl Classifier {
         self.client.as_ref()
     }
 
+    /// The cache that keeps verified manifests and configs, if any.
+    pub fn cache(&self) -> Option<&CacheRoot> {
+        self.cache.as_ref()
+    }
+
     async fn manifest(&self, reference: &Reference) -> Result<Arc<oci::Manifest>> {
         let key = reference.to_string();
         if let Some(m) = self.manifests.lock().expect("manifest cache").get(&key) {
             return Ok(Arc::clone(m));
         }
-        let fetched = self.client.get_manifest(reference).await?;
-        let manifest = match fetched.manifest {
+        let manifest = match crate::remote::manifest_of(self.client(), self.cache(), reference)
+            .await?
+            .0
+        {
             ManifestKind::Image(m) => Arc::new(m),
             ManifestKind::Index(_) => {
                 return Err(crate::error::Error::unsupported(format!(
@@ -124,8 +135,13 @@ impl Classifier {
         }
         match crate::remote::disk_layer(&manifest) {
             Some(disk) if disk.digest == layer => {
-                match crate::remote::disk_layer_id(self.client.as_ref(), &reference, &manifest)
-                    .await
+                match crate::remote::disk_layer_id(
+                    self.client(),
+                    self.cache(),
+                    &reference,
+                    &manifest,
+                )
+                .await
                 {
                     Ok((_, _, id)) => Decision::Remote {
                         reference,

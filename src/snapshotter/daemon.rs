@@ -88,7 +88,15 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     );
     let snapshotter = Arc::new(
         super::blocking(move || {
-            Snapshotter::open(&root, Box::new(servers), Classifier::new(client), cache)
+            // The classifier keeps the manifests and configs it verifies in the cache, where the
+            // mount servers find them instead of fetching them again.
+            let kept = crate::cache::CacheRoot::open(&cache.dir)?;
+            Snapshotter::open(
+                &root,
+                Box::new(servers),
+                Classifier::new(client, Some(kept)),
+                cache,
+            )
         })
         .await?,
     );

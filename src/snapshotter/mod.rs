@@ -557,13 +557,12 @@ impl Snapshotter {
     /// cache.
     pub async fn ensure_disk(self: &Arc<Self>, reference: &str) -> Result<crate::digest::Digest> {
         let parsed: crate::reference::Reference = reference.parse()?;
-        let remote = match crate::remote::platform_manifest(self.classifier.client(), &parsed).await
-        {
+        let (client, cache) = (self.classifier.client(), self.classifier.cache());
+        let remote = match crate::remote::platform_manifest(client, cache, &parsed).await {
             Ok((manifest, digest, _)) => {
                 let pinned = parsed.with_digest(digest);
                 let (_, _, id) =
-                    crate::remote::disk_layer_id(self.classifier.client(), &pinned, &manifest)
-                        .await?;
+                    crate::remote::disk_layer_id(client, cache, &pinned, &manifest).await?;
                 RemoteLayerRef {
                     reference: pinned.to_string(),
                     layer: id.key(),

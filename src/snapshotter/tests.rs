@@ -190,7 +190,7 @@ fn fixture() -> Fixture {
     let snapshotter = Snapshotter::open(
         &dir.path().join("root"),
         Box::new(Arc::clone(&supervisor)),
-        Classifier::new(Arc::clone(&registry) as Arc<dyn Registry>),
+        Classifier::new(Arc::clone(&registry) as Arc<dyn Registry>, None),
         CacheSettings {
             dir: dir.path().join("cache"),
             limit: None,
@@ -369,4 +369,47 @@ async fn every_other_outcome_is_an_ordinary_snapshot_with_its_reason() {
         .unwrap()
         .iter()
         .all(|(_, r)| r.remote.is_none()));
+}
+
+#[tokio::test]
+async fn what_classification_verified_is_kept_for_the_mount_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = crate::cache::CacheRoot::open(dir.path()).unwrap();
+    let registry = Arc::new(MemoryRegistry::default());
+    let (manifest, layers) = registry.image(&[(ZSTD, chunked())]);
+    let classifier = Classifier::new(
+        Arc::clone(&registry) as Arc<dyn Registry>,
+        Some(cache.clone()),
+    );
+    let decision = classifier
+        .classify(&cri_labels("disk", &manifest, &layers[0]))
+        .await;
+    let super::classify::Decision::Remote { reference, layer } = decision else {
+        panic!("the disk layer is remote: {decision:?}");
+    };
+    // The server resolves the same image with the registry gone: manifest and config come
+    // from the cache, re-verified, and give the same key.
+    registry.down.store(true, Ordering::SeqCst);
+    let client = registry.as_ref() as &dyn Registry;
+    let (m, digest, _) = crate::remote::platform_manifest(client, Some(&cache), &reference)
+        .await
+        .unwrap();
+    assert_eq!(digest, manifest);
+    let (_, _, id) = crate::remote::disk_layer_id(client, Some(&cache), &reference, &m)
+        .await
+        .unwrap();
+    assert_eq!(id.key(), layer);
+    // A kept blob that no longer hashes to its name is not used.
+    let kept = dir.path().join("blobs").join(manifest.hex());
+    let mut bytes = std::fs::read(&kept).unwrap();
+    bytes[0] = b' ';
+    std::fs::write(&kept, bytes).unwrap();
+    assert!(cache.load_blob(&manifest, 1 << 20).is_none());
+    let err = crate::remote::platform_manifest(client, Some(&cache), &reference)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Network, "{err}");
+    // Nor one larger than what may be read for it.
+    assert!(cache.load_blob(&m.config.digest, 10).is_none());
+    assert!(cache.load_blob(&m.config.digest, 1 << 20).is_some());
 }
