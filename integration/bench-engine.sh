@@ -142,26 +142,38 @@ ratio() { python3 -c "print(f'{$1 / $2:.2f}')"; }
 } | tee -a "$RESULTS"
 
 # ---------------------------------------------------------------------------------------
-# Peak RSS of the mount serving a 10 GiB disk: whole disk hydrated and read through the
-# daemon (no passthrough, so every read is served by it).
-BIG=$B/big.raw
-truncate -s 10G "$BIG"
-printf '\x55\xaa' | dd of="$BIG" bs=1 seek=510 conv=notrunc status=none
-for i in $(seq 0 7); do head -c 64M /dev/urandom | dd of="$BIG" bs=1M seek=$((i * 1280 + 1)) conv=notrunc status=none; done
-"$VMDISK" push "$BIG" "$REG/bench/big:1" > /dev/null
-rm -f "$BIG"
-T0=$(now)
-"$VMDISK" mount --stats --cache "$B/cache" --hydrate eager --no-passthrough "$REG/bench/big:1" "$B/mnt" > "$B/mount.out" 2> "$B/mount.err" &
-MPID=$!; PIDS+=($MPID)
-for _ in $(seq 3000); do grep -q '^ready' "$B/mount.out" && break; sleep 0.005; done
-READY_10G=$(secs "$T0" "$(now)")
-for _ in $(seq 1200); do grep -q '^hydrated' "$B/mount.out" && break; sleep 0.1; done
-sync; echo 3 > /proc/sys/vm/drop_caches
-dd if="$B/mnt/disk/big.raw" of=/dev/null bs=1M status=none
-RSS=$(awk '/VmHWM/ {print int($2 / 1024)}' /proc/$MPID/status)
-kill -INT $MPID; wait $MPID || true
+# Peak RSS of the mount serving a 10 GiB and a 50 GiB disk: whole disk hydrated and read
+# through the daemon (no passthrough, so every read is served by it). Sparse raw disks with
+# 8 x 64 MiB of random data spread over them; the TOC grows with the disk (40 960 and 204 800
+# chunks), the data fetched does not.
+RSS_ROWS=()
+for GIB in 10 50; do
+  BIG=$B/big.raw
+  truncate -s "${GIB}G" "$BIG"
+  printf '\x55\xaa' | dd of="$BIG" bs=1 seek=510 conv=notrunc status=none
+  for i in $(seq 0 7); do head -c 64M /dev/urandom | dd of="$BIG" bs=1M seek=$((i * GIB * 128 + 1)) conv=notrunc status=none; done
+  "$VMDISK" push "$BIG" "$REG/bench/big$GIB:1" > /dev/null
+  rm -f "$BIG"
+  T0=$(now)
+  "$VMDISK" mount --stats --cache "$B/cache-big" --hydrate eager --no-passthrough "$REG/bench/big$GIB:1" "$B/mnt" > "$B/mount.out" 2> "$B/mount.err" &
+  MPID=$!; PIDS+=($MPID)
+  for _ in $(seq 3000); do grep -q '^ready' "$B/mount.out" && break; sleep 0.005; done
+  READY=$(secs "$T0" "$(now)")
+  for _ in $(seq 6000); do grep -q '^hydrated' "$B/mount.out" && break; sleep 0.1; done
+  sync; echo 3 > /proc/sys/vm/drop_caches
+  dd if="$B/mnt/disk/big.raw" of=/dev/null bs=1M status=none
+  RSS=$(awk '/VmHWM/ {print int($2 / 1024)}' /proc/$MPID/status)
+  kill -INT $MPID; wait $MPID || true
+  rm -rf "$B/cache-big"
+  RSS_ROWS+=("$GIB $((GIB * 4096)) $RSS $READY")
+done
 {
   echo
-  echo "vmdisk mount serving a 10 GiB raw disk (40960 chunks, hydrated and read in full through the daemon): peak RSS $RSS MiB"
-  echo "time from starting vmdisk mount (cold cache: manifest, TOC, cache set-up) to the disk being ready: 2 GiB disk ${READY_2G} s, 10 GiB disk ${READY_10G} s"
+  echo "vmdisk mount serving a sparse raw disk (hydrated and read in full through the daemon):"
+  printf '  %-8s %8s %14s %22s\n' disk chunks "peak RSS MiB" "start to ready (s)"
+  for row in "${RSS_ROWS[@]}"; do
+    read -r GIB CHUNKS RSS READY <<< "$row"
+    printf '  %-8s %8s %14s %22s\n' "${GIB} GiB" "$CHUNKS" "$RSS" "$READY"
+  done
+  echo "time from starting vmdisk mount (cold cache: manifest, TOC, cache set-up) to the disk being ready: 2 GiB qcow2 ${READY_2G} s"
 } | tee -a "$RESULTS"

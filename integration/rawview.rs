@@ -25,7 +25,68 @@ fn assert_view_equals_qemu(image: &Path) {
         "raw view of {} differs from qemu-img's conversion",
         image.display()
     );
+    assert_host_ranges_cover_reads(image);
     std::fs::remove_file(raw).unwrap();
+}
+
+/// A file that records the ranges read from it once `recording` is set.
+struct Recorded {
+    file: std::fs::File,
+    recording: std::sync::atomic::AtomicBool,
+    reads: std::sync::Mutex<Vec<std::ops::Range<u64>>>,
+}
+
+impl vmdisk::format::qcow2::ReadAt for Recorded {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        if self.recording.load(std::sync::atomic::Ordering::SeqCst) {
+            let end = offset + buf.len() as u64;
+            self.reads.lock().unwrap().push(offset..end);
+        }
+        self.file.read_exact_at(buf, offset)
+    }
+    fn size(&self) -> u64 {
+        self.file.size()
+    }
+}
+
+/// What read-ahead fetches for a window of the guest (`RawView::host_ranges`) covers every
+/// byte of the image that reading the window then reads, and no more than its clusters.
+fn assert_host_ranges_cover_reads(image: &Path) {
+    let source = Recorded {
+        file: std::fs::File::open(image).unwrap(),
+        recording: false.into(),
+        reads: Default::default(),
+    };
+    let view = RawView::open(&source).unwrap();
+    let window = 3 << 20;
+    for start in (0..view.size()).step_by(window as usize) {
+        let end = (start + window).min(view.size());
+        // Mapping reads the L2 tables (kept by the view); the window's reads then are data.
+        let hosts = view.host_ranges(start..end).unwrap();
+        source
+            .recording
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut buf = vec![0u8; (end - start) as usize];
+        view.read_at(&mut buf, start).unwrap();
+        source
+            .recording
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        for read in source.reads.lock().unwrap().drain(..) {
+            assert!(
+                hosts
+                    .iter()
+                    .any(|h| h.start <= read.start && read.end <= h.end),
+                "{}: read {read:?} for guest bytes {start}..{end} is outside {hosts:?}",
+                image.display()
+            );
+        }
+        let mapped: u64 = hosts.iter().map(|h| h.end - h.start).sum();
+        assert!(
+            mapped <= (end - start) + (2 << 20),
+            "{mapped} bytes mapped for {}",
+            end - start
+        );
+    }
 }
 
 #[test]

@@ -301,6 +301,7 @@ where
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
+    crate::task::return_large_buffers();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -484,18 +484,14 @@ impl fuser::Filesystem for LayerFs {
                 return reply.data(&bytes[start..end]);
             }
             Some(Content::Raw(view)) => {
-                return self.read_raw(Arc::clone(view), offset, size, reply)
+                if let Some(range) = self.stream_ahead(fh, offset, size) {
+                    self.read_ahead_raw(Arc::clone(view), range);
+                }
+                return self.read_raw(Arc::clone(view), offset, size, reply);
             }
             Some(Content::None) | None => return reply.data(&[]),
         };
-        let window = self.engine.options().readahead_bytes;
-        let ahead = self
-            .open
-            .lock()
-            .expect("open lock")
-            .get_mut(&fh.0)
-            .and_then(|state| state.stream.advance(offset, u64::from(size), window));
-        if let Some(range) = ahead {
+        if let Some(range) = self.stream_ahead(fh, offset, size) {
             self.read_ahead(file, range);
         }
         if let Some(result) = self.engine.read_cached(file, offset, u64::from(size)) {
@@ -615,6 +611,41 @@ impl LayerFs {
             let mut buf = vec![0u8; len as usize];
             let result = view.read_at(&mut buf, offset).map(|()| buf);
             answer(&engine, result, reply);
+        });
+    }
+
+    /// What to fetch ahead for the reader of handle `fh` after it read `size` bytes at
+    /// `offset`, if it reads sequentially ([`Stream`]).
+    fn stream_ahead(&self, fh: FileHandle, offset: u64, size: u32) -> Option<std::ops::Range<u64>> {
+        let window = self.engine.options().readahead_bytes;
+        self.open
+            .lock()
+            .expect("open lock")
+            .get_mut(&fh.0)
+            .and_then(|state| state.stream.advance(offset, u64::from(size), window))
+    }
+
+    /// Read-ahead for a sequential reader of the raw view: the qcow2 clusters behind `range`
+    /// of the guest (mapped on a blocking thread, as mapping may read an L2 table).
+    fn read_ahead_raw(&self, view: Arc<RawView<EngineFile>>, range: std::ops::Range<u64>) {
+        let engine = Arc::clone(&self.engine);
+        let file = view.source().file;
+        self.runtime.spawn_blocking(move || {
+            let hosts = match view.host_ranges(range) {
+                Ok(hosts) => hosts,
+                Err(e) => return tracing::debug!(error = %e.chain(), "read-ahead failed"),
+            };
+            for host in hosts {
+                let chunks = engine.layer.chunks_for(file, host);
+                if !engine.all_present(chunks.clone()) {
+                    let engine = Arc::clone(&engine);
+                    view.source().runtime.spawn(async move {
+                        if let Err(e) = engine.ensure(chunks).await {
+                            tracing::debug!(error = %e.chain(), "read-ahead failed");
+                        }
+                    });
+                }
+            }
         });
     }
 

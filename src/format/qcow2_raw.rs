@@ -47,6 +47,11 @@ impl<S: ReadAt> RawView<S> {
         })
     }
 
+    /// What the image is read from.
+    pub fn source(&self) -> &S {
+        &self.src
+    }
+
     /// The guest's size in bytes.
     pub fn size(&self) -> u64 {
         self.header.virtual_size
@@ -82,6 +87,30 @@ impl<S: ReadAt> RawView<S> {
             },
             c => c,
         })
+    }
+
+    /// The image file's byte ranges that hold the guest's bytes `range` (data clusters, merged
+    /// where adjacent, and compressed clusters; zero clusters need none): what a sequential
+    /// reader of the view reads next, for read-ahead.
+    pub fn host_ranges(&self, range: std::ops::Range<u64>) -> Result<Vec<std::ops::Range<u64>>> {
+        let cs = self.header.cluster_size();
+        let end = range.end.min(self.size());
+        let mut out: Vec<std::ops::Range<u64>> = Vec::new();
+        let mut index = range.start / cs;
+        while index * cs < end {
+            let host = match self.cluster(index)? {
+                Cluster::Zero => None,
+                Cluster::Data(host) => Some(host..host + cs),
+                Cluster::Compressed { offset, max_len } => Some(offset..offset + max_len),
+            };
+            match (out.last_mut(), host) {
+                (Some(last), Some(h)) if last.end == h.start => last.end = h.end,
+                (_, Some(h)) => out.push(h),
+                (_, None) => {}
+            }
+            index += 1;
+        }
+        Ok(out)
     }
 
     /// Fills `buf` with the guest's bytes at `offset`; reads past the end fail.
