@@ -333,3 +333,54 @@ fn prefetch_after_a_failed_hydration_starts_again_and_wait_names_its_timeout() {
     assert!(text.contains("--timeout 2s"), "{text}");
     assert!(took < Duration::from_secs(20), "--timeout 2 took {took:?}");
 }
+
+#[test]
+fn a_sequential_read_of_the_raw_view_reads_ahead() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    // 48 MiB of random data in a 64 MiB qcow2 (64 KiB clusters), published at 256 KiB chunks.
+    let qcow2 = scratch.path("seq.qcow2");
+    make_qcow2(&qcow2, "64M", &[]);
+    write_random(&qcow2, 8 << 20, 48 << 20, 5);
+    let reference = format!("{}/vm/seq:1", reg.host());
+    vmdisk_ok(&["push", qcow2.to_str().unwrap(), &reference]);
+    let (daemon, metrics) = daemon_with_metrics(&scratch);
+    let raw = daemon.vmdisk_ok(&["path", "--raw", &reference]);
+    let before = counters(&scrape(&metrics));
+    let out = Command::new("dd")
+        .arg(format!("if={}", raw.trim()))
+        .args(["of=/dev/null", "bs=1M"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = counters(&scrape(&metrics));
+    let delta = |name: &str| {
+        let sum = |m: &BTreeMap<String, u64>| -> u64 {
+            m.iter()
+                .filter(|(k, _)| k.starts_with(name))
+                .map(|(_, v)| v)
+                .sum()
+        };
+        sum(&after) - sum(&before)
+    };
+    let (requests, chunks) = (
+        delta("vmdisk_registry_requests_total"),
+        delta("vmdisk_chunks_fetched_total"),
+    );
+    eprintln!("sequential read of the raw view: {requests} range requests for {chunks} chunks");
+    // The 48 MiB of data are 192 chunks; the view reads them a 64 KiB cluster at a time, so
+    // without read-ahead each chunk is its own request. Read-ahead fetches runs of up to 4 MiB.
+    assert!(chunks >= 180, "{chunks} chunks fetched");
+    assert!(
+        requests <= chunks / 4,
+        "{requests} requests for {chunks} chunks"
+    );
+    // And the view is still the guest's bytes.
+    let want = scratch.path("seq.raw");
+    qemu_img_raw(&qcow2, &want);
+    assert_eq!(sha256_file(Path::new(raw.trim())), sha256_file(&want));
+}
