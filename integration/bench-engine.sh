@@ -117,8 +117,12 @@ mount_warm() {  # mount_warm EXTRA_FLAGS...
 # This machine's disk is itself cached by its host, so every measurement first reads the
 # cached data file once (same host-cache state for all) and drops the guest's page cache.
 prime() { dd if="$DATA" of=/dev/null bs=4M status=none; sync; echo 3 > /proc/sys/vm/drop_caches; }
-seq_read() { prime; dd if="$1" of=/dev/null bs=1M iflag=direct 2>&1 | tail -1 | python3 -c 'import sys,re; l=sys.stdin.read(); b,s=re.search(r"^(\d+) bytes.*, ([\d.]+) s", l).groups(); print(f"{int(b)/float(s)/1e6:.0f}")'; }
-rand_iops() { prime; fio --name=r --filename="$1" --readonly --rw=randread --bs=4k --ioengine=psync --direct=1 --runtime=5 --time_based --output-format=json 2>/dev/null | python3 -c 'import json,sys; print(int(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))'; }
+# Each figure is the median of three runs: single runs on this shared host vary by ±20%.
+median3() { python3 -c 'import sys; v=sorted(float(x) for x in sys.argv[1:]); print(f"{v[1]:.0f}")' "$@"; }
+seq_read_once() { prime; dd if="$1" of=/dev/null bs=1M iflag=direct 2>&1 | tail -1 | python3 -c 'import sys,re; l=sys.stdin.read(); b,s=re.search(r"^(\d+) bytes.*, ([\d.]+) s", l).groups(); print(f"{int(b)/float(s)/1e6:.0f}")'; }
+rand_iops_once() { prime; fio --name=r --filename="$1" --readonly --rw=randread --bs=4k --ioengine=psync --direct=1 --runtime=5 --time_based --output-format=json 2>/dev/null | python3 -c 'import json,sys; print(int(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))'; }
+seq_read() { median3 "$(seq_read_once "$1")" "$(seq_read_once "$1")" "$(seq_read_once "$1")"; }
+rand_iops() { median3 "$(rand_iops_once "$1")" "$(rand_iops_once "$1")" "$(rand_iops_once "$1")"; }
 
 mount_warm --hydrate eager
 DATA=$(ls "$B"/cache/layers/*/data/0 | head -1)
@@ -134,7 +138,7 @@ LOCAL_SEQ=$(seq_read "$DATA"); LOCAL_IOPS=$(rand_iops "$DATA")
 ratio() { python3 -c "print(f'{$1 / $2:.2f}')"; }
 {
   echo
-  echo "warm reads of the cached 2 GiB-virtual disk, O_DIRECT (guest page cache dropped, host cache primed, before each run):"
+  echo "warm reads of the cached 2 GiB-virtual disk, O_DIRECT (guest page cache dropped, host cache primed, before each run; median of 3):"
   printf '  %-44s %14s %8s %16s %8s\n' "" "seq MB/s" ratio "rand 4K IOPS" ratio
   printf '  %-44s %14s %8s %16s %8s\n' "the cached file read directly (baseline)" "$LOCAL_SEQ" 1.00 "$LOCAL_IOPS" 1.00
   printf '  %-44s %14s %8s %16s %8s\n' "vmdisk mount, passthrough ($PT_CALLS daemon reads)" "$PT_SEQ" "$(ratio "$PT_SEQ" "$LOCAL_SEQ")" "$PT_IOPS" "$(ratio "$PT_IOPS" "$LOCAL_IOPS")"

@@ -154,20 +154,7 @@ pub async fn publish(
         .await
         .map_err(|e| e.context("uploading the boot trace manifest"))?;
     // The fallback tag (registries without the referrers API): its index lists the referrers.
-    let tag = Reference {
-        tag: Some(format!("sha256-{}", subject_digest.hex())),
-        digest: None,
-        ..target.clone()
-    };
-    let mut manifests = match client.get_manifest(&tag).await {
-        Ok(crate::registry::FetchedManifest {
-            manifest: oci::ManifestKind::Index(index),
-            ..
-        }) => index.manifests,
-        Ok(_) => Vec::new(),
-        Err(e) if e.kind() == crate::error::ErrorKind::NotFound => Vec::new(),
-        Err(e) => return Err(e.context("reading the referrers fallback tag")),
-    };
+    let (tag, mut manifests) = client.fallback_referrers(target, &subject_digest).await?;
     manifests.retain(|d| d.artifact_type.as_deref() != Some(MEDIA_TYPE));
     manifests.push(desc.clone());
     let index = oci::Index {

@@ -718,30 +718,39 @@ impl RegistryClient {
             Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::InvalidInput) => None,
             Err(e) => return Err(e),
         };
-        let index = match index {
-            Some(index) if !index.manifests.is_empty() => index,
-            _ => {
-                let tag = Reference {
-                    tag: Some(format!("sha256-{}", digest.hex())),
-                    digest: None,
-                    ..r.clone()
-                };
-                match self.get_manifest(&tag).await {
-                    Ok(FetchedManifest {
-                        manifest: ManifestKind::Index(index),
-                        ..
-                    }) => index,
-                    Ok(_) => return Ok(Vec::new()),
-                    Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Vec::new()),
-                    Err(e) => return Err(e),
-                }
-            }
+        let manifests = match index {
+            Some(index) if !index.manifests.is_empty() => index.manifests,
+            _ => self.fallback_referrers(r, digest).await?.1,
         };
-        Ok(index
-            .manifests
+        Ok(manifests
             .into_iter()
             .filter(|d| d.artifact_type.as_deref() == Some(artifact_type))
             .collect())
+    }
+
+    /// The referrers fallback tag of manifest `digest` in `r`'s repository (`sha256-<hex>`,
+    /// for registries without the referrers API) and the referrers its index lists (none if
+    /// the tag does not exist or is not an index).
+    pub async fn fallback_referrers(
+        &self,
+        r: &Reference,
+        digest: &Digest,
+    ) -> Result<(Reference, Vec<Descriptor>)> {
+        let tag = Reference {
+            tag: Some(format!("sha256-{}", digest.hex())),
+            digest: None,
+            ..r.clone()
+        };
+        let manifests = match self.get_manifest(&tag).await {
+            Ok(FetchedManifest {
+                manifest: ManifestKind::Index(index),
+                ..
+            }) => index.manifests,
+            Ok(_) => Vec::new(),
+            Err(e) if e.kind() == ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e.context("reading the referrers fallback tag")),
+        };
+        Ok((tag, manifests))
     }
 
     /// Fetches a whole blob of at most `limit` bytes and verifies it against `desc`.
