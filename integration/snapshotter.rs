@@ -818,8 +818,11 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     assert_eq!(std::fs::read_link(&alias).unwrap(), ready);
 
     // Unreachable registry, malformed labels, an ordinary layer: an ordinary active snapshot.
+    // (The same manifest digest at a dead registry would be served: its manifest and config
+    // were kept when they were verified. One this node never saw cannot be.)
     let dead = format!("127.0.0.1:{}/small:1", free_port());
-    let m = prepare(&mut s, "extract-dead", cri(&dead, &manifest, &layer))
+    let unseen = vmdisk::digest::Digest::of(b"a manifest this node never saw").to_string();
+    let m = prepare(&mut s, "extract-dead", cri(&dead, &unseen, &layer))
         .unwrap()
         .into_inner()
         .mounts;

@@ -301,16 +301,31 @@ pub async fn disk_layer_id(
         Some(c) => blocking(move || Ok(c.load_blob(&digest, oci::MAX_CONFIG_SIZE))).await?,
         None => None,
     };
-    let config = match kept {
-        Some(config) => config,
+    let (config, toc) = match kept {
+        Some(config) => (config, None),
         None => {
-            let config = client
-                .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
-                .await
-                .map_err(|e| e.context(format!("fetching the image config of {reference}")))?
-                .to_vec();
+            let fetch_config = async {
+                client
+                    .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
+                    .await
+                    .map_err(|e| e.context(format!("fetching the image config of {reference}")))
+            };
+            // The TOC is what the layer's server needs next: with a cache to keep it in, it
+            // is fetched alongside the config rather than a round trip later. (A failure
+            // here is not this call's: the server fetches it again and says why.)
+            let (config, toc) = match cache {
+                Some(_) => {
+                    let (config, toc) = futures_util::future::join(
+                        fetch_config,
+                        fetch_toc(client, reference, &layer.digest, &loc),
+                    )
+                    .await;
+                    (config?, toc.ok())
+                }
+                None => (fetch_config.await?, None),
+            };
             keep(cache, digest, config.clone()).await;
-            config
+            (config, toc)
         }
     };
     let config: oci::ImageConfig = serde_json::from_slice(&config).map_err(|e| {
@@ -336,7 +351,49 @@ pub async fn disk_layer_id(
         diff_id: config.rootfs.diff_ids[position],
         disk_path,
     };
+    if let (Some(cache), Some(toc)) = (cache.cloned(), toc) {
+        let meta = layer_meta(reference, &loc, &id);
+        let kept = blocking(move || {
+            if !cache.has_layer_meta(&meta.id().key()) {
+                cache.save_layer_meta(&meta, &toc)?;
+            }
+            Ok(())
+        });
+        if let Err(e) = kept.await {
+            tracing::debug!(error = %e.chain(), "keeping a fetched TOC failed");
+        }
+    }
     Ok((layer.clone(), loc, id))
+}
+
+/// What the cache records about the layer `id` resolved from `reference`.
+fn layer_meta(reference: &Reference, loc: &TocLocation, id: &LayerId) -> LayerMeta {
+    LayerMeta {
+        reference: reference.to_string(),
+        layer_digest: id.layer,
+        layer_size: id.size,
+        toc_offset: loc.offset,
+        toc_length: loc.length,
+        toc_uncompressed_length: loc.uncompressed_length,
+        toc_digest: id.toc,
+        disk_path: id.disk_path.clone(),
+        diff_id: id.diff_id,
+    }
+}
+
+/// The TOC that `loc` places in blob `layer`, verified against its pinned checksum.
+async fn fetch_toc(
+    client: &dyn Registry,
+    reference: &Reference,
+    layer: &Digest,
+    loc: &TocLocation,
+) -> Result<Vec<u8>> {
+    let toc = client
+        .get_blob_range(reference, layer, loc.range())
+        .await?
+        .to_vec();
+    loc.checksum.verify(&toc, "zstd:chunked TOC")?;
+    Ok(toc)
 }
 
 async fn resolve_online(
@@ -347,37 +404,26 @@ async fn resolve_online(
     let (manifest, manifest_digest, platform) =
         platform_manifest(client, Some(cache), reference).await?;
     let (layer, loc, id) = disk_layer_id(client, Some(cache), reference, &manifest).await?;
-    let meta = LayerMeta {
-        reference: reference.to_string(),
-        layer_digest: id.layer,
-        layer_size: id.size,
-        toc_offset: loc.offset,
-        toc_length: loc.length,
-        toc_uncompressed_length: loc.uncompressed_length,
-        toc_digest: id.toc,
-        disk_path: id.disk_path.clone(),
-        diff_id: id.diff_id,
-    };
+    let meta = layer_meta(reference, &loc, &id);
     let key = id.key();
     let c = cache.clone();
+    // Usually there already: kept by this call's `disk_layer_id` or the snapshotter's.
     let cached = blocking(move || Ok(c.load_layer_meta(&key).map(|(_, toc)| toc))).await?;
-    let toc = match cached {
-        Some(toc) => toc,
-        None => {
-            let toc = client
-                .get_blob_range(reference, &layer.digest, loc.range())
-                .await?
-                .to_vec();
-            loc.checksum.verify(&toc, "zstd:chunked TOC")?;
-            toc
-        }
+    let (toc, fetched) = match cached {
+        Some(toc) => (toc, false),
+        None => (
+            fetch_toc(client, reference, &layer.digest, &loc).await?,
+            true,
+        ),
     };
-    // Validate before anything is stored: a TOC that does not parse never reaches the cache.
-    // Parsing grows with the chunk count (tens of ms per 8 GiB): off the async workers.
+    // A kept TOC matches its pinned checksum but is parsed and validated on every load:
+    // parsing grows with the chunk count (tens of ms per 8 GiB), so off the async workers.
     let (cache, reference) = (cache.clone(), reference.clone());
     blocking(move || {
         let remote = RemoteLayer::build(reference.clone(), meta, &toc, true)?;
-        cache.save_layer_meta(&remote.meta, &toc)?;
+        if fetched {
+            cache.save_layer_meta(&remote.meta, &toc)?;
+        }
         cache.save_ref(&RefRecord {
             reference: reference.to_string(),
             manifest_digest,

@@ -247,6 +247,11 @@ impl CacheRoot {
         )
     }
 
+    /// Whether the layer with key `key` has its metadata stored (not checked).
+    pub fn has_layer_meta(&self, key: &Digest) -> bool {
+        self.layer_dir(key).join(names::META).is_file()
+    }
+
     /// The stored metadata and TOC bytes of the layer with key `key`, if complete and
     /// consistent (the metadata is the key's, the TOC its pinned one).
     pub fn load_layer_meta(&self, key: &Digest) -> Option<(LayerMeta, Vec<u8>)> {
