@@ -347,16 +347,7 @@ fn a_sequential_read_of_the_raw_view_reads_ahead() {
     let (daemon, metrics) = daemon_with_metrics(&scratch);
     let raw = daemon.vmdisk_ok(&["path", "--raw", &reference]);
     let before = counters(&scrape(&metrics));
-    let out = Command::new("dd")
-        .arg(format!("if={}", raw.trim()))
-        .args(["of=/dev/null", "bs=1M"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    dd_read(Path::new(raw.trim()), "1M");
     let after = counters(&scrape(&metrics));
     let delta = |name: &str| {
         let sum = |m: &BTreeMap<String, u64>| -> u64 {

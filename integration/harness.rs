@@ -339,6 +339,22 @@ pub fn run(program: &str, args: &[&str]) -> Vec<u8> {
 }
 
 /// `qemu-img convert -O raw SRC DST`: the reference the raw view is compared with.
+/// Reads `path` start to end with `dd bs=<bs>` (as a sequential reader would), failing the
+/// test if dd fails.
+pub fn dd_read(path: &Path, bs: &str) {
+    let out = Command::new("dd")
+        .arg(format!("if={}", path.display()))
+        .args(["of=/dev/null", &format!("bs={bs}")])
+        .output()
+        .expect("run dd");
+    assert!(
+        out.status.success(),
+        "dd of {}: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub fn qemu_img_raw(src: &Path, dst: &Path) {
     run(
         "qemu-img",

@@ -2,7 +2,6 @@
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use crate::harness::*;
@@ -411,16 +410,7 @@ fn a_sequential_read_fetches_each_chunk_once_in_few_large_requests() {
         &scratch.path("mnt"),
         &[],
     );
-    let out = Command::new("dd")
-        .arg(format!("if={}", mount.disk.display()))
-        .args(["of=/dev/null", "bs=4M"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    dd_read(&mount.disk, "4M");
     let stats = mount.stop();
     let chunks = size / (256 << 10);
     let requests = stats["fetch_requests"].as_u64().unwrap();
