@@ -315,12 +315,21 @@ pub async fn disk_layer_id(
             // here is not this call's: the server fetches it again and says why.)
             let (config, toc) = match cache {
                 Some(_) => {
-                    let (config, toc) = futures_util::future::join(
-                        fetch_config,
-                        fetch_toc(client, reference, &layer.digest, &loc),
-                    )
-                    .await;
-                    (config?, toc.ok())
+                    let mut config = std::pin::pin!(fetch_config);
+                    let mut toc = std::pin::pin!(fetch_toc(client, reference, &layer.digest, &loc));
+                    let (config, toc) = tokio::select! {
+                        c = &mut config => {
+                            // Waited for at most TOC_GRACE more: a slow TOC never holds up
+                            // the decision (the server then fetches it under its deadlines).
+                            let toc = match c {
+                                Ok(_) => tokio::time::timeout(TOC_GRACE, &mut toc).await.ok(),
+                                Err(_) => None,
+                            };
+                            (c, toc)
+                        }
+                        t = &mut toc => (config.await, Some(t)),
+                    };
+                    (config?, toc.and_then(|t| t.ok()))
                 }
                 None => (fetch_config.await?, None),
             };
@@ -365,6 +374,9 @@ pub async fn disk_layer_id(
     }
     Ok((layer.clone(), loc, id))
 }
+
+/// How long identifying a layer waits for its TOC once the config is there.
+const TOC_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What the cache records about the layer `id` resolved from `reference`.
 fn layer_meta(reference: &Reference, loc: &TocLocation, id: &LayerId) -> LayerMeta {
