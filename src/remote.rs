@@ -27,6 +27,15 @@ use crate::task::blocking;
 pub trait BlobSource: Send + Sync {
     /// The bytes of `range`; the length is checked by the source, the content by the engine.
     fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>>;
+    /// The same for bytes that failed verification once: from the registry itself, not a
+    /// mirror.
+    fn refetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
+        self.fetch(range)
+    }
+    /// Requests, failures and bytes per registry endpoint, if the source has endpoints.
+    fn endpoint_counters(&self) -> Vec<(String, crate::registry::health::EndpointCounters)> {
+        Vec::new()
+    }
 }
 
 /// A layer blob in a registry, read with HTTP Range requests: the engine's source in
@@ -43,6 +52,17 @@ impl BlobSource for RegistrySource {
             self.client
                 .get_blob_range(&self.reference, &self.blob, range),
         )
+    }
+
+    fn refetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
+        Box::pin(
+            self.client
+                .get_blob_range_from_registry(&self.reference, &self.blob, range),
+        )
+    }
+
+    fn endpoint_counters(&self) -> Vec<(String, crate::registry::health::EndpointCounters)> {
+        self.client.endpoint_counters()
     }
 }
 

@@ -190,7 +190,7 @@ impl Engine {
         }
         let mut fetched =
             futures_util::stream::iter(wanted.into_iter().map(|(slot, range)| async move {
-                let bytes = self.fetch_range(range.clone()).await?;
+                let bytes = self.fetch_range(range.clone(), false).await?;
                 if bytes.len() as u64 != range.end - range.start {
                     return Err(Error::new(
                         ErrorKind::Network,

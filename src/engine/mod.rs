@@ -211,6 +211,11 @@ impl Engine {
         Ok(engine)
     }
 
+    /// Requests, failures and bytes per registry endpoint (the registry and its mirrors).
+    pub fn endpoint_counters(&self) -> Vec<(String, crate::registry::health::EndpointCounters)> {
+        self.source.endpoint_counters()
+    }
+
     /// What the check of the complete layer found so far.
     pub fn integrity(&self) -> Integrity {
         self.integrity.get().cloned().unwrap_or(Integrity::Pending)
@@ -408,7 +413,7 @@ impl Engine {
         let first = &self.layer.chunks[run[0]];
         let last = &self.layer.chunks[run[run.len() - 1]];
         let range = first.compressed.start..last.compressed.end;
-        let bytes = self.fetch_range(range.clone()).await?;
+        let bytes = self.fetch_range(range.clone(), false).await?;
         if bytes.len() as u64 != range.end - range.start {
             return Err(Error::corrupt(format!(
                 "asked for {} bytes at {}, got {}",
@@ -436,7 +441,7 @@ impl Engine {
         })?;
         for idx in failed {
             let (file, chunk) = self.layer.chunk(idx);
-            let frame = self.fetch_range(chunk.compressed.clone()).await?;
+            let frame = self.fetch_range(chunk.compressed.clone(), true).await?;
             off_the_runtime(|| {
                 let data = decode_chunk(&frame, chunk).map_err(|e| {
                     Stats::add(&self.stats.verify_failures, 1);
@@ -466,8 +471,9 @@ impl Engine {
         Ok(())
     }
 
-    /// One Range request, retried on network errors and short answers until the deadline.
-    async fn fetch_range(&self, range: Range<u64>) -> Result<bytes::Bytes> {
+    /// One Range request, retried on network errors and short answers until the deadline;
+    /// `again` for bytes that failed verification once (asked of the registry itself).
+    async fn fetch_range(&self, range: Range<u64>, again: bool) -> Result<bytes::Bytes> {
         let deadline = Instant::now() + self.opts.fetch_deadline;
         let mut delay = Duration::from_millis(100);
         loop {
@@ -476,17 +482,20 @@ impl Engine {
             // The deadline bounds the whole answer, body included: a registry that trickles
             // bytes cannot hold the read past it.
             let left = deadline.saturating_duration_since(started);
-            let attempt = tokio::time::timeout(left, self.source.fetch(range.clone()))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(Error::new(
-                        ErrorKind::Network,
-                        format!(
-                            "the registry did not answer within the {} s fetch deadline",
-                            self.opts.fetch_deadline.as_secs_f32()
-                        ),
-                    ))
-                });
+            let fetch = if again {
+                self.source.refetch(range.clone())
+            } else {
+                self.source.fetch(range.clone())
+            };
+            let attempt = tokio::time::timeout(left, fetch).await.unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Network,
+                    format!(
+                        "the registry did not answer within the {} s fetch deadline",
+                        self.opts.fetch_deadline.as_secs_f32()
+                    ),
+                ))
+            });
             match attempt {
                 Ok(bytes) => {
                     Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);

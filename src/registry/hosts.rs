@@ -24,6 +24,8 @@ use crate::error::{Error, Result};
 pub struct Endpoint {
     /// Scheme, host and optional path prefix, without trailing slash.
     pub base: String,
+    /// A `[host."URL"]` entry of a hosts.toml rather than the registry (`server`) itself.
+    pub mirror: bool,
     pub pull: bool,
     pub resolve: bool,
     pub push: bool,
@@ -44,6 +46,7 @@ impl Endpoint {
         let scheme = if plain_http { "http" } else { "https" };
         Endpoint {
             base: format!("{scheme}://{host}"),
+            mirror: false,
             pull: true,
             resolve: true,
             push: true,
@@ -52,6 +55,15 @@ impl Endpoint {
             ca: Vec::new(),
             client_cert: None,
             headers: BTreeMap::new(),
+        }
+    }
+
+    /// How errors name this endpoint: `registry <host>`, or `mirror <URL> of registry <host>`.
+    pub fn describe(&self, registry: &str) -> String {
+        if self.mirror {
+            format!("mirror {} of registry {registry}", self.base)
+        } else {
+            format!("registry {registry}")
         }
     }
 
@@ -182,6 +194,7 @@ fn build(base: &str, entry: HostEntry, dir: &Path, default_caps: &[&str]) -> Res
     }
     Ok(Endpoint {
         base: base.to_string(),
+        mirror: false,
         pull: caps.iter().any(|c| c == "pull"),
         resolve: caps.iter().any(|c| c == "resolve"),
         push: caps.iter().any(|c| c == "push"),
@@ -212,7 +225,11 @@ pub fn parse_hosts_toml(text: &str, dir: &Path, upstream: Endpoint) -> Result<Ve
     let mut mirrors: Vec<(usize, Endpoint)> = Vec::new();
     for (url, entry) in file.host {
         let pos = text.find(&format!("\"{url}\"")).unwrap_or(usize::MAX);
-        mirrors.push((pos, build(&url, entry, dir, &["pull", "resolve"])?));
+        let mirror = Endpoint {
+            mirror: true,
+            ..build(&url, entry, dir, &["pull", "resolve"])?
+        };
+        mirrors.push((pos, mirror));
     }
     mirrors.sort_by_key(|(pos, _)| *pos);
     let server = match file.server {

@@ -9,6 +9,7 @@
 //! byte ranges are checked by the caller, who knows the chunk digests.
 
 pub mod auth;
+pub mod health;
 pub mod hosts;
 
 use std::collections::HashMap;
@@ -84,6 +85,7 @@ pub struct RegistryClient {
     /// Authorization per endpoint base and scope.
     auth: Mutex<HashMap<(String, String), CachedAuth>>,
     hosts: hosts::HostsCache,
+    health: health::Health,
 }
 
 /// What distinguishes one HTTP client from another: TLS verification, CAs, client identity.
@@ -176,6 +178,10 @@ fn registry_error_text(body: &[u8]) -> String {
 const BODY_DEADLINE: Duration = Duration::from_secs(30);
 /// Slowest body rate accepted beyond [`BODY_DEADLINE`], bytes per second.
 const MIN_BODY_RATE: u64 = 256 << 10;
+/// How long a mirror may take to answer a request (its headers; the body has its own deadline)
+/// before the next endpoint is asked: a hung mirror must not hold a guest's read for the
+/// socket's timeouts.
+const MIRROR_DEADLINE: Duration = Duration::from_secs(10);
 
 async fn read_limited(mut resp: reqwest::Response, limit: u64, what: &str) -> Result<Vec<u8>> {
     if resp.content_length().is_some_and(|l| l > limit) {
@@ -246,6 +252,20 @@ pub trait Registry: Send + Sync {
         digest: &'a Digest,
         range: std::ops::Range<u64>,
     ) -> futures_util::future::BoxFuture<'a, Result<Bytes>>;
+    /// The same from the registry itself, not its mirrors: for bytes that failed
+    /// verification once.
+    fn get_blob_range_from_registry<'a>(
+        &'a self,
+        r: &'a Reference,
+        digest: &'a Digest,
+        range: std::ops::Range<u64>,
+    ) -> futures_util::future::BoxFuture<'a, Result<Bytes>> {
+        self.get_blob_range(r, digest, range)
+    }
+    /// Requests, failures and bytes per endpoint (registry or mirror) so far.
+    fn endpoint_counters(&self) -> Vec<(String, health::EndpointCounters)> {
+        Vec::new()
+    }
 }
 
 impl Registry for RegistryClient {
@@ -273,6 +293,21 @@ impl Registry for RegistryClient {
     ) -> futures_util::future::BoxFuture<'a, Result<Bytes>> {
         Box::pin(RegistryClient::get_blob_range(self, r, digest, range))
     }
+
+    fn get_blob_range_from_registry<'a>(
+        &'a self,
+        r: &'a Reference,
+        digest: &'a Digest,
+        range: std::ops::Range<u64>,
+    ) -> futures_util::future::BoxFuture<'a, Result<Bytes>> {
+        Box::pin(RegistryClient::get_blob_range_from_registry(
+            self, r, digest, range,
+        ))
+    }
+
+    fn endpoint_counters(&self) -> Vec<(String, health::EndpointCounters)> {
+        self.health.counters()
+    }
 }
 
 impl RegistryClient {
@@ -288,6 +323,7 @@ impl RegistryClient {
             clients: Mutex::new(HashMap::new()),
             auth: Mutex::new(HashMap::new()),
             hosts: hosts::HostsCache::default(),
+            health: health::Health::default(),
         })
     }
 
@@ -477,6 +513,12 @@ impl RegistryClient {
         scopes.extend(req.extra_scope.clone());
         let scope_key = scopes.join(" ");
         let policy = &self.config.retry;
+        // A mirror is not retried: the next endpoint is the better second try.
+        let attempts = if ep.mirror && access == Access::Pull {
+            1
+        } else {
+            policy.attempts.max(1)
+        };
         let mut delay = policy.base_delay;
         let mut authorized_now = false;
         let mut attempt = 0;
@@ -530,14 +572,15 @@ impl RegistryClient {
                 }
                 Err(e) => e.is_connect() || e.is_timeout() || e.is_request(),
             };
-            if !req.retry || !retryable || attempt >= policy.attempts.max(1) {
+            if !req.retry || !retryable || attempt >= attempts {
                 return match outcome {
                     Ok(resp) => Ok(resp),
                     Err(e) => Err(Error::new(
                         ErrorKind::Network,
                         format!(
-                            "registry {} is unreachable at {} after {attempt} tries",
-                            r.registry, ep.base
+                            "{} is unreachable at {} after {attempt} tries",
+                            ep.describe(&r.registry),
+                            ep.base
                         ),
                     )
                     .with_source(e)),
@@ -560,6 +603,7 @@ impl RegistryClient {
         resp: reqwest::Response,
         what: &str,
         r: &Reference,
+        ep: &Endpoint,
     ) -> Result<reqwest::Response> {
         let status = resp.status();
         if status.is_success() {
@@ -582,46 +626,111 @@ impl RegistryClient {
         } else {
             format!(": {detail}")
         };
+        let via = if ep.mirror {
+            format!(", answered by mirror {}", ep.base)
+        } else {
+            String::new()
+        };
         Err(Error::new(
             kind,
             format!(
-                "{what} {outcome} in {}/{} (HTTP {status}{detail})",
+                "{what} {outcome} in {}/{} (HTTP {status}{detail}{via})",
                 r.registry, r.repository
             ),
         ))
     }
 
-    /// Tries each pull endpoint (mirrors first) until one answers successfully.
-    async fn pull_request(
+    /// Tries each pull endpoint until one answers with what `take` accepts: mirrors first,
+    /// resting ones (see [`health`]) last. `take` reads and checks the answer (status, length,
+    /// digest); whatever fails there or before (no connection, a timeout, an error status, a
+    /// wrong body) sends the request on to the next endpoint. The error returned is the
+    /// registry's own if it was asked, else the last mirror's. An authentication error from
+    /// the registry itself is returned at once.
+    async fn pull<T, F>(
         &self,
         r: &Reference,
         what: &str,
+        via_mirrors: bool,
         make: impl Fn(&Endpoint) -> Req,
-    ) -> Result<reqwest::Response> {
-        let mut last = None;
-        for ep in self.endpoints(r, Access::Pull)? {
+        take: impl Fn(reqwest::Response, Endpoint) -> F,
+    ) -> Result<T>
+    where
+        F: std::future::Future<Output = Result<T>>,
+    {
+        // The error to return, and whether the registry itself gave it.
+        let mut failure: Option<(bool, Error)> = None;
+        let mut endpoints = self.endpoints(r, Access::Pull)?;
+        if !via_mirrors {
+            endpoints.retain(|e| !e.mirror);
+        }
+        for ep in self.health.order(endpoints) {
             let req = make(&ep);
-            match self.send(&ep, r, Access::Pull, &req).await {
-                Ok(resp) => match Self::check(resp, what, r).await {
-                    Ok(resp) => return Ok(resp),
-                    Err(e) => {
-                        tracing::debug!(endpoint = %ep.base, error = %e.chain(), "endpoint failed, trying next");
-                        last = Some(e)
-                    }
-                },
-                Err(e) if e.kind() == ErrorKind::Auth => return Err(e),
-                Err(e) => {
-                    tracing::debug!(endpoint = %ep.base, error = %e.chain(), "endpoint failed, trying next");
-                    last = Some(e)
+            self.health.sent(&ep.base);
+            let answer = async {
+                let sent = self.send(&ep, r, Access::Pull, &req);
+                let resp = if ep.mirror {
+                    tokio::time::timeout(MIRROR_DEADLINE, sent)
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(Error::new(
+                                ErrorKind::Network,
+                                format!(
+                                    "{} did not answer {what} within {} s",
+                                    ep.describe(&r.registry),
+                                    MIRROR_DEADLINE.as_secs()
+                                ),
+                            ))
+                        })?
+                } else {
+                    sent.await?
+                };
+                take(Self::check(resp, what, r, &ep).await?, ep.clone()).await
+            };
+            let outcome = answer.await;
+            let e = match outcome {
+                Ok(v) => {
+                    self.health.succeeded(&ep.base);
+                    return Ok(v);
                 }
+                Err(e) => e,
+            };
+            let endpoint_fault = !matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Auth);
+            self.health.failed(&ep.base, endpoint_fault);
+            if !ep.mirror && e.kind() == ErrorKind::Auth {
+                return Err(e);
+            }
+            if ep.mirror && endpoint_fault {
+                tracing::warn!(endpoint = %ep.base, registry = %r.registry, error = %e.chain(), "mirror failed; trying the next endpoint, and this mirror after the others for a while");
+            } else {
+                tracing::debug!(endpoint = %ep.base, error = %e.chain(), "endpoint failed, trying next");
+            }
+            if !ep.mirror
+                || failure
+                    .as_ref()
+                    .is_none_or(|(from_registry, _)| !from_registry)
+            {
+                failure = Some((!ep.mirror, e));
             }
         }
-        Err(last.unwrap_or_else(|| {
+        Err(failure.map(|(_, e)| e).unwrap_or_else(|| {
             Error::new(
                 ErrorKind::Network,
                 format!("no endpoint for {}", r.registry),
             )
         }))
+    }
+
+    /// A whole response body of at most `limit` bytes, counted for `ep`.
+    async fn body(
+        &self,
+        ep: &Endpoint,
+        resp: reqwest::Response,
+        limit: u64,
+        what: &str,
+    ) -> Result<Vec<u8>> {
+        let body = read_limited(resp, limit, what).await?;
+        self.health.received(&ep.base, body.len() as u64);
+        Ok(body)
     }
 
     /// Fetches the manifest or index `r` names. Verified against the digest when `r` has one;
@@ -635,31 +744,39 @@ impl RegistryClient {
         ]
         .join(", ");
         let object = r.object();
-        let what = format!("manifest {object}");
-        let resp = self
-            .pull_request(r, &what, |ep| {
-                Req::new(
-                    Method::GET,
-                    ep.url(&format!("{}/manifests/{object}", r.repository)),
-                )
-                .header(ACCEPT, &accept)
-            })
+        let what = &format!("manifest {object}");
+        let (media_type, bytes) = self
+            .pull(
+                r,
+                what,
+                true,
+                |ep| {
+                    Req::new(
+                        Method::GET,
+                        ep.url(&format!("{}/manifests/{object}", r.repository)),
+                    )
+                    .header(ACCEPT, &accept)
+                },
+                |resp, ep| async move {
+                    let media_type = resp
+                        .headers()
+                        .get(CONTENT_TYPE)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .split(';')
+                        .next()
+                        .unwrap_or("")
+                        .trim()
+                        .to_string();
+                    let bytes = self.body(&ep, resp, oci::MAX_MANIFEST_SIZE, what).await?;
+                    if let Some(expected) = &r.digest {
+                        expected.verify(&bytes, &format!("manifest of {r}"))?;
+                    }
+                    Ok((media_type, bytes))
+                },
+            )
             .await?;
-        let media_type = resp
-            .headers()
-            .get(CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .split(';')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_string();
-        let bytes = read_limited(resp, oci::MAX_MANIFEST_SIZE, &what).await?;
         let digest = Digest::of(&bytes);
-        if let Some(expected) = &r.digest {
-            expected.verify(&bytes, &format!("manifest of {r}"))?;
-        }
         let manifest = oci::parse_manifest(&bytes, Some(&media_type))
             .map_err(|e| e.context(format!("{r}")))?;
         let media_type = match &manifest {
@@ -691,29 +808,32 @@ impl RegistryClient {
         digest: &Digest,
         artifact_type: &str,
     ) -> Result<Vec<Descriptor>> {
-        let what = format!("referrers of {digest}");
+        let what = &format!("referrers of {digest}");
         let api = self
-            .pull_request(r, &what, |ep| {
-                Req::new(
-                    Method::GET,
-                    ep.url(&format!("{}/referrers/{digest}", r.repository)),
-                )
-                .header(ACCEPT, oci::OCI_INDEX)
-            })
+            .pull(
+                r,
+                what,
+                true,
+                |ep| {
+                    Req::new(
+                        Method::GET,
+                        ep.url(&format!("{}/referrers/{digest}", r.repository)),
+                    )
+                    .header(ACCEPT, oci::OCI_INDEX)
+                },
+                |resp, ep| async move { self.body(&ep, resp, oci::MAX_MANIFEST_SIZE, what).await },
+            )
             .await;
         let index = match api {
-            Ok(resp) => {
-                let bytes = read_limited(resp, oci::MAX_MANIFEST_SIZE, &what).await?;
-                match oci::parse_manifest(&bytes, Some(oci::OCI_INDEX))? {
-                    ManifestKind::Index(index) => Some(index),
-                    ManifestKind::Image(_) => {
-                        return Err(Error::corrupt(format!(
-                            "{what} in {}/{}: the registry answered with a manifest, not an index",
-                            r.registry, r.repository
-                        )))
-                    }
+            Ok(bytes) => match oci::parse_manifest(&bytes, Some(oci::OCI_INDEX))? {
+                ManifestKind::Index(index) => Some(index),
+                ManifestKind::Image(_) => {
+                    return Err(Error::corrupt(format!(
+                        "{what} in {}/{}: the registry answered with a manifest, not an index",
+                        r.registry, r.repository
+                    )))
                 }
-            }
+            },
             // No referrers API (or nothing there yet): the fallback tag.
             Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::InvalidInput) => None,
             Err(e) => return Err(e),
@@ -761,25 +881,32 @@ impl RegistryClient {
                 desc.digest, desc.size
             )));
         }
-        let what = format!("blob {}", desc.digest);
-        let resp = self
-            .pull_request(r, &what, |ep| {
+        let what = &format!("blob {}", desc.digest);
+        self.pull(
+            r,
+            what,
+            true,
+            |ep| {
                 Req::new(
                     Method::GET,
                     ep.url(&format!("{}/blobs/{}", r.repository, desc.digest)),
                 )
-            })
-            .await?;
-        let bytes = read_limited(resp, desc.size, &what).await?;
-        if bytes.len() as u64 != desc.size {
-            return Err(Error::corrupt(format!(
-                "{what} is {} bytes, the descriptor says {}",
-                bytes.len(),
-                desc.size
-            )));
-        }
-        desc.digest.verify(&bytes, &what)?;
-        Ok(bytes)
+            },
+            |resp, ep| async move {
+                let bytes = self.body(&ep, resp, desc.size, what).await?;
+                if bytes.len() as u64 != desc.size {
+                    return Err(Error::corrupt(format!(
+                        "{what} from {} is {} bytes, the descriptor says {}",
+                        ep.describe(&r.registry),
+                        bytes.len(),
+                        desc.size
+                    )));
+                }
+                desc.digest.verify(&bytes, what)?;
+                Ok(bytes)
+            },
+        )
+        .await
     }
 
     /// Fetches `range` of a blob with an HTTP Range request. The length is checked here; the
@@ -790,46 +917,73 @@ impl RegistryClient {
         digest: &Digest,
         range: std::ops::Range<u64>,
     ) -> Result<Bytes> {
+        self.range(r, digest, range, true).await
+    }
+
+    /// [`Self::get_blob_range`] from the registry itself, passing by its mirrors: for bytes
+    /// that failed verification once (a mirror may have sent them).
+    pub async fn get_blob_range_from_registry(
+        &self,
+        r: &Reference,
+        digest: &Digest,
+        range: std::ops::Range<u64>,
+    ) -> Result<Bytes> {
+        self.range(r, digest, range, false).await
+    }
+
+    async fn range(
+        &self,
+        r: &Reference,
+        digest: &Digest,
+        range: std::ops::Range<u64>,
+        via_mirrors: bool,
+    ) -> Result<Bytes> {
         if range.is_empty() {
             return Ok(Bytes::new());
         }
-        let what = format!("bytes {}-{} of blob {digest}", range.start, range.end - 1);
+        let what = &format!("bytes {}-{} of blob {digest}", range.start, range.end - 1);
         let header = format!("bytes={}-{}", range.start, range.end - 1);
-        let resp = self
-            .pull_request(r, &what, |ep| {
+        let expected = range.end - range.start;
+        self.pull(
+            r,
+            what,
+            via_mirrors,
+            |ep| {
                 Req::new(
                     Method::GET,
                     ep.url(&format!("{}/blobs/{digest}", r.repository)),
                 )
                 .header(RANGE, &header)
-            })
-            .await?;
-        if resp.status() != StatusCode::PARTIAL_CONTENT {
-            return Err(Error::unsupported(format!("registry {} answered {what} with HTTP {} instead of 206: it does not support Range requests", r.registry, resp.status())));
-        }
-        let expected = range.end - range.start;
-        if let Some(cr) = resp
-            .headers()
-            .get(CONTENT_RANGE)
-            .and_then(|v| v.to_str().ok())
-        {
-            let ok = cr.strip_prefix("bytes ").and_then(|s| s.split('/').next())
-                == Some(&format!("{}-{}", range.start, range.end - 1));
-            if !ok {
-                return Err(Error::corrupt(format!(
-                    "registry {} answered {what} with Content-Range {cr:?}",
-                    r.registry
-                )));
-            }
-        }
-        let body = read_limited(resp, expected, &what).await?;
-        if body.len() as u64 != expected {
-            return Err(Error::corrupt(format!(
-                "{what}: got {} bytes, expected {expected}",
-                body.len()
-            )));
-        }
-        Ok(Bytes::from(body))
+            },
+            |resp, ep| async move {
+                let who = ep.describe(&r.registry);
+                if resp.status() != StatusCode::PARTIAL_CONTENT {
+                    return Err(Error::unsupported(format!("{who} answered {what} with HTTP {} instead of 206: it does not support Range requests (or, a pull-through cache, does not have the blob yet)", resp.status())));
+                }
+                if let Some(cr) = resp
+                    .headers()
+                    .get(CONTENT_RANGE)
+                    .and_then(|v| v.to_str().ok())
+                {
+                    let ok = cr.strip_prefix("bytes ").and_then(|s| s.split('/').next())
+                        == Some(&format!("{}-{}", range.start, range.end - 1));
+                    if !ok {
+                        return Err(Error::corrupt(format!(
+                            "{who} answered {what} with Content-Range {cr:?}"
+                        )));
+                    }
+                }
+                let body = self.body(&ep, resp, expected, what).await?;
+                if body.len() as u64 != expected {
+                    return Err(Error::corrupt(format!(
+                        "{what}: {who} sent {} bytes, expected {expected}",
+                        body.len()
+                    )));
+                }
+                Ok(Bytes::from(body))
+            },
+        )
+        .await
     }
 
     /// A blocking reader over a whole blob that fails at the end unless the content matches
@@ -838,12 +992,18 @@ impl RegistryClient {
     pub async fn blob_reader(&self, r: &Reference, desc: &Descriptor) -> Result<BlobReader> {
         let what = format!("blob {}", desc.digest);
         let mut resp = self
-            .pull_request(r, &what, |ep| {
-                Req::new(
-                    Method::GET,
-                    ep.url(&format!("{}/blobs/{}", r.repository, desc.digest)),
-                )
-            })
+            .pull(
+                r,
+                &what,
+                true,
+                |ep| {
+                    Req::new(
+                        Method::GET,
+                        ep.url(&format!("{}/blobs/{}", r.repository, desc.digest)),
+                    )
+                },
+                |resp, _| async move { Ok(resp) },
+            )
             .await?;
         let (tx, rx) = std::sync::mpsc::sync_channel::<std::io::Result<Bytes>>(16);
         tokio::spawn(async move {
@@ -879,7 +1039,7 @@ impl RegistryClient {
         match resp.status() {
             s if s.is_success() => Ok(true),
             StatusCode::NOT_FOUND => Ok(false),
-            _ => Self::check(resp, &format!("checking blob {digest}"), r)
+            _ => Self::check(resp, &format!("checking blob {digest}"), r, &ep)
                 .await
                 .map(|_| false),
         }
@@ -926,6 +1086,7 @@ impl RegistryClient {
             self.send(&ep, r, Access::Push, &req).await?,
             "starting a blob upload",
             r,
+            &ep,
         )
         .await?;
         let location = Self::resolve_location(&ep, &resp, r)?;
@@ -978,7 +1139,7 @@ impl RegistryClient {
                 }
                 Ok(false)
             }
-            _ => Self::check(resp, &format!("mounting blob {digest} from {from}"), r)
+            _ => Self::check(resp, &format!("mounting blob {digest} from {from}"), r, &ep)
                 .await
                 .map(|_| false),
         }
@@ -1006,6 +1167,7 @@ impl RegistryClient {
             self.send(&ep, r, Access::Push, &req).await?,
             &format!("uploading manifest {object}"),
             r,
+            &ep,
         )
         .await?;
         Ok(digest)
@@ -1065,7 +1227,7 @@ impl BlobUpload<'_> {
                 )
                 .body(part);
             let outcome = match self.client.send(&self.ep, &r, Access::Push, &req).await {
-                Ok(resp) => RegistryClient::check(resp, "uploading blob data", &r).await,
+                Ok(resp) => RegistryClient::check(resp, "uploading blob data", &r, &self.ep).await,
                 Err(e) => Err(e),
             };
             match outcome {
@@ -1113,6 +1275,7 @@ impl BlobUpload<'_> {
             self.client.send(&self.ep, &r, Access::Push, &req).await?,
             "querying an upload",
             &r,
+            &self.ep,
         )
         .await?;
         let range = resp
@@ -1145,8 +1308,13 @@ impl BlobUpload<'_> {
         let req = Req::new(Method::PUT, url.to_string()).header(CONTENT_LENGTH, "0");
         let outcome = match self.client.send(&self.ep, &r, Access::Push, &req).await {
             Ok(resp) => {
-                RegistryClient::check(resp, &format!("completing the upload of blob {digest}"), &r)
-                    .await
+                RegistryClient::check(
+                    resp,
+                    &format!("completing the upload of blob {digest}"),
+                    &r,
+                    &self.ep,
+                )
+                .await
             }
             Err(e) => Err(e),
         };

@@ -120,6 +120,14 @@ async fn handle(
             .body(body)
             .unwrap();
     }
+    if let Some(digest) = rest
+        .strip_prefix("vm/disk/blobs/")
+        .filter(|_| method == Method::GET)
+    {
+        if let Some(blob) = server.blobs.lock().unwrap().get(digest) {
+            return serve_blob(blob, &headers, true);
+        }
+    }
     if rest.ends_with("/blobs/uploads/") && method == Method::POST {
         server
             .uploads
@@ -185,6 +193,104 @@ async fn handle(
         }
     }
     respond(StatusCode::NOT_FOUND).body(Body::empty()).unwrap()
+}
+
+/// `blob`, or the part a `Range: bytes=a-b` header asks for when `ranges` is set.
+fn serve_blob(blob: &[u8], headers: &HeaderMap, ranges: bool) -> Response {
+    let asked = headers
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("bytes="))
+        .and_then(|v| v.split_once('-'))
+        .map(|(a, b)| (a.parse::<usize>().unwrap(), b.parse::<usize>().unwrap()));
+    match asked {
+        Some((a, b)) if ranges => respond(StatusCode::PARTIAL_CONTENT)
+            .header(
+                header::CONTENT_RANGE,
+                format!("bytes {a}-{b}/{}", blob.len()),
+            )
+            .body(Body::from(blob[a..=b].to_vec()))
+            .unwrap(),
+        _ => respond(StatusCode::OK)
+            .body(Body::from(blob.to_vec()))
+            .unwrap(),
+    }
+}
+
+/// How a test mirror answers blob requests.
+#[derive(Clone, Copy)]
+enum Mirror {
+    /// The whole blob with 200, whatever the Range (a pull-through cache that does not have
+    /// the blob yet).
+    WholeBlob,
+    /// Bytes that are not the blob's.
+    WrongBytes,
+}
+
+/// Serves a mirror of one blob that behaves as `how`; counts its requests.
+async fn serve_mirror(how: Mirror, blob: Vec<u8>, hits: Arc<AtomicUsize>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let host = listener.local_addr().unwrap().to_string();
+    let app = axum::Router::new().route(
+        "/v2/{*rest}",
+        axum::routing::get(move |headers: HeaderMap| {
+            hits.fetch_add(1, Ordering::SeqCst);
+            let blob = match how {
+                Mirror::WholeBlob => blob.clone(),
+                Mirror::WrongBytes => blob.iter().map(|b| b ^ 0xff).collect(),
+            };
+            async move { serve_blob(&blob, &headers, matches!(how, Mirror::WrongBytes)) }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    host
+}
+
+/// A client whose `hosts.toml` for `registry` lists `mirror` before the registry itself
+/// (`with_server`) or alone.
+fn mirrored_client(
+    dir: &std::path::Path,
+    registry: &str,
+    mirror: &str,
+    with_server: bool,
+) -> RegistryClient {
+    let conf = dir.join(registry);
+    std::fs::create_dir_all(&conf).unwrap();
+    let server = if with_server {
+        format!("server = \"http://{registry}\"\n")
+    } else {
+        format!("server = \"http://{registry}\"\ncapabilities = [\"push\"]\n")
+    };
+    std::fs::write(
+        conf.join("hosts.toml"),
+        format!("{server}\n[host.\"http://{mirror}\"]\ncapabilities = [\"pull\", \"resolve\"]\n"),
+    )
+    .unwrap();
+    RegistryClient::new(RegistryConfig {
+        auth_files: Some(vec![]),
+        hosts_dir: Some(dir.to_path_buf()),
+        retry: RetryPolicy {
+            attempts: 4,
+            base_delay: Duration::from_millis(10),
+            max_delay: Duration::from_millis(50),
+        },
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// An origin holding one 64 KiB blob; its host and the blob.
+async fn origin_with_blob() -> (Arc<Server>, String, Vec<u8>, Digest) {
+    let server = Arc::new(Server::default());
+    let blob: Vec<u8> = (0..65536u32).map(|i| (i * 7 % 253) as u8).collect();
+    let digest = Digest::of(&blob);
+    server
+        .blobs
+        .lock()
+        .unwrap()
+        .insert(digest.to_string(), blob.clone());
+    let host = serve(Arc::clone(&server)).await;
+    (server, host, blob, digest)
 }
 
 /// Serves `server` on a loopback port; returns the host:port.
@@ -333,4 +439,114 @@ async fn a_body_that_never_ends_fails_at_its_deadline() {
         waited >= super::BODY_DEADLINE && waited < super::BODY_DEADLINE + Duration::from_secs(60),
         "failed after {waited:?} of (virtual) time"
     );
+}
+
+#[tokio::test]
+async fn a_mirror_that_answers_a_range_with_the_whole_blob_is_passed_by_and_rests() {
+    let (origin, host, blob, digest) = origin_with_blob().await;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let mirror = serve_mirror(Mirror::WholeBlob, blob.clone(), Arc::clone(&hits)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let c = mirrored_client(dir.path(), &host, &mirror, true);
+    let r = reference(&host, "1");
+    let blob_path = format!("GET /vm/disk/blobs/{digest}");
+    let got = c.get_blob_range(&r, &digest, 100..4196).await.unwrap();
+    assert_eq!(&got[..], &blob[100..4196]);
+    assert_eq!(hits.load(Ordering::SeqCst), 1, "the mirror was asked once");
+    assert_eq!(count(&origin, &blob_path), 1, "then the registry");
+    // The mirror rests: the next reads go to the registry first, without asking it.
+    for _ in 0..3 {
+        let got = c.get_blob_range(&r, &digest, 0..10).await.unwrap();
+        assert_eq!(&got[..], &blob[..10]);
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+    assert_eq!(count(&origin, &blob_path), 4);
+    let counters = c.health.counters();
+    let of = |base: &str| {
+        counters
+            .iter()
+            .find(|(b, _)| b == base)
+            .map(|(_, c)| c.clone())
+            .unwrap()
+    };
+    let m = of(&format!("http://{mirror}"));
+    assert_eq!((m.requests, m.failures), (1, 1));
+    let o = of(&format!("http://{host}"));
+    assert_eq!((o.requests, o.failures, o.bytes), (4, 0, 4096 + 30));
+    // After its rest the mirror is asked first again.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    c.get_blob_range(&r, &digest, 0..10).await.unwrap();
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_mirror_alone_that_cannot_serve_ranges_is_named_in_the_error() {
+    let (_origin, host, blob, digest) = origin_with_blob().await;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let mirror = serve_mirror(Mirror::WholeBlob, blob, Arc::clone(&hits)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let c = mirrored_client(dir.path(), &host, &mirror, false);
+    let e = c
+        .get_blob_range(&reference(&host, "1"), &digest, 0..10)
+        .await
+        .unwrap_err();
+    let text = e.chain();
+    assert_eq!(e.kind(), ErrorKind::Unsupported, "{text}");
+    assert!(
+        text.contains(&format!("mirror http://{mirror} of registry {host}"))
+            && text.contains("instead of 206"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn wrong_bytes_from_a_mirror_are_never_returned_for_a_verified_blob() {
+    let (origin, host, blob, digest) = origin_with_blob().await;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let mirror = serve_mirror(Mirror::WrongBytes, blob.clone(), Arc::clone(&hits)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let c = mirrored_client(dir.path(), &host, &mirror, true);
+    let r = reference(&host, "1");
+    let desc = crate::oci::Descriptor {
+        media_type: "application/octet-stream".into(),
+        digest,
+        size: blob.len() as u64,
+        annotations: Default::default(),
+        platform: None,
+        artifact_type: None,
+    };
+    assert_eq!(c.get_blob(&r, &desc, 1 << 20).await.unwrap(), blob);
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+    assert_eq!(count(&origin, &format!("GET /vm/disk/blobs/{digest}")), 1);
+    // Ranges cannot be checked here (their chunks are, by the engine, which asks the
+    // registry itself for what failed): that request passes by the mirror.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let got = c
+        .get_blob_range_from_registry(&r, &digest, 5..9)
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &blob[5..9]);
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_mirror_that_is_down_costs_one_refused_connection() {
+    let (origin, host, _blob, digest) = origin_with_blob().await;
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let c = mirrored_client(dir.path(), &host, &closed, true);
+    let r = reference(&host, "1");
+    for _ in 0..5 {
+        c.get_blob_range(&r, &digest, 0..10).await.unwrap();
+    }
+    assert_eq!(count(&origin, &format!("GET /vm/disk/blobs/{digest}")), 5);
+    let counters = c.health.counters();
+    let (_, m) = counters
+        .iter()
+        .find(|(b, _)| *b == format!("http://{closed}"))
+        .unwrap();
+    assert_eq!((m.requests, m.failures), (1, 1), "tried once, not retried");
 }

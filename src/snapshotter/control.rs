@@ -15,7 +15,7 @@ use crate::digest::Digest;
 use crate::engine::stats::StatsSnapshot;
 use crate::error::{Error, ErrorKind, Result};
 
-pub use pb::{HydrationState, LayerCounters, LayerStatus, ServerState};
+pub use pb::{EndpointCounters, HydrationState, LayerCounters, LayerStatus, ServerState};
 
 type Client = pb::layer_server_client::LayerServerClient<tonic::transport::Channel>;
 
@@ -162,7 +162,25 @@ impl From<StatsSnapshot> for LayerCounters {
             fetch_micros: s.fetch_micros,
             passthrough_opens: s.passthrough_opens,
             integrity_failures: s.integrity_failures,
+            endpoints: Vec::new(),
         }
+    }
+}
+
+/// A server's counters: its engine's, and per registry endpoint.
+pub fn layer_counters(engine: &crate::engine::Engine) -> LayerCounters {
+    LayerCounters {
+        endpoints: engine
+            .endpoint_counters()
+            .into_iter()
+            .map(|(endpoint, c)| EndpointCounters {
+                endpoint,
+                requests: c.requests,
+                failures: c.failures,
+                bytes: c.bytes,
+            })
+            .collect(),
+        ..engine.stats.snapshot().into()
     }
 }
 

@@ -64,6 +64,25 @@ pub const LAYER_COUNTERS: [LayerCounter; 8] = [
     ),
 ];
 
+/// The totals a server's counters feed, by name: [`LAYER_COUNTERS`], and per registry
+/// endpoint `endpoint/<requests|failures|bytes>/<base URL>`.
+fn reported_values(counters: &LayerCounters) -> Vec<(String, u64)> {
+    let mut out: Vec<(String, u64)> = LAYER_COUNTERS
+        .iter()
+        .map(|(name, _, get)| (name.to_string(), get(counters)))
+        .collect();
+    for e in &counters.endpoints {
+        for (what, value) in [
+            ("requests", e.requests),
+            ("failures", e.failures),
+            ("bytes", e.bytes),
+        ] {
+            out.push((format!("endpoint/{what}/{}", e.endpoint), value));
+        }
+    }
+    out
+}
+
 /// How long what a server reported is remembered after it was last heard of; a server silent
 /// that long is gone (a crash: its last counters were counted already).
 const FORGET_AFTER_SECS: u64 = 24 * 3600;
@@ -161,12 +180,11 @@ impl Counters {
             // at most hourly, enough for the 24-hour pruning below.
             let mut changed = heard.saturating_sub(reported.heard) >= 3600;
             reported.heard = heard;
-            for (name, _, get) in LAYER_COUNTERS {
-                let value = get(counters);
-                let before = reported.counters.entry(name.to_string()).or_default();
+            for (name, value) in reported_values(counters) {
+                let before = reported.counters.entry(name.clone()).or_default();
                 let increase = value.saturating_sub(*before);
                 *before = (*before).max(value);
-                *s.totals.entry(name.to_string()).or_default() += increase;
+                *s.totals.entry(name).or_default() += increase;
                 changed |= increase > 0;
             }
             s.servers
@@ -211,6 +229,44 @@ mod tests {
             bytes_served: served,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn endpoint_counters_add_up_per_endpoint_across_servers() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Counters::load(&dir.path().join("counters.json"));
+        let report = |mirror_requests: u64, origin_requests: u64| LayerCounters {
+            endpoints: vec![
+                super::super::control::EndpointCounters {
+                    endpoint: "http://mirror:5001".into(),
+                    requests: mirror_requests,
+                    failures: 1,
+                    bytes: 10,
+                },
+                super::super::control::EndpointCounters {
+                    endpoint: "http://origin:5000".into(),
+                    requests: origin_requests,
+                    failures: 0,
+                    bytes: 20,
+                },
+            ],
+            ..Default::default()
+        };
+        c.observe("a", &report(3, 1));
+        c.observe("a", &report(5, 1));
+        c.observe("b", &report(2, 4));
+        let requests = c.with_prefix("endpoint/requests/");
+        assert_eq!(requests.get("http://mirror:5001"), Some(&7));
+        assert_eq!(requests.get("http://origin:5000"), Some(&5));
+        assert_eq!(
+            c.with_prefix("endpoint/failures/")
+                .get("http://mirror:5001"),
+            Some(&2)
+        );
+        assert_eq!(
+            c.with_prefix("endpoint/bytes/").get("http://origin:5000"),
+            Some(&40)
+        );
     }
 
     #[test]

@@ -85,6 +85,17 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
     for (name, help, _) in LAYER_COUNTERS {
         registry.register(name, help, counter(s.counters.get(name)));
     }
+    for (what, help) in [
+        ("requests", "Requests sent to each registry endpoint (the registry, or a hosts.toml mirror) by the mount servers."),
+        ("failures", "Requests that failed at each registry endpoint (then went on to the next endpoint, or failed)."),
+        ("bytes", "Body bytes received from each registry endpoint by the mount servers."),
+    ] {
+        let family = Family::<Labels, Counter>::default();
+        for (endpoint, v) in s.counters.with_prefix(&format!("endpoint/{what}/")) {
+            family.get_or_create(&vec![("endpoint", endpoint)]).inc_by(v);
+        }
+        registry.register(format!("vmdisk_registry_endpoint_{what}"), help, family);
+    }
 
     let snapshots = Family::<Labels, Gauge>::default();
     for kind in ["View", "Active", "Committed"] {

@@ -121,7 +121,7 @@ impl Shared {
         status.chunks = layer.chunks.len() as u64;
         status.chunks_cached = engine.cache.present_count() as u64;
         status.integrity = engine.integrity().to_string();
-        status.counters = Some(engine.stats.snapshot().into());
+        status.counters = Some(super::control::layer_counters(engine));
         match serving.hydration() {
             crate::serve::HydrationState::Idle => status.set_hydration(HydrationState::Idle),
             crate::serve::HydrationState::Running => status.set_hydration(HydrationState::Running),
@@ -289,7 +289,7 @@ async fn run(
         };
         match serving.unmount() {
             Ok(()) => {
-                let counters = serving.engine().stats.snapshot().into();
+                let counters = super::control::layer_counters(serving.engine());
                 if let Some(reply) = reply {
                     let _ = reply.send(Ok(counters));
                 }

@@ -1,0 +1,173 @@
+//! Per-endpoint health and counters, so a mirror that is down or answers badly costs one
+//! failed request, not one per chunk.
+//!
+//! An endpoint that fails (no connection, a timeout, a 5xx or 429, a Range request answered
+//! with the whole blob, a wrong or short body) is *resting* for a while: 1 s after its first
+//! failure in a row, doubling up to [`MAX_REST`]. Resting endpoints are tried after the others,
+//! never skipped: when every endpoint rests, they are still tried in their configured order.
+//! The first request after a rest is the probe; a success clears the record. A 404 or 401 is
+//! not a failure of the endpoint (a P2P mirror lacks what no peer has; a mirror may want other
+//! credentials): the request goes on to the next endpoint without marking this one.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::hosts::Endpoint;
+
+/// The longest an endpoint rests after failures in a row.
+pub const MAX_REST: Duration = Duration::from_secs(30);
+
+/// What one endpoint did since this process started (monotonic).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EndpointCounters {
+    /// Requests sent to it (each try counts).
+    pub requests: u64,
+    /// Requests that failed there and went on to the next endpoint or failed the read.
+    pub failures: u64,
+    /// Body bytes received from it for blobs and manifests.
+    pub bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    failures_in_a_row: u32,
+    resting_until: Option<Instant>,
+    counters: EndpointCounters,
+}
+
+/// Health and counters of every endpoint this client talked to, by endpoint base URL.
+#[derive(Debug, Default)]
+pub struct Health {
+    states: Mutex<HashMap<String, State>>,
+}
+
+impl Health {
+    fn with<T>(&self, base: &str, f: impl FnOnce(&mut State) -> T) -> T {
+        let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        f(states.entry(base.to_string()).or_default())
+    }
+
+    /// `endpoints` in the order to try them: those not resting first, each group in the
+    /// configured order.
+    pub fn order(&self, endpoints: Vec<Endpoint>) -> Vec<Endpoint> {
+        let now = Instant::now();
+        let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        let resting = |e: &Endpoint| {
+            states
+                .get(&e.base)
+                .and_then(|s| s.resting_until)
+                .is_some_and(|t| t > now)
+        };
+        let (mut ready, rest): (Vec<_>, Vec<_>) = endpoints.into_iter().partition(|e| !resting(e));
+        ready.extend(rest);
+        ready
+    }
+
+    /// A request is about to be sent to `base`.
+    pub fn sent(&self, base: &str) {
+        self.with(base, |s| s.counters.requests += 1);
+    }
+
+    /// `n` body bytes arrived from `base`.
+    pub fn received(&self, base: &str, n: u64) {
+        self.with(base, |s| s.counters.bytes += n);
+    }
+
+    /// `base` answered well: its record of failures is cleared.
+    pub fn succeeded(&self, base: &str) {
+        self.with(base, |s| {
+            s.failures_in_a_row = 0;
+            s.resting_until = None;
+        });
+    }
+
+    /// `base` failed a request; `endpoint_fault` says whether the failure was the endpoint's
+    /// (it rests) or only this request's (a 404 or 401: counted, no rest).
+    pub fn failed(&self, base: &str, endpoint_fault: bool) {
+        self.with(base, |s| {
+            s.counters.failures += 1;
+            if endpoint_fault {
+                s.failures_in_a_row = s.failures_in_a_row.saturating_add(1);
+                let rest = Duration::from_secs(1)
+                    .saturating_mul(1 << (s.failures_in_a_row - 1).min(6))
+                    .min(MAX_REST);
+                s.resting_until = Some(Instant::now() + rest);
+            }
+        });
+    }
+
+    /// Every endpoint's counters, by base URL, sorted.
+    pub fn counters(&self) -> Vec<(String, EndpointCounters)> {
+        let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<_> = states
+            .iter()
+            .map(|(k, s)| (k.clone(), s.counters.clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(base: &str) -> Endpoint {
+        let mut e = Endpoint::upstream("x", true);
+        e.base = base.to_string();
+        e
+    }
+
+    fn bases(v: &[Endpoint]) -> Vec<&str> {
+        v.iter().map(|e| e.base.as_str()).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_endpoint_rests_behind_the_others_and_comes_back() {
+        let h = Health::default();
+        let all = || vec![ep("m1"), ep("m2"), ep("origin")];
+        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        h.failed("m1", true);
+        assert_eq!(bases(&h.order(all())), ["m2", "origin", "m1"]);
+        // A 404 is not the endpoint's fault: no rest.
+        h.failed("m2", false);
+        assert_eq!(bases(&h.order(all())), ["m2", "origin", "m1"]);
+        tokio::time::advance(Duration::from_millis(1100)).await;
+        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        // A second failure in a row rests twice as long.
+        h.failed("m1", true);
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert_eq!(bases(&h.order(all())), ["m2", "origin", "m1"]);
+        tokio::time::advance(Duration::from_millis(600)).await;
+        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        // A success clears the record; the next failure rests 1 s again.
+        h.succeeded("m1");
+        h.failed("m1", true);
+        tokio::time::advance(Duration::from_millis(1100)).await;
+        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        // Everything resting: still every endpoint, in configured order.
+        for b in ["m1", "m2", "origin"] {
+            h.failed(b, true);
+        }
+        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        let counters = h.counters();
+        assert_eq!(counters[0].0, "m1");
+        assert_eq!(counters[0].1.failures, 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rests_are_capped() {
+        let h = Health::default();
+        for _ in 0..40 {
+            h.failed("m", true);
+        }
+        let all = || vec![ep("m"), ep("o")];
+        tokio::time::advance(MAX_REST - Duration::from_millis(10)).await;
+        assert_eq!(bases(&h.order(all())), ["o", "m"]);
+        tokio::time::advance(Duration::from_millis(20)).await;
+        assert_eq!(bases(&h.order(all())), ["m", "o"]);
+    }
+}
