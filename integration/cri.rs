@@ -29,12 +29,19 @@ pub struct Daemon {
     pub manage: PathBuf,
     pub config: PathBuf,
     pub log: PathBuf,
+    /// Its containerd `hosts.toml` directory (`<registry>/hosts.toml`; empty at first).
+    pub hosts: PathBuf,
 }
 
 impl Daemon {
     /// Writes a configuration under `scratch` (with `extra` TOML appended) and starts.
     pub fn start(scratch: &Scratch, extra: &str) -> Self {
-        let root = scratch.path("vmdisk");
+        Self::start_in(scratch, "vmdisk", extra)
+    }
+
+    /// [`Daemon::start`] with its files under `scratch/<name>`: one of several daemons.
+    pub fn start_in(scratch: &Scratch, name: &str, extra: &str) -> Self {
+        let root = scratch.path(name);
         std::fs::create_dir_all(&root).unwrap();
         let config = root.join("config.toml");
         let socket = root.join("snapshotter.sock");
@@ -42,7 +49,7 @@ impl Daemon {
         std::fs::write(
             &config,
             format!(
-                "root = \"{r}/state\"\nready_dir = \"{r}/state/disks\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[registry]\nhosts_dir = \"{r}/no-hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
+                "root = \"{r}/state\"\nready_dir = \"{r}/state/disks\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[registry]\nhosts_dir = \"{r}/hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
                 r = root.display(),
                 s = socket.display(),
                 m = manage.display()
@@ -56,6 +63,7 @@ impl Daemon {
             manage,
             config,
             log: root.join("daemon.log"),
+            hosts: root.join("hosts"),
         };
         d.restart();
         d

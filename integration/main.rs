@@ -4,6 +4,7 @@
 mod boot;
 mod cri;
 mod daemon;
+mod fleet;
 mod harness;
 mod hostile;
 mod mount;

@@ -7,7 +7,7 @@
 //! never skipped: when every endpoint rests, they are still tried in their configured order.
 //! The first request after a rest is the probe; a success clears the record. A 404 or 401 is
 //! not a failure of the endpoint (a P2P mirror lacks what no peer has; a mirror may want other
-//! credentials): the request goes on to the next endpoint without marking this one.
+//! credentials): the request goes on to the next endpoint without the endpoint resting.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -25,10 +25,22 @@ pub const MAX_REST: Duration = Duration::from_secs(30);
 pub struct EndpointCounters {
     /// Requests sent to it (each try counts).
     pub requests: u64,
-    /// Requests that failed there and went on to the next endpoint or failed the read.
+    /// Requests it answered badly or not at all (a 404 is an answer, not counted): each went
+    /// on to the next endpoint or failed.
     pub failures: u64,
     /// Body bytes received from it for blobs and manifests.
     pub bytes: u64,
+}
+
+/// Whose a failed request's failure is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// The endpoint's: no connection or answer, an error status, a wrong answer.
+    Endpoint,
+    /// The request's credentials were refused there.
+    Refused,
+    /// It does not have what was asked (a P2P mirror without a peer that has it).
+    NotFound,
 }
 
 #[derive(Debug, Default)]
@@ -84,12 +96,14 @@ impl Health {
         });
     }
 
-    /// `base` failed a request; `endpoint_fault` says whether the failure was the endpoint's
-    /// (it rests) or only this request's (a 404 or 401: counted, no rest).
-    pub fn failed(&self, base: &str, endpoint_fault: bool) {
+    /// `base` failed a request: `Endpoint` (it rests and the failure is counted), `Refused`
+    /// (a 401 or 403: counted, no rest) or `NotFound` (neither).
+    pub fn failed(&self, base: &str, failure: Failure) {
         self.with(base, |s| {
-            s.counters.failures += 1;
-            if endpoint_fault {
+            if failure != Failure::NotFound {
+                s.counters.failures += 1;
+            }
+            if failure == Failure::Endpoint {
                 s.failures_in_a_row = s.failures_in_a_row.saturating_add(1);
                 let rest = Duration::from_secs(1)
                     .saturating_mul(1 << (s.failures_in_a_row - 1).min(6))
@@ -130,39 +144,42 @@ mod tests {
         let h = Health::default();
         let all = || vec![ep("m1"), ep("m2"), ep("origin")];
         assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
-        h.failed("m1", true);
+        h.failed("m1", Failure::Endpoint);
         assert_eq!(bases(&h.order(all())), ["m2", "origin", "m1"]);
-        // A 404 is not the endpoint's fault: no rest.
-        h.failed("m2", false);
+        // A 404 or a refusal is not the endpoint's fault: no rest.
+        h.failed("m2", Failure::NotFound);
+        h.failed("m2", Failure::Refused);
         assert_eq!(bases(&h.order(all())), ["m2", "origin", "m1"]);
         tokio::time::advance(Duration::from_millis(1100)).await;
         assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
         // A second failure in a row rests twice as long.
-        h.failed("m1", true);
+        h.failed("m1", Failure::Endpoint);
         tokio::time::advance(Duration::from_millis(1500)).await;
         assert_eq!(bases(&h.order(all())), ["m2", "origin", "m1"]);
         tokio::time::advance(Duration::from_millis(600)).await;
         assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
         // A success clears the record; the next failure rests 1 s again.
         h.succeeded("m1");
-        h.failed("m1", true);
+        h.failed("m1", Failure::Endpoint);
         tokio::time::advance(Duration::from_millis(1100)).await;
         assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
         // Everything resting: still every endpoint, in configured order.
         for b in ["m1", "m2", "origin"] {
-            h.failed(b, true);
+            h.failed(b, Failure::Endpoint);
         }
         assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
         let counters = h.counters();
         assert_eq!(counters[0].0, "m1");
         assert_eq!(counters[0].1.failures, 4);
+        assert_eq!(counters[1].0, "m2");
+        assert_eq!(counters[1].1.failures, 2, "the 404 is not counted");
     }
 
     #[tokio::test(start_paused = true)]
     async fn rests_are_capped() {
         let h = Health::default();
         for _ in 0..40 {
-            h.failed("m", true);
+            h.failed("m", Failure::Endpoint);
         }
         let all = || vec![ep("m"), ep("o")];
         tokio::time::advance(MAX_REST - Duration::from_millis(10)).await;

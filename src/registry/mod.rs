@@ -658,7 +658,7 @@ impl RegistryClient {
         F: std::future::Future<Output = Result<T>>,
     {
         // The error to return, and whether the registry itself gave it.
-        let mut failure: Option<(bool, Error)> = None;
+        let mut returned: Option<(bool, Error)> = None;
         let mut endpoints = self.endpoints(r, Access::Pull)?;
         if !via_mirrors {
             endpoints.retain(|e| !e.mirror);
@@ -694,25 +694,29 @@ impl RegistryClient {
                 }
                 Err(e) => e,
             };
-            let endpoint_fault = !matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Auth);
-            self.health.failed(&ep.base, endpoint_fault);
+            let failure = match e.kind() {
+                ErrorKind::NotFound => health::Failure::NotFound,
+                ErrorKind::Auth => health::Failure::Refused,
+                _ => health::Failure::Endpoint,
+            };
+            self.health.failed(&ep.base, failure);
             if !ep.mirror && e.kind() == ErrorKind::Auth {
                 return Err(e);
             }
-            if ep.mirror && endpoint_fault {
+            if ep.mirror && failure == health::Failure::Endpoint {
                 tracing::warn!(endpoint = %ep.base, registry = %r.registry, error = %e.chain(), "mirror failed; trying the next endpoint, and this mirror after the others for a while");
             } else {
                 tracing::debug!(endpoint = %ep.base, error = %e.chain(), "endpoint failed, trying next");
             }
             if !ep.mirror
-                || failure
+                || returned
                     .as_ref()
                     .is_none_or(|(from_registry, _)| !from_registry)
             {
-                failure = Some((!ep.mirror, e));
+                returned = Some((!ep.mirror, e));
             }
         }
-        Err(failure.map(|(_, e)| e).unwrap_or_else(|| {
+        Err(returned.map(|(_, e)| e).unwrap_or_else(|| {
             Error::new(
                 ErrorKind::Network,
                 format!("no endpoint for {}", r.registry),

@@ -1,0 +1,187 @@
+//! A fleet behind a pull-through cache: several daemons (separate roots and caches) read the
+//! same disk through CNCF distribution in proxy mode, configured as their `hosts.toml`
+//! mirror, as a Harbor or distribution cache would be deployed in front of a real fleet.
+//!
+//! Two counting proxies stand in front of the origin registry, one for the cache's own
+//! fetches and one for the nodes' direct requests, so the test sees what the origin served
+//! to whom. The proxy cache answers a Range request for a blob it does not hold yet with the
+//! whole blob (HTTP 200); the nodes must pass by it for those and come back once it holds the
+//! blob. Then the mirror is stopped and a new node reads everything from the origin.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::cri::Daemon;
+use crate::harness::*;
+
+/// Every sample of a metrics scrape whose series starts with `prefix`, by series.
+fn samples(text: &str, prefix: &str) -> BTreeMap<String, u64> {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit_once(' '))
+        .map(|(series, v)| (series.to_string(), v.parse().unwrap()))
+        .collect()
+}
+
+fn scrape(daemon: &Daemon) -> String {
+    let socket = daemon.root.parent().unwrap().join("metrics.sock");
+    String::from_utf8(curl(&[
+        "-sf",
+        "--max-time",
+        "10",
+        "--unix-socket",
+        socket.to_str().unwrap(),
+        "http://localhost/metrics",
+    ]))
+    .unwrap()
+}
+
+/// A daemon named `name` whose `hosts.toml` for `registry` lists `mirror` (if any) before the
+/// registry.
+fn node(scratch: &Scratch, name: &str, registry: &str, mirror: Option<&str>) -> Daemon {
+    let metrics = scratch.path(name).join("metrics.sock");
+    let daemon = Daemon::start_in(
+        scratch,
+        name,
+        &format!("[metrics]\naddress = \"unix:{}\"\n", metrics.display()),
+    );
+    let dir = daemon.hosts.join(registry);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mirror = mirror.map_or(String::new(), |m| {
+        format!("\n[host.\"http://{m}\"]\n  capabilities = [\"pull\", \"resolve\"]\n")
+    });
+    std::fs::write(
+        dir.join("hosts.toml"),
+        format!("server = \"http://{registry}\"\n{mirror}"),
+    )
+    .unwrap();
+    daemon
+}
+
+/// Reads the disk `reference` names in full through `daemon`; checks it is `want` (sha256).
+fn read_disk(daemon: &Daemon, reference: &str, want: &str) {
+    let path = daemon.vmdisk_ok(&["path", reference]);
+    let path = Path::new(path.trim());
+    dd_read(path, "1M");
+    assert_eq!(
+        sha256_file(path),
+        want,
+        "{} read through the fleet",
+        path.display()
+    );
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1 << 20)
+}
+
+#[test]
+fn a_fleet_behind_a_pull_through_cache_fetches_each_chunk_from_the_origin_about_once() {
+    const NODES: usize = 4;
+    let scratch = Scratch::new();
+    let origin = Registry::start(&scratch);
+    // 32 MiB of random data (incompressible: 128 chunks of 256 KiB).
+    let qcow2 = scratch.path("fleet.qcow2");
+    make_qcow2(&qcow2, "40M", &[]);
+    write_random(&qcow2, 4 << 20, 32 << 20, 11);
+    let want = sha256_file(&qcow2);
+    vmdisk_ok(&[
+        "push",
+        qcow2.to_str().unwrap(),
+        &format!("{}/vm/fleet:1", origin.host()),
+    ]);
+    let blob = {
+        let report = inspect_json(&format!("{}/vm/fleet:1", origin.host()));
+        report["platforms"][0]["layers"][0]["size"]
+            .as_u64()
+            .unwrap()
+    };
+    // What the origin serves to the cache, and to the nodes directly.
+    let to_cache = FaultProxy::counting(origin.port);
+    let to_nodes = FaultProxy::counting(origin.port);
+    let mirror = Registry::start_with(
+        &scratch,
+        &format!("proxy: {{ remoteurl: \"http://{}\" }}\n", to_cache.host()),
+    );
+    // The nodes know the registry by the host of the proxy that counts their direct requests.
+    let reference = format!("{}/vm/fleet:1", to_nodes.host());
+
+    let origin_sent = || to_cache.bytes_to_client() + to_nodes.bytes_to_client();
+    let mut read_by_nodes = 0u64;
+    let mut mirror_failures = 0u64;
+    let mut after_first = 0;
+    for n in 0..NODES {
+        let daemon = node(
+            &scratch,
+            &format!("node{n}"),
+            &to_nodes.host(),
+            Some(&mirror.host()),
+        );
+        read_disk(&daemon, &reference, &want);
+        let text = scrape(&daemon);
+        let bytes = samples(&text, "vmdisk_registry_endpoint_bytes_total");
+        read_by_nodes += bytes.values().sum::<u64>();
+        mirror_failures += samples(&text, "vmdisk_registry_endpoint_failures_total")
+            .iter()
+            .filter(|(series, _)| series.contains(&mirror.host()))
+            .map(|(_, v)| v)
+            .sum::<u64>();
+        let errors = samples(&text, "vmdisk_read_errors_total");
+        assert!(errors.values().all(|&v| v == 0), "read errors: {errors:?}");
+        if n == 0 {
+            after_first = origin_sent();
+        }
+    }
+    let (cache_bytes, direct_bytes) = (to_cache.bytes_to_client(), to_nodes.bytes_to_client());
+    let later_nodes = origin_sent() - after_first;
+    eprintln!(
+        "fleet of {NODES}: disk blob {:.1} MiB; the nodes received {:.1} MiB; the origin sent {:.1} MiB to the cache and {:.1} MiB to the nodes directly ({:.2}x the blob in all, {:.2}x without a mirror; {:.2} MiB for the {} nodes after the first); {mirror_failures} requests passed by the mirror",
+        mib(blob),
+        mib(read_by_nodes),
+        mib(cache_bytes),
+        mib(direct_bytes),
+        (cache_bytes + direct_bytes) as f64 / blob as f64,
+        read_by_nodes as f64 / blob as f64,
+        mib(later_nodes),
+        NODES - 1,
+    );
+    assert!(
+        read_by_nodes >= NODES as u64 * blob * 9 / 10,
+        "each node read the disk in full"
+    );
+    // The cache fetches the blob once (and starts a second copy for the request that found
+    // it missing); the first node reads from the origin directly while the cache fills. The
+    // nodes after it cost the origin (almost) nothing: its share does not grow with the fleet.
+    assert!(
+        later_nodes < blob / 10,
+        "the nodes after the first made the origin send {later_nodes} bytes"
+    );
+    assert!(
+        cache_bytes + direct_bytes < blob * 5 / 2,
+        "the origin sent {} bytes for a {blob}-byte blob read by {NODES} nodes",
+        cache_bytes + direct_bytes
+    );
+
+    // The mirror goes away: a new node reads everything from the origin, without errors.
+    let stopped = mirror.host();
+    drop(mirror);
+    let before = to_nodes.bytes_to_client();
+    let late = node(&scratch, "late", &to_nodes.host(), Some(&stopped));
+    read_disk(&late, &reference, &want);
+    let from_origin = to_nodes.bytes_to_client() - before;
+    let text = scrape(&late);
+    let failures: u64 = samples(&text, "vmdisk_registry_endpoint_failures_total")
+        .values()
+        .sum();
+    let requests = samples(&text, "vmdisk_registry_endpoint_requests_total");
+    eprintln!(
+        "with the mirror down: {:.1} MiB from the origin; requests {requests:?}; {failures} failed",
+        mib(from_origin)
+    );
+    assert!(
+        from_origin >= blob * 9 / 10,
+        "{from_origin} bytes from the origin"
+    );
+    let errors = samples(&text, "vmdisk_read_errors_total");
+    assert!(errors.values().all(|&v| v == 0), "read errors: {errors:?}");
+}
