@@ -6,13 +6,13 @@ CARGO ?= cargo
 # qemu-system-x86 and qemu-utils come from Debian 12 together (7.2): a preinstalled qemu-utils
 # backport conflicts with Debian's qemu-system-x86 and is replaced. linux-image-amd64 and
 # initramfs-tools give the kernel and initramfs the VM boot test boots (fdisk, e2fsprogs build
-# its disk).
+# its disk). libvirt-daemon-system and libvirt-clients: the peer-pod test's libvirt daemon.
 APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
 	python3 fuse3 nbdkit fio tar ca-certificates busybox-static protobuf-compiler linux-image-amd64 \
-	initramfs-tools fdisk e2fsprogs
+	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients
 # Commands those packages provide, to skip apt when all are present.
 APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
-	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4
+	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd
 
 .PHONY: all deps build demo test unit integration lint bench fuzz clean
 

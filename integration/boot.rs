@@ -10,7 +10,7 @@ use crate::cri::Daemon;
 use crate::harness::*;
 
 /// The host's kernel and initramfs (package linux-image-amd64).
-fn kernel() -> (PathBuf, PathBuf) {
+pub fn kernel() -> (PathBuf, PathBuf) {
     let mut kernels: Vec<PathBuf> = std::fs::read_dir("/boot")
         .unwrap()
         .flatten()
@@ -171,17 +171,8 @@ fn a_vm_boots_from_the_lazily_loaded_raw_view() {
     assert!(cold < size / 2, "the boot fetched {cold} of {size} bytes");
 
     // A warm boot on the same node reads only local data. Read-ahead and the qcow2 metadata
-    // prefetch started by the cold boot may still be in flight on a busy machine: wait until
-    // the registry has been quiet for two seconds, so only the warm boot is measured.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let mut last = bytes();
-    let mut quiet = 0;
-    while quiet < 2 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_secs(1));
-        let now = bytes();
-        quiet = if now == last { quiet + 1 } else { 0 };
-        last = now;
-    }
+    // prefetch started by the cold boot may still be in flight on a busy machine.
+    wait_until_quiet(bytes);
     let before = bytes();
     assert!(boot(&raw).contains("BOOT-MARKER"));
     let warm = bytes() - before;

@@ -843,6 +843,20 @@ impl Drop for Mount {
     }
 }
 
+/// Waits (at most a minute) until `bytes` has not changed for two seconds: read-ahead and
+/// prefetches started by earlier reads have finished, so the next reads are measured alone.
+pub fn wait_until_quiet(bytes: impl Fn() -> u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = bytes();
+    let mut quiet = 0;
+    while quiet < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = bytes();
+        quiet = if now == last { quiet + 1 } else { 0 };
+        last = now;
+    }
+}
+
 /// Drops the kernel's page cache, so the next reads reach the filesystem.
 pub fn drop_caches() {
     std::fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches (needs root)");

@@ -7,6 +7,7 @@ mod daemon;
 mod fleet;
 mod harness;
 mod hostile;
+mod libvirt;
 mod mount;
 mod publish;
 mod rawview;

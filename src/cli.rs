@@ -142,6 +142,11 @@ pub struct PathArgs {
     /// Print the raw view (`disk.raw`: what Kata boots) instead of the disk as published.
     #[arg(long)]
     pub raw: bool,
+    /// Print the disk's libvirt volume (`<ready_dir>/volumes/<name>`, for a `dir` pool there):
+    /// the qcow2 as published, or with `--raw` (or for a raw disk) the raw view. Its file name
+    /// is the volume name a peer-pod config map names (`LIBVIRT_VOL_NAME`).
+    #[arg(long)]
+    pub volume: bool,
     pub reference: String,
 }
 
@@ -367,14 +372,17 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Trace(TraceCommand::Record(args)) => trace_record(&cli.registry, args).await?,
         Command::Ls(args) => ls(args).await?,
         Command::Path(args) => {
+            let reference = args.reference.clone();
             let disk = manage(&args.daemon, |mut c| async move {
-                c.ensure_disk(DiskRequest {
-                    reference: args.reference,
-                })
-                .await
+                c.ensure_disk(DiskRequest { reference }).await
             })
             .await?;
-            if args.raw {
+            if args.volume {
+                println!(
+                    "{}",
+                    volume_path(&disk, &args.reference, args.raw)?.display()
+                );
+            } else if args.raw {
                 let raw = crate::ready::raw_view_path(Path::new(&disk.ready_dir))?;
                 println!("{}", raw.display());
             } else {
@@ -532,6 +540,35 @@ async fn list_disks(args: &ManageArgs) -> Result<Vec<crate::api::vmdisk::v1::Dis
     })
     .await?;
     Ok(r.disks)
+}
+
+/// The libvirt volume of `reference`'s disk (`vmdisk path --volume`): the qcow2 as published
+/// unless `raw` (or the disk is raw), else the raw view.
+fn volume_path(disk: &crate::api::vmdisk::v1::Disk, reference: &str, raw: bool) -> Result<PathBuf> {
+    let ready_dir = Path::new(&disk.ready_dir);
+    let volumes = ready_dir
+        .parent()
+        .unwrap_or(ready_dir)
+        .join(crate::ready::VOLUMES_DIR);
+    let names = if raw {
+        vec![crate::ready::volume_name(reference, false)]
+    } else {
+        vec![
+            crate::ready::volume_name(reference, true),
+            crate::ready::volume_name(reference, false),
+        ]
+    };
+    names
+        .iter()
+        .map(|n| volumes.join(n))
+        .find(|p| p.symlink_metadata().is_ok())
+        .ok_or_else(|| {
+            Error::not_found(format!(
+                "no libvirt volume {} in {}: a disk's volumes are named after the reference its mount server was started for (`vmdisk ls` shows it)",
+                names.join(" or "),
+                volumes.display()
+            ))
+        })
 }
 
 /// The path `vmdisk path` prints: the disk as published, or its raw view.

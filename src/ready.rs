@@ -77,7 +77,7 @@ impl ReadyDir {
         ReadyDir {
             dir: dir_of(root, manifest),
             alias: alias.map(|a| root.join("by-name").join(alias_name(a))),
-            volumes: alias.map(|a| root.join("volumes").join(alias_name(a))),
+            volumes: alias.map(|a| root.join(VOLUMES_DIR).join(alias_name(a))),
             reference,
             platform,
         }
@@ -141,6 +141,9 @@ pub fn raw_view_path(ready_dir: &Path) -> Result<PathBuf> {
         .unwrap_or_else(|| format!("{} is not mounted", ready_dir.display()));
     Err(Error::unsupported(format!("no raw view: {why}")))
 }
+
+/// The directory under the ready-disk root that holds the libvirt volume links.
+pub const VOLUMES_DIR: &str = "volumes";
 
 /// The libvirt volume name of `reference`'s disk in a `dir` pool over `<ready_dir>/volumes`:
 /// the raw view, or the qcow2 as published.

@@ -7,6 +7,14 @@ fn main() -> std::process::ExitCode {
     let mut argv = std::env::args();
     let argv0 = argv.next().unwrap_or_default();
     let args: Vec<String> = argv.collect();
+    // `-v` as containerd's own shims answer it.
+    if matches!(args.as_slice(), [flag] if flag == "-v" || flag == "--version") {
+        println!(
+            "containerd-shim-vmdisk-v2:\n  Version: {}",
+            env!("CARGO_PKG_VERSION")
+        );
+        return std::process::ExitCode::SUCCESS;
+    }
     let config = std::env::var_os("VMDISK_SHIM_CONFIG")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| vmdisk::shim::DEFAULT_CONFIG.into());
