@@ -7,14 +7,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
     let well_known = protoc_bin_vendored::include_path()?;
     let well_known = well_known.to_str().ok_or("non-UTF-8 include path")?;
-    tonic_prost_build::configure().compile_protos(
-        &[
-            "proto/containerd/services/snapshots/v1/snapshots.proto",
-            "proto/vmdisk/v1/manage.proto",
-            "proto/vmdisk/v1/layer.proto",
-        ],
-        &["proto", well_known],
-    )?;
+    tonic_prost_build::configure()
+        // Credentials get a Debug that does not print the secret (src/snapshotter/control.rs).
+        .skip_debug([".vmdisk.v1.Credentials"])
+        .compile_protos(
+            &[
+                "proto/containerd/services/snapshots/v1/snapshots.proto",
+                "proto/vmdisk/v1/manage.proto",
+                "proto/vmdisk/v1/layer.proto",
+            ],
+            &["proto", well_known],
+        )?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! They need root (containerd mounts) and the packages `make test` installs.
 
 mod boot;
+mod credentials;
 mod cri;
 mod daemon;
 mod fleet;

@@ -96,6 +96,22 @@ pub async fn unix_channel(
         })
 }
 
+/// A gRPC channel to the unix socket `path` that connects on first use (and again after the
+/// peer restarts), with a 5 s connect deadline.
+pub fn lazy_unix_channel(path: &std::path::Path) -> tonic::transport::Channel {
+    let path = path.to_path_buf();
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .connect_with_connector_lazy(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,6 +38,9 @@ enum Internal {
         /// A readable name for the ready-disk directory (the image reference pulled).
         #[arg(long)]
         alias: Option<String>,
+        /// Read registry credentials (kubelet's) from stdin first.
+        #[arg(long)]
+        credentials_on_stdin: bool,
     },
 }
 
@@ -68,6 +71,7 @@ fn main() -> std::process::ExitCode {
                 reference,
                 layer,
                 alias,
+                credentials_on_stdin,
             }) => {
                 let layer = layer.parse()?;
                 vmdisk::snapshotter::server::serve_layer(
@@ -75,6 +79,7 @@ fn main() -> std::process::ExitCode {
                     &reference,
                     &layer,
                     alias.as_deref(),
+                    credentials_on_stdin,
                 )
                 .await
             }

@@ -11,6 +11,7 @@
 pub mod auth;
 pub mod health;
 pub mod hosts;
+pub mod pulled;
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -86,6 +87,8 @@ pub struct RegistryClient {
     auth: Mutex<HashMap<(String, String), CachedAuth>>,
     hosts: hosts::HostsCache,
     health: health::Health,
+    /// Credentials kubelet sent with PullImage (the CRI proxy), looked up first.
+    pulled: Option<std::sync::Arc<pulled::PulledCredentials>>,
 }
 
 /// What distinguishes one HTTP client from another: TLS verification, CAs, client identity.
@@ -324,7 +327,30 @@ impl RegistryClient {
             auth: Mutex::new(HashMap::new()),
             hosts: hosts::HostsCache::default(),
             health: health::Health::default(),
+            pulled: None,
         })
+    }
+
+    /// Looks credentials up in `pulled` (per repository, from kubelet's PullImage) before the
+    /// docker config files.
+    pub fn with_pulled_credentials(
+        mut self,
+        pulled: std::sync::Arc<pulled::PulledCredentials>,
+    ) -> Self {
+        self.pulled = Some(pulled);
+        self
+    }
+
+    /// The credential for `r`: kubelet's for its repository, else the docker config files'.
+    async fn credential(&self, r: &Reference) -> Result<Option<auth::Credential>> {
+        if let Some((c, _)) = self
+            .pulled
+            .as_ref()
+            .and_then(|p| p.get(&r.registry, &r.repository))
+        {
+            return Ok(Some(c));
+        }
+        self.credentials.get(&r.registry).await
     }
 
     fn http(&self, ep: &Endpoint) -> Result<reqwest::Client> {
@@ -392,7 +418,7 @@ impl RegistryClient {
         let host = &r.registry;
         let challenge =
             auth::parse_challenge(challenge).map_err(|e| e.context(format!("registry {host}")))?;
-        let credential = self.credentials.get(host).await?;
+        let credential = self.credential(r).await?;
         let (value, expiry) = match challenge {
             Challenge::Basic => {
                 let c = credential.ok_or_else(|| {
@@ -552,7 +578,7 @@ impl RegistryClient {
                             continue;
                         }
                         _ => {
-                            let who = match self.credentials.get(&r.registry).await? {
+                            let who = match self.credential(r).await? {
                                 Some(c) => format!("the credentials of user {} were refused", c.username),
                                 None => "no credentials were found (REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json)".to_string(),
                             };

@@ -28,6 +28,31 @@ pub struct Config {
     pub cache: CacheConfig,
     pub registry: RegistrySettings,
     pub metrics: MetricsConfig,
+    pub cri: CriConfig,
+}
+
+/// The CRI image-service proxy: kubelet's `--image-service-endpoint` points at it, so the
+/// credentials of each PullImage reach the lazy fetches of that image.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CriConfig {
+    /// Socket to serve the CRI image service on (mode 0660); empty: off.
+    pub image_service_address: PathBuf,
+    /// containerd's CRI socket, where every call is forwarded unchanged.
+    pub containerd_address: PathBuf,
+    /// Seconds the credentials of a PullImage are kept (in memory only) for the lazy fetches
+    /// of that image's repository; each PullImage with credentials renews them.
+    pub credentials_ttl: u64,
+}
+
+impl Default for CriConfig {
+    fn default() -> Self {
+        CriConfig {
+            image_service_address: PathBuf::new(),
+            containerd_address: PathBuf::from("/run/containerd/containerd.sock"),
+            credentials_ttl: 12 * 3600,
+        }
+    }
 }
 
 /// The block cache.
@@ -85,6 +110,7 @@ impl Default for Config {
             cache: CacheConfig::default(),
             registry: RegistrySettings::default(),
             metrics: MetricsConfig::default(),
+            cri: CriConfig::default(),
         }
     }
 }

@@ -15,7 +15,9 @@ use crate::digest::Digest;
 use crate::engine::stats::StatsSnapshot;
 use crate::error::{Error, ErrorKind, Result};
 
-pub use pb::{EndpointCounters, HydrationState, LayerCounters, LayerStatus, ServerState};
+pub use pb::{
+    Credentials, EndpointCounters, HydrationState, LayerCounters, LayerStatus, ServerState,
+};
 
 type Client = pb::layer_server_client::LayerServerClient<tonic::transport::Channel>;
 
@@ -142,6 +144,60 @@ pub async fn stop(socket: &Path) -> Result<LayerCounters> {
     )
     .await
     .map(|r| r.counters.unwrap_or_default())
+}
+
+impl std::fmt::Debug for pb::Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Credentials({}/{}, user {}, <redacted>, {} s)",
+            self.registry, self.repository, self.username, self.ttl_seconds
+        )
+    }
+}
+
+/// Hands the server at `socket` credentials kubelet sent for its repository.
+pub async fn set_credentials(socket: &Path, credentials: Credentials) -> Result<()> {
+    call(
+        socket,
+        CALL_DEADLINE,
+        "set credentials",
+        |mut c| async move { c.set_credentials(credentials).await },
+    )
+    .await
+    .map(|_| ())
+}
+
+/// The message that hands a server `credential` for `repository` of `registry`.
+pub fn credentials_message(
+    registry: &str,
+    repository: &str,
+    credential: crate::registry::auth::Credential,
+    ttl: Duration,
+) -> pb::Credentials {
+    pb::Credentials {
+        registry: registry.to_string(),
+        repository: repository.to_string(),
+        username: credential.username,
+        secret: credential.secret,
+        ttl_seconds: ttl.as_secs(),
+    }
+}
+
+/// Keeps what a [`pb::Credentials`] message carries in `pulled`.
+pub fn keep_credentials(
+    pulled: &crate::registry::pulled::PulledCredentials,
+    message: pb::Credentials,
+) {
+    pulled.insert(
+        &message.registry,
+        &message.repository,
+        crate::registry::auth::Credential {
+            username: message.username,
+            secret: message.secret,
+        },
+        Duration::from_secs(message.ttl_seconds),
+    );
 }
 
 impl From<StatsSnapshot> for LayerCounters {

@@ -70,7 +70,14 @@ pub fn bind_unix(path: &Path, mode: u32) -> Result<tokio::net::UnixListener> {
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     std::fs::create_dir_all(&config.root)
         .map_err(|e| Error::io(format!("creating {}", config.root.display()), e))?;
-    let client = Arc::new(RegistryClient::new(config.registry_config())?);
+    // Credentials kubelet sends with PullImage, when the CRI proxy is on; memory only.
+    let cri_on = !config.cri.image_service_address.as_os_str().is_empty();
+    let pulled = cri_on.then(|| Arc::new(crate::registry::pulled::PulledCredentials::default()));
+    let mut client = RegistryClient::new(config.registry_config())?;
+    if let Some(p) = &pulled {
+        client = client.with_pulled_credentials(Arc::clone(p));
+    }
+    let client = Arc::new(client);
     let servers = LayerServers::new(ServerCommand {
         exe: std::env::current_exe()
             .map_err(|e| Error::io("finding the daemon's own executable", e))?,
@@ -78,6 +85,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
         root: config.root.clone(),
         ready_dir: config.ready_dir.clone(),
         mount_timeout: Duration::from_secs(config.registry.mount_timeout),
+        credentials: pulled.clone(),
     });
     let (root, cache) = (
         config.root.clone(),
@@ -120,6 +128,14 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
             }
         })
     };
+    let cri_task = pulled.map(|pulled| {
+        let (cri, s) = (config.cri.clone(), Arc::clone(&snapshotter));
+        tokio::spawn(async move {
+            if let Err(e) = super::cri::serve(cri, pulled, s).await {
+                tracing::error!(error = %e.chain(), "the CRI image service stopped");
+            }
+        })
+    });
     let collect_task = {
         let s = Arc::clone(&snapshotter);
         tokio::spawn(async move {
@@ -168,11 +184,20 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     let _ = manage_task.await;
     metrics_task.abort();
     collect_task.abort();
+    if let Some(task) = cri_task {
+        task.abort();
+    }
     if let Err(e) = collect(&snapshotter).await {
         tracing::warn!(error = %e.chain(), "keeping the counters failed");
     }
-    for path in [&config.address, &config.manage_address] {
-        let _ = std::fs::remove_file(path);
+    for path in [
+        &config.address,
+        &config.manage_address,
+        &config.cri.image_service_address,
+    ] {
+        if !path.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(path);
+        }
     }
     tracing::info!("vmdisk-snapshotter stopped; mount servers keep serving");
     Ok(())

@@ -19,6 +19,7 @@ pub mod classify;
 pub mod config;
 pub mod control;
 pub mod counters;
+pub mod cri;
 pub mod daemon;
 pub mod filter;
 pub mod grpc;
@@ -528,6 +529,34 @@ impl Snapshotter {
 
     /// What each of `layers`' servers says now (`None`: no server answered within the call
     /// deadline), asked all at once; their counters are taken in.
+    /// Hands the running servers of `repository` of `registry` the credentials kubelet sent
+    /// with a PullImage of it; a server that does not answer gets them at its next start.
+    pub async fn hand_credentials(
+        self: &Arc<Self>,
+        registry: &str,
+        repository: &str,
+        credential: crate::registry::auth::Credential,
+        ttl: std::time::Duration,
+    ) -> Result<()> {
+        let me = Arc::clone(self);
+        let layers = blocking(move || me.remote_layers()).await?;
+        for (layer, (remote, _)) in layers {
+            let same = remote
+                .reference
+                .parse::<crate::reference::Reference>()
+                .is_ok_and(|r| r.registry == registry && r.repository == repository);
+            if !same {
+                continue;
+            }
+            let message =
+                control::credentials_message(registry, repository, credential.clone(), ttl);
+            if let Err(e) = self.servers.hand_credentials(&layer, message).await {
+                tracing::debug!(%layer, error = %e.chain(), "the layer's server did not take the credentials");
+            }
+        }
+        Ok(())
+    }
+
     pub async fn statuses(
         &self,
         layers: impl IntoIterator<Item = crate::digest::Digest>,

@@ -47,6 +47,8 @@ struct Shared {
     phase_changed: tokio::sync::Notify,
     /// Stop requests, each answered with the final counters or why not.
     stops: mpsc::Sender<oneshot::Sender<Result<pb::LayerCounters>>>,
+    /// Credentials the daemon handed over (kubelet's, from its CRI proxy); memory only.
+    pulled: Arc<crate::registry::pulled::PulledCredentials>,
 }
 
 struct ControlService(Arc<Shared>);
@@ -160,6 +162,14 @@ impl pb::layer_server_server::LayerServer for ControlService {
         }))
     }
 
+    async fn set_credentials(
+        &self,
+        request: Request<pb::Credentials>,
+    ) -> Result<Response<pb::SetCredentialsResponse>, Status> {
+        super::control::keep_credentials(&self.0.pulled, request.into_inner());
+        Ok(Response::new(pb::SetCredentialsResponse {}))
+    }
+
     async fn stop(
         &self,
         _request: Request<pb::StopRequest>,
@@ -179,13 +189,39 @@ impl pb::layer_server_server::LayerServer for ControlService {
     }
 }
 
-/// Runs the mount server of `layer` (the key the daemon expects) for `reference` until stopped.
+/// Most bytes of credentials read from stdin.
+const MAX_CREDENTIALS: u64 = 64 << 10;
+
+/// The credentials the daemon writes to a server's stdin when it starts it (then closes it).
+async fn credentials_from_stdin() -> Result<pb::Credentials> {
+    use tokio::io::AsyncReadExt as _;
+    let mut bytes = Vec::new();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::io::stdin()
+            .take(MAX_CREDENTIALS)
+            .read_to_end(&mut bytes),
+    )
+    .await
+    .map_err(|_| Error::invalid("no credentials on stdin within 5 s"))?
+    .map_err(|e| Error::io("reading credentials from stdin", e))?;
+    prost::Message::decode(bytes.as_slice())
+        .map_err(|e| Error::invalid(format!("the credentials on stdin are malformed: {e}")))
+}
+
+/// Runs the mount server of `layer` (the key the daemon expects) for `reference` until stopped;
+/// `credentials_on_stdin`: the daemon hands it kubelet's credentials there first.
 pub async fn serve_layer(
     config: &Config,
     reference: &str,
     layer: &Digest,
     alias: Option<&str>,
+    credentials_on_stdin: bool,
 ) -> Result<()> {
+    let pulled = Arc::new(crate::registry::pulled::PulledCredentials::default());
+    if credentials_on_stdin {
+        super::control::keep_credentials(&pulled, credentials_from_stdin().await?);
+    }
     let paths = LayerPaths::new(&config.root, layer);
     let listener = super::daemon::bind_unix(&paths.control, 0o600)?;
     let (stops, mut stop_requests) = mpsc::channel(4);
@@ -207,6 +243,7 @@ pub async fn serve_layer(
         phase: Mutex::new(Phase::Starting),
         phase_changed: tokio::sync::Notify::new(),
         stops,
+        pulled,
     });
     let (done, done_rx) = tokio::sync::watch::channel(false);
     let control_task = tokio::spawn(
@@ -249,7 +286,7 @@ async fn run(
     stop_requests: &mut mpsc::Receiver<oneshot::Sender<Result<pb::LayerCounters>>>,
 ) -> Result<()> {
     let started = tokio::select! {
-        r = start(config, reference, layer, alias, paths) => r,
+        r = start(config, reference, layer, alias, paths, Arc::clone(&shared.pulled)) => r,
         Some(reply) = stop_requests.recv() => {
             let _ = reply.send(Ok(pb::LayerCounters::default()));
             tracing::info!(%layer, "stopped while starting");
@@ -326,6 +363,7 @@ async fn start(
     layer: &Digest,
     alias: Option<&str>,
     paths: &LayerPaths,
+    pulled: Arc<crate::registry::pulled::PulledCredentials>,
 ) -> Result<Serving> {
     let reference: Reference = reference.parse()?;
     let digest = reference.digest.ok_or_else(|| {
@@ -339,9 +377,10 @@ async fn start(
         .map_err(|e| {
             Error::new(crate::error::ErrorKind::Io, "opening the cache").with_source(e)
         })??;
-    let client = Arc::new(crate::registry::RegistryClient::new(
-        config.registry_config(),
-    )?);
+    let client = Arc::new(
+        crate::registry::RegistryClient::new(config.registry_config())?
+            .with_pulled_credentials(pulled),
+    );
     let opts = crate::engine::EngineOptions {
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
         // The ready directory is described before serving, head first.

@@ -39,6 +39,9 @@ pub struct ServerCommand {
     /// Where servers mount ready-disk directories (`ready_dir` of the configuration).
     pub ready_dir: PathBuf,
     pub mount_timeout: Duration,
+    /// Credentials kubelet sent with PullImage (the CRI proxy), handed to the servers of their
+    /// repositories.
+    pub credentials: Option<Arc<crate::registry::pulled::PulledCredentials>>,
 }
 
 /// What the snapshotter asks of whoever runs the mount servers.
@@ -62,6 +65,14 @@ pub trait Supervisor: Send + Sync {
     /// Stops `layer`'s server; its last status with its final counters, or `None` if no server
     /// answered. A busy mount refuses (`FailedPrecondition`). The caller holds the layer's lock.
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>>;
+    /// Hands `layer`'s running server credentials kubelet sent for its repository.
+    fn hand_credentials<'a>(
+        &'a self,
+        _layer: &'a Digest,
+        _credentials: control::Credentials,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// A shared supervisor is one too (the daemon's tests keep a handle on their fake).
@@ -88,6 +99,13 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
     }
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
         (**self).stop(layer)
+    }
+    fn hand_credentials<'a>(
+        &'a self,
+        layer: &'a Digest,
+        credentials: control::Credentials,
+    ) -> BoxFuture<'a, Result<()>> {
+        (**self).hand_credentials(layer, credentials)
     }
 }
 
@@ -136,6 +154,23 @@ impl LayerServers {
         LayerPaths::new(&self.command.root, layer)
     }
 
+    /// The credentials kubelet sent for the repository of `reference`, as a message for its
+    /// server, if any are kept.
+    fn credentials_for(&self, reference: &str) -> Option<control::Credentials> {
+        let r: crate::reference::Reference = reference.parse().ok()?;
+        let (credential, ttl) = self
+            .command
+            .credentials
+            .as_ref()?
+            .get(&r.registry, &r.repository)?;
+        Some(control::credentials_message(
+            &r.registry,
+            &r.repository,
+            credential,
+            ttl,
+        ))
+    }
+
     /// What `layer`'s server says about itself, if a server for that layer answers within
     /// [`control::CALL_DEADLINE`].
     async fn server_status(&self, layer: &Digest) -> Option<LayerStatus> {
@@ -155,6 +190,16 @@ impl LayerServers {
 impl Supervisor for LayerServers {
     fn mountpoint(&self, layer: &Digest) -> PathBuf {
         self.paths(layer).mountpoint
+    }
+
+    fn hand_credentials<'a>(
+        &'a self,
+        layer: &'a Digest,
+        credentials: control::Credentials,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(
+            async move { control::set_credentials(&self.paths(layer).control, credentials).await },
+        )
     }
 
     fn ready_dir(&self, reference: &str) -> Option<PathBuf> {
@@ -244,15 +289,31 @@ impl LayerServers {
         if let Some(alias) = alias {
             cmd.arg("--alias").arg(alias);
         }
-        cmd.stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
+        // Kubelet's credentials for this repository go to the server over a pipe, never in its
+        // arguments or environment (both readable in /proc).
+        let handed = self.credentials_for(reference);
+        if handed.is_some() {
+            cmd.arg("--credentials-on-stdin")
+                .stdin(std::process::Stdio::piped());
+        } else {
+            cmd.stdin(std::process::Stdio::null());
+        }
+        cmd.stdout(std::process::Stdio::null())
             .stderr(log)
             // Its own process group: a signal to the daemon's group does not stop it.
             .process_group(0)
             .kill_on_drop(false);
-        let child = cmd
+        let mut child = cmd
             .spawn()
             .map_err(|e| Error::io(format!("starting {}", command.exe.display()), e))?;
+        if let (Some(message), Some(mut stdin)) = (handed, child.stdin.take()) {
+            use tokio::io::AsyncWriteExt as _;
+            let bytes = prost::Message::encode_to_vec(&message);
+            // Far less than a pipe's buffer: the write does not wait for the reader.
+            if let Err(e) = stdin.write_all(&bytes).await {
+                tracing::warn!(%layer, error = %e, "handing credentials to the mount server failed");
+            }
+        }
         self.wait_serving(layer, reference, Some(child)).await
     }
 
