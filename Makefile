@@ -7,20 +7,22 @@ CARGO ?= cargo
 # backport conflicts with Debian's qemu-system-x86 and is replaced. linux-image-amd64 and
 # initramfs-tools give the kernel and initramfs the VM boot test boots (fdisk, e2fsprogs build
 # its disk). libvirt-daemon-system and libvirt-clients: the peer-pod test's libvirt daemon.
+# python3-yaml: the package test parses the Kubernetes manifests.
 APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
 	python3 fuse3 nbdkit fio tar ca-certificates busybox-static protobuf-compiler linux-image-amd64 \
-	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients
+	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients python3-yaml
 # Commands those packages provide, to skip apt when all are present.
 APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
 	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd
 
-.PHONY: all deps build demo test unit integration lint bench fuzz clean
+.PHONY: all deps build demo test unit integration lint bench fuzz clean deb image
 
 all: build
 
 deps:
 	@missing=0; for c in $(APT_COMMANDS); do command -v $$c >/dev/null 2>&1 || missing=1; done; \
 	ls /boot/vmlinuz-* >/dev/null 2>&1 || missing=1; \
+	python3 -c 'import yaml' 2>/dev/null || missing=1; \
 	if [ $$missing = 1 ]; then \
 		echo "installing test dependencies with apt-get"; \
 		export DEBIAN_FRONTEND=noninteractive; \
@@ -33,6 +35,17 @@ build:
 
 demo: deps build
 	integration/demo.sh
+
+# The Debian package (target/deb/vmdisk_<version>_<arch>.deb) and the node image for the
+# DaemonSet (packaging/kubernetes/vmdisk.yaml), from the release build.
+deb:
+	$(CARGO) build --release --locked --bins
+	packaging/deb.sh target/release target/deb
+
+IMAGE ?= 127.0.0.1:5000/vmdisk:0.1.0
+image:
+	$(CARGO) build --release --locked --bins
+	packaging/image.sh target/release docker://$(IMAGE)
 
 lint:
 	$(CARGO) fmt --all -- --check

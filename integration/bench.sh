@@ -45,7 +45,7 @@ read -r V_SECS V_RSS < <(timed "$VMDISK" push "$DISK" "$REG/bench/vmdisk:1")
 mkdir -p "$B/root/disk" "$B/layout"
 ln "$DISK" "$B/root/disk/bench.qcow2"
 tar --owner=107 --group=107 -C "$B/root" -cf "$B/layer.tar" disk
-python3 integration/tar-layout.py "$B/layout" "$B/layer.tar"
+python3 packaging/oci-layout.py "$B/layout" "$B/layer.tar"
 sync
 read -r S_SECS S_RSS < <(timed skopeo copy --quiet --dest-tls-verify=false --dest-compress --dest-compress-format gzip "oci:$B/layout:latest" "docker://$REG/bench/skopeo:gzip")
 

@@ -51,7 +51,7 @@ publish_lazy_and_gzip() {
   mkdir -p "$work/root/disk"
   ln "$disk" "$work/root/disk/$(basename "$disk")"
   tar --owner=107 --group=107 -C "$work/root" -cf "$work/layer.tar" disk
-  python3 integration/tar-layout.py "$work/layout" "$work/layer.tar"
+  python3 packaging/oci-layout.py "$work/layout" "$work/layer.tar"
   skopeo copy --quiet --dest-tls-verify=false --dest-compress-format gzip "oci:$work/layout:latest" "docker://$3"
   rm -rf "$work"
 }

@@ -10,6 +10,7 @@ mod harness;
 mod hostile;
 mod libvirt;
 mod mount;
+mod packages;
 mod publish;
 mod rawview;
 mod snapshotter;

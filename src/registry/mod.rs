@@ -341,16 +341,20 @@ impl RegistryClient {
         self
     }
 
-    /// The credential for `r`: kubelet's for its repository, else the docker config files'.
-    async fn credential(&self, r: &Reference) -> Result<Option<auth::Credential>> {
-        if let Some((c, _)) = self
+    /// The credential for `r` and until when it may be used: kubelet's for its repository
+    /// until they expire, else the docker config files' (no end).
+    async fn credential(
+        &self,
+        r: &Reference,
+    ) -> Result<(Option<auth::Credential>, Option<Instant>)> {
+        if let Some((c, ttl)) = self
             .pulled
             .as_ref()
             .and_then(|p| p.get(&r.registry, &r.repository))
         {
-            return Ok(Some(c));
+            return Ok((Some(c), Some(Instant::now() + ttl)));
         }
-        self.credentials.get(&r.registry).await
+        Ok((self.credentials.get(&r.registry).await?, None))
     }
 
     fn http(&self, ep: &Endpoint) -> Result<reqwest::Client> {
@@ -418,13 +422,13 @@ impl RegistryClient {
         let host = &r.registry;
         let challenge =
             auth::parse_challenge(challenge).map_err(|e| e.context(format!("registry {host}")))?;
-        let credential = self.credential(r).await?;
+        let (credential, usable_until) = self.credential(r).await?;
         let (value, expiry) = match challenge {
             Challenge::Basic => {
                 let c = credential.ok_or_else(|| {
                     Error::new(ErrorKind::Auth, format!("registry {host} requires credentials and none were found; add them to a docker config file (REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json or ~/.docker/config.json)"))
                 })?;
-                (c.basic_header(), None)
+                (c.basic_header(), usable_until)
             }
             Challenge::Bearer {
                 realm,
@@ -502,9 +506,11 @@ impl RegistryClient {
                         )
                     })?;
                 let ttl = Duration::from_secs(t.expires_in.unwrap_or(60).clamp(10, 3600));
+                let token_end = Instant::now() + ttl - Duration::from_secs(5);
                 (
                     format!("Bearer {token}"),
-                    Some(Instant::now() + ttl - Duration::from_secs(5)),
+                    // A token outlives neither itself nor the credential it was got with.
+                    Some(usable_until.map_or(token_end, |u| u.min(token_end))),
                 )
             }
         };
@@ -578,7 +584,7 @@ impl RegistryClient {
                             continue;
                         }
                         _ => {
-                            let who = match self.credential(r).await? {
+                            let who = match self.credential(r).await?.0 {
                                 Some(c) => format!("the credentials of user {} were refused", c.username),
                                 None => "no credentials were found (REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json)".to_string(),
                             };

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""tar-layout.py LAYOUT LAYER.tar: an OCI image layout (tag `latest`) whose one layer is the
+"""oci-layout.py LAYOUT LAYER.tar: an OCI image layout (tag `latest`) whose one layer is the
 given uncompressed tar (moved into the layout). `skopeo copy --dest-compress-format gzip` then
-publishes it as an ordinary gzip containerDisk: the baseline the benchmarks compare against."""
+publishes it as an ordinary gzip image: the benchmarks' ordinary containerDisk baseline, and
+the vmdisk node image (packaging/image.sh)."""
 import hashlib, json, os, sys
 layout, layer = sys.argv[1], sys.argv[2]
 blobs = os.path.join(layout, "blobs", "sha256"); os.makedirs(blobs, exist_ok=True)
