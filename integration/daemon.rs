@@ -24,7 +24,8 @@ fn daemon_with_metrics(scratch: &Scratch) -> (Daemon, PathBuf) {
     (daemon, metrics)
 }
 
-fn scrape(metrics: &Path) -> String {
+/// The daemon's metrics, scraped from its unix socket `metrics`.
+pub fn scrape(metrics: &Path) -> String {
     String::from_utf8(curl(&[
         "-sf",
         "--max-time",

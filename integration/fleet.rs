@@ -24,16 +24,7 @@ fn samples(text: &str, prefix: &str) -> BTreeMap<String, u64> {
 }
 
 fn scrape(daemon: &Daemon) -> String {
-    let socket = daemon.root.parent().unwrap().join("metrics.sock");
-    String::from_utf8(curl(&[
-        "-sf",
-        "--max-time",
-        "10",
-        "--unix-socket",
-        socket.to_str().unwrap(),
-        "http://localhost/metrics",
-    ]))
-    .unwrap()
+    crate::daemon::scrape(&daemon.root.parent().unwrap().join("metrics.sock"))
 }
 
 /// A daemon named `name` whose `hosts.toml` for `registry` lists `mirror` (if any) before the

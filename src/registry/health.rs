@@ -23,7 +23,7 @@ pub const MAX_REST: Duration = Duration::from_secs(30);
 /// What one endpoint did since this process started (monotonic).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EndpointCounters {
-    /// Requests sent to it (each try counts).
+    /// Requests sent to it (a request the registry's retry policy sends again counts once).
     pub requests: u64,
     /// Requests it answered badly or not at all (a 404 is an answer, not counted): each went
     /// on to the next endpoint or failed.

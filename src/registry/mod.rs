@@ -139,6 +139,11 @@ impl Req {
         }
     }
 
+    /// A GET of `path` (e.g. `manifests/<tag>`) in `r`'s repository at `ep`.
+    fn get(ep: &Endpoint, r: &Reference, path: &str) -> Self {
+        Req::new(Method::GET, ep.url(&format!("{}/{path}", r.repository)))
+    }
+
     fn header(mut self, name: reqwest::header::HeaderName, value: &str) -> Self {
         if let Ok(v) = HeaderValue::from_str(value) {
             self.headers.insert(name, v);
@@ -749,10 +754,10 @@ impl RegistryClient {
             }
         }
         Err(returned.map(|(_, e)| e).unwrap_or_else(|| {
-            Error::new(
-                ErrorKind::Network,
-                format!("no endpoint for {}", r.registry),
-            )
+            Error::invalid(format!(
+                "no endpoint to pull {what} from: the hosts.toml of {} gives the registry itself no pull capability, and this request passes by its mirrors",
+                r.registry
+            ))
         }))
     }
 
@@ -786,13 +791,7 @@ impl RegistryClient {
                 r,
                 what,
                 true,
-                |ep| {
-                    Req::new(
-                        Method::GET,
-                        ep.url(&format!("{}/manifests/{object}", r.repository)),
-                    )
-                    .header(ACCEPT, &accept)
-                },
+                |ep| Req::get(ep, r, &format!("manifests/{object}")).header(ACCEPT, &accept),
                 |resp, ep| async move {
                     let media_type = resp
                         .headers()
@@ -850,13 +849,7 @@ impl RegistryClient {
                 r,
                 what,
                 true,
-                |ep| {
-                    Req::new(
-                        Method::GET,
-                        ep.url(&format!("{}/referrers/{digest}", r.repository)),
-                    )
-                    .header(ACCEPT, oci::OCI_INDEX)
-                },
+                |ep| Req::get(ep, r, &format!("referrers/{digest}")).header(ACCEPT, oci::OCI_INDEX),
                 |resp, ep| async move { self.body(&ep, resp, oci::MAX_MANIFEST_SIZE, what).await },
             )
             .await;
@@ -922,12 +915,7 @@ impl RegistryClient {
             r,
             what,
             true,
-            |ep| {
-                Req::new(
-                    Method::GET,
-                    ep.url(&format!("{}/blobs/{}", r.repository, desc.digest)),
-                )
-            },
+            |ep| Req::get(ep, r, &format!("blobs/{}", desc.digest)),
             |resp, ep| async move {
                 let bytes = self.body(&ep, resp, desc.size, what).await?;
                 if bytes.len() as u64 != desc.size {
@@ -985,10 +973,7 @@ impl RegistryClient {
             what,
             via_mirrors,
             |ep| {
-                Req::new(
-                    Method::GET,
-                    ep.url(&format!("{}/blobs/{digest}", r.repository)),
-                )
+                Req::get(ep, r, &format!("blobs/{digest}"))
                 .header(RANGE, &header)
             },
             |resp, ep| async move {
@@ -1032,12 +1017,7 @@ impl RegistryClient {
                 r,
                 &what,
                 true,
-                |ep| {
-                    Req::new(
-                        Method::GET,
-                        ep.url(&format!("{}/blobs/{}", r.repository, desc.digest)),
-                    )
-                },
+                |ep| Req::get(ep, r, &format!("blobs/{}", desc.digest)),
                 |resp, _| async move { Ok(resp) },
             )
             .await?;

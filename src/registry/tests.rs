@@ -279,18 +279,55 @@ fn mirrored_client(
     .unwrap()
 }
 
-/// An origin holding one 64 KiB blob; its host and the blob.
-async fn origin_with_blob() -> (Arc<Server>, String, Vec<u8>, Digest) {
-    let server = Arc::new(Server::default());
-    let blob: Vec<u8> = (0..65536u32).map(|i| (i * 7 % 253) as u8).collect();
-    let digest = Digest::of(&blob);
-    server
-        .blobs
-        .lock()
-        .unwrap()
-        .insert(digest.to_string(), blob.clone());
-    let host = serve(Arc::clone(&server)).await;
-    (server, host, blob, digest)
+/// An origin holding one 64 KiB blob, a mirror in front of it that misbehaves as `how`, and
+/// a client whose hosts.toml lists the mirror (before the origin if `with_server`).
+struct Mirrored {
+    origin: Arc<Server>,
+    host: String,
+    blob: Vec<u8>,
+    digest: Digest,
+    mirror: String,
+    /// Requests the mirror received.
+    hits: Arc<AtomicUsize>,
+    client: RegistryClient,
+    _hosts_dir: tempfile::TempDir,
+}
+
+impl Mirrored {
+    async fn start(how: Mirror, with_server: bool) -> Self {
+        let origin = Arc::new(Server::default());
+        let blob: Vec<u8> = (0..65536u32).map(|i| (i * 7 % 253) as u8).collect();
+        let digest = Digest::of(&blob);
+        origin
+            .blobs
+            .lock()
+            .unwrap()
+            .insert(digest.to_string(), blob.clone());
+        let host = serve(Arc::clone(&origin)).await;
+        let hits = Arc::new(AtomicUsize::new(0));
+        let mirror = serve_mirror(how, blob.clone(), Arc::clone(&hits)).await;
+        let dir = tempfile::tempdir().unwrap();
+        let client = mirrored_client(dir.path(), &host, &mirror, with_server);
+        Mirrored {
+            origin,
+            host,
+            blob,
+            digest,
+            mirror,
+            hits,
+            client,
+            _hosts_dir: dir,
+        }
+    }
+
+    fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+
+    /// Blob GETs the origin received.
+    fn origin_gets(&self) -> usize {
+        count(&self.origin, &format!("GET /vm/disk/blobs/{}", self.digest))
+    }
 }
 
 /// Serves `server` on a loopback port; returns the host:port.
@@ -443,25 +480,24 @@ async fn a_body_that_never_ends_fails_at_its_deadline() {
 
 #[tokio::test]
 async fn a_mirror_that_answers_a_range_with_the_whole_blob_is_passed_by_and_rests() {
-    let (origin, host, blob, digest) = origin_with_blob().await;
-    let hits = Arc::new(AtomicUsize::new(0));
-    let mirror = serve_mirror(Mirror::WholeBlob, blob.clone(), Arc::clone(&hits)).await;
-    let dir = tempfile::tempdir().unwrap();
-    let c = mirrored_client(dir.path(), &host, &mirror, true);
-    let r = reference(&host, "1");
-    let blob_path = format!("GET /vm/disk/blobs/{digest}");
-    let got = c.get_blob_range(&r, &digest, 100..4196).await.unwrap();
-    assert_eq!(&got[..], &blob[100..4196]);
-    assert_eq!(hits.load(Ordering::SeqCst), 1, "the mirror was asked once");
-    assert_eq!(count(&origin, &blob_path), 1, "then the registry");
+    let m = Mirrored::start(Mirror::WholeBlob, true).await;
+    let r = reference(&m.host, "1");
+    let got = m
+        .client
+        .get_blob_range(&r, &m.digest, 100..4196)
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &m.blob[100..4196]);
+    assert_eq!(m.hits(), 1, "the mirror was asked once");
+    assert_eq!(m.origin_gets(), 1, "then the registry");
     // The mirror rests: the next reads go to the registry first, without asking it.
     for _ in 0..3 {
-        let got = c.get_blob_range(&r, &digest, 0..10).await.unwrap();
-        assert_eq!(&got[..], &blob[..10]);
+        let got = m.client.get_blob_range(&r, &m.digest, 0..10).await.unwrap();
+        assert_eq!(&got[..], &m.blob[..10]);
     }
-    assert_eq!(hits.load(Ordering::SeqCst), 1);
-    assert_eq!(count(&origin, &blob_path), 4);
-    let counters = c.health.counters();
+    assert_eq!(m.hits(), 1);
+    assert_eq!(m.origin_gets(), 4);
+    let counters = m.client.health.counters();
     let of = |base: &str| {
         counters
             .iter()
@@ -469,69 +505,73 @@ async fn a_mirror_that_answers_a_range_with_the_whole_blob_is_passed_by_and_rest
             .map(|(_, c)| c.clone())
             .unwrap()
     };
-    let m = of(&format!("http://{mirror}"));
-    assert_eq!((m.requests, m.failures), (1, 1));
-    let o = of(&format!("http://{host}"));
+    let mc = of(&format!("http://{}", m.mirror));
+    assert_eq!((mc.requests, mc.failures), (1, 1));
+    let o = of(&format!("http://{}", m.host));
     assert_eq!((o.requests, o.failures, o.bytes), (4, 0, 4096 + 30));
     // After its rest the mirror is asked first again.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    c.get_blob_range(&r, &digest, 0..10).await.unwrap();
-    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    m.client.get_blob_range(&r, &m.digest, 0..10).await.unwrap();
+    assert_eq!(m.hits(), 2);
 }
 
 #[tokio::test]
 async fn a_mirror_alone_that_cannot_serve_ranges_is_named_in_the_error() {
-    let (_origin, host, blob, digest) = origin_with_blob().await;
-    let hits = Arc::new(AtomicUsize::new(0));
-    let mirror = serve_mirror(Mirror::WholeBlob, blob, Arc::clone(&hits)).await;
-    let dir = tempfile::tempdir().unwrap();
-    let c = mirrored_client(dir.path(), &host, &mirror, false);
-    let e = c
-        .get_blob_range(&reference(&host, "1"), &digest, 0..10)
+    let m = Mirrored::start(Mirror::WholeBlob, false).await;
+    let e = m
+        .client
+        .get_blob_range(&reference(&m.host, "1"), &m.digest, 0..10)
         .await
         .unwrap_err();
     let text = e.chain();
     assert_eq!(e.kind(), ErrorKind::Unsupported, "{text}");
     assert!(
-        text.contains(&format!("mirror http://{mirror} of registry {host}"))
-            && text.contains("instead of 206"),
+        text.contains(&format!(
+            "mirror http://{} of registry {}",
+            m.mirror, m.host
+        )) && text.contains("instead of 206"),
         "{text}"
     );
 }
 
 #[tokio::test]
 async fn wrong_bytes_from_a_mirror_are_never_returned_for_a_verified_blob() {
-    let (origin, host, blob, digest) = origin_with_blob().await;
-    let hits = Arc::new(AtomicUsize::new(0));
-    let mirror = serve_mirror(Mirror::WrongBytes, blob.clone(), Arc::clone(&hits)).await;
-    let dir = tempfile::tempdir().unwrap();
-    let c = mirrored_client(dir.path(), &host, &mirror, true);
-    let r = reference(&host, "1");
+    let m = Mirrored::start(Mirror::WrongBytes, true).await;
+    let r = reference(&m.host, "1");
     let desc = crate::oci::Descriptor {
         media_type: "application/octet-stream".into(),
-        digest,
-        size: blob.len() as u64,
+        digest: m.digest,
+        size: m.blob.len() as u64,
         annotations: Default::default(),
         platform: None,
         artifact_type: None,
     };
-    assert_eq!(c.get_blob(&r, &desc, 1 << 20).await.unwrap(), blob);
-    assert_eq!(hits.load(Ordering::SeqCst), 1);
-    assert_eq!(count(&origin, &format!("GET /vm/disk/blobs/{digest}")), 1);
+    assert_eq!(m.client.get_blob(&r, &desc, 1 << 20).await.unwrap(), m.blob);
+    assert_eq!(m.hits(), 1);
+    assert_eq!(m.origin_gets(), 1);
     // Ranges cannot be checked here (their chunks are, by the engine, which asks the
     // registry itself for what failed): that request passes by the mirror.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let got = c
-        .get_blob_range_from_registry(&r, &digest, 5..9)
+    let got = m
+        .client
+        .get_blob_range_from_registry(&r, &m.digest, 5..9)
         .await
         .unwrap();
-    assert_eq!(&got[..], &blob[5..9]);
-    assert_eq!(hits.load(Ordering::SeqCst), 1);
+    assert_eq!(&got[..], &m.blob[5..9]);
+    assert_eq!(m.hits(), 1);
 }
 
 #[tokio::test]
 async fn a_mirror_that_is_down_costs_one_refused_connection() {
-    let (origin, host, _blob, digest) = origin_with_blob().await;
+    let origin = Arc::new(Server::default());
+    let blob = vec![7u8; 4096];
+    let digest = Digest::of(&blob);
+    origin
+        .blobs
+        .lock()
+        .unwrap()
+        .insert(digest.to_string(), blob);
+    let host = serve(Arc::clone(&origin)).await;
     let closed = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().to_string()
