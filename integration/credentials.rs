@@ -2,7 +2,7 @@
 //! `--image-service-endpoint`), forwards every call to containerd 1.6's CRI, and keeps the
 //! `auth` of each PullImage in memory for the lazy fetches of that image. The node has no
 //! docker config file; the registry requires a password. The credentials expire (here after
-//! 8 s): then the fetches fail, until the next PullImage hands the running server new ones.
+//! 15 s): then the fetches fail, until the next PullImage hands the running server new ones.
 
 use std::path::Path;
 use std::time::Duration;
@@ -15,8 +15,9 @@ use crate::harness::*;
 
 /// A password no file or log may contain.
 const PASSWORD: &str = "kubelet-only-7f3a9c";
-/// Seconds the daemon keeps a pull's credentials.
-const TTL: u64 = 8;
+/// Seconds the daemon keeps a pull's credentials: long enough for the pull and a first read
+/// on a busy machine.
+const TTL: u64 = 15;
 
 /// kubelet's PullImage of `image` with the pod's pull secret, sent to vmdisk's image service;
 /// then a ListImages through it. The pulled image's id and the images listed.

@@ -62,6 +62,30 @@ fn read_disk(daemon: &Daemon, reference: &str, want: &str) {
     );
 }
 
+/// Waits (at most a minute) until `registry` answers a Range request for the blob with 206.
+fn wait_until_it_serves_ranges(registry: &Registry, digest: &str) {
+    let url = registry.url(&format!("/v2/vm/fleet/blobs/{digest}"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        // A 200 carries the whole blob: curl gives up on it at once (--max-filesize).
+        let out = std::process::Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-r", "0-0"])
+            .args(["--max-filesize", "65536", &url])
+            .output()
+            .expect("run curl");
+        let code = out.stdout;
+        if code == b"206" {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pull-through cache still answers a Range request with {}",
+            String::from_utf8_lossy(&code)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / f64::from(1 << 20)
 }
@@ -81,11 +105,13 @@ fn a_fleet_behind_a_pull_through_cache_fetches_each_chunk_from_the_origin_about_
         qcow2.to_str().unwrap(),
         &format!("{}/vm/fleet:1", origin.host()),
     ]);
-    let blob = {
+    let (blob, blob_digest) = {
         let report = inspect_json(&format!("{}/vm/fleet:1", origin.host()));
-        report["platforms"][0]["layers"][0]["size"]
-            .as_u64()
-            .unwrap()
+        let layer = &report["platforms"][0]["layers"][0];
+        (
+            layer["size"].as_u64().unwrap(),
+            layer["digest"].as_str().unwrap().to_string(),
+        )
     };
     // What the origin serves to the cache, and to the nodes directly.
     let to_cache = FaultProxy::counting(origin.port);
@@ -120,6 +146,9 @@ fn a_fleet_behind_a_pull_through_cache_fetches_each_chunk_from_the_origin_about_
         let errors = samples(&text, "vmdisk_read_errors_total");
         assert!(errors.values().all(|&v| v == 0), "read errors: {errors:?}");
         if n == 0 {
+            // The cache stores the blob in the background: the rest of the fleet comes once it
+            // holds it (it then answers Range requests itself).
+            wait_until_it_serves_ranges(&mirror, &blob_digest);
             after_first = origin_sent();
         }
     }
