@@ -55,23 +55,32 @@ impl Libvirt {
                 .output()
                 .is_ok_and(|o| o.status.success())
         };
+        let running = |daemon: &str| {
+            Command::new("pgrep")
+                .args(["-x", daemon])
+                .output()
+                .is_ok_and(|o| o.status.success())
+        };
+        // Started as they are found missing: a daemon that was exiting (stopped by an earlier
+        // run) is started again once it is gone.
         let mut started = Vec::new();
-        if !answers() {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !answers() {
             for daemon in ["virtlogd", "libvirtd"] {
-                let running = Command::new("pgrep")
-                    .args(["-x", daemon])
-                    .output()
-                    .is_ok_and(|o| o.status.success());
-                if !running {
+                if !running(daemon) {
                     run(daemon, &["-d"]);
-                    started.push(daemon);
+                    if !started.contains(&daemon) {
+                        started.push(daemon);
+                    }
                 }
             }
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while !answers() {
-                assert!(Instant::now() < deadline, "libvirtd did not start");
-                std::thread::sleep(Duration::from_millis(200));
-            }
+            assert!(Instant::now() < deadline, "libvirtd did not start");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        // `virsh start` needs virtlogd even where libvirtd already ran.
+        if !running("virtlogd") {
+            run("virtlogd", &["-d"]);
+            started.push("virtlogd");
         }
         Libvirt {
             domains: Vec::new(),
