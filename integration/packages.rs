@@ -24,6 +24,15 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Runs `packaging/<script>` with `args` (it must succeed); the last line it printed.
+fn packaging(script: &str, args: &[&str]) -> String {
+    let out = run(
+        repo().join("packaging").join(script).to_str().unwrap(),
+        args,
+    );
+    String::from_utf8(out).unwrap().trim().to_string()
+}
+
 fn dpkg_installed(package: &str) -> bool {
     Command::new("dpkg-query")
         .args(["-W", "-f=${Status}", package])
@@ -54,17 +63,13 @@ fn the_deb_installs_and_its_service_starts_with_the_default_config() {
         "vmdisk is installed or running on this machine; this test installs and purges the package, so run it where it is not"
     );
     let scratch = Scratch::new();
-    let out = Command::new(repo().join("packaging/deb.sh"))
-        .arg(bin_dir())
-        .arg(scratch.path("deb"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "packaging/deb.sh: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let deb = packaging(
+        "deb.sh",
+        &[
+            bin_dir().to_str().unwrap(),
+            scratch.path("deb").to_str().unwrap(),
+        ],
     );
-    let deb = String::from_utf8(out.stdout).unwrap().trim().to_string();
     let fields = String::from_utf8(run("dpkg-deb", &["-f", &deb, "Package", "Version"])).unwrap();
     assert!(
         fields.contains("Package: vmdisk")
@@ -73,13 +78,7 @@ fn the_deb_installs_and_its_service_starts_with_the_default_config() {
     );
 
     let _installed = Installed;
-    let out = Command::new("dpkg").args(["-i", &deb]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "dpkg -i: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run("dpkg", &["-i", &deb]);
     for file in [
         "/usr/bin/vmdisk",
         "/usr/bin/vmdisk-snapshotter",
@@ -144,15 +143,7 @@ fn the_deb_installs_and_its_service_starts_with_the_default_config() {
             .status();
         assert!(d.wait().unwrap().success());
     }
-    let out = Command::new("dpkg")
-        .args(["--purge", "vmdisk"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run("dpkg", &["--purge", "vmdisk"]);
     assert!(!Path::new("/usr/bin/vmdisk-snapshotter").exists());
     assert!(!Path::new("/etc/vmdisk/snapshotter.toml").exists());
 }
@@ -260,15 +251,9 @@ fn the_manifests_name_the_node_image_and_the_paths_it_has() {
 
     // The image, as `make image` builds it, pushed where the manifest's name points.
     let pushed = format!("{}/{image}", reg.host());
-    let out = Command::new(repo().join("packaging/image.sh"))
-        .arg(bin_dir())
-        .arg(format!("docker://{pushed}"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "packaging/image.sh: {}",
-        String::from_utf8_lossy(&out.stderr)
+    packaging(
+        "image.sh",
+        &[bin_dir().to_str().unwrap(), &format!("docker://{pushed}")],
     );
     let layout = scratch.path("image");
     run(

@@ -59,6 +59,10 @@ pub struct Health {
 impl Health {
     fn with<T>(&self, base: &str, f: impl FnOnce(&mut State) -> T) -> T {
         let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        // Every chunk request comes here: no key allocation once the endpoint is known.
+        if let Some(state) = states.get_mut(base) {
+            return f(state);
+        }
         f(states.entry(base.to_string()).or_default())
     }
 

@@ -972,14 +972,15 @@ impl RegistryClient {
             r,
             what,
             via_mirrors,
-            |ep| {
-                Req::get(ep, r, &format!("blobs/{digest}"))
-                .header(RANGE, &header)
-            },
+            |ep| Req::get(ep, r, &format!("blobs/{digest}")).header(RANGE, &header),
             |resp, ep| async move {
                 let who = ep.describe(&r.registry);
                 if resp.status() != StatusCode::PARTIAL_CONTENT {
-                    return Err(Error::unsupported(format!("{who} answered {what} with HTTP {} instead of 206: it does not support Range requests (or, a pull-through cache, does not have the blob yet)", resp.status())));
+                    return Err(Error::unsupported(format!(
+                        "{who} answered {what} with HTTP {} instead of 206: it does not support \
+                         Range requests (or, a pull-through cache, does not have the blob yet)",
+                        resp.status()
+                    )));
                 }
                 if let Some(cr) = resp
                     .headers()

@@ -267,14 +267,8 @@ fn mirrored_client(
     )
     .unwrap();
     RegistryClient::new(RegistryConfig {
-        auth_files: Some(vec![]),
         hosts_dir: Some(dir.to_path_buf()),
-        retry: RetryPolicy {
-            attempts: 4,
-            base_delay: Duration::from_millis(10),
-            max_delay: Duration::from_millis(50),
-        },
-        ..Default::default()
+        ..config(vec![])
     })
     .unwrap()
 }
@@ -343,8 +337,9 @@ async fn serve(server: Arc<Server>) -> String {
     host
 }
 
-fn client(auth_files: Vec<std::path::PathBuf>) -> RegistryClient {
-    RegistryClient::new(RegistryConfig {
+/// The tests' client settings: credentials only from `auth_files`, quick retries.
+fn config(auth_files: Vec<std::path::PathBuf>) -> RegistryConfig {
+    RegistryConfig {
         auth_files: Some(auth_files),
         retry: RetryPolicy {
             attempts: 4,
@@ -352,8 +347,11 @@ fn client(auth_files: Vec<std::path::PathBuf>) -> RegistryClient {
             max_delay: Duration::from_millis(50),
         },
         ..Default::default()
-    })
-    .unwrap()
+    }
+}
+
+fn client(auth_files: Vec<std::path::PathBuf>) -> RegistryClient {
+    RegistryClient::new(config(auth_files)).unwrap()
 }
 
 fn reference(host: &str, tag: &str) -> Reference {

@@ -56,12 +56,11 @@ fn credential(auth: &cri::AuthConfig) -> Option<Credential> {
     })
 }
 
-/// Forwards `request` with `deadline`, keeping its metadata (kubelet's, e.g. a trace id).
-fn forward<T>(request: Request<T>, deadline: Duration) -> Request<T> {
-    let (metadata, extensions, message) = request.into_parts();
-    let mut forwarded = Request::from_parts(metadata, extensions, message);
-    forwarded.set_timeout(deadline);
-    forwarded
+/// `request` to forward, under `deadline`; its metadata (kubelet's, e.g. a trace id) goes
+/// with it.
+fn forward<T>(mut request: Request<T>, deadline: Duration) -> Request<T> {
+    request.set_timeout(deadline);
+    request
 }
 
 impl Proxy {
