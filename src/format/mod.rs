@@ -4,6 +4,8 @@
 //!   its TOC, the writer used by `vmdisk push` and the reader used by everything that fetches.
 //! - [`layout`]: the vmdisk image layout: annotations, where the disk is, the verified decode
 //!   of a chunk.
+//! - [`seekable`]: the seekable index `vmdisk index` publishes for ordinary gzip and
+//!   uncompressed layers; [`zran`]: the block-boundary inflater that builds it.
 //! - [`tarsplit`]: the tar-split metadata containers/storage uses to rebuild the tar stream.
 //! - [`disk`]: recognising VM disk images by content, validating qcow2, unpacking OVA.
 //! - [`qcow2`]: the qcow2 header and cluster tables; [`qcow2_raw`]: the raw view through them.
@@ -12,7 +14,9 @@ pub mod disk;
 pub mod layout;
 pub mod qcow2;
 pub mod qcow2_raw;
+pub mod seekable;
 pub mod tarsplit;
+pub mod zran;
 pub mod zstd_chunked;
 
 /// A reader of the uncompressed tar stream of a layer blob read from `blob`.
