@@ -16,6 +16,7 @@ use crate::cache::{CacheRoot, LayerId, LayerMeta, RefRecord};
 use crate::digest::Digest;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::seekable::{Expected, SeekIndex};
 use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
 use crate::reference::Reference;
@@ -109,6 +110,31 @@ pub struct RemoteLayer {
     pub disk: usize,
     /// Whether this came from the registry (false: offline, from the cache).
     pub online: bool,
+    /// For an ordinary layer read through a seekable index: the index and where each chunk
+    /// is in it (`None` for zstd:chunked).
+    pub spans: Option<Spans>,
+}
+
+/// An indexed layer's chunks in its index: chunk `i` is the part of span `span_of[i]` that
+/// belongs to its file.
+#[derive(Debug)]
+pub struct Spans {
+    pub index: SeekIndex,
+    span_of: Vec<u32>,
+    /// Where each file's content starts in the uncompressed stream.
+    file_at: Vec<u64>,
+}
+
+impl Spans {
+    /// Where file `file`'s content starts in the uncompressed tar stream.
+    pub fn file_at(&self, file: usize) -> u64 {
+        self.file_at[file]
+    }
+
+    /// The span chunk `idx` is part of.
+    pub fn span_of(&self, idx: usize) -> usize {
+        self.span_of[idx] as usize
+    }
 }
 
 impl RemoteLayer {
@@ -123,6 +149,9 @@ impl RemoteLayer {
         toc_bytes: &[u8],
         online: bool,
     ) -> Result<Self> {
+        if meta.index.is_some() {
+            return Self::build_indexed(reference, meta, toc_bytes, online);
+        }
         let loc = TocLocation {
             offset: meta.toc_offset,
             length: meta.toc_length,
@@ -151,17 +180,7 @@ impl RemoteLayer {
                 }
             }
         }
-        let disk = files
-            .iter()
-            .position(|f| {
-                crate::format::layout::is_disk_path(&nodes[f.node].path, meta.disk_path.as_deref())
-            })
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::NotFound,
-                    "the layer has no regular file under /disk/ or /image/",
-                )
-            })?;
+        let disk = disk_file(&nodes, &files, &meta)?;
         Ok(RemoteLayer {
             reference,
             meta,
@@ -170,7 +189,122 @@ impl RemoteLayer {
             chunks,
             disk,
             online,
+            spans: None,
         })
+    }
+
+    /// The chunk table of an ordinary layer from its seekable index (`index_bytes`, pinned by
+    /// `meta.toc_digest`): every regular file is cut where the spans are; a chunk is the part
+    /// of one span inside one file, fetched as the whole span's compressed bytes. A chunk that
+    /// is a whole span carries the span's digest (so identical spans of other layers dedup);
+    /// a part of one has none, and is verified through its span.
+    fn build_indexed(
+        reference: Reference,
+        meta: LayerMeta,
+        index_bytes: &[u8],
+        online: bool,
+    ) -> Result<Self> {
+        let source = meta
+            .index
+            .as_ref()
+            .expect("build_indexed is for indexed layers");
+        let expected = Expected {
+            layer: meta.layer_digest,
+            layer_size: meta.layer_size,
+            compression: source.compression,
+            diff_id: meta.diff_id,
+        };
+        let index = SeekIndex::decode(index_bytes, &expected)?;
+        let mut nodes = Vec::with_capacity(index.entries.len());
+        let (mut files, mut chunks, mut span_of, mut file_at) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for entry in &index.entries {
+            let kind = match entry.kind.as_str() {
+                "dir" => NodeKind::Dir,
+                "reg" => NodeKind::Regular,
+                "symlink" => NodeKind::Symlink,
+                "hardlink" => NodeKind::Hardlink,
+                _ => NodeKind::Other,
+            };
+            let link = match kind {
+                NodeKind::Hardlink => zstd_chunked::clean_path(&entry.link_name)?,
+                _ => entry.link_name.clone(),
+            };
+            if kind == NodeKind::Regular && entry.size > 0 {
+                let first = chunks.len();
+                let file = entry.offset..entry.offset + entry.size;
+                for s in index.spans_for(file.clone()) {
+                    let span = &index.spans[s];
+                    let (start, end) =
+                        (span.offset.max(file.start), index.span_end(s).min(file.end));
+                    let whole = (start, end) == (span.offset, index.span_end(s));
+                    chunks.push(Chunk {
+                        offset: start - file.start,
+                        size: end - start,
+                        compressed: span.input..span.input_end,
+                        digest: whole.then_some(span.digest),
+                        zeros: false,
+                    });
+                    span_of.push(s as u32);
+                }
+                files.push(FileChunks {
+                    node: nodes.len(),
+                    first,
+                    count: chunks.len() - first,
+                });
+                file_at.push(entry.offset);
+            }
+            nodes.push(Node {
+                kind,
+                path: zstd_chunked::clean_path(&entry.name)?,
+                link,
+                mode: entry.mode,
+                uid: entry.uid,
+                gid: entry.gid,
+                size: if kind == NodeKind::Regular {
+                    entry.size
+                } else {
+                    0
+                },
+                mod_time: time::OffsetDateTime::from_unix_timestamp(entry.mtime as i64)
+                    .ok()
+                    .and_then(|t| {
+                        t.format(&time::format_description::well_known::Rfc3339)
+                            .ok()
+                    }),
+                digest: None,
+                chunks: Vec::new(),
+            });
+        }
+        let disk = disk_file(&nodes, &files, &meta)?;
+        Ok(RemoteLayer {
+            reference,
+            meta,
+            nodes,
+            files,
+            chunks,
+            disk,
+            online,
+            spans: Some(Spans {
+                index,
+                span_of,
+                file_at,
+            }),
+        })
+    }
+
+    /// The verified content of chunk `idx` from its compressed bytes: the one way registry
+    /// bytes become chunk content, for both layouts.
+    pub fn decode(&self, idx: usize, compressed: &[u8]) -> Result<Vec<u8>> {
+        let (file, chunk) = self.chunk(idx);
+        let Some(spans) = &self.spans else {
+            return crate::format::layout::decode_chunk(compressed, chunk);
+        };
+        let s = spans.span_of(idx);
+        let mut data = spans.index.decode_span(s, compressed)?;
+        let start = (spans.file_at(file) + chunk.offset - spans.index.spans[s].offset) as usize;
+        data.truncate(start + chunk.size as usize);
+        Ok(data.split_off(start))
     }
 
     /// Chunk `idx` and the file number it belongs to.
@@ -206,6 +340,21 @@ impl RemoteLayer {
     pub fn id(&self) -> LayerId {
         self.meta.id()
     }
+}
+
+/// The file number of the disk: under `disk/` or `image/`, or the annotated path.
+fn disk_file(nodes: &[Node], files: &[FileChunks], meta: &LayerMeta) -> Result<usize> {
+    files
+        .iter()
+        .position(|f| {
+            crate::format::layout::is_disk_path(&nodes[f.node].path, meta.disk_path.as_deref())
+        })
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotFound,
+                "the layer has no regular file under /disk/ or /image/",
+            )
+        })
 }
 
 /// Picks the disk layer of a manifest: the topmost zstd:chunked layer that has a TOC.
@@ -379,6 +528,7 @@ pub async fn disk_layer_id(
         toc_offset: loc.offset,
         diff_id: config.rootfs.diff_ids[position],
         disk_path,
+        indexed: false,
     };
     if let (Some(cache), Some(toc)) = (cache.cloned(), toc) {
         let meta = layer_meta(reference, &loc, &id);
@@ -410,6 +560,7 @@ fn layer_meta(reference: &Reference, loc: &TocLocation, id: &LayerId) -> LayerMe
         toc_digest: id.toc,
         disk_path: id.disk_path.clone(),
         diff_id: id.diff_id,
+        index: None,
     }
 }
 

@@ -44,7 +44,8 @@ pub use layer::LayerCache;
 pub const DEFAULT_ROOT: &str = "/var/lib/vmdisk/cache";
 
 /// What identifies a lazily read layer: everything its (digest-pinned) manifest and config
-/// say about it. The TOC digest pins every chunk's digest, so two images with the same id
+/// say about it, and for an ordinary layer read through a seekable index, the index's digest.
+/// The TOC (or index) digest pins every chunk's digest, so two images with the same id
 /// serve the same bytes; the blob digest and the diff_id are claims, checked only once the
 /// layer is complete (see `engine::integrity`), and part of the id so that an image that
 /// lies about them never shares, or spoils, another image's cache.
@@ -54,7 +55,7 @@ pub struct LayerId {
     pub layer: Digest,
     /// The blob size the manifest names.
     pub size: u64,
-    /// The TOC digest the layer's annotation pins.
+    /// The TOC digest the layer's annotation pins (of an indexed layer: the index blob's).
     pub toc: Digest,
     /// Where the annotation says the TOC is (the end of the tar data).
     pub toc_offset: u64,
@@ -62,13 +63,16 @@ pub struct LayerId {
     pub diff_id: Digest,
     /// The disk's path in the layer, when an annotation names it.
     pub disk_path: Option<String>,
+    /// Read through a seekable index (`toc` is the index's digest).
+    #[serde(default)]
+    pub indexed: bool,
 }
 
 impl LayerId {
     /// The single digest that names the layer in the cache, in mount paths and in the
     /// snapshotter's records.
     pub fn key(&self) -> Digest {
-        let text = format!(
+        let mut text = format!(
             "vmdisk layer v1\nblob {} {}\ntoc {} at {}\ndiff_id {}\ndisk {}\n",
             self.layer,
             self.size,
@@ -77,6 +81,9 @@ impl LayerId {
             self.diff_id,
             self.disk_path.as_deref().unwrap_or("")
         );
+        if self.indexed {
+            text.push_str("seekable index\n");
+        }
         Digest::of(text.as_bytes())
     }
 }
@@ -97,6 +104,18 @@ pub struct LayerMeta {
     pub disk_path: Option<String>,
     /// The layer's uncompressed digest as the image config claims it.
     pub diff_id: Digest,
+    /// For an ordinary layer read through a seekable index: where the index is. The `toc_*`
+    /// fields then describe the index blob (`toc_offset` 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<IndexSource>,
+}
+
+/// Where a layer's seekable index was found, and the layer's compression.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct IndexSource {
+    /// The repository holding the index (`registry/repository`).
+    pub repository: String,
+    pub compression: crate::format::seekable::Compression,
 }
 
 impl LayerMeta {
@@ -109,6 +128,7 @@ impl LayerMeta {
             toc_offset: self.toc_offset,
             diff_id: self.diff_id,
             disk_path: self.disk_path.clone(),
+            indexed: self.index.is_some(),
         }
     }
 }

@@ -27,8 +27,8 @@ use crate::cache::{CacheRoot, Integrity};
 use crate::digest::Hasher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{clean_path, decode_region, NodeKind};
-use crate::remote::RemoteLayer;
-use crate::task::blocking;
+use crate::remote::{RemoteLayer, Spans};
+use crate::task::{blocking, off_the_runtime};
 
 /// Most compressed bytes of one region between chunks (the last one holds the TOC, whose
 /// compressed size is bounded at 64 MiB, and the tar-split).
@@ -72,10 +72,9 @@ impl Engine {
         if blocking(move || Ok(known.is_some_and(|c| c.structure_checked(&key)))).await? {
             return Ok(());
         }
-        let data_end = self.layer.meta.toc_offset.saturating_sub(8);
         let engine = Arc::clone(self);
         async move {
-            let pieces = engine.regions(data_end).await?;
+            let pieces = engine.pieces(false).await?;
             blocking(move || {
                 let mut stream = Stream::new(&engine, pieces, false);
                 let entries = read_entries(&mut stream)?;
@@ -136,7 +135,7 @@ impl Engine {
     /// Rebuilds the whole stream (regions fetched, chunks from the cache) and compares it with
     /// the diff_id and the TOC, off the async workers.
     async fn rebuild_and_compare(self: &Arc<Self>) -> Result<()> {
-        let pieces = self.regions(self.layer.meta.layer_size).await?;
+        let pieces = self.pieces(true).await?;
         let engine = Arc::clone(self);
         blocking(move || {
             let layer = &engine.layer;
@@ -159,6 +158,77 @@ impl Engine {
             compare(layer, &entries, &stream.chunk_starts)
         })
         .await
+    }
+
+    /// The pieces of the layer's tar stream: all of it (`whole`), or what the structure check
+    /// needs (a zstd:chunked layer's stream up to its TOC; all of an indexed layer's).
+    async fn pieces(&self, whole: bool) -> Result<Vec<Piece>> {
+        match &self.layer.spans {
+            Some(spans) => self.indexed_pieces(spans).await,
+            None if whole => self.regions(self.layer.meta.layer_size).await,
+            None => {
+                self.regions(self.layer.meta.toc_offset.saturating_sub(8))
+                    .await
+            }
+        }
+    }
+
+    /// The pieces of an indexed layer's stream: every chunk, and the stream between files
+    /// (tar headers, padding, the end of the archive) decoded from the spans that hold it.
+    async fn indexed_pieces(&self, spans: &Spans) -> Result<Vec<Piece>> {
+        let layer = &self.layer;
+        let mut order: Vec<usize> = (0..layer.files.len()).collect();
+        order.sort_unstable_by_key(|&f| spans.file_at(f));
+        let mut pieces = Vec::with_capacity(layer.chunks.len() + order.len() + 1);
+        let mut wanted = Vec::new();
+        let mut at = 0u64;
+        for next in order.into_iter().map(Some).chain([None]) {
+            let end = next.map_or(spans.index.stream_size, |f| spans.file_at(f));
+            if end > at {
+                wanted.push((pieces.len(), at..end));
+                pieces.push(Piece::Region(Vec::new()));
+            }
+            if let Some(f) = next {
+                let file = &layer.files[f];
+                pieces.extend((file.first..file.first + file.count).map(Piece::Chunk));
+                at = end + layer.file_size(f);
+            }
+        }
+        let between: u64 = wanted.iter().map(|(_, r)| r.end - r.start).sum();
+        if between > MAX_REGION_DECODED {
+            return Err(Error::corrupt(format!(
+                "{between} bytes of the layer's stream belong to no file, more than the {MAX_REGION_DECODED} tar headers can take"
+            )));
+        }
+        for (slot, range) in wanted {
+            let mut region = Vec::with_capacity((range.end - range.start) as usize);
+            for s in spans.index.spans_for(range.clone()) {
+                let data = self.fetch_span(spans, s).await?;
+                let start = spans.index.spans[s].offset;
+                let from = (range.start.max(start) - start) as usize;
+                let to = (range.end.min(spans.index.span_end(s)) - start) as usize;
+                region.extend_from_slice(&data[from..to]);
+            }
+            pieces[slot] = Piece::Region(region);
+        }
+        Ok(pieces)
+    }
+
+    /// Span `s` of the index, fetched and verified (once more from the registry itself if it
+    /// fails verification).
+    async fn fetch_span(&self, spans: &Spans, s: usize) -> Result<Vec<u8>> {
+        let span = &spans.index.spans[s];
+        let range = span.input..span.input_end;
+        let bytes = self.fetch_range(range.clone(), false).await?;
+        match off_the_runtime(|| spans.index.decode_span(s, &bytes)) {
+            Ok(data) => Ok(data),
+            Err(e) => {
+                Stats::add(&self.stats.verify_failures, 1);
+                tracing::warn!(layer = %self.layer.meta.layer_digest, span = s, error = %e.chain(), "span failed verification; fetching it again");
+                let bytes = self.fetch_range(range, true).await?;
+                off_the_runtime(|| spans.index.decode_span(s, &bytes))
+            }
+        }
     }
 
     /// The pieces of the layer's stream up to byte `until` of the blob: every chunk, and the

@@ -37,7 +37,6 @@ use self::stats::Stats;
 use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::layout::decode_chunk;
 use crate::format::qcow2;
 use crate::format::zstd_chunked::Chunk;
 use crate::reference::Reference;
@@ -340,7 +339,7 @@ impl Engine {
                 let first = &self.layer.chunks[run[0]];
                 if last + 1 == idx
                     && last_file == file
-                    && last_chunk.compressed.end == chunk.compressed.start
+                    && adjacent(&last_chunk.compressed, &chunk.compressed)
                     && chunk.compressed.end - first.compressed.start <= self.opts.max_request_bytes
                 {
                     run.push(idx);
@@ -428,7 +427,7 @@ impl Engine {
                 let (file, chunk) = self.layer.chunk(idx);
                 let frame = &bytes[(chunk.compressed.start - range.start) as usize
                     ..(chunk.compressed.end - range.start) as usize];
-                match decode_chunk(frame, chunk) {
+                match self.layer.decode(idx, frame) {
                     Ok(data) => self.store(idx, file, chunk, &data)?,
                     Err(e) => {
                         Stats::add(&self.stats.verify_failures, 1);
@@ -443,7 +442,7 @@ impl Engine {
             let (file, chunk) = self.layer.chunk(idx);
             let frame = self.fetch_range(chunk.compressed.clone(), true).await?;
             off_the_runtime(|| {
-                let data = decode_chunk(&frame, chunk).map_err(|e| {
+                let data = self.layer.decode(idx, &frame).map_err(|e| {
                     Stats::add(&self.stats.verify_failures, 1);
                     e.context(format!(
                         "chunk {idx} (offset {} of {}, digest {:?}) failed verification twice",
@@ -726,10 +725,17 @@ impl Engine {
     }
 }
 
+/// Whether chunk bytes `next` follow `prev` in the blob, so one request fetches both: they
+/// touch, or (spans of a gzip index) share the byte where one block ends and the next begins.
+fn adjacent(prev: &Range<u64>, next: &Range<u64>) -> bool {
+    next.start <= prev.end && prev.end <= next.start + 1 && prev.start < next.start
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cache::LayerMeta;
+    use crate::format::layout::decode_chunk;
     use crate::format::zstd_chunked::{decode_toc, Toc, TocLocation};
 
     /// A blob in memory that records requests and can fail or corrupt the next answers.
@@ -800,6 +806,7 @@ mod tests {
             toc_digest: loc.checksum,
             disk_path: None,
             diff_id: summary.diff_id,
+            index: None,
         };
         let toc = blob[loc.offset as usize..(loc.offset + loc.length) as usize].to_vec();
         let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &toc).unwrap();
@@ -812,6 +819,168 @@ mod tests {
         });
         let engine = Engine::with_source(layer, cache, Box::new(Arc::clone(&source)), opts);
         (engine, source, dir)
+    }
+
+    /// An engine over an ordinary layer `blob` (of tar stream `tar`) read through `index`.
+    fn engine_of_indexed(
+        blob: Vec<u8>,
+        tar: &[u8],
+        index: &crate::format::seekable::SeekIndex,
+    ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
+        let bytes = index.encode().unwrap();
+        let meta = LayerMeta {
+            reference: "127.0.0.1:1/test/t:1".into(),
+            layer_digest: Digest::of(&blob),
+            layer_size: blob.len() as u64,
+            toc_offset: 0,
+            toc_length: bytes.len() as u64,
+            toc_uncompressed_length: 0,
+            toc_digest: Digest::of(&bytes),
+            disk_path: None,
+            diff_id: Digest::of(tar),
+            index: Some(crate::cache::IndexSource {
+                repository: "127.0.0.1:1/test/t".into(),
+                compression: index.compression,
+            }),
+        };
+        let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &bytes).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
+        let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len()).unwrap();
+        let source = Arc::new(FakeBlob {
+            blob,
+            ..FakeBlob::default()
+        });
+        let engine = Engine::with_source(
+            layer,
+            cache,
+            Box::new(Arc::clone(&source)),
+            EngineOptions::default(),
+        );
+        (engine, source, dir)
+    }
+
+    /// A gzip containerDisk layer (a small file before the disk, one after) and its index.
+    fn gzip_layer(
+        span: u64,
+    ) -> (
+        Vec<u8>,
+        Vec<u8>,
+        Vec<u8>,
+        crate::format::seekable::SeekIndex,
+    ) {
+        use crate::format::seekable::{build, testing, Compression, Expected};
+        let data = testing::disk(3 << 20);
+        let tar = testing::tar_of(&[
+            ("etc/README", b"hello".to_vec()),
+            ("disk/d.raw", data.clone()),
+            ("image/zz", vec![7; 3000]),
+        ]);
+        let blob = testing::gzip(&tar, 6);
+        let exp = Expected {
+            layer: Digest::of(&blob),
+            layer_size: blob.len() as u64,
+            compression: Compression::Gzip,
+            diff_id: Digest::of(&tar),
+        };
+        let index = build(blob.as_slice(), &exp, span).unwrap();
+        (data, tar, blob, index)
+    }
+
+    #[tokio::test]
+    async fn an_indexed_gzip_layer_reads_by_span_and_is_verified_once_complete() {
+        let (data, tar, blob, index) = gzip_layer(64 << 10);
+        let (engine, source, _dir) = engine_of_indexed(blob.clone(), &tar, &index);
+        let disk = engine.layer.disk;
+        assert_eq!(
+            engine.layer.nodes[engine.layer.files[disk].node].path,
+            "disk/d.raw"
+        );
+        engine.check_structure(None).await.unwrap();
+        let before: u64 = source
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| r.end - r.start)
+            .sum();
+        assert_eq!(
+            engine.read(disk, 1 << 20, 4096).await.unwrap(),
+            data[1 << 20..(1 << 20) + 4096]
+        );
+        let fetched: u64 = source
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| r.end - r.start)
+            .sum::<u64>()
+            - before;
+        assert!(
+            fetched < blob.len() as u64 / 4,
+            "a few spans, not the blob: {fetched} of {}",
+            blob.len()
+        );
+        let cache_dir = tempfile::tempdir().unwrap();
+        let cache = CacheRoot::open(cache_dir.path()).unwrap();
+        assert_eq!(engine.check_integrity(&cache).await, Integrity::Pending);
+        for f in 0..engine.layer.files.len() {
+            engine.read(f, 0, engine.layer.file_size(f)).await.unwrap();
+        }
+        assert_eq!(read_all(&engine).await.unwrap(), data);
+        assert_eq!(engine.read(0, 0, 100).await.unwrap(), b"hello");
+        assert_eq!(engine.check_integrity(&cache).await, Integrity::Verified);
+    }
+
+    #[tokio::test]
+    async fn an_indexed_layer_never_serves_bytes_its_span_digest_does_not_match() {
+        let (data, tar, blob, mut index) = gzip_layer(64 << 10);
+        // A wrong checkpoint: span 5's window is span 6's.
+        index.spans[5].window = index.spans[6].window.clone();
+        let (engine, source, _dir) = engine_of_indexed(blob, &tar, &index);
+        let disk = engine.layer.disk;
+        let at = index.spans[5].offset - engine.layer.spans.as_ref().unwrap().file_at(disk);
+        let err = engine.read(disk, at, 10).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{}", err.chain());
+        assert!(err.chain().contains("span 5"), "{}", err.chain());
+        assert_eq!(
+            engine.stats.snapshot().verify_failures,
+            2,
+            "checked, refetched, checked"
+        );
+        assert!(source.calls.lock().unwrap().len() >= 2);
+        // The rest of the disk still reads.
+        assert_eq!(engine.read(disk, 0, 4096).await.unwrap(), data[..4096]);
+    }
+
+    #[tokio::test]
+    async fn an_index_that_lies_consistently_is_caught_by_the_diff_id_once_complete() {
+        use base64::Engine as _;
+        let (_, tar, blob, mut index) = gzip_layer(64 << 10);
+        // Span 5 from a forged window, with the digest of what that decodes to: every span
+        // check passes, the bytes differ.
+        let forged = vec![b'x'; 32 << 10];
+        index.spans[5].window = base64::engine::general_purpose::STANDARD.encode(&forged);
+        let s = &index.spans[5];
+        let input = &blob[s.input as usize..s.input_end as usize];
+        let lie = index.decode_unverified(5, input).unwrap();
+        assert_ne!(lie, tar[s.offset as usize..index.span_end(5) as usize]);
+        index.spans[5].digest = Digest::of(&lie);
+        let (engine, _, _dir) = engine_of_indexed(blob, &tar, &index);
+        for f in 0..engine.layer.files.len() {
+            engine.read(f, 0, engine.layer.file_size(f)).await.unwrap();
+        }
+        let cache_dir = tempfile::tempdir().unwrap();
+        let cache = CacheRoot::open(cache_dir.path()).unwrap();
+        let outcome = engine.check_integrity(&cache).await;
+        assert!(
+            matches!(&outcome, Integrity::Failed(why) if why.contains("hashes to")),
+            "{outcome:?}"
+        );
+        assert_eq!(
+            read_all(&engine).await.unwrap_err().kind(),
+            ErrorKind::Corrupt
+        );
     }
 
     fn calls(source: &FakeBlob) -> usize {

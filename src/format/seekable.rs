@@ -68,6 +68,9 @@ pub struct Entry {
     pub mode: u32,
     pub uid: u32,
     pub gid: u32,
+    /// Modification time, seconds since the epoch.
+    #[serde(default)]
+    pub mtime: u64,
     #[serde(default)]
     pub size: u64,
     /// Where a regular file's content starts in the uncompressed tar stream.
@@ -188,12 +191,14 @@ impl SeekIndex {
             let end = self.span_end(i);
             let first = i == 0;
             let at = |what: &str| Error::corrupt(format!("the seekable index's span {i} {what}"));
-            if (first && span.offset != 0) || (!first && span.offset <= self.spans[i - 1].offset)
-            {
+            if (first && span.offset != 0) || (!first && span.offset <= self.spans[i - 1].offset) {
                 return Err(at("does not follow the one before it"));
             }
             if end <= span.offset || end - span.offset > MAX_SPAN_BYTES {
-                return Err(at(&format!("is {} bytes long", end.saturating_sub(span.offset))));
+                return Err(at(&format!(
+                    "is {} bytes long",
+                    end.saturating_sub(span.offset)
+                )));
             }
             if span.input > span.input_end
                 || span.input_end > self.layer_size
@@ -226,16 +231,25 @@ impl SeekIndex {
         }
         let mut data_end = 0;
         for entry in &self.entries {
+            if i64::try_from(entry.mtime).is_err() {
+                return bad(format!("gives {} the time {}", entry.name, entry.mtime));
+            }
             let path = clean_path(&entry.name)?;
             if entry.kind == "reg" {
                 if entry.offset < data_end
                     || entry.offset % 512 != 0
-                    || entry.offset.checked_add(entry.size).is_none_or(|e| e > self.stream_size)
+                    || entry
+                        .offset
+                        .checked_add(entry.size)
+                        .is_none_or(|e| e > self.stream_size)
                 {
                     return bad(format!("places {path} outside the stream or out of order"));
                 }
                 data_end = entry.offset + entry.size;
-            } else if !matches!(entry.kind.as_str(), "dir" | "symlink" | "hardlink" | "other") {
+            } else if !matches!(
+                entry.kind.as_str(),
+                "dir" | "symlink" | "hardlink" | "other"
+            ) {
                 return bad(format!("gives {path} the type {:?}", entry.kind));
             }
         }
@@ -268,7 +282,9 @@ impl SeekIndex {
     fn window_len(&self, i: usize) -> Result<usize> {
         let text = &self.spans[i].window;
         if text.len() > WINDOW.div_ceil(3) * 4 {
-            return Err(Error::corrupt(format!("the window of span {i} is too long")));
+            return Err(Error::corrupt(format!(
+                "the window of span {i} is too long"
+            )));
         }
         Ok(self.window(i)?.len())
     }
@@ -277,6 +293,15 @@ impl SeekIndex {
     /// span): decoded, exactly the span's length, matching its digest. The one decode of
     /// indexed layer bytes; nothing else turns them into content.
     pub fn decode_span(&self, i: usize, input: &[u8]) -> Result<Vec<u8>> {
+        let data = self.decode_unverified(i, input)?;
+        let span = &self.spans[i];
+        span.digest
+            .verify(&data, &format!("span {i} at stream offset {}", span.offset))?;
+        Ok(data)
+    }
+
+    /// What span `i` decodes to, of its length but not checked against its digest.
+    pub(crate) fn decode_unverified(&self, i: usize, input: &[u8]) -> Result<Vec<u8>> {
         let span = &self.spans[i];
         let size = (self.span_end(i) - span.offset) as usize;
         if input.len() as u64 != span.input_end - span.input {
@@ -288,8 +313,11 @@ impl SeekIndex {
         }
         let data = match self.compression {
             Compression::None => input.to_vec(),
-            Compression::Gzip => inflate_span(&self.window(i)?, span.bits, input, size)
-                .map_err(|e| e.context(format!("span {i} (bytes {} of the stream)", span.offset)))?,
+            Compression::Gzip => {
+                inflate_span(&self.window(i)?, span.bits, input, size).map_err(|e| {
+                    e.context(format!("span {i} (bytes {} of the stream)", span.offset))
+                })?
+            }
         };
         if data.len() != size {
             return Err(Error::corrupt(format!(
@@ -297,8 +325,6 @@ impl SeekIndex {
                 data.len()
             )));
         }
-        span.digest
-            .verify(&data, &format!("span {i} at stream offset {}", span.offset))?;
         Ok(data)
     }
 }
@@ -353,8 +379,11 @@ fn inflate_span(window: &[u8], bits: u8, input: &[u8], size: usize) -> Result<Ve
 /// Builds the index of a layer while reading its blob once, front to back: the blob's own
 /// reader checks its digest at the end; this checks the stream against `expected.diff_id`.
 pub fn build(blob: impl Read, expected: &Expected, span_size: u64) -> Result<SeekIndex> {
-    crate::format::layout::check_chunk_size(span_size as usize)
-        .map_err(|_| Error::invalid(format!("--span {span_size} must be a power of two between 64K and 16M")))?;
+    crate::format::layout::check_chunk_size(span_size as usize).map_err(|_| {
+        Error::invalid(format!(
+            "--span {span_size} must be a power of two between 64K and 16M"
+        ))
+    })?;
     let mut stream = IndexingReader::new(blob, expected.compression, span_size)?;
     let entries = read_entries(&mut stream)?;
     std::io::copy(&mut stream, &mut std::io::sink())
@@ -417,10 +446,17 @@ fn read_entries(stream: &mut impl Read) -> Result<Vec<Entry>> {
             kind: kind.into(),
             link_name,
             mode: (number(header.mode().map(u64::from))? & 0o7777) as u32,
-            uid: u32::try_from(number(header.uid())?).map_err(|_| Error::corrupt("uid too large"))?,
-            gid: u32::try_from(number(header.gid())?).map_err(|_| Error::corrupt("gid too large"))?,
+            mtime: number(header.mtime())?,
+            uid: u32::try_from(number(header.uid())?)
+                .map_err(|_| Error::corrupt("uid too large"))?,
+            gid: u32::try_from(number(header.gid())?)
+                .map_err(|_| Error::corrupt("gid too large"))?,
             size: if kind == "reg" { entry.size() } else { 0 },
-            offset: if kind == "reg" { entry.raw_file_position() } else { 0 },
+            offset: if kind == "reg" {
+                entry.raw_file_position()
+            } else {
+                0
+            },
             name,
         });
     }
@@ -601,13 +637,18 @@ impl<R: Read> Read for IndexingReader<R> {
                 self.fill()?;
                 continue;
             }
-            let inflater = self.inflater.as_mut().expect("gzip layers have an inflater");
+            let inflater = self
+                .inflater
+                .as_mut()
+                .expect("gzip layers have an inflater");
             let step = inflater
                 .inflate(&self.input[self.input_at..], buf)
                 .map_err(|e| std::io::Error::other(e.chain()))?;
             self.input_at += step.consumed;
             self.consumed += step.consumed as u64;
-            let since = self.spans.last().map_or(u64::MAX, |s| self.produced + step.produced as u64 - s.offset);
+            let since = self.spans.last().map_or(u64::MAX, |s| {
+                self.produced + step.produced as u64 - s.offset
+            });
             self.emit(&buf[..step.produced]);
             if step.end {
                 self.member_done = true;
@@ -630,11 +671,11 @@ impl<R: Read> Read for IndexingReader<R> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod testing {
     use std::io::Write;
 
-    fn tar_of(files: &[(&str, Vec<u8>)]) -> Vec<u8> {
+    /// A tar of `files` as KubeVirt's containerDisk build writes it (uid/gid 107, 0644).
+    pub fn tar_of(files: &[(&str, Vec<u8>)]) -> Vec<u8> {
         let mut b = tar::Builder::new(Vec::new());
         for (name, data) in files {
             let mut h = tar::Header::new_gnu();
@@ -642,30 +683,41 @@ mod tests {
             h.set_mode(0o644);
             h.set_uid(107);
             h.set_gid(107);
+            h.set_mtime(1_700_000_000);
             h.set_cksum();
             b.append_data(&mut h, name, data.as_slice()).unwrap();
         }
         b.into_inner().unwrap()
     }
 
-    fn gzip(data: &[u8], level: u32) -> Vec<u8> {
+    pub fn gzip(data: &[u8], level: u32) -> Vec<u8> {
         let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(level));
         e.write_all(data).unwrap();
         e.finish().unwrap()
     }
 
     /// Pseudo-random, partly compressible disk content with long zero runs.
-    fn disk(size: usize) -> Vec<u8> {
+    pub fn disk(size: usize) -> Vec<u8> {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let mut d = vec![0u8; size];
         for block in d.chunks_mut(64 << 10).step_by(3) {
             for (i, b) in block.iter_mut().enumerate() {
-                *b = if i % 7 == 0 { rng.gen() } else { (i % 251) as u8 };
+                *b = if i % 7 == 0 {
+                    rng.gen()
+                } else {
+                    (i % 251) as u8
+                };
             }
         }
         d
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::{disk, gzip, tar_of};
+    use super::*;
 
     fn expected(blob: &[u8], tar: &[u8], compression: Compression) -> Expected {
         Expected {
@@ -682,7 +734,11 @@ mod tests {
             let data = index
                 .decode_span(i, &blob[s.input as usize..s.input_end as usize])
                 .unwrap();
-            assert_eq!(data, tar[s.offset as usize..index.span_end(i) as usize], "span {i}");
+            assert_eq!(
+                data,
+                tar[s.offset as usize..index.span_end(i) as usize],
+                "span {i}"
+            );
         }
     }
 
@@ -693,8 +749,15 @@ mod tests {
             let blob = gzip(&tar, level);
             let exp = expected(&blob, &tar, Compression::Gzip);
             let index = build(blob.as_slice(), &exp, 64 << 10).unwrap();
-            assert!(index.spans.len() > 10, "level {level}: {} spans", index.spans.len());
-            assert!(index.spans.iter().any(|s| s.bits != 0), "bit-aligned checkpoints");
+            assert!(
+                index.spans.len() > 10,
+                "level {level}: {} spans",
+                index.spans.len()
+            );
+            assert!(
+                index.spans.iter().any(|s| s.bits != 0),
+                "bit-aligned checkpoints"
+            );
             assert_eq!(index.entries.len(), 1);
             assert_eq!(index.entries[0].offset, 512);
             let again = SeekIndex::decode(&index.encode().unwrap(), &exp).unwrap();
@@ -708,7 +771,10 @@ mod tests {
         let tar = tar_of(&[("disk/d.raw", disk(1 << 20)), ("disk/x", vec![1; 100])]);
         let exp = expected(&tar, &tar, Compression::None);
         let index = build(tar.as_slice(), &exp, 64 << 10).unwrap();
-        assert_eq!(index.spans.len() as u64, (tar.len() as u64).div_ceil(64 << 10));
+        assert_eq!(
+            index.spans.len() as u64,
+            (tar.len() as u64).div_ceil(64 << 10)
+        );
         assert_eq!(index.entries.len(), 2);
         check_all_spans(&index, &tar, &tar);
     }
