@@ -12,11 +12,11 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
-use crate::cache::{CacheRoot, LayerId, LayerMeta, RefRecord};
+use crate::cache::{CacheRoot, IndexSource, LayerId, LayerMeta, RefRecord};
 use crate::digest::Digest;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::seekable::{Expected, SeekIndex};
+use crate::format::seekable::{self, Compression, Expected, SeekIndex};
 use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
 use crate::reference::Reference;
@@ -431,14 +431,17 @@ pub async fn platform_manifest(
     }
 }
 
-/// The disk layer of a manifest, where its TOC is, and its identity: the config (fetched by
-/// its digest) supplies the diff_id the layer claims.
+/// The disk layer of image manifest `manifest_digest` (`manifest`) of `reference`, and what
+/// the cache records about it (its identity: [`LayerMeta::id`]): a zstd:chunked layer with
+/// its TOC, else an ordinary layer with a seekable index published for the image. The config
+/// (fetched by its digest) supplies the diff_id the layer claims.
 pub async fn disk_layer_id(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
     reference: &Reference,
     manifest: &oci::Manifest,
-) -> Result<(Descriptor, TocLocation, LayerId)> {
+    manifest_digest: Digest,
+) -> Result<(Descriptor, LayerMeta)> {
     let Some(layer) = disk_layer(manifest) else {
         // TOC annotations that are there but refused say why, not "no lazy layer".
         if let Some(e) = manifest
@@ -449,7 +452,7 @@ pub async fn disk_layer_id(
         {
             return Err(e.context(reference));
         }
-        return Err(Error::unsupported(format!("{reference} has no lazily loadable (zstd:chunked) layer; publish it with `vmdisk push` or `vmdisk convert`")));
+        return indexed_layer_id(client, cache, reference, manifest, manifest_digest).await;
     };
     let loc = TocLocation::from_annotations(&layer.annotations)?
         .expect("disk_layer checked the TOC annotations");
@@ -506,16 +509,6 @@ pub async fn disk_layer_id(
             (config, toc)
         }
     };
-    let config: oci::ImageConfig = serde_json::from_slice(&config).map_err(|e| {
-        Error::corrupt(format!("the image config of {reference} is not valid: {e}"))
-    })?;
-    if config.rootfs.diff_ids.len() != manifest.layers.len() {
-        return Err(Error::corrupt(format!(
-            "the image config of {reference} lists {} diff_ids for {} layers",
-            config.rootfs.diff_ids.len(),
-            manifest.layers.len()
-        )));
-    }
     let position = manifest
         .layers
         .iter()
@@ -526,7 +519,7 @@ pub async fn disk_layer_id(
         size: layer.size,
         toc: loc.checksum,
         toc_offset: loc.offset,
-        diff_id: config.rootfs.diff_ids[position],
+        diff_id: diff_id_of(&config, manifest, position, reference)?,
         disk_path,
         indexed: false,
     };
@@ -542,7 +535,251 @@ pub async fn disk_layer_id(
             tracing::debug!(error = %e.chain(), "keeping a fetched TOC failed");
         }
     }
-    Ok((layer.clone(), loc, id))
+    Ok((layer.clone(), layer_meta(reference, &loc, &id)))
+}
+
+/// The diff_id the image config (`config`, verified JSON bytes) claims for layer `position`.
+fn diff_id_of(
+    config: &[u8],
+    manifest: &oci::Manifest,
+    position: usize,
+    reference: &Reference,
+) -> Result<Digest> {
+    let config: oci::ImageConfig = serde_json::from_slice(config).map_err(|e| {
+        Error::corrupt(format!("the image config of {reference} is not valid: {e}"))
+    })?;
+    if config.rootfs.diff_ids.len() != manifest.layers.len() {
+        return Err(Error::corrupt(format!(
+            "the image config of {reference} lists {} diff_ids for {} layers",
+            config.rootfs.diff_ids.len(),
+            manifest.layers.len()
+        )));
+    }
+    Ok(config.rootfs.diff_ids[position])
+}
+
+/// The layer of an ordinary image that may hold its disk: the topmost gzip or uncompressed tar
+/// layer, its position and compression.
+pub fn indexable_layer(m: &oci::Manifest) -> Option<(usize, &Descriptor, Compression)> {
+    m.layers.iter().enumerate().rev().find_map(|(i, l)| {
+        match oci::layer_compression(&l.media_type)? {
+            oci::LayerCompression::Gzip => Some((i, l, Compression::Gzip)),
+            oci::LayerCompression::None => Some((i, l, Compression::None)),
+            oci::LayerCompression::Zstd => None,
+        }
+    })
+}
+
+/// The ordinary disk layer of `manifest` and its record, with the seekable index published
+/// for it (kept in `cache` with the record, as a TOC is).
+async fn indexed_layer_id(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+    manifest_digest: Digest,
+) -> Result<(Descriptor, LayerMeta)> {
+    let Some((position, layer, compression)) = indexable_layer(manifest) else {
+        return Err(Error::unsupported(format!("{reference} has no lazily loadable layer (zstd:chunked, or gzip or uncompressed tar with a seekable index); publish it with `vmdisk push` or `vmdisk convert`, or index it with `vmdisk index`")));
+    };
+    let config = image_config(client, cache, reference, manifest).await?;
+    let expected = Expected {
+        layer: layer.digest,
+        layer_size: layer.size,
+        compression,
+        diff_id: diff_id_of(&config, manifest, position, reference)?,
+    };
+    let found = find_index(client, reference, manifest_digest, &expected).await?;
+    let meta = LayerMeta {
+        reference: reference.to_string(),
+        layer_digest: layer.digest,
+        layer_size: layer.size,
+        toc_offset: 0,
+        toc_length: found.bytes.len() as u64,
+        toc_uncompressed_length: 0,
+        toc_digest: found.digest,
+        disk_path: None,
+        diff_id: expected.diff_id,
+        index: Some(IndexSource {
+            repository: found.repository.to_string(),
+            compression,
+        }),
+    };
+    if let Some(cache) = cache.cloned() {
+        let (meta, bytes) = (meta.clone(), found.bytes);
+        let kept = blocking(move || {
+            if !cache.has_layer_meta(&meta.id().key()) {
+                cache.save_layer_meta(&meta, &bytes)?;
+            }
+            Ok(())
+        });
+        if let Err(e) = kept.await {
+            tracing::debug!(error = %e.chain(), "keeping a fetched index failed");
+        }
+    }
+    Ok((layer.clone(), meta))
+}
+
+/// The image config of `manifest`: kept in `cache`, else fetched (by digest) and kept.
+async fn image_config(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+) -> Result<Vec<u8>> {
+    let digest = manifest.config.digest;
+    if let Some(c) = cache.cloned() {
+        if let Some(config) =
+            blocking(move || Ok(c.load_blob(&digest, oci::MAX_CONFIG_SIZE))).await?
+        {
+            return Ok(config);
+        }
+    }
+    let config = client
+        .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
+        .await
+        .map_err(|e| e.context(format!("fetching the image config of {reference}")))?;
+    keep(cache, digest, config.clone()).await;
+    Ok(config)
+}
+
+/// A seekable index found for a layer: where, its blob digest and bytes (checked).
+struct FoundIndex {
+    repository: Reference,
+    digest: Digest,
+    bytes: Vec<u8>,
+}
+
+/// Most index artifacts tried per repository (newest first).
+const MAX_INDEX_CANDIDATES: usize = 4;
+
+/// The seekable index of layer `expected` of image manifest `manifest_digest`: among its
+/// referrers in the image's repository, then in each configured index repository, the
+/// newest whose manifest names that subject and whose index validates against the layer.
+/// NotFound (saying what was tried) when there is none.
+async fn find_index(
+    client: &dyn Registry,
+    reference: &Reference,
+    manifest_digest: Digest,
+    expected: &Expected,
+) -> Result<FoundIndex> {
+    let own = Reference {
+        tag: None,
+        digest: None,
+        ..reference.clone()
+    };
+    let mut refused = Vec::new();
+    for repo in std::iter::once(&own).chain(client.index_repositories()) {
+        let candidates = client
+            .referrers(repo, &manifest_digest, seekable::ARTIFACT_TYPE)
+            .await
+            .map_err(|e| e.context(format!("looking up seekable indexes in {repo}")))?;
+        for desc in candidates.iter().rev().take(MAX_INDEX_CANDIDATES) {
+            match index_from(client, repo, desc, manifest_digest, expected).await {
+                Ok(found) => return Ok(found),
+                Err(e) if e.kind() == ErrorKind::Network => return Err(e),
+                Err(e) => {
+                    tracing::warn!(repository = %repo, index = %desc.digest, error = %e.chain(), "refusing a seekable index");
+                    refused.push(format!("{repo}@{}: {}", desc.digest, e.chain()));
+                }
+            }
+        }
+    }
+    let searched = std::iter::once(&own)
+        .chain(client.index_repositories())
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(Error::new(
+        ErrorKind::NotFound,
+        if refused.is_empty() {
+            format!("{reference} has no seekable index for layer {} (searched {searched}); publish one with `vmdisk index`", expected.layer)
+        } else {
+            format!(
+                "no usable seekable index for layer {} of {reference}: {}",
+                expected.layer,
+                refused.join("; ")
+            )
+        },
+    ))
+}
+
+/// The index artifact `desc` in `repo`, if it is one for `subject` and `expected`.
+async fn index_from(
+    client: &dyn Registry,
+    repo: &Reference,
+    desc: &Descriptor,
+    subject: Digest,
+    expected: &Expected,
+) -> Result<FoundIndex> {
+    let fetched = client.get_manifest(&repo.with_digest(desc.digest)).await?;
+    let ManifestKind::Image(m) = fetched.manifest else {
+        return Err(Error::corrupt(
+            "the referrer is an index, not an artifact manifest",
+        ));
+    };
+    if m.artifact_type.as_deref() != Some(seekable::ARTIFACT_TYPE) {
+        return Err(Error::corrupt(format!(
+            "the artifact's type is {:?}, not {}",
+            m.artifact_type,
+            seekable::ARTIFACT_TYPE
+        )));
+    }
+    match &m.subject {
+        Some(s) if s.digest == subject => {}
+        other => {
+            return Err(Error::corrupt(format!(
+                "the artifact refers to {}, not image manifest {subject}",
+                other
+                    .as_ref()
+                    .map_or("nothing".into(), |s| s.digest.to_string())
+            )))
+        }
+    }
+    if m.annotations
+        .get(seekable::ANN_LAYER)
+        .is_some_and(|l| *l != expected.layer.to_string())
+    {
+        return Err(Error::corrupt(format!(
+            "the artifact indexes layer {}, not {}",
+            m.annotations[seekable::ANN_LAYER],
+            expected.layer
+        )));
+    }
+    let [blob] = m.layers.as_slice() else {
+        return Err(Error::corrupt("the artifact has not exactly one blob"));
+    };
+    if blob.media_type != seekable::MEDIA_TYPE {
+        return Err(Error::corrupt(format!(
+            "the artifact's blob is {}, not {}",
+            blob.media_type,
+            seekable::MEDIA_TYPE
+        )));
+    }
+    let bytes = client
+        .get_blob(repo, blob, seekable::MAX_INDEX_BYTES)
+        .await?;
+    let expected = *expected;
+    let bytes = blocking(move || {
+        let index = SeekIndex::decode(&bytes, &expected)?;
+        let has_disk = index.entries.iter().any(|e| {
+            e.kind == "reg"
+                && zstd_chunked::clean_path(&e.name)
+                    .is_ok_and(|p| crate::format::layout::is_disk_path(&p, None))
+        });
+        if !has_disk {
+            return Err(Error::unsupported(
+                "the indexed layer has no regular file under /disk/ or /image/",
+            ));
+        }
+        Ok(bytes)
+    })
+    .await?;
+    Ok(FoundIndex {
+        repository: repo.clone(),
+        digest: blob.digest,
+        bytes,
+    })
 }
 
 /// How long identifying a layer waits for its TOC once the config is there.
@@ -561,6 +798,34 @@ fn layer_meta(reference: &Reference, loc: &TocLocation, id: &LayerId) -> LayerMe
         disk_path: id.disk_path.clone(),
         diff_id: id.diff_id,
         index: None,
+    }
+}
+
+/// The TOC (or seekable index) `meta` pins, verified against its digest.
+async fn fetch_toc_of(client: &dyn Registry, meta: &LayerMeta) -> Result<Vec<u8>> {
+    match &meta.index {
+        Some(source) => {
+            let repo: Reference = source.repository.parse()?;
+            let desc = Descriptor {
+                media_type: seekable::MEDIA_TYPE.into(),
+                digest: meta.toc_digest,
+                size: meta.toc_length,
+                ..Descriptor::of(seekable::MEDIA_TYPE, b"")
+            };
+            client
+                .get_blob(&repo, &desc, seekable::MAX_INDEX_BYTES)
+                .await
+        }
+        None => {
+            let loc = TocLocation {
+                offset: meta.toc_offset,
+                length: meta.toc_length,
+                uncompressed_length: meta.toc_uncompressed_length,
+                checksum: meta.toc_digest,
+            };
+            let reference: Reference = meta.reference.parse()?;
+            fetch_toc(client, &reference, &meta.layer_digest, &loc).await
+        }
     }
 }
 
@@ -586,18 +851,15 @@ async fn resolve_online(
 ) -> Result<RemoteLayer> {
     let (manifest, manifest_digest, platform) =
         platform_manifest(client, Some(cache), reference).await?;
-    let (layer, loc, id) = disk_layer_id(client, Some(cache), reference, &manifest).await?;
-    let meta = layer_meta(reference, &loc, &id);
-    let key = id.key();
+    let (_, meta) =
+        disk_layer_id(client, Some(cache), reference, &manifest, manifest_digest).await?;
+    let key = meta.id().key();
     let c = cache.clone();
     // Usually there already: kept by this call's `disk_layer_id` or the snapshotter's.
     let cached = blocking(move || Ok(c.load_layer_meta(&key).map(|(_, toc)| toc))).await?;
     let (toc, fetched) = match cached {
         Some(toc) => (toc, false),
-        None => (
-            fetch_toc(client, reference, &layer.digest, &loc).await?,
-            true,
-        ),
+        None => (fetch_toc_of(client, &meta).await?, true),
     };
     // A kept TOC matches its pinned checksum but is parsed and validated on every load:
     // parsing grows with the chunk count (tens of ms per 8 GiB), so off the async workers.

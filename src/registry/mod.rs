@@ -64,6 +64,8 @@ pub struct RegistryConfig {
     /// Docker config files to read credentials from, instead of the default search path.
     pub auth_files: Option<Vec<PathBuf>>,
     pub retry: RetryPolicy,
+    /// Repositories searched for seekable indexes after the image's own (`vmdisk index --to`).
+    pub index_repositories: Vec<Reference>,
 }
 
 impl RegistryClient {
@@ -274,6 +276,20 @@ pub trait Registry: Send + Sync {
     fn endpoint_counters(&self) -> Vec<(String, health::EndpointCounters)> {
         Vec::new()
     }
+    /// The referrers of manifest `digest` in `r`'s repository with `artifact_type` (see
+    /// [`RegistryClient::referrers`]); none where the store has no referrers.
+    fn referrers<'a>(
+        &'a self,
+        _r: &'a Reference,
+        _digest: &'a Digest,
+        _artifact_type: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<Vec<Descriptor>>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+    /// Repositories searched for seekable indexes after the image's own.
+    fn index_repositories(&self) -> &[Reference] {
+        &[]
+    }
 }
 
 impl Registry for RegistryClient {
@@ -315,6 +331,19 @@ impl Registry for RegistryClient {
 
     fn endpoint_counters(&self) -> Vec<(String, health::EndpointCounters)> {
         self.health.counters()
+    }
+
+    fn referrers<'a>(
+        &'a self,
+        r: &'a Reference,
+        digest: &'a Digest,
+        artifact_type: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<Vec<Descriptor>>> {
+        Box::pin(RegistryClient::referrers(self, r, digest, artifact_type))
+    }
+
+    fn index_repositories(&self) -> &[Reference] {
+        &self.config.index_repositories
     }
 }
 

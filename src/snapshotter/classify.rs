@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::cache::CacheRoot;
 use crate::digest::Digest;
-use crate::error::Result;
+use crate::error::{ErrorKind, Result};
 use crate::oci::{self, ManifestKind};
 use crate::reference::Reference;
 use crate::registry::Registry;
@@ -133,31 +133,39 @@ impl Classifier {
                 format!("{reference} has no layer {layer}"),
             );
         }
-        match crate::remote::disk_layer(&manifest) {
-            Some(disk) if disk.digest == layer => {
-                match crate::remote::disk_layer_id(
-                    self.client(),
-                    self.cache(),
-                    &reference,
-                    &manifest,
-                )
-                .await
-                {
-                    Ok((_, _, id)) => Decision::Remote {
-                        reference,
-                        layer: id.key(),
-                    },
-                    Err(e) if e.kind() == crate::error::ErrorKind::Network => {
-                        ordinary("registry_error", e.chain())
-                    }
-                    Err(e) => ordinary("invalid_image", e.chain()),
-                }
-            }
-            Some(_) => ordinary("not_disk_layer", "another layer holds the disk".into()),
-            None => ordinary(
-                "not_lazy",
-                "no zstd:chunked layer with a TOC in the manifest".into(),
-            ),
+        let manifest_digest = reference.digest.expect("the reference is pinned above");
+        let disk =
+            match crate::remote::disk_layer(&manifest) {
+                Some(disk) => disk,
+                None => match crate::remote::indexable_layer(&manifest) {
+                    Some((_, ordinary, _)) if ordinary.digest == layer => ordinary,
+                    _ => return ordinary(
+                        "not_lazy",
+                        "no zstd:chunked layer with a TOC, and this is not the topmost tar layer"
+                            .into(),
+                    ),
+                },
+            };
+        if disk.digest != layer {
+            return ordinary("not_disk_layer", "another layer holds the disk".into());
+        }
+        match crate::remote::disk_layer_id(
+            self.client(),
+            self.cache(),
+            &reference,
+            &manifest,
+            manifest_digest,
+        )
+        .await
+        {
+            Ok((_, meta)) => Decision::Remote {
+                reference,
+                layer: meta.id().key(),
+            },
+            Err(e) if e.kind() == ErrorKind::Network => ordinary("registry_error", e.chain()),
+            // An ordinary layer without a (usable) seekable index: the usual case.
+            Err(e) if e.kind() == ErrorKind::NotFound => ordinary("no_index", e.chain()),
+            Err(e) => ordinary("invalid_image", e.chain()),
         }
     }
 }

@@ -89,6 +89,9 @@ pub struct RegistrySettings {
     pub fetch_timeout: u64,
     /// Seconds Prepare waits for a disk to be mounted before falling back to a normal pull.
     pub mount_timeout: u64,
+    /// Repositories (`registry/repository`) searched for the seekable index of an ordinary
+    /// disk image after the image's own (`vmdisk index --to`), in order.
+    pub index_repositories: Vec<String>,
 }
 
 /// The Prometheus endpoint.
@@ -136,6 +139,7 @@ impl Default for RegistrySettings {
             plain_http_hosts: Vec::new(),
             fetch_timeout: 30,
             mount_timeout: 60,
+            index_repositories: Vec::new(),
         }
     }
 }
@@ -164,6 +168,12 @@ impl Config {
             ))
         })?;
         config.metrics_address()?;
+        config.index_repositories().map_err(|e| {
+            e.context(format!(
+                "configuration {}: registry.index_repositories",
+                path.display()
+            ))
+        })?;
         if !config.cache.size.is_empty() {
             crate::units::parse_size(&config.cache.size)
                 .map_err(|e| e.context(format!("configuration {}: cache.size", path.display())))?;
@@ -188,9 +198,28 @@ impl Config {
         Ok(Some(crate::units::parse_size(&self.cache.size)? as u64))
     }
 
+    /// The index repositories, parsed: each a repository, without tag or digest.
+    pub fn index_repositories(&self) -> Result<Vec<crate::reference::Reference>> {
+        self.registry
+            .index_repositories
+            .iter()
+            .map(|r| {
+                let parsed: crate::reference::Reference = r.parse()?;
+                if parsed.tag.is_some() || parsed.digest.is_some() || !r.contains('/') {
+                    return Err(Error::invalid(format!(
+                        "{r:?} must be a repository such as registry.example/vmdisk-indexes"
+                    )));
+                }
+                Ok(parsed)
+            })
+            .collect()
+    }
+
     /// The registry client settings.
     pub fn registry_config(&self) -> RegistryConfig {
         RegistryConfig {
+            // Checked when the configuration was loaded.
+            index_repositories: self.index_repositories().unwrap_or_default(),
             plain_http_hosts: self.registry.plain_http_hosts.clone(),
             hosts_dir: Some(self.registry.hosts_dir.clone()).filter(|d| d.is_dir()),
             auth_files: Some(self.registry.auth_files.clone()).filter(|f| !f.is_empty()),
@@ -251,6 +280,13 @@ mod tests {
         assert!(e.to_string().contains("loopback"), "{e}");
         let e = parse("[cache]\nsize = \"lots\"").unwrap_err();
         assert!(e.to_string().contains("cache.size"), "{e}");
+        let e = parse("[registry]\nindex_repositories = [\"r.example/i:tag\"]").unwrap_err();
+        assert!(e.to_string().contains("index_repositories"), "{e}");
+        let c = parse("[registry]\nindex_repositories = [\"r.example/team/indexes\"]").unwrap();
+        assert_eq!(
+            c.registry_config().index_repositories[0].repository,
+            "team/indexes"
+        );
         let c =
             parse("[metrics]\naddress = \"unix:/run/m.sock\"\n[cache]\nhydrate = \"background\"")
                 .unwrap();

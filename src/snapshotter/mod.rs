@@ -590,11 +590,11 @@ impl Snapshotter {
         let remote = match crate::remote::platform_manifest(client, cache, &parsed).await {
             Ok((manifest, digest, _)) => {
                 let pinned = parsed.with_digest(digest);
-                let (_, _, id) =
-                    crate::remote::disk_layer_id(client, cache, &pinned, &manifest).await?;
+                let (_, meta) =
+                    crate::remote::disk_layer_id(client, cache, &pinned, &manifest, digest).await?;
                 RemoteLayerRef {
                     reference: pinned.to_string(),
-                    layer: id.key(),
+                    layer: meta.id().key(),
                     alias: Some(reference.to_string()),
                 }
             }

@@ -328,6 +328,7 @@ async fn every_other_outcome_is_an_ordinary_snapshot_with_its_reason() {
             assert!(mounts.is_some(), "an ordinary snapshot to unpack into");
         }
     };
+    // An ordinary gzip layer with no seekable index published.
     prepare(cri_labels("a", &plain, &plain_layers[0])).await;
     // No CRI labels (a `ctr` pull).
     prepare(BTreeMap::from([(
@@ -352,7 +353,7 @@ async fn every_other_outcome_is_an_ordinary_snapshot_with_its_reason() {
     prepare(cri_labels("g", &disk, &disk_layers[0])).await;
     let d = f.decisions();
     for reason in [
-        "ordinary:not_lazy",
+        "ordinary:no_index",
         "ordinary:no_cri_labels",
         "ordinary:malformed_labels",
         "ordinary:layer_not_in_manifest",
@@ -362,7 +363,7 @@ async fn every_other_outcome_is_an_ordinary_snapshot_with_its_reason() {
     ] {
         assert!(d.contains_key(reason), "{reason} missing from {d:?}");
     }
-    assert_eq!(d.get("ordinary:not_lazy"), Some(&2), "{d:?}");
+    assert_eq!(d.get("ordinary:not_lazy"), Some(&1), "{d:?}");
     assert!(f
         .snapshotter
         .list()
@@ -395,10 +396,10 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
         .await
         .unwrap();
     assert_eq!(digest, manifest);
-    let (_, _, id) = crate::remote::disk_layer_id(client, Some(&cache), &reference, &m)
+    let (_, meta) = crate::remote::disk_layer_id(client, Some(&cache), &reference, &m, digest)
         .await
         .unwrap();
-    assert_eq!(id.key(), layer);
+    assert_eq!(meta.id().key(), layer);
     // A kept blob that no longer hashes to its name is not used.
     let kept = dir.path().join("blobs").join(manifest.hex());
     let mut bytes = std::fs::read(&kept).unwrap();
