@@ -40,6 +40,10 @@ pub struct RegistryArgs {
     /// Docker config file with credentials (default: REGISTRY_AUTH_FILE, $DOCKER_CONFIG, ~/.docker).
     #[arg(long, global = true, value_name = "FILE")]
     pub auth_file: Option<PathBuf>,
+    /// A repository to look for seekable indexes in after the image's own (`index --to`);
+    /// repeatable.
+    #[arg(long = "index-repository", global = true, value_name = "REPO")]
+    pub index_repositories: Vec<String>,
 }
 
 impl RegistryArgs {
@@ -49,6 +53,11 @@ impl RegistryArgs {
             plain_http: self.plain_http,
             hosts_dir: self.hosts_dir.clone(),
             auth_files: self.auth_file.clone().map(|f| vec![f]),
+            index_repositories: self
+                .index_repositories
+                .iter()
+                .map(|r| repository(r, "--index-repository"))
+                .collect::<Result<_>>()?,
             ..RegistryConfig::default()
         })
     }
@@ -62,6 +71,9 @@ pub enum Command {
     Convert(ConvertArgs),
     /// Show an image's layers, disks and whether they can be loaded lazily.
     Inspect(InspectArgs),
+    /// Make an ordinary (gzip or uncompressed) disk image lazily loadable without republishing
+    /// it: read its disk layer once and publish a seekable index that refers to the image.
+    Index(IndexArgs),
     /// Mount an image's disk layer read-only, fetching chunks as they are read (foreground).
     Mount(MountArgs),
     /// List the disks vmdisk-snapshotter serves lazily on this node.
@@ -233,6 +245,28 @@ pub struct ConvertArgs {
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    pub reference: String,
+}
+
+/// `text` as a repository, for flag `flag`.
+fn repository(text: &str, flag: &str) -> Result<Reference> {
+    crate::reference::parse_repository(text).map_err(|e| e.context(flag))
+}
+
+#[derive(Args, Debug)]
+pub struct IndexArgs {
+    /// Publish the index into this repository (`registry/repository`) instead of the image's:
+    /// for images one cannot push beside. List it in the daemon's
+    /// `[registry] index_repositories`.
+    #[arg(long, value_name = "REPO")]
+    pub to: Option<String>,
+    /// Uncompressed bytes between checkpoints: smaller spans fetch less per cold read and make
+    /// a larger index (power of two, 64K to 16M).
+    #[arg(long, default_value = "1M", value_name = "SIZE")]
+    pub span: String,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -447,6 +481,33 @@ pub async fn run(cli: Cli) -> Result<()> {
                 "decisions": r.decisions.into_iter().collect::<std::collections::BTreeMap<_, _>>(),
             });
             println!("{}", serde_json::to_string_pretty(&json).expect("JSON"));
+        }
+        Command::Index(args) => {
+            let reference: Reference = args.reference.parse()?;
+            let to = args.to.as_deref().map(|t| repository(t, "--to")).transpose()?;
+            let span = crate::units::parse_size(&args.span)? as u64;
+            let client = cli.registry.client()?;
+            let r = crate::publish::index::index(&client, &reference, to.as_ref(), span).await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
+            } else {
+                println!(
+                    "indexed {} ({:?}, {} bytes; {} of tar stream, disk {}) in {:.1} s: {} spans of {}, index {} bytes ({:.2}% of the stream)\npublished {} in {} (subject {})",
+                    r.layer,
+                    r.compression,
+                    r.layer_size,
+                    r.stream_size,
+                    r.disk,
+                    r.seconds,
+                    r.spans,
+                    r.span_size,
+                    r.index_size,
+                    100.0 * r.index_size as f64 / r.stream_size.max(1) as f64,
+                    r.artifact,
+                    r.repository,
+                    r.manifest
+                );
+            }
         }
         Command::Inspect(args) => {
             let reference: Reference = args.reference.parse()?;

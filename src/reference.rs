@@ -58,6 +58,18 @@ impl Reference {
 }
 
 /// Whether `host[:port]` names the loopback interface.
+/// `text` as a repository (`registry/repository`, no tag or digest), such as a place to
+/// publish to or search in.
+pub fn parse_repository(text: &str) -> Result<Reference> {
+    let r: Reference = text.parse()?;
+    if r.tag.is_some() || r.digest.is_some() || !text.contains('/') {
+        return Err(Error::invalid(format!(
+            "{text:?} must be a repository such as registry.example/vmdisk-indexes"
+        )));
+    }
+    Ok(r)
+}
+
 pub fn is_loopback_host(host_port: &str) -> bool {
     let host = if let Some(rest) = host_port.strip_prefix('[') {
         rest.split(']').next().unwrap_or("")

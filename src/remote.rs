@@ -539,7 +539,7 @@ pub async fn disk_layer_id(
 }
 
 /// The diff_id the image config (`config`, verified JSON bytes) claims for layer `position`.
-fn diff_id_of(
+pub(crate) fn diff_id_of(
     config: &[u8],
     manifest: &oci::Manifest,
     position: usize,
@@ -621,7 +621,7 @@ async fn indexed_layer_id(
 }
 
 /// The image config of `manifest`: kept in `cache`, else fetched (by digest) and kept.
-async fn image_config(
+pub(crate) async fn image_config(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
     reference: &Reference,
@@ -762,12 +762,7 @@ async fn index_from(
     let expected = *expected;
     let bytes = blocking(move || {
         let index = SeekIndex::decode(&bytes, &expected)?;
-        let has_disk = index.entries.iter().any(|e| {
-            e.kind == "reg"
-                && zstd_chunked::clean_path(&e.name)
-                    .is_ok_and(|p| crate::format::layout::is_disk_path(&p, None))
-        });
-        if !has_disk {
+        if index.disk_entry().is_none() {
             return Err(Error::unsupported(
                 "the indexed layer has no regular file under /disk/ or /image/",
             ));

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use crate::digest::Digest;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::oci::{self, Descriptor, Manifest};
+use crate::oci::{self, Descriptor};
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
 
@@ -111,9 +111,8 @@ impl BootTrace {
 }
 
 /// Publishes `trace` as an artifact referring to the image manifest `subject` in `target`'s
-/// repository: the trace blob, the empty config, the artifact manifest, and the fallback tag's
-/// index (which keeps one trace per image: a new one replaces the old). Returns the artifact
-/// manifest's digest.
+/// repository (one trace per image: a new one replaces the old in the fallback tag). Returns
+/// the artifact manifest's digest.
 pub async fn publish(
     client: &RegistryClient,
     target: &Reference,
@@ -123,52 +122,9 @@ pub async fn publish(
     let blob = trace.to_json();
     let layer = Descriptor::of(MEDIA_TYPE, &blob);
     client
-        .push_blob(target, &layer.digest, blob.into())
+        .push_referrer(target, subject, MEDIA_TYPE, layer, blob, Default::default())
         .await
-        .map_err(|e| e.context("uploading the boot trace"))?;
-    let config = Descriptor::of(oci::OCI_EMPTY, b"{}");
-    client
-        .push_blob(target, &config.digest, bytes::Bytes::from_static(b"{}"))
-        .await
-        .map_err(|e| e.context("uploading the empty config"))?;
-    let subject_digest = subject.digest;
-    let manifest = Manifest {
-        schema_version: 2,
-        media_type: Some(oci::OCI_MANIFEST.into()),
-        artifact_type: Some(MEDIA_TYPE.into()),
-        config,
-        layers: vec![layer],
-        subject: Some(Box::new(Descriptor {
-            platform: None,
-            annotations: Default::default(),
-            artifact_type: None,
-            ..subject
-        })),
-        annotations: Default::default(),
-    };
-    let bytes = serde_json::to_vec(&manifest).expect("manifest serialises");
-    let mut desc = Descriptor::of(oci::OCI_MANIFEST, &bytes);
-    desc.artifact_type = Some(MEDIA_TYPE.into());
-    client
-        .put_manifest(target, None, oci::OCI_MANIFEST, bytes)
-        .await
-        .map_err(|e| e.context("uploading the boot trace manifest"))?;
-    // The fallback tag (registries without the referrers API): its index lists the referrers.
-    let (tag, mut manifests) = client.fallback_referrers(target, &subject_digest).await?;
-    manifests.retain(|d| d.artifact_type.as_deref() != Some(MEDIA_TYPE));
-    manifests.push(desc.clone());
-    let index = oci::Index {
-        schema_version: 2,
-        media_type: Some(oci::OCI_INDEX.into()),
-        manifests,
-        annotations: Default::default(),
-    };
-    let bytes = serde_json::to_vec(&index).expect("index serialises");
-    client
-        .put_manifest(&tag, tag.tag.as_deref(), oci::OCI_INDEX, bytes)
-        .await
-        .map_err(|e| e.context("updating the referrers fallback tag"))?;
-    Ok(desc.digest)
+        .map_err(|e| e.context("publishing the boot trace"))
 }
 
 /// The boot trace published for image manifest `manifest` of `reference` for `engine`'s

@@ -256,6 +256,15 @@ impl SeekIndex {
         Ok(())
     }
 
+    /// The disk the layer holds: its first regular file under `disk/` or `image/`.
+    pub fn disk_entry(&self) -> Option<&Entry> {
+        self.entries.iter().find(|e| {
+            e.kind == "reg"
+                && clean_path(&e.name)
+                    .is_ok_and(|p| crate::format::layout::is_disk_path(&p, None))
+        })
+    }
+
     /// The uncompressed end (exclusive) of span `i`.
     pub fn span_end(&self, i: usize) -> u64 {
         self.spans

@@ -6,6 +6,7 @@
 //! containerd hands to snapshotters as labels. Blobs stream straight into the registry; the
 //! tag is written last, so a failed push leaves nothing tagged.
 
+pub mod index;
 pub mod pipeline;
 
 use std::collections::BTreeMap;

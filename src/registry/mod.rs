@@ -931,6 +931,65 @@ impl RegistryClient {
         Ok((tag, manifests))
     }
 
+    /// Publishes `blob` (described by `layer`) as an OCI 1.1 artifact of `artifact_type` that
+    /// refers to manifest `subject`, in `target`'s repository: the blob, the empty config, the
+    /// artifact manifest (with `annotations`), and the referrers fallback tag's index for
+    /// registries without the referrers API, where it replaces an earlier artifact of the
+    /// same type. Returns the artifact manifest's digest.
+    pub async fn push_referrer(
+        &self,
+        target: &Reference,
+        subject: Descriptor,
+        artifact_type: &str,
+        layer: Descriptor,
+        blob: Vec<u8>,
+        annotations: std::collections::BTreeMap<String, String>,
+    ) -> Result<Digest> {
+        self.push_blob(target, &layer.digest, blob.into())
+            .await
+            .map_err(|e| e.context("uploading the artifact's blob"))?;
+        let config = Descriptor::of(oci::OCI_EMPTY, b"{}");
+        self.push_blob(target, &config.digest, Bytes::from_static(b"{}"))
+            .await
+            .map_err(|e| e.context("uploading the empty config"))?;
+        let subject_digest = subject.digest;
+        let manifest = oci::Manifest {
+            schema_version: 2,
+            media_type: Some(oci::OCI_MANIFEST.into()),
+            artifact_type: Some(artifact_type.into()),
+            config,
+            layers: vec![layer],
+            subject: Some(Box::new(Descriptor {
+                platform: None,
+                annotations: Default::default(),
+                artifact_type: None,
+                ..subject
+            })),
+            annotations: annotations.clone(),
+        };
+        let bytes = serde_json::to_vec(&manifest).expect("manifest serialises");
+        let mut desc = Descriptor::of(oci::OCI_MANIFEST, &bytes);
+        desc.artifact_type = Some(artifact_type.into());
+        desc.annotations = annotations;
+        self.put_manifest(target, None, oci::OCI_MANIFEST, bytes)
+            .await
+            .map_err(|e| e.context("uploading the artifact manifest"))?;
+        let (tag, mut manifests) = self.fallback_referrers(target, &subject_digest).await?;
+        manifests.retain(|d| d.artifact_type.as_deref() != Some(artifact_type));
+        manifests.push(desc.clone());
+        let index = oci::Index {
+            schema_version: 2,
+            media_type: Some(oci::OCI_INDEX.into()),
+            manifests,
+            annotations: Default::default(),
+        };
+        let bytes = serde_json::to_vec(&index).expect("index serialises");
+        self.put_manifest(&tag, tag.tag.as_deref(), oci::OCI_INDEX, bytes)
+            .await
+            .map_err(|e| e.context("updating the referrers fallback tag"))?;
+        Ok(desc.digest)
+    }
+
     /// Fetches a whole blob of at most `limit` bytes and verifies it against `desc`.
     pub async fn get_blob(&self, r: &Reference, desc: &Descriptor, limit: u64) -> Result<Vec<u8>> {
         if desc.size > limit {

@@ -203,15 +203,7 @@ impl Config {
         self.registry
             .index_repositories
             .iter()
-            .map(|r| {
-                let parsed: crate::reference::Reference = r.parse()?;
-                if parsed.tag.is_some() || parsed.digest.is_some() || !r.contains('/') {
-                    return Err(Error::invalid(format!(
-                        "{r:?} must be a repository such as registry.example/vmdisk-indexes"
-                    )));
-                }
-                Ok(parsed)
-            })
+            .map(|r| crate::reference::parse_repository(r))
             .collect()
     }
 

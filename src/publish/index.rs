@@ -1,0 +1,119 @@
+//! `vmdisk index`: makes an ordinary (gzip or uncompressed) disk image lazily loadable without
+//! republishing it. Its disk layer is read once, streaming, and a seekable index
+//! ([`crate::format::seekable`]) is published as an OCI 1.1 artifact whose `subject` is the
+//! image's platform manifest: in the image's repository, or with `--to` in another one (which
+//! the daemon's `[registry] index_repositories` then lists). The image is not touched, so its
+//! digest and signatures stay valid.
+
+use serde::Serialize;
+
+use crate::digest::Digest;
+use crate::error::{Error, Result};
+use crate::format::seekable::{self, Expected};
+use crate::oci::Descriptor;
+use crate::reference::Reference;
+use crate::registry::RegistryClient;
+use crate::remote;
+
+/// What `vmdisk index` did.
+#[derive(Debug, Serialize)]
+pub struct IndexReport {
+    /// The image manifest indexed (the artifact's subject).
+    pub manifest: Digest,
+    pub layer: Digest,
+    pub layer_size: u64,
+    pub compression: seekable::Compression,
+    /// The uncompressed tar stream's size.
+    pub stream_size: u64,
+    pub disk: String,
+    pub span_size: u64,
+    pub spans: usize,
+    /// The index blob's size, and where the artifact went.
+    pub index_size: u64,
+    pub repository: String,
+    pub artifact: Digest,
+    pub seconds: f64,
+}
+
+/// Indexes `reference`'s disk layer with spans of `span_size` and publishes the index to
+/// `to` (a repository), or beside the image.
+pub async fn index(
+    client: &RegistryClient,
+    reference: &Reference,
+    to: Option<&Reference>,
+    span_size: u64,
+) -> Result<IndexReport> {
+    let started = std::time::Instant::now();
+    let (manifest, manifest_digest, _) = remote::platform_manifest(client, None, reference).await?;
+    if remote::disk_layer(&manifest).is_some() {
+        return Err(Error::invalid(format!(
+            "{reference} already has a lazily loadable zstd:chunked layer; it needs no index"
+        )));
+    }
+    let Some((position, layer, compression)) = remote::indexable_layer(&manifest) else {
+        return Err(Error::unsupported(format!(
+            "{reference} has no gzip or uncompressed tar layer to index"
+        )));
+    };
+    let config = remote::image_config(client, None, reference, &manifest).await?;
+    let expected = Expected {
+        layer: layer.digest,
+        layer_size: layer.size,
+        compression,
+        diff_id: remote::diff_id_of(&config, &manifest, position, reference)?,
+    };
+    let blob = client.blob_reader(reference, layer).await?;
+    let built = crate::task::blocking(move || seekable::build(blob, &expected, span_size))
+        .await
+        .map_err(|e| e.context(format!("indexing layer {} of {reference}", layer.digest)))?;
+    let disk = built
+        .disk_entry()
+        .ok_or_else(|| {
+            Error::unsupported(format!(
+                "layer {} of {reference} has no regular file under /disk/ or /image/: not a disk image",
+                layer.digest
+            ))
+        })?
+        .name
+        .clone();
+    let encoded = crate::task::blocking(move || Ok((built.encode()?, built))).await?;
+    let (bytes, built) = encoded;
+    let subject = client.get_manifest(&reference.with_digest(manifest_digest)).await?;
+    let subject = Descriptor::of(&subject.media_type, &subject.bytes);
+    let target = match to {
+        Some(repo) => repo.clone(),
+        None => Reference {
+            tag: None,
+            digest: None,
+            ..reference.clone()
+        },
+    };
+    let blob_desc = Descriptor::of(seekable::MEDIA_TYPE, &bytes);
+    let index_size = bytes.len() as u64;
+    let annotations = [(seekable::ANN_LAYER.to_string(), layer.digest.to_string())].into();
+    let artifact = client
+        .push_referrer(
+            &target,
+            subject,
+            seekable::ARTIFACT_TYPE,
+            blob_desc,
+            bytes,
+            annotations,
+        )
+        .await
+        .map_err(|e| e.context(format!("publishing the index to {target}")))?;
+    Ok(IndexReport {
+        manifest: manifest_digest,
+        layer: layer.digest,
+        layer_size: layer.size,
+        compression,
+        stream_size: built.stream_size,
+        disk,
+        span_size,
+        spans: built.spans.len(),
+        index_size,
+        repository: target.to_string(),
+        artifact,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
