@@ -143,6 +143,18 @@ impl Daemon {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The logs of its mount servers, one after the other.
+    pub fn servers_log_text(&self) -> String {
+        let Ok(entries) = std::fs::read_dir(self.root.join("servers")) else {
+            return String::new();
+        };
+        entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+            .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+            .collect()
+    }
+
     /// The daemon's pid.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("the daemon runs").id()

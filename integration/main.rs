@@ -8,6 +8,7 @@ mod daemon;
 mod fleet;
 mod harness;
 mod hostile;
+mod index;
 mod libvirt;
 mod mount;
 mod packages;

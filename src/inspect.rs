@@ -62,6 +62,8 @@ pub struct LayerReport {
     pub toc_uncompressed_size: u64,
     /// Whether the layer carries vmdisk's own annotations.
     pub vmdisk_annotations: bool,
+    /// The seekable index an ordinary layer is read through (`repository@digest (size)`).
+    pub index: Option<String>,
 }
 
 /// The disk found in a layer.
@@ -103,6 +105,7 @@ impl LayerReport {
                 .annotations
                 .keys()
                 .any(|k| k.starts_with(crate::format::layout::ANN_PREFIX)),
+            index: None,
         }
     }
 }
@@ -186,7 +189,7 @@ async fn inspect_image(
             unique.push(desc);
         }
     }
-    let reports: Vec<LayerReport> =
+    let mut reports: Vec<LayerReport> =
         futures_util::stream::iter(unique.iter().map(|desc| async move {
             inspect_layer(client, r, desc)
                 .await
@@ -197,6 +200,15 @@ async fn inspect_image(
         .await
         .into_iter()
         .collect::<Result<_>>()?;
+    if crate::remote::disk_layer(m).is_none() {
+        if let Some((_, layer, _)) = crate::remote::indexable_layer(m) {
+            let at = unique
+                .iter()
+                .position(|d| d.digest == layer.digest)
+                .expect("the layer is among the unique ones");
+            seekable_index(client, r, m, digest.parse()?, &mut reports[at]).await?;
+        }
+    }
     let layers = m
         .layers
         .iter()
@@ -213,6 +225,38 @@ async fn inspect_image(
         manifest: digest,
         layers,
     })
+}
+
+/// Looks up the seekable index of `m`'s ordinary disk layer (reported in `rep`): with one, the
+/// layer is lazily loadable through it.
+async fn seekable_index(
+    client: &RegistryClient,
+    r: &Reference,
+    m: &Manifest,
+    manifest_digest: crate::digest::Digest,
+    rep: &mut LayerReport,
+) -> Result<()> {
+    let pinned = r.with_digest(manifest_digest);
+    match crate::remote::disk_layer_id(client, None, &pinned, m, manifest_digest).await {
+        Ok((_, meta)) => {
+            let source = meta.index.expect("an ordinary layer is read through its index");
+            rep.lazy = true;
+            rep.reason = None;
+            rep.index = Some(format!(
+                "{}@{} ({} bytes)",
+                source.repository, meta.toc_digest, meta.toc_length
+            ));
+        }
+        Err(e) if e.kind() == crate::error::ErrorKind::Network => return Err(e),
+        Err(e) => {
+            rep.reason = Some(format!(
+                "{}; {}",
+                rep.reason.take().unwrap_or_default(),
+                e.chain()
+            ))
+        }
+    }
+    Ok(())
 }
 
 async fn inspect_layer(
@@ -238,7 +282,7 @@ async fn inspect_layer(
                 LayerCompression::Zstd => "zstd",
             };
             let mut rep = LayerReport::new(desc, layout);
-            rep.reason = Some(format!("{layout} layer without a chunk index: it can only be fetched whole; republish it with `vmdisk convert`"));
+            rep.reason = Some(format!("{layout} layer without a chunk index: it can only be fetched whole; index it with `vmdisk index` or republish it with `vmdisk convert`"));
             rep.disk = peek_stream_disk(client, r, desc, c).await?;
             Ok(rep)
         }
@@ -444,6 +488,9 @@ pub fn render_text(report: &Report) -> String {
                     .map(|r| format!(" — {r}"))
                     .unwrap_or_default()
             ));
+            if let Some(index) = &l.index {
+                out.push_str(&format!("    seekable index: {index}\n"));
+            }
             if let Some(d) = &l.disk {
                 out.push_str(&format!(
                     "    disk: /{} {} virtual {} file {}\n",

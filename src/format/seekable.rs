@@ -554,14 +554,18 @@ impl<R: Read> IndexingReader<R> {
         self.span_hasher.update(data);
         self.produced += data.len() as u64;
         if self.compression == Compression::Gzip {
-            let tail = &data[data.len().saturating_sub(WINDOW)..];
-            for &b in tail {
+            let mut tail = &data[data.len().saturating_sub(WINDOW)..];
+            while !tail.is_empty() {
                 if self.ring.len() < WINDOW {
-                    self.ring.push(b);
+                    let n = tail.len().min(WINDOW - self.ring.len());
+                    self.ring.extend_from_slice(&tail[..n]);
                     self.ring_at = self.ring.len() % WINDOW;
+                    tail = &tail[n..];
                 } else {
-                    self.ring[self.ring_at] = b;
-                    self.ring_at = (self.ring_at + 1) % WINDOW;
+                    let n = tail.len().min(WINDOW - self.ring_at);
+                    self.ring[self.ring_at..self.ring_at + n].copy_from_slice(&tail[..n]);
+                    self.ring_at = (self.ring_at + n) % WINDOW;
+                    tail = &tail[n..];
                 }
             }
         }
