@@ -71,7 +71,7 @@ bench: deps build
 # from the committed corpus (copied: new inputs are not written into the tree). 1 GiB of RSS
 # or one allocation over 1 GiB is a failure: an allocation bomb fails the run.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := toc qcow2 manifest text_parsers layer_regions
+FUZZ_TARGETS := toc qcow2 manifest text_parsers layer_regions seekable_index
 fuzz:
 	@cargo +nightly fuzz --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-fuzz
 	@work=$$(mktemp -d) && trap 'rm -rf "$$work"' EXIT && cp -r fuzz/corpus/. "$$work"/ && \

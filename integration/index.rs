@@ -8,8 +8,8 @@ use std::time::Duration;
 use crate::boot::{boot, bootable_qcow2};
 use crate::cri::{container_output, rt, CriContainerd, Daemon};
 use crate::harness::{
-    oci_layout, run, sha256_file, skopeo_push, vmdisk, vmdisk_ok, FaultProxy, Layer,
-    Registry, Scratch,
+    oci_layout, run, sha256_file, skopeo_push, vmdisk, vmdisk_ok, FaultProxy, Layer, Registry,
+    Scratch,
 };
 use vmdisk::format::seekable;
 use vmdisk::reference::Reference;
@@ -46,7 +46,12 @@ fn push_layout_as_is(layout: &Path, dest: &str) {
     let index: serde_json::Value =
         serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();
     let blob = |d: &str| {
-        std::fs::read(layout.join("blobs/sha256").join(d.trim_start_matches("sha256:"))).unwrap()
+        std::fs::read(
+            layout
+                .join("blobs/sha256")
+                .join(d.trim_start_matches("sha256:")),
+        )
+        .unwrap()
     };
     let manifest_digest = index["manifests"][0]["digest"].as_str().unwrap();
     let manifest = blob(manifest_digest);
@@ -67,17 +72,31 @@ fn push_layout_as_is(layout: &Path, dest: &str) {
 }
 
 /// Container `compute` of a new pod reads `/disk/<file>` in full; its sha256.
-fn kubevirt_reads(ctd: &CriContainerd, scratch: &Scratch, pod: &str, image: &str, file: &str) -> String {
+fn kubevirt_reads(
+    ctd: &CriContainerd,
+    scratch: &Scratch,
+    pod: &str,
+    image: &str,
+    file: &str,
+) -> String {
     let logs = scratch.path(&format!("{pod}-logs"));
     let sandbox = ctd.run_sandbox(pod, &logs);
     let path = format!("/disk/{file}");
-    let id = ctd.start_container(&sandbox, "compute", image, &["/busybox", "sha256sum", &path]);
+    let id = ctd.start_container(
+        &sandbox,
+        "compute",
+        image,
+        &["/busybox", "sha256sum", &path],
+    );
     let code = ctd.wait_exit(&id, Duration::from_secs(900));
     let out = container_output(&logs.join("compute.log"));
     assert_eq!(code, 0, "{out:?}");
     let out = container_output(&logs.join("compute.log"));
     ctd.remove_sandbox(&sandbox.0);
-    let sum = out.first().and_then(|l| l.split_whitespace().next()).unwrap_or("-");
+    let sum = out
+        .first()
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or("-");
     format!("sha256:{sum}")
 }
 
@@ -86,7 +105,10 @@ fn wait_verified(daemon: &Daemon) -> String {
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
         let disks = daemon.disks();
-        let integrity = disks.first().map(|d| d.integrity.clone()).unwrap_or_default();
+        let integrity = disks
+            .first()
+            .map(|d| d.integrity.clone())
+            .unwrap_or_default();
         if integrity != "pending" || std::time::Instant::now() > deadline {
             return integrity;
         }
@@ -147,19 +169,40 @@ fn an_indexed_gzip_containerdisk_is_a_lazy_cri_pull_and_boots() {
         "PullImage (indexed gzip): {took:?}, {pulled} registry bytes for a {disk_len}-byte disk ({:.2}%)",
         pulled as f64 * 100.0 / disk_len as f64
     );
-    assert_eq!(daemon.decisions().get("remote"), Some(&1), "{:?}", daemon.decisions());
+    assert_eq!(
+        daemon.decisions().get("remote"),
+        Some(&1),
+        "{:?}",
+        daemon.decisions()
+    );
     assert!(pulled < disk_len / 20, "the lazy pull moved {pulled} bytes");
     let disks = daemon.disks();
-    assert!(disks[0].serving && disks[0].disk_path == "disk/disk.img", "{:?}", disks[0]);
+    assert!(
+        disks[0].serving && disks[0].disk_path == "disk/disk.img",
+        "{:?}",
+        disks[0]
+    );
 
     // Boot from the disk as it is served (raw), before anything read it all.
     let start = bytes();
-    let out = vmdisk_ok(&["path", "--raw", "--manage", daemon.manage.to_str().unwrap(), &image]);
+    let out = vmdisk_ok(&[
+        "path",
+        "--raw",
+        "--manage",
+        daemon.manage.to_str().unwrap(),
+        &image,
+    ]);
     let console = boot(Path::new(out.trim()));
-    assert!(console.contains("BOOT-MARKER"), "the VM did not boot:\n{console}");
+    assert!(
+        console.contains("BOOT-MARKER"),
+        "the VM did not boot:\n{console}"
+    );
     eprintln!("cold boot: {} registry bytes", bytes() - start);
 
-    assert_eq!(kubevirt_reads(&ctd, &scratch, "vm", &image, "disk.img"), want);
+    assert_eq!(
+        kubevirt_reads(&ctd, &scratch, "vm", &image, "disk.img"),
+        want
+    );
     assert_eq!(wait_verified(&daemon), "verified", "{}", daemon.log_text());
     assert_eq!(manifest_digest(&source), before);
 }
@@ -206,7 +249,10 @@ fn an_index_in_another_repository_and_an_uncompressed_layer_load_lazily() {
     let daemon = Daemon::start(&scratch, &format!("index_repositories = [\"{indexes}\"]\n"));
     let pause = pause_image(&reg, &scratch);
     let ctd = CriContainerd::start(&scratch, &daemon.socket, &pause, &[reg.port]);
-    for (n, (image, want)) in [(&gz, &want), (&tar, &sha256_file(&plain))].into_iter().enumerate() {
+    for (n, (image, want)) in [(&gz, &want), (&tar, &sha256_file(&plain))]
+        .into_iter()
+        .enumerate()
+    {
         ctd.pull(image)
             .unwrap_or_else(|e| panic!("PullImage {image}: {e}\n{}", daemon.log_text()));
         assert_eq!(
@@ -214,14 +260,25 @@ fn an_index_in_another_repository_and_an_uncompressed_layer_load_lazily() {
             Some(&(n as u64 + 1)),
             "{image}: {:?}\n{}",
             daemon.decisions(),
-            daemon.log_text().lines().filter(|l| l.contains("ordinary")).collect::<Vec<_>>().join("\n")
+            daemon
+                .log_text()
+                .lines()
+                .filter(|l| l.contains("ordinary"))
+                .collect::<Vec<_>>()
+                .join("\n")
         );
-        assert_eq!(kubevirt_reads(&ctd, &scratch, &format!("vm{n}"), image, "disk.img"), *want);
+        assert_eq!(
+            kubevirt_reads(&ctd, &scratch, &format!("vm{n}"), image, "disk.img"),
+            *want
+        );
     }
     let disks = daemon.disks();
     assert_eq!(disks.len(), 2, "{disks:?}");
     // The uncompressed layer's disk came as the blob's own bytes, each once.
-    let tar_disk = disks.iter().find(|d| d.reference.contains("vendor/tar")).unwrap();
+    let tar_disk = disks
+        .iter()
+        .find(|d| d.reference.contains("vendor/tar"))
+        .unwrap();
     let size = std::fs::metadata(&plain).unwrap().len();
     assert!(
         tar_disk.registry_bytes >= size && tar_disk.registry_bytes <= size + (4 << 20),
@@ -276,12 +333,21 @@ fn corrupted_or_mismatched_indexes_never_serve_wrong_bytes() {
         .unwrap();
     let json = zstd::decode_all(blob.as_slice()).unwrap();
     let index: seekable::SeekIndex = serde_json::from_slice(&json).unwrap();
-    let publish = |target: &Reference, subject: &vmdisk::registry::FetchedManifest, index: &seekable::SeekIndex| {
+    let publish = |target: &Reference,
+                   subject: &vmdisk::registry::FetchedManifest,
+                   index: &seekable::SeekIndex| {
         let bytes = index.encode().unwrap();
         let layer = vmdisk::oci::Descriptor::of(seekable::MEDIA_TYPE, &bytes);
         let subject = vmdisk::oci::Descriptor::of(&subject.media_type, &subject.bytes);
-        s.block_on(c.push_referrer(target, subject, seekable::ARTIFACT_TYPE, layer, bytes, Default::default()))
-            .unwrap();
+        s.block_on(c.push_referrer(
+            target,
+            subject,
+            seekable::ARTIFACT_TYPE,
+            layer,
+            bytes,
+            Default::default(),
+        ))
+        .unwrap();
     };
 
     // A's index published for B (its subject is B, it describes A's layer): refused.
@@ -291,7 +357,10 @@ fn corrupted_or_mismatched_indexes_never_serve_wrong_bytes() {
     let out = vmdisk(&["path", "--manage", &manage, &b]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "B has no index of its own");
-    assert!(err.contains("no usable seekable index") && err.contains("describes layer"), "{err}");
+    assert!(
+        err.contains("no usable seekable index") && err.contains("describes layer"),
+        "{err}"
+    );
 
     // A wrong span digest, then a wrong checkpoint (another span's window), replacing A's.
     for (what, lie) in [

@@ -484,12 +484,19 @@ pub async fn run(cli: Cli) -> Result<()> {
         }
         Command::Index(args) => {
             let reference: Reference = args.reference.parse()?;
-            let to = args.to.as_deref().map(|t| repository(t, "--to")).transpose()?;
+            let to = args
+                .to
+                .as_deref()
+                .map(|t| repository(t, "--to"))
+                .transpose()?;
             let span = crate::units::parse_size(&args.span)? as u64;
             let client = cli.registry.client()?;
             let r = crate::publish::index::index(&client, &reference, to.as_ref(), span).await?;
             if args.json {
-                println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&r).expect("report serialises")
+                );
             } else {
                 println!(
                     "indexed {} ({:?}, {} bytes; {} of tar stream, disk {}) in {:.1} s: {} spans of {}, index {} bytes ({:.2}% of the stream)\npublished {} in {} (subject {})",

@@ -239,7 +239,9 @@ async fn seekable_index(
     let pinned = r.with_digest(manifest_digest);
     match crate::remote::disk_layer_id(client, None, &pinned, m, manifest_digest).await {
         Ok((_, meta)) => {
-            let source = meta.index.expect("an ordinary layer is read through its index");
+            let source = meta
+                .index
+                .expect("an ordinary layer is read through its index");
             rep.lazy = true;
             rep.reason = None;
             rep.index = Some(format!(

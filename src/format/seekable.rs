@@ -237,7 +237,7 @@ impl SeekIndex {
             let path = clean_path(&entry.name)?;
             if entry.kind == "reg" {
                 if entry.offset < data_end
-                    || entry.offset % 512 != 0
+                    || !entry.offset.is_multiple_of(512)
                     || entry
                         .offset
                         .checked_add(entry.size)
@@ -260,8 +260,7 @@ impl SeekIndex {
     pub fn disk_entry(&self) -> Option<&Entry> {
         self.entries.iter().find(|e| {
             e.kind == "reg"
-                && clean_path(&e.name)
-                    .is_ok_and(|p| crate::format::layout::is_disk_path(&p, None))
+                && clean_path(&e.name).is_ok_and(|p| crate::format::layout::is_disk_path(&p, None))
         })
     }
 
@@ -343,6 +342,12 @@ impl SeekIndex {
 /// inflater can decode from a bit position with a preset dictionary: the input is shifted to
 /// start on a byte, and the window's bytes are dropped from the output.
 fn inflate_span(window: &[u8], bits: u8, input: &[u8], size: usize) -> Result<Vec<u8>> {
+    if bits > 7 || window.len() > WINDOW {
+        return Err(Error::corrupt(format!(
+            "a checkpoint at bit {bits} with a {}-byte window",
+            window.len()
+        )));
+    }
     let mut feed = Vec::with_capacity(5 + window.len() + input.len());
     if !window.is_empty() {
         let len = window.len() as u16;
@@ -351,12 +356,13 @@ fn inflate_span(window: &[u8], bits: u8, input: &[u8], size: usize) -> Result<Ve
         feed.extend_from_slice(&(!len).to_le_bytes());
         feed.extend_from_slice(window);
     }
-    if bits == 0 {
-        feed.extend_from_slice(input);
-    } else {
-        let shift = 8 - bits;
-        feed.extend(input.windows(2).map(|w| (w[0] >> shift) | (w[1] << bits)));
-        feed.push(input[input.len() - 1] >> shift);
+    match input.last() {
+        Some(&last) if bits > 0 => {
+            let shift = 8 - bits;
+            feed.extend(input.windows(2).map(|w| (w[0] >> shift) | (w[1] << bits)));
+            feed.push(last >> shift);
+        }
+        _ => feed.extend_from_slice(input),
     }
     let want = window.len() + size;
     let mut out = Vec::with_capacity(want);
@@ -621,7 +627,7 @@ impl<R: Read> IndexingReader<R> {
         if n == 0 {
             return Ok(0);
         }
-        if self.spans.is_empty() || self.produced % self.span_size == 0 {
+        if self.spans.is_empty() || self.produced.is_multiple_of(self.span_size) {
             self.checkpoint(self.produced, 0)?;
         }
         self.emit(&buf[..n]);

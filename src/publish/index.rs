@@ -78,7 +78,9 @@ pub async fn index(
         .clone();
     let encoded = crate::task::blocking(move || Ok((built.encode()?, built))).await?;
     let (bytes, built) = encoded;
-    let subject = client.get_manifest(&reference.with_digest(manifest_digest)).await?;
+    let subject = client
+        .get_manifest(&reference.with_digest(manifest_digest))
+        .await?;
     let subject = Descriptor::of(&subject.media_type, &subject.bytes);
     let target = match to {
         Some(repo) => repo.clone(),
