@@ -80,3 +80,4 @@ integration/bench-engine.sh
 integration/bench-pull.sh
 integration/bench-boot.sh
 integration/bench-link.sh
+integration/bench-index.sh
