@@ -50,7 +50,7 @@ ROWS=()
 for span in 256K 4M 1M; do
   sync; echo 3 > /proc/sys/vm/drop_caches
   t0=$(now)
-  if [ "$span" = 1M ]; then to=(); else to=(--to "$REG/indexes/span-$span"); fi
+  if [ "$span" = 1M ]; then to=(); else to=(--to "$REG/indexes/span-${span,,}"); fi
   "$VMDISK" index --json --span "$span" "${to[@]}" "$REG/vm/guest:gzip" > "$B/index-$span.json"
   t1=$(now)
   ROWS+=("$span $(json "$B/index-$span.json" spans) $(json "$B/index-$span.json" index_size) $(json "$B/index-$span.json" stream_size) $(secs "$t0" "$t1")")

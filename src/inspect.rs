@@ -266,10 +266,8 @@ async fn inspect_layer(
     r: &Reference,
     desc: &Descriptor,
 ) -> Result<LayerReport> {
-    if desc.annotations.contains_key(zstd_chunked::ANN_ESTARGZ_TOC) {
-        let mut rep = LayerReport::new(desc, "estargz");
-        rep.reason = Some("eStargz layer: recognised, but vmdisk does not read eStargz yet; republish with `vmdisk convert`".into());
-        return Ok(rep);
+    if let Some(toc) = desc.annotations.get(zstd_chunked::ANN_ESTARGZ_TOC) {
+        return inspect_estargz(client, r, desc, toc).await;
     }
     let compression = oci::layer_compression(&desc.media_type);
     match (
@@ -308,6 +306,38 @@ async fn inspect_chunked(
     loc.check_within(desc.size)?;
     let compressed = client.get_blob_range(r, &desc.digest, loc.range()).await?;
     let nodes = zstd_chunked::read_toc(&compressed, loc)?;
+    inspect_nodes(client, r, desc, rep, &nodes, false).await
+}
+
+/// An eStargz layer: its footer and TOC (checked against the annotation `toc`) read.
+async fn inspect_estargz(
+    client: &RegistryClient,
+    r: &Reference,
+    desc: &Descriptor,
+    toc: &str,
+) -> Result<LayerReport> {
+    let mut rep = LayerReport::new(desc, "estargz");
+    let digest = toc.parse().map_err(|e: Error| {
+        e.context(format!("annotation {}", zstd_chunked::ANN_ESTARGZ_TOC))
+    })?;
+    let (offset, json) =
+        crate::remote::fetch_estargz_toc(client, r, desc.digest, desc.size, digest).await?;
+    rep.toc_size = desc.size - crate::format::estargz::FOOTER_SIZE - offset;
+    rep.toc_uncompressed_size = json.len() as u64;
+    let nodes = crate::format::estargz::nodes(&json, offset)?;
+    inspect_nodes(client, r, desc, rep, &nodes, true).await
+}
+
+/// What a layer's validated TOC `nodes` say about its disk; `estargz` for how its first chunk
+/// is decoded.
+async fn inspect_nodes(
+    client: &RegistryClient,
+    r: &Reference,
+    desc: &Descriptor,
+    mut rep: LayerReport,
+    nodes: &[crate::format::zstd_chunked::Node],
+    estargz: bool,
+) -> Result<LayerReport> {
     let wanted = desc
         .annotations
         .get(crate::format::layout::ANN_PATH)
@@ -361,8 +391,14 @@ async fn inspect_chunked(
                 let frame = client
                     .get_blob_range(r, &desc.digest, first.compressed.clone())
                     .await?;
-                crate::format::layout::decode_chunk(&frame, first)
-                    .map_err(|e| e.context(format!("first chunk of {}", disk.path)))?
+                let decoded = if estargz {
+                    let last = (first.size == disk.size)
+                        .then(|| crate::format::estargz::padding(disk.size));
+                    crate::format::estargz::decode_chunk(&frame, first, last)
+                } else {
+                    crate::format::layout::decode_chunk(&frame, first)
+                };
+                decoded.map_err(|e| e.context(format!("first chunk of {}", disk.path)))?
             };
             let (format, virtual_size) = disk::identify(&head, disk.size)?;
             (

@@ -16,6 +16,7 @@ use crate::cache::{CacheRoot, IndexSource, LayerId, LayerMeta, RefRecord};
 use crate::digest::Digest;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::estargz;
 use crate::format::seekable::{self, Compression, Expected, SeekIndex};
 use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
@@ -152,13 +153,12 @@ impl RemoteLayer {
         if meta.index.is_some() {
             return Self::build_indexed(reference, meta, toc_bytes, online);
         }
-        let loc = TocLocation {
-            offset: meta.toc_offset,
-            length: meta.toc_length,
-            uncompressed_length: meta.toc_uncompressed_length,
-            checksum: meta.toc_digest,
+        let mut nodes = if meta.estargz {
+            meta.toc_digest.verify(toc_bytes, "eStargz TOC")?;
+            estargz::nodes(toc_bytes, meta.toc_offset)?
+        } else {
+            zstd_chunked::read_toc(toc_bytes, &toc_location(&meta))?
         };
-        let mut nodes = zstd_chunked::read_toc(toc_bytes, &loc)?;
         let mut files = Vec::new();
         let mut chunks: Vec<Chunk> = Vec::new();
         for (i, node) in nodes.iter_mut().enumerate() {
@@ -298,6 +298,9 @@ impl RemoteLayer {
     pub fn decode(&self, idx: usize, compressed: &[u8]) -> Result<Vec<u8>> {
         let (file, chunk) = self.chunk(idx);
         let Some(spans) = &self.spans else {
+            if self.meta.estargz {
+                return estargz::decode_chunk(compressed, chunk, self.last_of_file(idx));
+            }
             return crate::format::layout::decode_chunk(compressed, chunk);
         };
         let s = spans.span_of(idx);
@@ -305,6 +308,14 @@ impl RemoteLayer {
         let start = (spans.file_at(file) + chunk.offset - spans.index.spans[s].offset) as usize;
         data.truncate(start + chunk.size as usize);
         Ok(data.split_off(start))
+    }
+
+    /// When chunk `idx` is the last of its file, the file's tar padding (which an eStargz
+    /// layer keeps in that chunk's member).
+    pub fn last_of_file(&self, idx: usize) -> Option<u64> {
+        let (file, chunk) = self.chunk(idx);
+        let size = self.file_size(file);
+        (chunk.offset + chunk.size == size).then(|| estargz::padding(size))
     }
 
     /// Chunk `idx` and the file number it belongs to.
@@ -357,15 +368,33 @@ fn disk_file(nodes: &[Node], files: &[FileChunks], meta: &LayerMeta) -> Result<u
         })
 }
 
-/// Picks the disk layer of a manifest: the topmost zstd:chunked layer that has a TOC.
+/// Picks the disk layer of a manifest: the topmost layer with a TOC, zstd:chunked or eStargz.
 pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
     m.layers.iter().rev().find(|l| {
-        oci::layer_compression(&l.media_type) == Some(oci::LayerCompression::Zstd)
-            && TocLocation::from_annotations(&l.annotations)
+        match oci::layer_compression(&l.media_type) {
+            Some(oci::LayerCompression::Zstd) => TocLocation::from_annotations(&l.annotations)
                 .ok()
                 .flatten()
-                .is_some()
+                .is_some(),
+            Some(oci::LayerCompression::Gzip) => estargz_toc_digest(l).is_some(),
+            _ => false,
+        }
     })
+}
+
+/// The TOC digest an eStargz layer's annotation pins, if it is one.
+fn estargz_toc_digest(layer: &Descriptor) -> Option<Digest> {
+    layer.annotations.get(estargz::ANN_TOC_DIGEST)?.parse().ok()
+}
+
+/// Where a zstd:chunked layer's TOC is, as its record says.
+fn toc_location(meta: &LayerMeta) -> TocLocation {
+    TocLocation {
+        offset: meta.toc_offset,
+        length: meta.toc_length,
+        uncompressed_length: meta.toc_uncompressed_length,
+        checksum: meta.toc_digest,
+    }
 }
 
 /// The manifest or index `reference` names, and its digest: when `reference` is by digest
@@ -454,20 +483,13 @@ pub async fn disk_layer_id(
         }
         return indexed_layer_id(client, cache, reference, manifest, manifest_digest).await;
     };
+    if let Some(toc_digest) = estargz_toc_digest(layer) {
+        return estargz_layer_id(client, cache, reference, manifest, layer, toc_digest).await;
+    }
     let loc = TocLocation::from_annotations(&layer.annotations)?
         .expect("disk_layer checked the TOC annotations");
     loc.check_within(layer.size)?;
-    let disk_path = layer
-        .annotations
-        .get(crate::format::layout::ANN_PATH)
-        .map(|p| zstd_chunked::clean_path(p))
-        .transpose()
-        .map_err(|e| {
-            e.context(format!(
-                "the {} annotation",
-                crate::format::layout::ANN_PATH
-            ))
-        })?;
+    let disk_path = disk_path_of(layer)?;
     let digest = manifest.config.digest;
     let kept = match cache.cloned() {
         Some(c) => blocking(move || Ok(c.load_blob(&digest, oci::MAX_CONFIG_SIZE))).await?,
@@ -522,6 +544,7 @@ pub async fn disk_layer_id(
         diff_id: diff_id_of(&config, manifest, position, reference)?,
         disk_path,
         indexed: false,
+        estargz: false,
     };
     if let (Some(cache), Some(toc)) = (cache.cloned(), toc) {
         let meta = layer_meta(reference, &loc, &id);
@@ -536,6 +559,98 @@ pub async fn disk_layer_id(
         }
     }
     Ok((layer.clone(), layer_meta(reference, &loc, &id)))
+}
+
+/// The disk's path in `layer`, when its annotation names one.
+fn disk_path_of(layer: &Descriptor) -> Result<Option<String>> {
+    layer
+        .annotations
+        .get(crate::format::layout::ANN_PATH)
+        .map(|p| zstd_chunked::clean_path(p))
+        .transpose()
+        .map_err(|e| {
+            e.context(format!(
+                "the {} annotation",
+                crate::format::layout::ANN_PATH
+            ))
+        })
+}
+
+/// The eStargz disk layer `layer` of `manifest` and its record: its footer and TOC fetched
+/// (the TOC checked against `toc_digest`) and kept in `cache` with the record.
+async fn estargz_layer_id(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+    layer: &Descriptor,
+    toc_digest: Digest,
+) -> Result<(Descriptor, LayerMeta)> {
+    let position = manifest
+        .layers
+        .iter()
+        .rposition(|l| std::ptr::eq(l, layer))
+        .expect("disk_layer returns one of the manifest's layers");
+    let config = image_config(client, cache, reference, manifest).await?;
+    let (toc_offset, json) = fetch_estargz_toc(client, reference, layer.digest, layer.size, toc_digest)
+        .await
+        .map_err(|e| e.context(format!("layer {} of {reference}", layer.digest)))?;
+    let meta = LayerMeta {
+        reference: reference.to_string(),
+        layer_digest: layer.digest,
+        layer_size: layer.size,
+        toc_offset,
+        toc_length: json.len() as u64,
+        toc_uncompressed_length: 0,
+        toc_digest,
+        disk_path: disk_path_of(layer)?,
+        diff_id: diff_id_of(&config, manifest, position, reference)?,
+        index: None,
+        estargz: true,
+    };
+    if let Some(cache) = cache.cloned() {
+        let meta = meta.clone();
+        let kept = blocking(move || {
+            if !cache.has_layer_meta(&meta.id().key()) {
+                cache.save_layer_meta(&meta, &json)?;
+            }
+            Ok(())
+        });
+        if let Err(e) = kept.await {
+            tracing::debug!(error = %e.chain(), "keeping a fetched TOC failed");
+        }
+    }
+    Ok((layer.clone(), meta))
+}
+
+/// An eStargz layer's TOC offset (from its footer) and TOC JSON (checked against `digest`).
+pub(crate) async fn fetch_estargz_toc(
+    client: &dyn Registry,
+    reference: &Reference,
+    layer: Digest,
+    size: u64,
+    digest: Digest,
+) -> Result<(u64, Vec<u8>)> {
+    if size < estargz::FOOTER_SIZE {
+        return Err(Error::corrupt("the layer is too short for an eStargz footer"));
+    }
+    let footer_at = size - estargz::FOOTER_SIZE;
+    let footer = client
+        .get_blob_range(reference, &layer, footer_at..size)
+        .await?;
+    let offset = estargz::toc_offset(&footer, size)?;
+    if footer_at - offset > estargz::MAX_TOC_MEMBER {
+        return Err(Error::corrupt(format!(
+            "the eStargz footer puts a {}-byte TOC member before it, more than the {} accepted",
+            footer_at - offset,
+            estargz::MAX_TOC_MEMBER
+        )));
+    }
+    let member = client
+        .get_blob_range(reference, &layer, offset..footer_at)
+        .await?;
+    let json = blocking(move || estargz::toc_json(&member, &digest)).await?;
+    Ok((offset, json))
 }
 
 /// The diff_id the image config (`config`, verified JSON bytes) claims for layer `position`.
@@ -604,6 +719,7 @@ async fn indexed_layer_id(
             repository: found.repository.to_string(),
             compression,
         }),
+        estargz: false,
     };
     if let Some(cache) = cache.cloned() {
         let (meta, bytes) = (meta.clone(), found.bytes);
@@ -793,6 +909,7 @@ fn layer_meta(reference: &Reference, loc: &TocLocation, id: &LayerId) -> LayerMe
         disk_path: id.disk_path.clone(),
         diff_id: id.diff_id,
         index: None,
+        estargz: false,
     }
 }
 
@@ -811,15 +928,27 @@ async fn fetch_toc_of(client: &dyn Registry, meta: &LayerMeta) -> Result<Vec<u8>
                 .get_blob(&repo, &desc, seekable::MAX_INDEX_BYTES)
                 .await
         }
-        None => {
-            let loc = TocLocation {
-                offset: meta.toc_offset,
-                length: meta.toc_length,
-                uncompressed_length: meta.toc_uncompressed_length,
-                checksum: meta.toc_digest,
-            };
+        None if meta.estargz => {
             let reference: Reference = meta.reference.parse()?;
-            fetch_toc(client, &reference, &meta.layer_digest, &loc).await
+            let (offset, json) = fetch_estargz_toc(
+                client,
+                &reference,
+                meta.layer_digest,
+                meta.layer_size,
+                meta.toc_digest,
+            )
+            .await?;
+            if offset != meta.toc_offset {
+                return Err(Error::corrupt(format!(
+                    "the eStargz footer of layer {} now puts the TOC at {offset}, not {}",
+                    meta.layer_digest, meta.toc_offset
+                )));
+            }
+            Ok(json)
+        }
+        None => {
+            let reference: Reference = meta.reference.parse()?;
+            fetch_toc(client, &reference, &meta.layer_digest, &toc_location(meta)).await
         }
     }
 }

@@ -66,6 +66,9 @@ pub struct LayerId {
     /// Read through a seekable index (`toc` is the index's digest).
     #[serde(default)]
     pub indexed: bool,
+    /// An eStargz layer (`toc` is its TOC JSON's digest, `toc_offset` its TOC member's offset).
+    #[serde(default)]
+    pub estargz: bool,
 }
 
 impl LayerId {
@@ -83,6 +86,9 @@ impl LayerId {
         );
         if self.indexed {
             text.push_str("seekable index\n");
+        }
+        if self.estargz {
+            text.push_str("estargz\n");
         }
         Digest::of(text.as_bytes())
     }
@@ -108,6 +114,10 @@ pub struct LayerMeta {
     /// fields then describe the index blob (`toc_offset` 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<IndexSource>,
+    /// An eStargz layer: the `toc_*` fields describe its TOC JSON (kept uncompressed) and
+    /// `toc_offset` is where its TOC member starts.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub estargz: bool,
 }
 
 /// Where a layer's seekable index was found, and the layer's compression.
@@ -129,6 +139,7 @@ impl LayerMeta {
             diff_id: self.diff_id,
             disk_path: self.disk_path.clone(),
             indexed: self.index.is_some(),
+            estargz: self.estargz,
         }
     }
 }

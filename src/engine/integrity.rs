@@ -26,6 +26,7 @@ use super::{Engine, Stats};
 use crate::cache::{CacheRoot, Integrity};
 use crate::digest::Hasher;
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::estargz;
 use crate::format::zstd_chunked::{clean_path, decode_region, NodeKind};
 use crate::remote::{RemoteLayer, Spans};
 use crate::task::{blocking, off_the_runtime};
@@ -166,6 +167,8 @@ impl Engine {
         match &self.layer.spans {
             Some(spans) => self.indexed_pieces(spans).await,
             None if whole => self.regions(self.layer.meta.layer_size).await,
+            // Up to the TOC: its member (eStargz), its skippable frame's header (zstd:chunked).
+            None if self.layer.meta.estargz => self.regions(self.layer.meta.toc_offset).await,
             None => {
                 self.regions(self.layer.meta.toc_offset.saturating_sub(8))
                     .await
@@ -241,7 +244,7 @@ impl Engine {
         // (index in `pieces`, blob range) of each region to fetch.
         let mut wanted = Vec::new();
         let mut pieces = Vec::with_capacity(order.len() * 2 + 1);
-        let mut at = 0u64;
+        let (mut at, mut skip) = (0u64, 0u64);
         for next in order.iter().map(|&i| Some(i)).chain([None]) {
             let end = next.map_or(until, |i| layer.chunks[i].compressed.start);
             if end > at {
@@ -250,16 +253,25 @@ impl Engine {
                         "bytes {at}..{end} of the layer belong to no chunk and are more than the {MAX_REGION_BYTES} a tar header region or the TOC can take"
                     )));
                 }
-                wanted.push((pieces.len(), at..end));
+                wanted.push((pieces.len(), at..end, skip));
                 pieces.push(Piece::Region(Vec::new()));
             }
             if let Some(i) = next {
                 pieces.push(Piece::Chunk(i));
-                at = layer.chunks[i].compressed.end;
+                let chunk = &layer.chunks[i];
+                at = chunk.compressed.end;
+                skip = 0;
+                // eStargz: where a file's last chunk member ends is not known, and the file's
+                // padding is in it; the region after it is read from the chunk's start, its
+                // content skipped.
+                if layer.meta.estargz && layer.last_of_file(i).is_some() {
+                    at = chunk.compressed.start;
+                    skip = chunk.size;
+                }
             }
         }
         let mut fetched =
-            futures_util::stream::iter(wanted.into_iter().map(|(slot, range)| async move {
+            futures_util::stream::iter(wanted.into_iter().map(|(slot, range, skip)| async move {
                 let bytes = self.fetch_range(range.clone(), false).await?;
                 if bytes.len() as u64 != range.end - range.start {
                     return Err(Error::new(
@@ -267,13 +279,24 @@ impl Engine {
                         format!("short answer for bytes {}..{}", range.start, range.end),
                     ));
                 }
-                Ok((slot, range, bytes))
+                Ok((slot, range, skip, bytes))
             }))
             .buffer_unordered(REGION_FETCHES);
         let mut decoded = 0u64;
         while let Some(result) = fetched.next().await {
-            let (slot, range, bytes) = result?;
-            let region = decode_region(&bytes, MAX_REGION_DECODED - decoded).map_err(|e| {
+            let (slot, range, skip, bytes) = result?;
+            let limit = MAX_REGION_DECODED - decoded;
+            let region = if self.layer.meta.estargz {
+                estargz::inflate_members(&bytes, limit + skip).and_then(|mut out| {
+                    if (out.len() as u64) < skip {
+                        return Err(Error::corrupt("a file's last chunk member is short"));
+                    }
+                    Ok(out.split_off(skip as usize))
+                })
+            } else {
+                decode_region(&bytes, limit)
+            };
+            let region = region.map_err(|e| {
                 e.context(format!("bytes {}..{} of the layer", range.start, range.end))
             })?;
             decoded += region.len() as u64;
@@ -287,6 +310,11 @@ impl Engine {
 /// Compares the tar entries with the TOC's nodes and the chunks' places in the stream with the
 /// tar headers.
 fn compare(layer: &RemoteLayer, entries: &[TarEntry], chunk_starts: &[u64]) -> Result<()> {
+    // An eStargz stream ends with its TOC as a tar entry, which the TOC does not list.
+    let entries = match entries.split_last() {
+        Some((last, rest)) if layer.meta.estargz && last.path == estargz::TOC_NAME => rest,
+        _ => entries,
+    };
     if entries.len() != layer.nodes.len() {
         return Err(Error::corrupt(format!(
             "the tar stream holds {} entries, the TOC lists {}",

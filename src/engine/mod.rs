@@ -807,6 +807,7 @@ mod tests {
             disk_path: None,
             diff_id: summary.diff_id,
             index: None,
+            estargz: false,
         };
         let toc = blob[loc.offset as usize..(loc.offset + loc.length) as usize].to_vec();
         let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &toc).unwrap();
@@ -842,6 +843,7 @@ mod tests {
                 repository: "127.0.0.1:1/test/t".into(),
                 compression: index.compression,
             }),
+            estargz: false,
         };
         let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &bytes).unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -981,6 +983,51 @@ mod tests {
             read_all(&engine).await.unwrap_err().kind(),
             ErrorKind::Corrupt
         );
+    }
+
+    #[tokio::test]
+    async fn an_estargz_layer_reads_through_its_toc_and_is_verified_once_complete() {
+        use crate::format::estargz;
+        let data = content(5);
+        let files = [
+            ("disk/d.qcow2", data.clone()),
+            ("etc/hostname", b"vm\n".to_vec()),
+        ];
+        let (blob, toc, diff_id) = estargz::testing::layer(&files, CHUNK);
+        let size = blob.len() as u64;
+        let offset = estargz::toc_offset(&blob[blob.len() - 51..], size).unwrap();
+        let json = estargz::toc_json(&blob[offset as usize..blob.len() - 51], &toc).unwrap();
+        let meta = LayerMeta {
+            reference: "127.0.0.1:1/test/t:1".into(),
+            layer_digest: Digest::of(&blob),
+            layer_size: size,
+            toc_offset: offset,
+            toc_length: json.len() as u64,
+            toc_uncompressed_length: 0,
+            toc_digest: toc,
+            disk_path: None,
+            diff_id,
+            index: None,
+            estargz: true,
+        };
+        let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &json).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
+        let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len()).unwrap();
+        let source = Arc::new(FakeBlob {
+            blob,
+            ..FakeBlob::default()
+        });
+        let engine = Engine::with_source(layer, cache, Box::new(Arc::clone(&source)), EngineOptions::default());
+        engine.check_structure(None).await.unwrap();
+        assert_eq!(engine.read(engine.layer.disk, 100, 10).await.unwrap(), data[100..110]);
+        let cache_dir = tempfile::tempdir().unwrap();
+        let cache = CacheRoot::open(cache_dir.path()).unwrap();
+        for f in 0..engine.layer.files.len() {
+            engine.read(f, 0, engine.layer.file_size(f)).await.unwrap();
+        }
+        assert_eq!(read_all(&engine).await.unwrap(), data);
+        assert_eq!(engine.check_integrity(&cache).await, Integrity::Verified);
     }
 
     fn calls(source: &FakeBlob) -> usize {

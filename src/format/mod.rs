@@ -6,11 +6,13 @@
 //!   of a chunk.
 //! - [`seekable`]: the seekable index `vmdisk index` publishes for ordinary gzip and
 //!   uncompressed layers; [`zran`]: the block-boundary inflater that builds it.
+//! - [`estargz`]: eStargz layers, read lazily from their own TOC.
 //! - [`tarsplit`]: the tar-split metadata containers/storage uses to rebuild the tar stream.
 //! - [`disk`]: recognising VM disk images by content, validating qcow2, unpacking OVA.
 //! - [`qcow2`]: the qcow2 header and cluster tables; [`qcow2_raw`]: the raw view through them.
 
 pub mod disk;
+pub mod estargz;
 pub mod layout;
 pub mod qcow2;
 pub mod qcow2_raw;
