@@ -398,3 +398,71 @@ fn corrupted_or_mismatched_indexes_never_serve_wrong_bytes() {
         drop(file);
     }
 }
+
+/// An eStargz containerDisk (written as stargz-snapshotter's writer writes one) is pulled
+/// through CRI as a remote snapshot read from its own TOC, KubeVirt's read of the whole disk
+/// has the original's sha256, and the complete layer matches its diff_id.
+#[test]
+fn an_estargz_containerdisk_reads_lazily_and_identically() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("disk.qcow2");
+    crate::harness::make_qcow2(&disk, "1G", &[(0, 2 << 20, 0x21)]);
+    crate::harness::write_random(&disk, 100 << 20, 24 << 20, 21);
+    let content = std::fs::read(&disk).unwrap();
+    let (blob, toc, diff_id) =
+        vmdisk::format::estargz::testing::layer(&[("disk/disk.qcow2", content)], 1 << 20);
+    let layout = scratch.path("layout");
+    crate::harness::write_layout(
+        &layout,
+        &[(
+            blob,
+            vmdisk::oci::OCI_LAYER_GZIP,
+            diff_id.to_string(),
+            serde_json::json!({ vmdisk::format::estargz::ANN_TOC_DIGEST: toc.to_string() }),
+        )],
+        "amd64",
+        serde_json::json!({}),
+    );
+    let image = format!("{}/vm/estargz:1", reg.host());
+    push_layout_as_is(&layout, &image);
+    let inspect: serde_json::Value =
+        serde_json::from_str(&vmdisk_ok(&["inspect", "--json", &image])).unwrap();
+    let layer = &inspect["platforms"][0]["layers"][0];
+    assert_eq!(
+        (layer["layout"].as_str(), layer["lazy"].as_bool()),
+        (Some("estargz"), Some(true)),
+        "{layer}"
+    );
+
+    let proxy = FaultProxy::start(reg.port, None);
+    let daemon = Daemon::start(&scratch, "");
+    let pause = pause_image(&reg, &scratch);
+    let ctd = CriContainerd::start(&scratch, &daemon.socket, &pause, &[reg.port, proxy.port]);
+    let lazy = format!("127.0.0.1:{}/vm/estargz:1", proxy.port);
+    let bytes = || proxy.to_client.load(std::sync::atomic::Ordering::SeqCst);
+    let start = bytes();
+    ctd.pull(&lazy)
+        .unwrap_or_else(|e| panic!("PullImage: {e}\n{}", daemon.log_text()));
+    let pulled = bytes() - start;
+    let size = std::fs::metadata(&disk).unwrap().len();
+    eprintln!("PullImage (eStargz): {pulled} registry bytes for a {size}-byte disk");
+    assert_eq!(
+        daemon.decisions().get("remote"),
+        Some(&1),
+        "{:?}",
+        daemon.decisions()
+    );
+    // The qcow2 head and tables: a few 1 MiB chunks of a 27 MB file.
+    assert!(pulled < size / 5, "the lazy pull moved {pulled} bytes");
+    assert_eq!(
+        kubevirt_reads(&ctd, &scratch, "vm", &lazy, "disk.qcow2"),
+        sha256_file(&disk)
+    );
+    assert_eq!(
+        wait_verified(&daemon),
+        "verified",
+        "{}",
+        daemon.servers_log_text()
+    );
+}

@@ -317,9 +317,9 @@ async fn inspect_estargz(
     toc: &str,
 ) -> Result<LayerReport> {
     let mut rep = LayerReport::new(desc, "estargz");
-    let digest = toc.parse().map_err(|e: Error| {
-        e.context(format!("annotation {}", zstd_chunked::ANN_ESTARGZ_TOC))
-    })?;
+    let digest = toc
+        .parse()
+        .map_err(|e: Error| e.context(format!("annotation {}", zstd_chunked::ANN_ESTARGZ_TOC)))?;
     let (offset, json) =
         crate::remote::fetch_estargz_toc(client, r, desc.digest, desc.size, digest).await?;
     rep.toc_size = desc.size - crate::format::estargz::FOOTER_SIZE - offset;

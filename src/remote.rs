@@ -370,16 +370,17 @@ fn disk_file(nodes: &[Node], files: &[FileChunks], meta: &LayerMeta) -> Result<u
 
 /// Picks the disk layer of a manifest: the topmost layer with a TOC, zstd:chunked or eStargz.
 pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
-    m.layers.iter().rev().find(|l| {
-        match oci::layer_compression(&l.media_type) {
+    m.layers
+        .iter()
+        .rev()
+        .find(|l| match oci::layer_compression(&l.media_type) {
             Some(oci::LayerCompression::Zstd) => TocLocation::from_annotations(&l.annotations)
                 .ok()
                 .flatten()
                 .is_some(),
             Some(oci::LayerCompression::Gzip) => estargz_toc_digest(l).is_some(),
             _ => false,
-        }
-    })
+        })
 }
 
 /// The TOC digest an eStargz layer's annotation pins, if it is one.
@@ -592,9 +593,10 @@ async fn estargz_layer_id(
         .rposition(|l| std::ptr::eq(l, layer))
         .expect("disk_layer returns one of the manifest's layers");
     let config = image_config(client, cache, reference, manifest).await?;
-    let (toc_offset, json) = fetch_estargz_toc(client, reference, layer.digest, layer.size, toc_digest)
-        .await
-        .map_err(|e| e.context(format!("layer {} of {reference}", layer.digest)))?;
+    let (toc_offset, json) =
+        fetch_estargz_toc(client, reference, layer.digest, layer.size, toc_digest)
+            .await
+            .map_err(|e| e.context(format!("layer {} of {reference}", layer.digest)))?;
     let meta = LayerMeta {
         reference: reference.to_string(),
         layer_digest: layer.digest,
@@ -632,7 +634,9 @@ pub(crate) async fn fetch_estargz_toc(
     digest: Digest,
 ) -> Result<(u64, Vec<u8>)> {
     if size < estargz::FOOTER_SIZE {
-        return Err(Error::corrupt("the layer is too short for an eStargz footer"));
+        return Err(Error::corrupt(
+            "the layer is too short for an eStargz footer",
+        ));
     }
     let footer_at = size - estargz::FOOTER_SIZE;
     let footer = client

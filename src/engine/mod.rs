@@ -1018,9 +1018,17 @@ mod tests {
             blob,
             ..FakeBlob::default()
         });
-        let engine = Engine::with_source(layer, cache, Box::new(Arc::clone(&source)), EngineOptions::default());
+        let engine = Engine::with_source(
+            layer,
+            cache,
+            Box::new(Arc::clone(&source)),
+            EngineOptions::default(),
+        );
         engine.check_structure(None).await.unwrap();
-        assert_eq!(engine.read(engine.layer.disk, 100, 10).await.unwrap(), data[100..110]);
+        assert_eq!(
+            engine.read(engine.layer.disk, 100, 10).await.unwrap(),
+            data[100..110]
+        );
         let cache_dir = tempfile::tempdir().unwrap();
         let cache = CacheRoot::open(cache_dir.path()).unwrap();
         for f in 0..engine.layer.files.len() {

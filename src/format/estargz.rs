@@ -225,8 +225,8 @@ pub mod testing {
                 put(&mut blob, &bytes);
             }
         }
-        let json = serde_json::to_vec(&serde_json::json!({"version": 1, "entries": entries}))
-            .unwrap();
+        let json =
+            serde_json::to_vec(&serde_json::json!({"version": 1, "entries": entries})).unwrap();
         let toc_offset = blob.len();
         let mut b = tar::Builder::new(Vec::new());
         let mut h = tar::Header::new_ustar();
@@ -239,7 +239,9 @@ pub mod testing {
         h.set_cksum();
         b.append(&h, json.as_slice()).unwrap();
         put(&mut blob, &b.into_inner().unwrap());
-        let mut footer = vec![0x1f, 0x8b, 8, 4, 0, 0, 0, 0, 0, 0xff, 26, 0, b'S', b'G', 22, 0];
+        let mut footer = vec![
+            0x1f, 0x8b, 8, 4, 0, 0, 0, 0, 0, 0xff, 26, 0, b'S', b'G', 22, 0,
+        ];
         footer.extend_from_slice(format!("{toc_offset:016x}STARGZ").as_bytes());
         footer.extend_from_slice(&[1, 0, 0, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(footer.len() as u64, FOOTER_SIZE);
@@ -286,9 +288,15 @@ mod tests {
         bad[mid] ^= 1;
         assert!(decode_chunk(&bad, c, None).is_err());
         let two = &blob[chunks[0].compressed.start as usize..chunks[1].compressed.end as usize];
-        assert!(decode_chunk(two, &chunks[0], None).is_err(), "a member too many");
+        assert!(
+            decode_chunk(two, &chunks[0], None).is_err(),
+            "a member too many"
+        );
         let last = &chunks[2];
         let members = &blob[last.compressed.start as usize..last.compressed.end as usize];
-        assert!(decode_chunk(members, last, Some(0)).is_err(), "the padding is expected");
+        assert!(
+            decode_chunk(members, last, Some(0)).is_err(),
+            "the padding is expected"
+        );
     }
 }
