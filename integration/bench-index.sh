@@ -47,7 +47,7 @@ write_boot_script "$B"
 # Index size and time by span size (each into its own repository), then the default span
 # beside the image: the one the nodes find.
 ROWS=()
-for span in 256K 4M 1M; do
+for span in 4M 2M 1M; do
   sync; echo 3 > /proc/sys/vm/drop_caches
   t0=$(now)
   if [ "$span" = 1M ]; then to=(); else to=(--to "$REG/indexes/span-${span,,}"); fi

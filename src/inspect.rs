@@ -4,8 +4,9 @@
 //! annotation and validated (paths, chunk coverage, ranges); a layer is lazily loadable only if
 //! it has a disk under `disk/` or `image/` whose every data chunk has a digest. Third-party
 //! images without our annotations get their format and virtual size from the disk's first
-//! chunk, fetched and verified. eStargz, gzip and uncompressed layers are recognised and
-//! reported as not lazily loadable, with the reason; for those the disk is located by reading
+//! chunk, fetched and verified; eStargz layers are read the same way from their own TOC. Gzip
+//! and uncompressed layers are lazily loadable when a seekable index was published for them;
+//! otherwise they are reported as not lazily loadable, with the reason, and the disk is located by reading
 //! the start of the layer stream only (informational, not verified: nothing is served from it).
 
 use std::io::Read;
@@ -267,7 +268,14 @@ async fn inspect_layer(
     desc: &Descriptor,
 ) -> Result<LayerReport> {
     if let Some(toc) = desc.annotations.get(zstd_chunked::ANN_ESTARGZ_TOC) {
-        return inspect_estargz(client, r, desc, toc).await;
+        return match inspect_estargz(client, r, desc, toc).await {
+            Err(e) if e.kind() != crate::error::ErrorKind::Network => {
+                let mut rep = LayerReport::new(desc, "estargz");
+                rep.reason = Some(format!("eStargz layer that cannot be read: {}", e.chain()));
+                Ok(rep)
+            }
+            other => other,
+        };
     }
     let compression = oci::layer_compression(&desc.media_type);
     match (

@@ -708,7 +708,7 @@ async fn indexed_layer_id(
         compression,
         diff_id: diff_id_of(&config, manifest, position, reference)?,
     };
-    let found = find_index(client, reference, manifest_digest, &expected).await?;
+    let found = find_index(client, cache, reference, manifest_digest, &expected).await?;
     let meta = LayerMeta {
         reference: reference.to_string(),
         layer_digest: layer.digest,
@@ -779,6 +779,7 @@ const MAX_INDEX_CANDIDATES: usize = 4;
 /// NotFound (saying what was tried) when there is none.
 async fn find_index(
     client: &dyn Registry,
+    cache: Option<&CacheRoot>,
     reference: &Reference,
     manifest_digest: Digest,
     expected: &Expected,
@@ -795,7 +796,7 @@ async fn find_index(
             .await
             .map_err(|e| e.context(format!("looking up seekable indexes in {repo}")))?;
         for desc in candidates.iter().rev().take(MAX_INDEX_CANDIDATES) {
-            match index_from(client, repo, desc, manifest_digest, expected).await {
+            match index_from(client, cache, repo, desc, manifest_digest, expected).await {
                 Ok(found) => return Ok(found),
                 Err(e) if e.kind() == ErrorKind::Network => return Err(e),
                 Err(e) => {
@@ -824,9 +825,11 @@ async fn find_index(
     ))
 }
 
-/// The index artifact `desc` in `repo`, if it is one for `subject` and `expected`.
+/// The index artifact `desc` in `repo`, if it is one for `subject` and `expected`; its blob
+/// from `cache` when a layer read through it is kept there (the daemon found it first).
 async fn index_from(
     client: &dyn Registry,
+    cache: Option<&CacheRoot>,
     repo: &Reference,
     desc: &Descriptor,
     subject: Digest,
@@ -875,6 +878,27 @@ async fn index_from(
             blob.media_type,
             seekable::MEDIA_TYPE
         )));
+    }
+    if let Some(cache) = cache.cloned() {
+        let key = LayerId {
+            layer: expected.layer,
+            size: expected.layer_size,
+            toc: blob.digest,
+            toc_offset: 0,
+            diff_id: expected.diff_id,
+            disk_path: None,
+            indexed: true,
+            estargz: false,
+        }
+        .key();
+        // Kept only after it was checked, and re-checked against its digest here.
+        if let Some((_, bytes)) = blocking(move || Ok(cache.load_layer_meta(&key))).await? {
+            return Ok(FoundIndex {
+                repository: repo.clone(),
+                digest: blob.digest,
+                bytes,
+            });
+        }
     }
     let bytes = client
         .get_blob(repo, blob, seekable::MAX_INDEX_BYTES)

@@ -131,7 +131,15 @@ impl SeekIndex {
     /// The index as published: zstd-compressed JSON.
     pub fn encode(&self) -> Result<Vec<u8>> {
         let json = serde_json::to_vec(self).expect("the index serialises");
-        zstd::bulk::compress(&json, 19).map_err(|e| Error::io("compressing the index", e))
+        let index =
+            zstd::bulk::compress(&json, 3).map_err(|e| Error::io("compressing the index", e))?;
+        if index.len() as u64 > MAX_INDEX_BYTES {
+            return Err(Error::invalid(format!(
+                "the index would be {} bytes, more than the {MAX_INDEX_BYTES} readers accept; use a larger --span",
+                index.len()
+            )));
+        }
+        Ok(index)
     }
 
     /// Parses and checks an index blob (already verified against its descriptor's digest)
