@@ -551,9 +551,10 @@ fn cri_pull_is_lazy_and_kubevirt_reads_the_whole_disk() {
         &logs,
     );
     let decisions = daemon.decisions();
-    // The pause and busybox images share their one layer: one ordinary decision for both.
+    // The pause and busybox images share their one layer: one ordinary decision for both (a
+    // gzip layer with no seekable index published).
     assert!(
-        decisions.get("ordinary:not_lazy").copied().unwrap_or(0) >= 1,
+        decisions.get("ordinary:no_index").copied().unwrap_or(0) >= 1,
         "{decisions:?}"
     );
     assert!(
@@ -852,7 +853,7 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
         ("reused", 1),
         ("fallback:registry_error", 1),
         ("fallback:malformed_labels", 1),
-        ("ordinary:not_lazy", 1),
+        ("ordinary:no_index", 1),
     ] {
         assert_eq!(d.get(k), Some(&n), "{k}: {d:?}");
     }
@@ -969,7 +970,7 @@ fn node_commands_make_disks_ready_and_clean_up() {
     assert!(!err.status.success());
     let text = String::from_utf8_lossy(&err.stderr);
     assert!(
-        text.contains("no lazily loadable") && text.contains("vmdisk convert"),
+        text.contains("no seekable index") && text.contains("vmdisk index"),
         "{text}"
     );
 }

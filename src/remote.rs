@@ -814,7 +814,7 @@ async fn find_index(
     Err(Error::new(
         ErrorKind::NotFound,
         if refused.is_empty() {
-            format!("{reference} has no seekable index for layer {} (searched {searched}); publish one with `vmdisk index`", expected.layer)
+            format!("{reference} has no lazily loadable layer: no seekable index for its layer {} (searched {searched}); publish one with `vmdisk index`, or republish the image with `vmdisk convert`", expected.layer)
         } else {
             format!(
                 "no usable seekable index for layer {} of {reference}: {}",
