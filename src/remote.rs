@@ -547,19 +547,27 @@ pub async fn disk_layer_id(
         indexed: false,
         estargz: false,
     };
-    if let (Some(cache), Some(toc)) = (cache.cloned(), toc) {
-        let meta = layer_meta(reference, &loc, &id);
-        let kept = blocking(move || {
-            if !cache.has_layer_meta(&meta.id().key()) {
-                cache.save_layer_meta(&meta, &toc)?;
-            }
-            Ok(())
-        });
-        if let Err(e) = kept.await {
-            tracing::debug!(error = %e.chain(), "keeping a fetched TOC failed");
-        }
+    let meta = layer_meta(reference, &loc, &id);
+    if let Some(toc) = toc {
+        keep_layer(cache, &meta, toc).await;
     }
-    Ok((layer.clone(), layer_meta(reference, &loc, &id)))
+    Ok((layer.clone(), meta))
+}
+
+/// Keeps a layer's record and its TOC (or index) in `cache` for the mount server, unless there
+/// already; a failure only costs the server a fetch.
+async fn keep_layer(cache: Option<&CacheRoot>, meta: &LayerMeta, toc: Vec<u8>) {
+    let Some(cache) = cache.cloned() else { return };
+    let meta = meta.clone();
+    let kept = blocking(move || {
+        if !cache.has_layer_meta(&meta.id().key()) {
+            cache.save_layer_meta(&meta, &toc)?;
+        }
+        Ok(())
+    });
+    if let Err(e) = kept.await {
+        tracing::debug!(error = %e.chain(), "keeping a fetched TOC or index failed");
+    }
 }
 
 /// The disk's path in `layer`, when its annotation names one.
@@ -610,18 +618,7 @@ async fn estargz_layer_id(
         index: None,
         estargz: true,
     };
-    if let Some(cache) = cache.cloned() {
-        let meta = meta.clone();
-        let kept = blocking(move || {
-            if !cache.has_layer_meta(&meta.id().key()) {
-                cache.save_layer_meta(&meta, &json)?;
-            }
-            Ok(())
-        });
-        if let Err(e) = kept.await {
-            tracing::debug!(error = %e.chain(), "keeping a fetched TOC failed");
-        }
-    }
+    keep_layer(cache, &meta, json).await;
     Ok((layer.clone(), meta))
 }
 
@@ -725,18 +722,7 @@ async fn indexed_layer_id(
         }),
         estargz: false,
     };
-    if let Some(cache) = cache.cloned() {
-        let (meta, bytes) = (meta.clone(), found.bytes);
-        let kept = blocking(move || {
-            if !cache.has_layer_meta(&meta.id().key()) {
-                cache.save_layer_meta(&meta, &bytes)?;
-            }
-            Ok(())
-        });
-        if let Err(e) = kept.await {
-            tracing::debug!(error = %e.chain(), "keeping a fetched index failed");
-        }
-    }
+    keep_layer(cache, &meta, found.bytes).await;
     Ok((layer.clone(), meta))
 }
 

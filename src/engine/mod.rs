@@ -810,7 +810,17 @@ mod tests {
             estargz: false,
         };
         let toc = blob[loc.offset as usize..(loc.offset + loc.length) as usize].to_vec();
-        let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &toc).unwrap();
+        engine_of_layer(blob, meta, &toc, opts)
+    }
+
+    /// An engine over `blob`, the layer `meta` and `toc` (its TOC or index) describe.
+    fn engine_of_layer(
+        blob: Vec<u8>,
+        meta: LayerMeta,
+        toc: &[u8],
+        opts: EngineOptions,
+    ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
+        let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, toc).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
         let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len()).unwrap();
@@ -845,21 +855,7 @@ mod tests {
             }),
             estargz: false,
         };
-        let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &bytes).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
-        let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len()).unwrap();
-        let source = Arc::new(FakeBlob {
-            blob,
-            ..FakeBlob::default()
-        });
-        let engine = Engine::with_source(
-            layer,
-            cache,
-            Box::new(Arc::clone(&source)),
-            EngineOptions::default(),
-        );
-        (engine, source, dir)
+        engine_of_layer(blob, meta, &bytes, EngineOptions::default())
     }
 
     /// A gzip containerDisk layer (a small file before the disk, one after) and its index.
@@ -1010,20 +1006,7 @@ mod tests {
             index: None,
             estargz: true,
         };
-        let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, &json).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
-        let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len()).unwrap();
-        let source = Arc::new(FakeBlob {
-            blob,
-            ..FakeBlob::default()
-        });
-        let engine = Engine::with_source(
-            layer,
-            cache,
-            Box::new(Arc::clone(&source)),
-            EngineOptions::default(),
-        );
+        let (engine, _, _dir) = engine_of_layer(blob, meta, &json, EngineOptions::default());
         engine.check_structure(None).await.unwrap();
         assert_eq!(
             engine.read(engine.layer.disk, 100, 10).await.unwrap(),
