@@ -1,5 +1,6 @@
-//! A remote layer: an image reference resolved to the zstd:chunked layer that holds a disk,
-//! with its validated TOC turned into a chunk index.
+//! A remote layer: an image reference resolved to the layer that holds a disk — zstd:chunked
+//! or eStargz with its own TOC, or an ordinary gzip or tar layer with the seekable index
+//! published for it — with its validated TOC (or index) turned into a chunk index.
 //!
 //! Resolution prefers the registry (manifest, config, then the TOC by one Range request,
 //! verified against the annotation) and records the outcome in the cache under the layer's
@@ -294,7 +295,7 @@ impl RemoteLayer {
     }
 
     /// The verified content of chunk `idx` from its compressed bytes: the one way registry
-    /// bytes become chunk content, for both layouts.
+    /// bytes become chunk content, for every layout.
     pub fn decode(&self, idx: usize, compressed: &[u8]) -> Result<Vec<u8>> {
         let (file, chunk) = self.chunk(idx);
         let Some(spans) = &self.spans else {
@@ -462,8 +463,9 @@ pub async fn platform_manifest(
 }
 
 /// The disk layer of image manifest `manifest_digest` (`manifest`) of `reference`, and what
-/// the cache records about it (its identity: [`LayerMeta::id`]): a zstd:chunked layer with
-/// its TOC, else an ordinary layer with a seekable index published for the image. The config
+/// the cache records about it (its identity: [`LayerMeta::id`]): a zstd:chunked or eStargz
+/// layer with its TOC, else an ordinary layer with a seekable index published for the image.
+/// The config
 /// (fetched by its digest) supplies the diff_id the layer claims.
 pub async fn disk_layer_id(
     client: &dyn Registry,

@@ -18,6 +18,11 @@
 //!   read). A layer that fails is marked in the cache (`integrity`), counted, logged and shown
 //!   by `vmdisk ls`, and every further read fails: the node never serves it again, nor shares
 //!   its chunks with other layers.
+//!
+//! An eStargz layer's regions are gzip members (a file's padding rides in its last chunk's
+//! member); an ordinary layer read through a seekable index has no regions of its own: the
+//! stream between files is decoded from the spans that hold it, each checked against its
+//! digest.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::sync::Arc;
@@ -162,7 +167,8 @@ impl Engine {
     }
 
     /// The pieces of the layer's tar stream: all of it (`whole`), or what the structure check
-    /// needs (a zstd:chunked layer's stream up to its TOC; all of an indexed layer's).
+    /// needs (a zstd:chunked or eStargz layer's stream up to its TOC; all of an indexed
+    /// layer's).
     async fn pieces(&self, whole: bool) -> Result<Vec<Piece>> {
         match &self.layer.spans {
             Some(spans) => self.indexed_pieces(spans).await,
@@ -235,13 +241,14 @@ impl Engine {
     }
 
     /// The pieces of the layer's stream up to byte `until` of the blob: every chunk, and the
-    /// regions between them fetched and decoded as an ordinary decoder would.
+    /// regions between them fetched and decoded as an ordinary decoder would (zstd frames, or
+    /// an eStargz layer's gzip members).
     async fn regions(&self, until: u64) -> Result<Vec<Piece>> {
         use futures_util::StreamExt;
         let layer = &self.layer;
         let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
         order.sort_unstable_by_key(|&i| layer.chunks[i].compressed.start);
-        // (index in `pieces`, blob range) of each region to fetch.
+        // (index in `pieces`, blob range, decoded bytes to skip) of each region to fetch.
         let mut wanted = Vec::new();
         let mut pieces = Vec::with_capacity(order.len() * 2 + 1);
         let (mut at, mut skip) = (0u64, 0u64);

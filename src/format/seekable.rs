@@ -44,8 +44,6 @@ const MAX_ENTRIES: usize = 100_000;
 pub const MAX_SPAN_BYTES: u64 = 32 << 20;
 /// The deflate window a checkpoint carries.
 const WINDOW: usize = 32 << 10;
-/// The default span size of `vmdisk index`.
-pub const DEFAULT_SPAN: u64 = 1 << 20;
 
 /// How the indexed layer is compressed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
