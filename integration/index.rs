@@ -20,7 +20,7 @@ fn client() -> RegistryClient {
 }
 
 /// The manifest digest `image` names now.
-fn manifest_digest(image: &str) -> String {
+pub fn manifest_digest(image: &str) -> String {
     let r: Reference = image.parse().unwrap();
     rt().block_on(client().get_manifest(&r))
         .unwrap()
@@ -29,7 +29,7 @@ fn manifest_digest(image: &str) -> String {
 }
 
 /// A raw disk of `size` holding the bootable test guest.
-fn bootable_raw(dir: &Path, size: &str) -> PathBuf {
+pub fn bootable_raw(dir: &Path, size: &str) -> PathBuf {
     let qcow2 = bootable_qcow2(dir, 16);
     let raw = dir.join("disk.img");
     let (q, r) = (qcow2.to_str().unwrap(), raw.to_str().unwrap());
@@ -101,7 +101,7 @@ fn kubevirt_reads(
 }
 
 /// Waits until the daemon's one disk has been checked whole against its diff_id.
-fn wait_verified(daemon: &Daemon) -> String {
+pub fn wait_verified(daemon: &Daemon) -> String {
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
         let disks = daemon.disks();

@@ -1,6 +1,7 @@
 //! Integration tests: the real registry, containerd, skopeo and qemu tools on loopback.
 //! They need root (containerd mounts) and the packages `make test` installs.
 
+mod artifact;
 mod boot;
 mod credentials;
 mod cri;

@@ -16,6 +16,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::format::disk::{self, DiskFormat};
 use crate::format::zstd_chunked::{self, NodeKind, TocLocation};
+use crate::format::{artifact, seekable};
 use crate::oci::{
     self, Descriptor, ImageConfig, LayerCompression, Manifest, ManifestKind, Platform,
 };
@@ -125,12 +126,21 @@ pub async fn inspect(client: &RegistryClient, r: &Reference) -> Result<Report> {
     match &fetched.manifest {
         ManifestKind::Image(m) => {
             let config = client.get_blob(r, &m.config, oci::MAX_CONFIG_SIZE).await?;
-            let cfg: ImageConfig = serde_json::from_slice(&config)
-                .map_err(|e| Error::corrupt(format!("image config of {r}: {e}")))?;
-            let platform = Platform {
-                os: cfg.os,
-                architecture: cfg.architecture,
-                variant: cfg.variant,
+            let platform = if artifact::is_artifact(m) {
+                // An artifact's config is often empty: the platform is what it names, if any.
+                oci::config_platform(&config).unwrap_or(Platform {
+                    os: "unknown".into(),
+                    architecture: "unknown".into(),
+                    variant: None,
+                })
+            } else {
+                let cfg: ImageConfig = serde_json::from_slice(&config)
+                    .map_err(|e| Error::corrupt(format!("image config of {r}: {e}")))?;
+                Platform {
+                    os: cfg.os,
+                    architecture: cfg.architecture,
+                    variant: cfg.variant,
+                }
             };
             platforms
                 .push(inspect_image(client, r, m, &platform, fetched.digest.to_string()).await?);
@@ -177,6 +187,9 @@ async fn inspect_image(
     digest: String,
 ) -> Result<PlatformReport> {
     use futures_util::StreamExt;
+    if artifact::is_artifact(m) {
+        return inspect_artifact(client, r, m, platform, digest).await;
+    }
     if m.layers.len() > MAX_LAYERS {
         return Err(Error::unsupported(format!(
             "{r}: the image has {} layers; inspect reads at most {MAX_LAYERS} (containerd and Docker build no more than 127)",
@@ -221,6 +234,85 @@ async fn inspect_image(
             reports[at].clone()
         })
         .collect();
+    Ok(PlatformReport {
+        platform: platform.to_string(),
+        manifest: digest,
+        layers,
+    })
+}
+
+/// A disk artifact: which layer is its disk, and whether a seekable index makes it lazily
+/// loadable; with one, the disk's format from its first bytes (fetched and checked through
+/// the index).
+async fn inspect_artifact(
+    client: &RegistryClient,
+    r: &Reference,
+    m: &Manifest,
+    platform: &Platform,
+    digest: String,
+) -> Result<PlatformReport> {
+    if m.layers.len() > MAX_LAYERS {
+        return Err(Error::unsupported(format!(
+            "{r}: the artifact has {} layers; inspect reads at most {MAX_LAYERS}",
+            m.layers.len()
+        )));
+    }
+    let source = artifact::disk_source(m).map(|l| l.position);
+    let mut layers: Vec<LayerReport> = artifact::layers(m)
+        .iter()
+        .map(|l| {
+            let layout = match l.payload {
+                artifact::Payload::Disk => "disk file",
+                artifact::Payload::Archive => "archive",
+                _ => "file",
+            };
+            let mut rep = LayerReport::new(l.layer, layout);
+            if Some(l.position) != source {
+                rep.reason = Some("not the artifact's disk".into());
+            }
+            rep
+        })
+        .collect();
+    let disk = match artifact::disk_file(m) {
+        Ok(disk) => disk,
+        Err(e) => {
+            if let Some(at) = source {
+                layers[at].reason = Some(e.chain());
+            }
+            return Ok(PlatformReport {
+                platform: platform.to_string(),
+                manifest: digest,
+                layers,
+            });
+        }
+    };
+    let rep = &mut layers[disk.position];
+    let manifest_digest: crate::digest::Digest = digest.parse()?;
+    let pinned = r.with_digest(manifest_digest);
+    match crate::remote::seekable_layer(client, &pinned, m, manifest_digest).await {
+        Ok((meta, index)) => {
+            let source = meta.index.as_ref().expect("read through an index");
+            rep.layout = format!("disk file ({})", source.compression.name());
+            rep.lazy = true;
+            rep.index = Some(format!(
+                "{}@{} ({} bytes)",
+                source.repository, meta.toc_digest, meta.toc_length
+            ));
+            rep.chunks = index.spans.len() as u64;
+            let head_end = seekable::HEAD_BYTES.min(index.stream_size);
+            let head = crate::remote::read_stream(client, &meta, &index, 0..head_end).await?;
+            let (format, virtual_size) = disk::identify(&head, index.stream_size)?;
+            rep.disk = Some(DiskReport {
+                path: disk.path,
+                format: format.map_or("unknown", |f| f.name()).to_string(),
+                virtual_size,
+                size: index.stream_size,
+                digest: disk.digest.map(|d| d.to_string()),
+            });
+        }
+        Err(e) if e.kind() == crate::error::ErrorKind::Network => return Err(e),
+        Err(e) => rep.reason = Some(e.chain()),
+    }
     Ok(PlatformReport {
         platform: platform.to_string(),
         manifest: digest,
@@ -545,8 +637,16 @@ pub fn render_text(report: &Report) -> String {
                     human(d.virtual_size),
                     human(d.size)
                 ));
+                if l.layout.starts_with("disk file") {
+                    out.push_str(&match &d.digest {
+                        Some(digest) => format!("    disk digest: {digest} (pinned by the artifact)
+"),
+                        None => "    disk digest: not pinned by the artifact (checked against its index only)
+".into(),
+                    });
+                }
             }
-            if l.chunks > 0 {
+            if l.chunks > 0 && l.index.is_none() {
                 let spread = l
                     .chunk_size
                     .as_ref()

@@ -180,6 +180,24 @@ pub struct ImageConfig {
     pub rootfs: RootFs,
 }
 
+/// The platform an image or artifact config names, if it names one: artifacts may have an
+/// empty config (`{}`) or one with only `os` and `architecture`.
+pub fn config_platform(config: &[u8]) -> Option<Platform> {
+    #[derive(Deserialize)]
+    struct Named {
+        os: String,
+        architecture: String,
+        #[serde(default)]
+        variant: Option<String>,
+    }
+    let named: Named = serde_json::from_slice(config).ok()?;
+    Some(Platform {
+        os: named.os,
+        architecture: named.architecture,
+        variant: named.variant,
+    })
+}
+
 /// The runtime part of an image config.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase")]

@@ -1,6 +1,7 @@
 //! A remote layer: an image reference resolved to the layer that holds a disk — zstd:chunked
-//! or eStargz with its own TOC, or an ordinary gzip or tar layer with the seekable index
-//! published for it — with its validated TOC (or index) turned into a chunk index.
+//! or eStargz with its own TOC, an ordinary gzip or tar layer with the seekable index
+//! published for it, or a disk artifact's disk file with its index — with its validated TOC
+//! (or index) turned into a chunk index.
 //!
 //! Resolution prefers the registry (manifest, config, then the TOC by one Range request,
 //! verified against the annotation) and records the outcome in the cache under the layer's
@@ -17,9 +18,9 @@ use crate::cache::{CacheRoot, IndexSource, LayerId, LayerMeta, RefRecord};
 use crate::digest::Digest;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::estargz;
-use crate::format::seekable::{self, Compression, Expected, SeekIndex};
+use crate::format::seekable::{self, Compression, Expected, Layout, SeekIndex};
 use crate::format::zstd_chunked::{self, Chunk, Node, NodeKind, TocLocation};
+use crate::format::{artifact, estargz};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
 use crate::reference::Reference;
 use crate::registry::Registry;
@@ -198,28 +199,29 @@ impl RemoteLayer {
     /// `meta.toc_digest`): every regular file is cut where the spans are; a chunk is the part
     /// of one span inside one file, fetched as the whole span's compressed bytes. A chunk that
     /// is a whole span carries the span's digest (so identical spans of other layers dedup);
-    /// a part of one has none, and is verified through its span.
+    /// a part of one has none, and is verified through its span. A disk file's layer (a disk
+    /// artifact's) is one file at the path its record names, each span one chunk.
     fn build_indexed(
         reference: Reference,
         meta: LayerMeta,
         index_bytes: &[u8],
         online: bool,
     ) -> Result<Self> {
-        let source = meta
-            .index
-            .as_ref()
-            .expect("build_indexed is for indexed layers");
-        let expected = Expected {
-            layer: meta.layer_digest,
-            layer_size: meta.layer_size,
-            compression: source.compression,
-            diff_id: meta.diff_id,
-        };
+        let expected = expected_of(&meta).expect("build_indexed is for indexed layers");
         let index = SeekIndex::decode(index_bytes, &expected)?;
-        let mut nodes = Vec::with_capacity(index.entries.len());
+        let entries = match index.layout {
+            Layout::Tar => index.entries.clone(),
+            Layout::File => {
+                let path = meta.disk_path.as_deref().ok_or_else(|| {
+                    Error::corrupt("the record of a disk file's layer names no path for it")
+                })?;
+                file_entries(path, index.stream_size)
+            }
+        };
+        let mut nodes = Vec::with_capacity(entries.len());
         let (mut files, mut chunks, mut span_of, mut file_at) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for entry in &index.entries {
+        for entry in &entries {
             let kind = match entry.kind.as_str() {
                 "dir" => NodeKind::Dir,
                 "reg" => NodeKind::Regular,
@@ -352,6 +354,13 @@ impl RemoteLayer {
     pub fn id(&self) -> LayerId {
         self.meta.id()
     }
+
+    /// Whether the layer is a disk file (a disk artifact's), not a tar.
+    pub fn is_disk_file(&self) -> bool {
+        self.spans
+            .as_ref()
+            .is_some_and(|s| s.index.layout == Layout::File)
+    }
 }
 
 /// The file number of the disk: under `disk/` or `image/`, or the annotated path.
@@ -367,6 +376,29 @@ fn disk_file(nodes: &[Node], files: &[FileChunks], meta: &LayerMeta) -> Result<u
                 "the layer has no regular file under /disk/ or /image/",
             )
         })
+}
+
+/// The lazy view of a disk artifact's layer, as a containerDisk holds its disk: the
+/// directories above `path` (0755) and the disk file (0644), owned by 107:107 (KubeVirt's
+/// qemu), the file's content the whole stream.
+fn file_entries(path: &str, size: u64) -> Vec<seekable::Entry> {
+    let entry = |kind: &str, name: String, mode: u32, size: u64| seekable::Entry {
+        kind: kind.into(),
+        name,
+        link_name: String::new(),
+        mode,
+        uid: 107,
+        gid: 107,
+        mtime: 0,
+        size,
+        offset: 0,
+    };
+    let parts: Vec<&str> = path.split('/').collect();
+    let mut entries: Vec<_> = (1..parts.len())
+        .map(|n| entry("dir", parts[..n].join("/"), 0o755, 0))
+        .collect();
+    entries.push(entry("reg", path.to_string(), 0o644, size));
+    entries
 }
 
 /// Picks the disk layer of a manifest: the topmost layer with a TOC, zstd:chunked or eStargz.
@@ -484,7 +516,10 @@ pub async fn disk_layer_id(
         {
             return Err(e.context(reference));
         }
-        return indexed_layer_id(client, cache, reference, manifest, manifest_digest).await;
+        let (layer, meta, index) =
+            seekable_layer_id(client, cache, reference, manifest, manifest_digest).await?;
+        keep_layer(cache, &meta, index).await;
+        return Ok((layer, meta));
     };
     if let Some(toc_digest) = estargz_toc_digest(layer) {
         return estargz_layer_id(client, cache, reference, manifest, layer, toc_digest).await;
@@ -688,15 +723,82 @@ pub fn indexable_layer(m: &oci::Manifest) -> Option<(usize, &Descriptor, Compres
     })
 }
 
+/// The disk layer of an image or disk artifact with no TOC of its own, its record and the
+/// bytes of the seekable index published for it.
+async fn seekable_layer_id(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+    manifest_digest: Digest,
+) -> Result<(Descriptor, LayerMeta, Vec<u8>)> {
+    if artifact::is_artifact(manifest) {
+        artifact_layer_id(client, cache, reference, manifest, manifest_digest).await
+    } else {
+        indexed_layer_id(client, cache, reference, manifest, manifest_digest).await
+    }
+}
+
+/// The seekable index the disk layer of `manifest` (an image with no TOC, or a disk
+/// artifact) is read through, found as the daemon finds it, with its record: what `inspect`
+/// reports.
+pub async fn seekable_layer(
+    client: &dyn Registry,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+    manifest_digest: Digest,
+) -> Result<(LayerMeta, SeekIndex)> {
+    let (_, meta, bytes) =
+        seekable_layer_id(client, None, reference, manifest, manifest_digest).await?;
+    let expected = expected_of(&meta).expect("an indexed layer's record names its index");
+    let index = blocking(move || SeekIndex::decode(&bytes, &expected)).await?;
+    Ok((meta, index))
+}
+
+/// What the index of the layer `meta` records must describe, if it is read through one.
+fn expected_of(meta: &LayerMeta) -> Option<Expected> {
+    let source = meta.index.as_ref()?;
+    Some(Expected {
+        layer: meta.layer_digest,
+        layer_size: meta.layer_size,
+        compression: Some(source.compression),
+        diff_id: Some(meta.diff_id),
+        layout: source.layout,
+    })
+}
+
+/// Bytes `range` of the uncompressed stream of the layer `meta` reads through `index`, from
+/// its spans fetched from the registry and each checked against its digest.
+pub async fn read_stream(
+    client: &dyn Registry,
+    meta: &LayerMeta,
+    index: &SeekIndex,
+    range: Range<u64>,
+) -> Result<Vec<u8>> {
+    let reference: Reference = meta.reference.parse()?;
+    let mut out = Vec::with_capacity((range.end - range.start) as usize);
+    for s in index.spans_for(range.clone()) {
+        let span = &index.spans[s];
+        let input = client
+            .get_blob_range(&reference, &meta.layer_digest, span.input..span.input_end)
+            .await?;
+        let data = crate::task::off_the_runtime(|| index.decode_span(s, &input))?;
+        let from = (range.start.max(span.offset) - span.offset) as usize;
+        let to = (range.end.min(index.span_end(s)) - span.offset) as usize;
+        out.extend_from_slice(&data[from..to]);
+    }
+    Ok(out)
+}
+
 /// The ordinary disk layer of `manifest` and its record, with the seekable index published
-/// for it (kept in `cache` with the record, as a TOC is).
+/// for it.
 async fn indexed_layer_id(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
     reference: &Reference,
     manifest: &oci::Manifest,
     manifest_digest: Digest,
-) -> Result<(Descriptor, LayerMeta)> {
+) -> Result<(Descriptor, LayerMeta, Vec<u8>)> {
     let Some((position, layer, compression)) = indexable_layer(manifest) else {
         return Err(Error::unsupported(format!("{reference} has no lazily loadable layer (zstd:chunked, or gzip or uncompressed tar with a seekable index); publish it with `vmdisk push` or `vmdisk convert`, or index it with `vmdisk index`")));
     };
@@ -704,10 +806,61 @@ async fn indexed_layer_id(
     let expected = Expected {
         layer: layer.digest,
         layer_size: layer.size,
-        compression,
-        diff_id: diff_id_of(&config, manifest, position, reference)?,
+        compression: Some(compression),
+        diff_id: Some(diff_id_of(&config, manifest, position, reference)?),
+        layout: Layout::Tar,
     };
-    let found = find_index(client, cache, reference, manifest_digest, &expected).await?;
+    let found = find_index(client, cache, reference, manifest_digest, &expected, None).await?;
+    let (meta, bytes) = indexed_meta(reference, layer, found, None);
+    Ok((layer.clone(), meta, bytes))
+}
+
+/// The disk file of disk artifact `manifest` and its record, with the seekable index published
+/// for it. Its identity is the artifact's: the layer, the index, the disk's path in the view
+/// and the digest the artifact pins for the disk (else the index's, checked once complete).
+async fn artifact_layer_id(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+    manifest_digest: Digest,
+) -> Result<(Descriptor, LayerMeta, Vec<u8>)> {
+    let disk = artifact::disk_file(manifest).map_err(|e| {
+        e.context(format!(
+            "{reference} is an OCI artifact ({})",
+            manifest
+                .artifact_type
+                .as_deref()
+                .unwrap_or(&manifest.config.media_type)
+        ))
+    })?;
+    let expected = Expected {
+        layer: disk.layer.digest,
+        layer_size: disk.layer.size,
+        compression: None,
+        diff_id: disk.digest,
+        layout: Layout::File,
+    };
+    let found = find_index(
+        client,
+        cache,
+        reference,
+        manifest_digest,
+        &expected,
+        Some(&disk.path),
+    )
+    .await?;
+    let (meta, bytes) = indexed_meta(reference, disk.layer, found, Some(disk.path.clone()));
+    Ok((disk.layer.clone(), meta, bytes))
+}
+
+/// The record of `layer` read through the index `found`, and the index's bytes.
+fn indexed_meta(
+    reference: &Reference,
+    layer: &Descriptor,
+    found: FoundIndex,
+    disk_path: Option<String>,
+) -> (LayerMeta, Vec<u8>) {
     let meta = LayerMeta {
         reference: reference.to_string(),
         layer_digest: layer.digest,
@@ -716,16 +869,16 @@ async fn indexed_layer_id(
         toc_length: found.bytes.len() as u64,
         toc_uncompressed_length: 0,
         toc_digest: found.digest,
-        disk_path: None,
-        diff_id: expected.diff_id,
+        disk_path,
+        diff_id: found.diff_id,
         index: Some(IndexSource {
             repository: found.repository.to_string(),
-            compression,
+            compression: found.compression,
+            layout: found.layout,
         }),
         estargz: false,
     };
-    keep_layer(cache, &meta, found.bytes).await;
-    Ok((layer.clone(), meta))
+    (meta, found.bytes)
 }
 
 /// The image config of `manifest`: kept in `cache`, else fetched (by digest) and kept.
@@ -751,11 +904,16 @@ pub(crate) async fn image_config(
     Ok(config)
 }
 
-/// A seekable index found for a layer: where, its blob digest and bytes (checked).
+/// A seekable index found for a layer: where, its blob digest and bytes (checked), and what
+/// it says the layer is.
 struct FoundIndex {
     repository: Reference,
     digest: Digest,
     bytes: Vec<u8>,
+    compression: Compression,
+    layout: Layout,
+    /// The uncompressed stream's digest (equal to the pinned one, when something pins it).
+    diff_id: Digest,
 }
 
 /// Most index artifacts tried per repository (newest first).
@@ -764,13 +922,15 @@ const MAX_INDEX_CANDIDATES: usize = 4;
 /// The seekable index of layer `expected` of image manifest `manifest_digest`: among its
 /// referrers in the image's repository, then in each configured index repository, the
 /// newest whose manifest names that subject and whose index validates against the layer.
-/// NotFound (saying what was tried) when there is none.
+/// `disk_path` is where a disk artifact's disk appears (part of its identity). NotFound
+/// (saying what was tried) when there is none.
 async fn find_index(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
     reference: &Reference,
     manifest_digest: Digest,
     expected: &Expected,
+    disk_path: Option<&str>,
 ) -> Result<FoundIndex> {
     let own = Reference {
         tag: None,
@@ -784,7 +944,16 @@ async fn find_index(
             .await
             .map_err(|e| e.context(format!("looking up seekable indexes in {repo}")))?;
         for desc in candidates.iter().rev().take(MAX_INDEX_CANDIDATES) {
-            match index_from(client, cache, repo, desc, manifest_digest, expected).await {
+            let found = index_from(
+                client,
+                cache,
+                repo,
+                desc,
+                manifest_digest,
+                expected,
+                disk_path,
+            );
+            match found.await {
                 Ok(found) => return Ok(found),
                 Err(e) if e.kind() == ErrorKind::Network => return Err(e),
                 Err(e) => {
@@ -822,6 +991,7 @@ async fn index_from(
     desc: &Descriptor,
     subject: Digest,
     expected: &Expected,
+    disk_path: Option<&str>,
 ) -> Result<FoundIndex> {
     let fetched = client.get_manifest(&repo.with_digest(desc.digest)).await?;
     let ManifestKind::Image(m) = fetched.manifest else {
@@ -867,45 +1037,55 @@ async fn index_from(
             seekable::MEDIA_TYPE
         )));
     }
-    if let Some(cache) = cache.cloned() {
+    // A layer read through this index before is kept under its identity, which needs the
+    // digest of the stream: known here when the manifest pins it.
+    if let (Some(cache), Some(diff_id)) = (cache.cloned(), expected.diff_id) {
         let key = LayerId {
             layer: expected.layer,
             size: expected.layer_size,
             toc: blob.digest,
             toc_offset: 0,
-            diff_id: expected.diff_id,
-            disk_path: None,
+            diff_id,
+            disk_path: disk_path.map(str::to_string),
             indexed: true,
             estargz: false,
         }
         .key();
         // Kept only after it was checked, and re-checked against its digest here.
-        if let Some((_, bytes)) = blocking(move || Ok(cache.load_layer_meta(&key))).await? {
-            return Ok(FoundIndex {
-                repository: repo.clone(),
-                digest: blob.digest,
-                bytes,
-            });
+        if let Some((meta, bytes)) = blocking(move || Ok(cache.load_layer_meta(&key))).await? {
+            if let Some(source) = meta.index {
+                return Ok(FoundIndex {
+                    repository: repo.clone(),
+                    digest: blob.digest,
+                    bytes,
+                    compression: source.compression,
+                    layout: source.layout,
+                    diff_id: meta.diff_id,
+                });
+            }
         }
     }
     let bytes = client
         .get_blob(repo, blob, seekable::MAX_INDEX_BYTES)
         .await?;
     let expected = *expected;
-    let bytes = blocking(move || {
+    let (bytes, index) = blocking(move || {
         let index = SeekIndex::decode(&bytes, &expected)?;
-        if index.disk_entry().is_none() {
+        if index.layout == Layout::Tar && index.disk_entry().is_none() {
             return Err(Error::unsupported(
                 "the indexed layer has no regular file under /disk/ or /image/",
             ));
         }
-        Ok(bytes)
+        Ok((bytes, index))
     })
     .await?;
     Ok(FoundIndex {
         repository: repo.clone(),
         digest: blob.digest,
         bytes,
+        compression: index.compression,
+        layout: index.layout,
+        diff_id: index.diff_id,
     })
 }
 

@@ -5,24 +5,33 @@
 
 use libfuzzer_sys::fuzz_target;
 use vmdisk::digest::Digest;
-use vmdisk::format::seekable::{Compression, Expected, SeekIndex, Span};
+use vmdisk::format::seekable::{Compression, Expected, Layout, SeekIndex, Span};
 
 fuzz_target!(|data: &[u8]| {
     let expected = Expected {
         layer: Digest::of(b""),
         layer_size: 1 << 20,
-        compression: Compression::Gzip,
-        diff_id: Digest::of(b""),
+        compression: Some(Compression::Gzip),
+        diff_id: Some(Digest::of(b"")),
+        layout: Layout::Tar,
     };
     let _ = SeekIndex::decode(data, &expected);
     if let Ok(index) = serde_json::from_slice::<SeekIndex>(data) {
+        // As an image layer's index (all pinned) and as a disk artifact's (nothing pinned).
         let own = Expected {
             layer: index.layer,
             layer_size: index.layer_size,
-            compression: index.compression,
-            diff_id: index.diff_id,
+            compression: Some(index.compression),
+            diff_id: Some(index.diff_id),
+            layout: index.layout,
         };
         let _ = index.validate(&own);
+        let _ = index.validate(&Expected {
+            compression: None,
+            diff_id: None,
+            layout: Layout::File,
+            ..own
+        });
     }
     // One span over the input: the first byte picks the bit, the next two the window length.
     if data.len() < 4 {
@@ -37,6 +46,7 @@ fuzz_target!(|data: &[u8]| {
         layer: Digest::of(b""),
         layer_size: input.len() as u64,
         compression: Compression::Gzip,
+        layout: Layout::Tar,
         diff_id: Digest::of(b""),
         stream_size: window as u64 + 65536,
         span_size: 65536,

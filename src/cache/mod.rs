@@ -120,12 +120,15 @@ pub struct LayerMeta {
     pub estargz: bool,
 }
 
-/// Where a layer's seekable index was found, and the layer's compression.
+/// Where a layer's seekable index was found, and the layer's compression and layout.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct IndexSource {
     /// The repository holding the index (`registry/repository`).
     pub repository: String,
     pub compression: crate::format::seekable::Compression,
+    /// A tar (an image layer) or the disk file itself (a disk artifact's layer).
+    #[serde(default)]
+    pub layout: crate::format::seekable::Layout,
 }
 
 impl LayerMeta {

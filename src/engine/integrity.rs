@@ -22,7 +22,9 @@
 //! An eStargz layer's regions are gzip members (a file's padding rides in its last chunk's
 //! member); an ordinary layer read through a seekable index has no regions of its own: the
 //! stream between files is decoded from the spans that hold it, each checked against its
-//! digest.
+//! digest. A disk artifact's layer is no tar: its stream is the disk file, so it has no
+//! structure to check, and once complete the file must hash to the digest the artifact pins
+//! (else its index's).
 
 use std::io::{Read, Seek, SeekFrom};
 use std::sync::Arc;
@@ -72,6 +74,10 @@ impl Engine {
     /// docs). Fetches only the regions between chunks, up to the TOC. Done once per layer key;
     /// the cache remembers it.
     pub async fn check_structure(self: &Arc<Self>, cache: Option<&CacheRoot>) -> Result<()> {
+        if self.layer.is_disk_file() {
+            // No tar headers: the view is the one file the manifest names, the whole stream.
+            return Ok(());
+        }
         let key = self.layer.id().key();
         let cache = cache.cloned();
         let known = cache.clone();
@@ -146,6 +152,21 @@ impl Engine {
         blocking(move || {
             let layer = &engine.layer;
             let mut stream = Stream::new(&engine, pieces, true);
+            if layer.is_disk_file() {
+                let copied = std::io::copy(&mut stream, &mut std::io::sink());
+                if let Some(e) = stream.cache_error.take() {
+                    return Err(e);
+                }
+                copied.map_err(|e| Error::io("reading the complete disk", e))?;
+                let digest = std::mem::take(&mut stream.hasher).finish();
+                if digest != layer.meta.diff_id {
+                    return Err(Error::corrupt(format!(
+                        "the disk hashes to {digest}, not {}",
+                        layer.meta.diff_id
+                    )));
+                }
+                return Ok(());
+            }
             let entries = read_entries(&mut stream);
             let rest = std::io::copy(&mut stream, &mut std::io::sink());
             // A failing cache read is a local fault, not a verdict on the layer.

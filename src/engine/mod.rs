@@ -838,6 +838,16 @@ mod tests {
         tar: &[u8],
         index: &crate::format::seekable::SeekIndex,
     ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
+        engine_of_indexed_at(blob, tar, index, None)
+    }
+
+    /// The same, with the disk at `disk_path` (a disk artifact's layer).
+    fn engine_of_indexed_at(
+        blob: Vec<u8>,
+        tar: &[u8],
+        index: &crate::format::seekable::SeekIndex,
+        disk_path: Option<&str>,
+    ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
         let bytes = index.encode().unwrap();
         let meta = LayerMeta {
             reference: "127.0.0.1:1/test/t:1".into(),
@@ -847,11 +857,12 @@ mod tests {
             toc_length: bytes.len() as u64,
             toc_uncompressed_length: 0,
             toc_digest: Digest::of(&bytes),
-            disk_path: None,
+            disk_path: disk_path.map(str::to_string),
             diff_id: Digest::of(tar),
             index: Some(crate::cache::IndexSource {
                 repository: "127.0.0.1:1/test/t".into(),
                 compression: index.compression,
+                layout: index.layout,
             }),
             estargz: false,
         };
@@ -867,7 +878,7 @@ mod tests {
         Vec<u8>,
         crate::format::seekable::SeekIndex,
     ) {
-        use crate::format::seekable::{build, testing, Compression, Expected};
+        use crate::format::seekable::{build, testing, Compression, Expected, Layout};
         let data = testing::disk(3 << 20);
         let tar = testing::tar_of(&[
             ("etc/README", b"hello".to_vec()),
@@ -878,11 +889,67 @@ mod tests {
         let exp = Expected {
             layer: Digest::of(&blob),
             layer_size: blob.len() as u64,
-            compression: Compression::Gzip,
-            diff_id: Digest::of(&tar),
+            compression: Some(Compression::Gzip),
+            diff_id: Some(Digest::of(&tar)),
+            layout: Layout::Tar,
         };
-        let index = build(blob.as_slice(), &exp, span).unwrap();
+        let index = build(blob.as_slice(), &exp, span).unwrap().index;
         (data, tar, blob, index)
+    }
+
+    /// A disk artifact's layer, the gzip-compressed disk file itself, read through its index
+    /// as `disk/d.raw`; checked whole against the disk's digest once complete, and a lie
+    /// caught there.
+    #[tokio::test]
+    async fn a_disk_file_layer_reads_by_span_and_is_verified_once_complete() {
+        use crate::format::seekable::{build, testing, Expected, Layout};
+        let data = testing::disk(3 << 20);
+        let blob = testing::gzip(&data, 6);
+        let exp = Expected {
+            layer: Digest::of(&blob),
+            layer_size: blob.len() as u64,
+            compression: None,
+            diff_id: None,
+            layout: Layout::File,
+        };
+        let index = build(blob.as_slice(), &exp, 64 << 10).unwrap().index;
+        let (engine, source, _dir) =
+            engine_of_indexed_at(blob.clone(), &data, &index, Some("disk/d.raw"));
+        let layer = &engine.layer;
+        let paths: Vec<_> = layer.nodes.iter().map(|n| n.path.as_str()).collect();
+        assert_eq!(paths, ["disk", "disk/d.raw"]);
+        assert_eq!(layer.files.len(), 1);
+        assert_eq!(layer.chunks.len(), index.spans.len());
+        engine.check_structure(None).await.unwrap();
+        assert!(source.calls.lock().unwrap().is_empty(), "nothing to check");
+        assert_eq!(
+            engine.read(0, 2 << 20, 4096).await.unwrap(),
+            data[2 << 20..(2 << 20) + 4096]
+        );
+        let cache_dir = tempfile::tempdir().unwrap();
+        let cache = CacheRoot::open(cache_dir.path()).unwrap();
+        assert_eq!(read_all(&engine).await.unwrap(), data);
+        assert_eq!(engine.check_integrity(&cache).await, Integrity::Verified);
+
+        // An index that lies consistently about span 5 (a forged window, the digest of what
+        // it decodes to): every read passes its span check, the complete disk does not.
+        use base64::Engine as _;
+        let mut lying = index.clone();
+        lying.spans[5].window =
+            base64::engine::general_purpose::STANDARD.encode(vec![b'x'; 32 << 10]);
+        let s = &lying.spans[5];
+        let lie = lying
+            .decode_unverified(5, &blob[s.input as usize..s.input_end as usize])
+            .unwrap();
+        assert_ne!(lie, data[s.offset as usize..index.span_end(5) as usize]);
+        lying.spans[5].digest = Digest::of(&lie);
+        let (engine, _, _dir) = engine_of_indexed_at(blob, &data, &lying, Some("disk/d.raw"));
+        engine.read(0, 0, engine.layer.file_size(0)).await.unwrap();
+        let outcome = engine.check_integrity(&cache).await;
+        assert!(
+            matches!(&outcome, Integrity::Failed(why) if why.contains("the disk hashes to")),
+            "{outcome:?}"
+        );
     }
 
     #[tokio::test]

@@ -5,12 +5,15 @@
 //! - [`layout`]: the vmdisk image layout: annotations, where the disk is, the verified decode
 //!   of a chunk.
 //! - [`seekable`]: the seekable index `vmdisk index` publishes for ordinary gzip and
-//!   uncompressed layers; [`zran`]: the block-boundary inflater that builds it.
+//!   uncompressed layers and disk files; [`zran`]: the block-boundary inflater that builds it.
+//! - [`artifact`]: disk artifacts, OCI artifacts whose layer is the disk file itself: what
+//!   makes a manifest one, which layer is the disk, where it appears.
 //! - [`estargz`]: eStargz layers, read lazily from their own TOC.
 //! - [`tarsplit`]: the tar-split metadata containers/storage uses to rebuild the tar stream.
 //! - [`disk`]: recognising VM disk images by content, validating qcow2, unpacking OVA.
 //! - [`qcow2`]: the qcow2 header and cluster tables; [`qcow2_raw`]: the raw view through them.
 
+pub mod artifact;
 pub mod disk;
 pub mod estargz;
 pub mod layout;

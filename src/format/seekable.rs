@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::digest::{Digest, Hasher};
 use crate::error::{Error, Result};
+use crate::format::artifact::Codec;
 use crate::format::zran::BlockInflater;
 use crate::format::zstd_chunked::clean_path;
 
@@ -51,6 +52,33 @@ const WINDOW: usize = 32 << 10;
 pub enum Compression {
     Gzip,
     None,
+}
+
+impl Compression {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Compression::Gzip => "gzip",
+            Compression::None => "none",
+        }
+    }
+}
+
+/// What the layer's uncompressed stream is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// A tar archive (a container image's layer): the index lists its entries.
+    #[default]
+    Tar,
+    /// The disk file itself (a disk artifact's layer): no entries; the manifest names the
+    /// file.
+    File,
+}
+
+impl Layout {
+    fn is_tar(&self) -> bool {
+        *self == Layout::Tar
+    }
 }
 
 /// A tar entry as the index lists it.
@@ -107,7 +135,10 @@ pub struct SeekIndex {
     pub layer: Digest,
     pub layer_size: u64,
     pub compression: Compression,
-    /// sha256 of the uncompressed tar stream, and its size.
+    /// Whether the stream is a tar or the disk file itself (absent: a tar).
+    #[serde(default, skip_serializing_if = "Layout::is_tar")]
+    pub layout: Layout,
+    /// sha256 of the uncompressed stream, and its size.
     pub diff_id: Digest,
     pub stream_size: u64,
     /// The span size asked for (spans are at least this long, but for the last).
@@ -121,8 +152,14 @@ pub struct SeekIndex {
 pub struct Expected {
     pub layer: Digest,
     pub layer_size: u64,
-    pub compression: Compression,
-    pub diff_id: Digest,
+    /// The compression the layer's media type names (an image layer's); `None` when the
+    /// blob's own first bytes decide (a disk artifact's, whose media types may lie).
+    pub compression: Option<Compression>,
+    /// The uncompressed digest the manifest pins: an image config's diff_id, an artifact's
+    /// disk digest annotation; `None` when nothing pins it (then the index's own claim is
+    /// checked once complete, and an uncompressed blob's digest is its stream's).
+    pub diff_id: Option<Digest>,
+    pub layout: Layout,
 }
 
 impl SeekIndex {
@@ -166,19 +203,27 @@ impl SeekIndex {
         if self.version != 1 {
             return bad(format!("has version {}, this vmdisk reads 1", self.version));
         }
-        if (self.layer, self.layer_size, self.compression, self.diff_id)
-            != (
-                expected.layer,
-                expected.layer_size,
-                expected.compression,
-                expected.diff_id,
-            )
+        if (self.layer, self.layer_size) != (expected.layer, expected.layer_size)
+            || expected.compression.is_some_and(|c| c != self.compression)
+            || expected.diff_id.is_some_and(|d| d != self.diff_id)
         {
+            let claim = |v: Option<String>| v.unwrap_or_else(|| "any".into());
             return bad(format!(
-                "describes layer {} ({} bytes, {:?}, diff_id {}), not the image's {} ({} bytes, {:?}, diff_id {})",
+                "describes layer {} ({} bytes, {:?}, diff_id {}), not the image's {} ({} bytes, {}, diff_id {})",
                 self.layer, self.layer_size, self.compression, self.diff_id,
-                expected.layer, expected.layer_size, expected.compression, expected.diff_id
+                expected.layer, expected.layer_size,
+                claim(expected.compression.map(|c| format!("{c:?}"))),
+                claim(expected.diff_id.map(|d| d.to_string()))
             ));
+        }
+        if self.layout != expected.layout {
+            return bad(format!(
+                "reads the layer as {:?}, but it is {:?}",
+                self.layout, expected.layout
+            ));
+        }
+        if self.layout == Layout::File && !self.entries.is_empty() {
+            return bad("of a disk file lists tar entries".into());
         }
         if !self.span_size.is_power_of_two() || !((64 << 10)..=(16 << 20)).contains(&self.span_size)
         {
@@ -190,8 +235,10 @@ impl SeekIndex {
         if self.entries.len() > MAX_ENTRIES {
             return bad(format!("lists {} entries", self.entries.len()));
         }
-        if self.compression == Compression::None && self.stream_size != self.layer_size {
-            return bad("of an uncompressed layer has a stream size unlike the blob's".into());
+        if self.compression == Compression::None
+            && (self.stream_size != self.layer_size || self.diff_id != self.layer)
+        {
+            return bad("of an uncompressed layer gives a stream unlike the blob".into());
         }
         for (i, span) in self.spans.iter().enumerate() {
             let end = self.span_end(i);
@@ -352,10 +399,57 @@ impl SeekIndex {
     }
 }
 
+/// Deflate bits, least significant first, as a deflate stream packs them.
+struct BitWriter {
+    out: Vec<u8>,
+    acc: u64,
+    used: u32,
+}
+
+impl BitWriter {
+    fn with_capacity(bytes: usize) -> Self {
+        BitWriter {
+            out: Vec::with_capacity(bytes),
+            acc: 0,
+            used: 0,
+        }
+    }
+
+    /// Appends the low `n` bits of `value`, first bit first.
+    fn put(&mut self, value: u32, n: u32) {
+        self.acc |= u64::from(value) << self.used;
+        self.used += n;
+        while self.used >= 8 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.used -= 8;
+        }
+    }
+
+    /// Appends a Huffman code of `len` bits (deflate stores codes most significant bit first).
+    fn put_code(&mut self, code: u32, len: u32) {
+        self.put(code.reverse_bits() >> (32 - len), len);
+    }
+
+    /// Appends literal `byte` with the fixed Huffman code (RFC 1951, 3.2.6).
+    fn put_literal(&mut self, byte: u8) {
+        match byte {
+            0..=143 => self.put_code(0x30 + u32::from(byte), 8),
+            _ => self.put_code(0x190 + u32::from(byte - 144), 9),
+        }
+    }
+}
+
+/// A literal whose fixed Huffman code is 9 bits long: each one moves where the next block
+/// starts by one bit (mod 8).
+const FILLER: u8 = 144;
+
 /// Inflates `size` bytes of raw deflate that start `bits` bits from the end of `input[0]`
-/// (all of it if 0), after `window`. A stored block holding the window goes first, so any
-/// inflater can decode from a bit position with a preset dictionary: the input is shifted to
-/// start on a byte, and the window's bytes are dropped from the output.
+/// (all of it if 0), after `window`. Deflate has no way to start mid-stream with a given
+/// history, so a fixed-Huffman block of literals goes first — a few filler bytes, then the
+/// window — ending exactly at the bit alignment the span had in the layer; the span's own
+/// bytes follow unshifted (a stored block's padding depends on that alignment), and the
+/// prefix's bytes are dropped from the output.
 fn inflate_span(window: &[u8], bits: u8, input: &[u8], size: usize) -> Result<Vec<u8>> {
     if bits > 7 || window.len() > WINDOW {
         return Err(Error::corrupt(format!(
@@ -363,23 +457,41 @@ fn inflate_span(window: &[u8], bits: u8, input: &[u8], size: usize) -> Result<Ve
             window.len()
         )));
     }
-    let mut feed = Vec::with_capacity(5 + window.len() + input.len());
-    if !window.is_empty() {
-        let len = window.len() as u16;
-        feed.push(0); // BFINAL 0, BTYPE 00 (stored), padding to the byte
-        feed.extend_from_slice(&len.to_le_bytes());
-        feed.extend_from_slice(&(!len).to_le_bytes());
-        feed.extend_from_slice(window);
-    }
-    match input.last() {
-        Some(&last) if bits > 0 => {
-            let shift = 8 - bits;
-            feed.extend(input.windows(2).map(|w| (w[0] >> shift) | (w[1] << bits)));
-            feed.push(last >> shift);
+    let mut prefix_len = 0;
+    let feed = if window.is_empty() && bits == 0 {
+        input.to_vec()
+    } else {
+        // The span starts at bit 8 − bits of its first byte: the prefix must end there.
+        let target = (8 - u32::from(bits)) % 8;
+        let nine_bit = window.iter().filter(|&&b| b >= FILLER).count() as u32;
+        // Header (3) + end of block (7) + 8 per literal + 1 per 9-bit literal.
+        let base = (10 + nine_bit) % 8;
+        let fillers = (target + 8 - base) % 8;
+        let mut w = BitWriter::with_capacity(window.len() * 9 / 8 + input.len() + 8);
+        w.put(0, 1); // BFINAL 0
+        w.put(1, 2); // BTYPE 01: fixed Huffman codes
+        for _ in 0..fillers {
+            w.put_literal(FILLER);
         }
-        _ => feed.extend_from_slice(input),
-    }
-    let want = window.len() + size;
+        for &b in window {
+            w.put_literal(b);
+        }
+        w.put_code(0, 7); // end of block
+        debug_assert_eq!(w.used, target);
+        prefix_len = fillers as usize + window.len();
+        let mut feed = w.out;
+        match input.split_first() {
+            Some((&first, rest)) if bits > 0 => {
+                // The low 8 − bits bits of the first byte belong to the block before the span.
+                let span_bits = first & !(0xffu8 >> bits);
+                feed.push(w.acc as u8 | span_bits);
+                feed.extend_from_slice(rest);
+            }
+            _ => feed.extend_from_slice(input),
+        }
+        feed
+    };
+    let want = prefix_len + size;
     let mut out = Vec::with_capacity(want);
     let mut d = flate2::Decompress::new(false);
     while out.len() < want {
@@ -397,39 +509,87 @@ fn inflate_span(window: &[u8], bits: u8, input: &[u8], size: usize) -> Result<Ve
             break;
         }
     }
-    if out.len() != want || out[..window.len()] != *window {
+    if out.len() != want || out[prefix_len - window.len()..prefix_len] != *window {
         return Err(Error::corrupt(format!(
             "decoded to {} bytes, expected {size}",
-            out.len().saturating_sub(window.len())
+            out.len().saturating_sub(prefix_len)
         )));
     }
-    Ok(out.split_off(window.len()))
+    Ok(out.split_off(prefix_len))
+}
+
+/// How many bytes of the stream's start [`build`] hands back: enough to identify a disk.
+pub const HEAD_BYTES: u64 = 66 << 10;
+
+/// What [`build`] read: the index, and the stream's first [`HEAD_BYTES`] (for a disk file,
+/// what identifies it).
+#[derive(Debug)]
+pub struct Built {
+    pub index: SeekIndex,
+    pub head: Vec<u8>,
 }
 
 /// Builds the index of a layer while reading its blob once, front to back: the blob's own
-/// reader checks its digest at the end; this checks the stream against `expected.diff_id`.
-pub fn build(blob: impl Read, expected: &Expected, span_size: u64) -> Result<SeekIndex> {
+/// reader checks its digest at the end; this checks the stream against the digest `expected`
+/// pins. The compression is `expected`'s or, for a disk artifact, what the blob's first bytes
+/// say.
+pub fn build(blob: impl Read, expected: &Expected, span_size: u64) -> Result<Built> {
+    use std::io::BufRead;
     crate::format::layout::check_chunk_size(span_size as usize).map_err(|_| {
         Error::invalid(format!(
             "--span {span_size} must be a power of two between 64K and 16M"
         ))
     })?;
-    let mut stream = IndexingReader::new(blob, expected.compression, span_size)?;
-    let entries = read_entries(&mut stream)?;
+    let mut blob = std::io::BufReader::with_capacity(64 << 10, blob);
+    let compression = match expected.compression {
+        Some(c) => c,
+        None => {
+            let head = blob
+                .fill_buf()
+                .map_err(|e| Error::io("reading the layer blob", e))?;
+            match Codec::sniff(head) {
+                Codec::Gzip => Compression::Gzip,
+                Codec::Plain => Compression::None,
+                other => {
+                    return Err(Error::unsupported(format!(
+                        "the layer is {}-compressed; a seekable index reads gzip and uncompressed layers (republish it with `vmdisk convert`)",
+                        other.name()
+                    )))
+                }
+            }
+        }
+    };
+    let mut stream = IndexingReader::new(blob, compression, span_size)?;
+    let mut head = Vec::new();
+    let entries = match expected.layout {
+        Layout::Tar => read_entries(&mut stream)?,
+        Layout::File => {
+            (&mut stream)
+                .take(HEAD_BYTES)
+                .read_to_end(&mut head)
+                .map_err(|e| Error::io("reading the layer", e))?;
+            Vec::new()
+        }
+    };
     std::io::copy(&mut stream, &mut std::io::sink())
         .map_err(|e| Error::io("reading the rest of the layer", e))?;
     let (spans, diff_id, stream_size) = stream.finish()?;
-    if diff_id != expected.diff_id {
-        return Err(Error::corrupt(format!(
-            "the layer's tar stream hashes to {diff_id}, its image config says {}",
-            expected.diff_id
-        )));
+    if let Some(pinned) = expected.diff_id.filter(|&d| d != diff_id) {
+        return Err(Error::corrupt(match expected.layout {
+            Layout::Tar => format!(
+                "the layer's tar stream hashes to {diff_id}, its image config says {pinned}"
+            ),
+            Layout::File => {
+                format!("the disk hashes to {diff_id}, the artifact's annotation says {pinned}")
+            }
+        }));
     }
     let index = SeekIndex {
         version: 1,
         layer: expected.layer,
         layer_size: expected.layer_size,
-        compression: expected.compression,
+        compression,
+        layout: expected.layout,
         diff_id,
         stream_size,
         span_size,
@@ -437,7 +597,7 @@ pub fn build(blob: impl Read, expected: &Expected, span_size: u64) -> Result<See
         spans,
     };
     index.validate(expected)?;
-    Ok(index)
+    Ok(Built { index, head })
 }
 
 /// The tar entries of the stream, as a tar reader sees them.
@@ -757,8 +917,9 @@ mod tests {
         Expected {
             layer: Digest::of(blob),
             layer_size: blob.len() as u64,
-            compression,
-            diff_id: Digest::of(tar),
+            compression: Some(compression),
+            diff_id: Some(Digest::of(tar)),
+            layout: Layout::Tar,
         }
     }
 
@@ -782,7 +943,7 @@ mod tests {
         for level in [1, 6, 9] {
             let blob = gzip(&tar, level);
             let exp = expected(&blob, &tar, Compression::Gzip);
-            let index = build(blob.as_slice(), &exp, 64 << 10).unwrap();
+            let index = build(blob.as_slice(), &exp, 64 << 10).unwrap().index;
             assert!(
                 index.spans.len() > 10,
                 "level {level}: {} spans",
@@ -800,11 +961,59 @@ mod tests {
         }
     }
 
+    /// GNU gzip (an essential Debian package, and what many image builders run), whose
+    /// output mixes Huffman and stored blocks at any bit alignment.
+    fn gnu_gzip(data: &[u8], level: u32) -> Vec<u8> {
+        use std::io::Write;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new("gzip")
+            .arg(format!("-{level}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("gzip");
+        let mut stdin = child.stdin.take().unwrap();
+        let data = data.to_vec();
+        let writer = std::thread::spawn(move || stdin.write_all(&data).unwrap());
+        let out = child.wait_with_output().unwrap();
+        writer.join().unwrap();
+        assert!(out.status.success());
+        out.stdout
+    }
+
+    /// Incompressible runs between compressible ones make GNU gzip switch between Huffman and
+    /// stored blocks, so stored blocks start (and spans begin) at any bit of a byte; a stored
+    /// block's padding depends on where its byte boundaries are.
+    #[test]
+    fn spans_with_stored_blocks_decode_at_any_bit() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut data = Vec::new();
+        for i in 0..96 {
+            let len = rng.gen_range(1..40_000);
+            if i % 2 == 0 {
+                data.extend((0..len).map(|_| rng.gen::<u8>()));
+            } else {
+                data.extend((0..len).map(|j| b"disk block "[j % 11]));
+            }
+        }
+        let tar = tar_of(&[("disk/d.raw", data)]);
+        let mut unaligned = 0;
+        for level in [1, 6] {
+            let blob = gnu_gzip(&tar, level);
+            let exp = expected(&blob, &tar, Compression::Gzip);
+            let index = build(blob.as_slice(), &exp, 64 << 10).unwrap().index;
+            unaligned += index.spans.iter().filter(|s| s.bits != 0).count();
+            check_all_spans(&index, &blob, &tar);
+        }
+        assert!(unaligned > 0, "some spans start inside a byte");
+    }
+
     #[test]
     fn uncompressed_spans_are_byte_ranges() {
         let tar = tar_of(&[("disk/d.raw", disk(1 << 20)), ("disk/x", vec![1; 100])]);
         let exp = expected(&tar, &tar, Compression::None);
-        let index = build(tar.as_slice(), &exp, 64 << 10).unwrap();
+        let index = build(tar.as_slice(), &exp, 64 << 10).unwrap().index;
         assert_eq!(
             index.spans.len() as u64,
             (tar.len() as u64).div_ceil(64 << 10)
@@ -818,7 +1027,7 @@ mod tests {
         let tar = tar_of(&[("disk/d.raw", disk(256 << 10))]);
         let blob = gzip(&tar, 6);
         let mut exp = expected(&blob, &tar, Compression::Gzip);
-        exp.diff_id = Digest::of(b"other");
+        exp.diff_id = Some(Digest::of(b"other"));
         let e = build(blob.as_slice(), &exp, 64 << 10).unwrap_err();
         assert!(e.chain().contains("hashes to"), "{}", e.chain());
         let mut two = blob.clone();
@@ -828,12 +1037,87 @@ mod tests {
         assert!(e.chain().contains("more than one member"), "{}", e.chain());
     }
 
+    /// A disk artifact's layer: the disk file itself, gzip or not, its compression read from
+    /// its bytes; a pinned digest is checked, an index of the other layout refused.
+    #[test]
+    fn disk_files_are_indexed_as_they_are() {
+        let disk = disk(3 << 20);
+        for (blob, compression) in [
+            (gzip(&disk, 6), Compression::Gzip),
+            (disk.clone(), Compression::None),
+        ] {
+            let exp = Expected {
+                layer: Digest::of(&blob),
+                layer_size: blob.len() as u64,
+                compression: None,
+                diff_id: None,
+                layout: Layout::File,
+            };
+            let built = build(blob.as_slice(), &exp, 64 << 10).unwrap();
+            let index = built.index;
+            assert_eq!(
+                (index.compression, index.diff_id, index.stream_size),
+                (compression, Digest::of(&disk), disk.len() as u64)
+            );
+            assert!(index.entries.is_empty());
+            assert_eq!(built.head, disk[..HEAD_BYTES as usize]);
+            check_all_spans(&index, &blob, &disk);
+            let again = SeekIndex::decode(&index.encode().unwrap(), &exp).unwrap();
+            assert_eq!(again, index);
+            // Pinned: the right digest passes, another fails the build.
+            let pinned = Expected {
+                diff_id: Some(Digest::of(&disk)),
+                ..exp
+            };
+            assert!(index.validate(&pinned).is_ok());
+            let wrong = Expected {
+                diff_id: Some(Digest::of(b"x")),
+                ..exp
+            };
+            let e = build(blob.as_slice(), &wrong, 64 << 10).unwrap_err();
+            assert!(
+                e.chain().contains("the artifact's annotation"),
+                "{}",
+                e.chain()
+            );
+            // A file index for a tar layer, or a tar index for a file, is refused.
+            assert!(index
+                .validate(&Expected {
+                    layout: Layout::Tar,
+                    ..exp
+                })
+                .is_err());
+        }
+        // Other codecs are named, not indexed.
+        let zst = zstd::bulk::compress(&disk, 3).unwrap();
+        let exp = Expected {
+            layer: Digest::of(&zst),
+            layer_size: zst.len() as u64,
+            compression: None,
+            diff_id: None,
+            layout: Layout::File,
+        };
+        let e = build(zst.as_slice(), &exp, 64 << 10).unwrap_err();
+        assert!(e.chain().contains("zstd-compressed"), "{}", e.chain());
+        // An uncompressed index whose stream is not the blob's own bytes.
+        let exp = Expected {
+            layer: Digest::of(&disk),
+            layer_size: disk.len() as u64,
+            compression: None,
+            diff_id: None,
+            layout: Layout::File,
+        };
+        let mut index = build(disk.as_slice(), &exp, 64 << 10).unwrap().index;
+        index.diff_id = Digest::of(b"other");
+        assert!(index.validate(&exp).is_err());
+    }
+
     #[test]
     fn crafted_indexes_are_refused_or_never_decode_to_wrong_bytes() {
         let tar = tar_of(&[("disk/d.raw", disk(2 << 20))]);
         let blob = gzip(&tar, 6);
         let exp = expected(&blob, &tar, Compression::Gzip);
-        let index = build(blob.as_slice(), &exp, 64 << 10).unwrap();
+        let index = build(blob.as_slice(), &exp, 64 << 10).unwrap().index;
         let refused = |f: &dyn Fn(&mut SeekIndex)| {
             let mut i = index.clone();
             f(&mut i);
@@ -841,6 +1125,7 @@ mod tests {
         };
         assert!(refused(&|i| i.layer = Digest::of(b"x")));
         assert!(refused(&|i| i.diff_id = Digest::of(b"x")));
+        assert!(refused(&|i| i.layout = Layout::File));
         assert!(refused(&|i| i.spans[3].offset = i.spans[2].offset));
         assert!(refused(&|i| i.spans[3].input_end = u64::MAX));
         assert!(refused(&|i| i.spans[3].bits = 9));

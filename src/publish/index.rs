@@ -1,15 +1,17 @@
-//! `vmdisk index`: makes an ordinary (gzip or uncompressed) disk image lazily loadable without
-//! republishing it. Its disk layer is read once, streaming, and a seekable index
-//! ([`crate::format::seekable`]) is published as an OCI 1.1 artifact whose `subject` is the
-//! image's platform manifest: in the image's repository, or with `--to` in another one (which
-//! the daemon's `[registry] index_repositories` then lists). The image is not touched, so its
-//! digest and signatures stay valid.
+//! `vmdisk index`: makes an ordinary (gzip or uncompressed) disk image, or a disk artifact,
+//! lazily loadable without republishing it. Its disk layer is read once, streaming, and a
+//! seekable index ([`crate::format::seekable`]) is published as an OCI 1.1 artifact whose
+//! `subject` is the image's platform manifest: in the image's repository, or with `--to` in
+//! another one (which the daemon's `[registry] index_repositories` then lists). The image is
+//! not touched, so its digest and signatures stay valid.
 
 use serde::Serialize;
 
 use crate::digest::Digest;
 use crate::error::{Error, Result};
-use crate::format::seekable::{self, Expected};
+use crate::format::artifact;
+use crate::format::disk::{self, DiskFormat};
+use crate::format::seekable::{self, Expected, Layout};
 use crate::oci::Descriptor;
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
@@ -23,7 +25,9 @@ pub struct IndexReport {
     pub layer: Digest,
     pub layer_size: u64,
     pub compression: seekable::Compression,
-    /// The uncompressed tar stream's size.
+    /// `tar` (an image layer) or `file` (a disk artifact's disk).
+    pub layout: Layout,
+    /// The uncompressed stream's size.
     pub stream_size: u64,
     pub disk: String,
     pub span_size: u64,
@@ -36,7 +40,8 @@ pub struct IndexReport {
 }
 
 /// Indexes `reference`'s disk layer with spans of `span_size` and publishes the index to
-/// `to` (a repository), or beside the image.
+/// `to` (a repository), or beside the image. The disk layer is an image's topmost gzip or
+/// uncompressed tar layer, or a disk artifact's disk file (whose compression its bytes tell).
 pub async fn index(
     client: &RegistryClient,
     reference: &Reference,
@@ -50,32 +55,63 @@ pub async fn index(
             "{reference} already has a lazily loadable zstd:chunked layer; it needs no index"
         )));
     }
-    let Some((position, layer, compression)) = remote::indexable_layer(&manifest) else {
-        return Err(Error::unsupported(format!(
-            "{reference} has no gzip or uncompressed tar layer to index"
-        )));
-    };
-    let config = remote::image_config(client, None, reference, &manifest).await?;
-    let expected = Expected {
-        layer: layer.digest,
-        layer_size: layer.size,
-        compression,
-        diff_id: remote::diff_id_of(&config, &manifest, position, reference)?,
+    let (layer, expected, disk_path) = if artifact::is_artifact(&manifest) {
+        let disk = artifact::disk_file(&manifest)
+            .map_err(|e| e.context(format!("{reference} is an OCI artifact")))?;
+        let expected = Expected {
+            layer: disk.layer.digest,
+            layer_size: disk.layer.size,
+            compression: None,
+            diff_id: disk.digest,
+            layout: Layout::File,
+        };
+        (disk.layer, expected, Some(disk.path))
+    } else {
+        let Some((position, layer, compression)) = remote::indexable_layer(&manifest) else {
+            return Err(Error::unsupported(format!(
+                "{reference} has no gzip or uncompressed tar layer to index"
+            )));
+        };
+        let config = remote::image_config(client, None, reference, &manifest).await?;
+        let expected = Expected {
+            layer: layer.digest,
+            layer_size: layer.size,
+            compression: Some(compression),
+            diff_id: Some(remote::diff_id_of(&config, &manifest, position, reference)?),
+            layout: Layout::Tar,
+        };
+        (layer, expected, None)
     };
     let blob = client.blob_reader(reference, layer).await?;
     let built = crate::task::blocking(move || seekable::build(blob, &expected, span_size))
         .await
         .map_err(|e| e.context(format!("indexing layer {} of {reference}", layer.digest)))?;
-    let disk = built
-        .disk_entry()
-        .ok_or_else(|| {
-            Error::unsupported(format!(
-                "layer {} of {reference} has no regular file under /disk/ or /image/: not a disk image",
-                layer.digest
-            ))
-        })?
-        .name
-        .clone();
+    let disk = match disk_path {
+        Some(path) => {
+            match disk::identify(&built.head, built.index.stream_size) {
+                Ok((Some(DiskFormat::Qcow2 | DiskFormat::Raw), _)) => {}
+                Ok((other, _)) => return Err(Error::unsupported(format!(
+                    "layer {} of {reference} is not a qcow2 or raw disk ({}): nothing to index",
+                    layer.digest,
+                    other.map_or("not recognised", |f| f.name())
+                ))),
+                Err(e) => return Err(e.context(format!("the disk in layer {} of {reference}", layer.digest))),
+            }
+            path
+        }
+        None => built
+            .index
+            .disk_entry()
+            .ok_or_else(|| {
+                Error::unsupported(format!(
+                    "layer {} of {reference} has no regular file under /disk/ or /image/: not a disk image",
+                    layer.digest
+                ))
+            })?
+            .name
+            .clone(),
+    };
+    let built = built.index;
     let encoded = crate::task::blocking(move || Ok((built.encode()?, built))).await?;
     let (bytes, built) = encoded;
     let subject = client
@@ -108,7 +144,8 @@ pub async fn index(
         manifest: manifest_digest,
         layer: layer.digest,
         layer_size: layer.size,
-        compression,
+        compression: built.compression,
+        layout: built.layout,
         stream_size: built.stream_size,
         disk,
         span_size,
