@@ -7,13 +7,14 @@ CARGO ?= cargo
 # backport conflicts with Debian's qemu-system-x86 and is replaced. linux-image-amd64 and
 # initramfs-tools give the kernel and initramfs the VM boot test boots (fdisk, e2fsprogs build
 # its disk). libvirt-daemon-system and libvirt-clients: the peer-pod test's libvirt daemon.
-# python3-yaml: the package test parses the Kubernetes manifests.
+# python3-yaml: the package test parses the Kubernetes manifests. xz-utils: the peer-pod
+# artifact test packs its podvm.tar.xz as cloud-api-adaptor does.
 APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
 	python3 fuse3 nbdkit fio tar ca-certificates busybox-static protobuf-compiler linux-image-amd64 \
-	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients python3-yaml
+	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients python3-yaml xz-utils gzip
 # Commands those packages provide, to skip apt when all are present.
 APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
-	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd
+	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip
 
 .PHONY: all deps build demo test unit integration lint bench fuzz clean deb image
 

@@ -368,3 +368,135 @@ fn a_plain_qcow2_artifact_loads_lazily_and_lying_ones_are_refused() {
         "{err}"
     );
 }
+
+/// The upstream peer-pod image as cloud-api-adaptor publishes it — `oras push IMAGE
+/// podvm.tar.xz`, a tar.xz holding `podvm-*.qcow2` — is not lazily loadable and says so;
+/// `vmdisk convert --path /image/podvm.qcow2` republishes it in the lazy peer-pod layout, whose
+/// disk (and libvirt volume) the daemon serves equal to the original. A gzip raw disk artifact
+/// converts too, to `/disk/<its name>`.
+#[test]
+fn the_peer_pod_oras_artifact_converts_to_the_lazy_layout() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let dir = scratch.path("podvm");
+    std::fs::create_dir_all(&dir).unwrap();
+    let qcow2 = dir.join("podvm-fedora-amd64.qcow2");
+    crate::harness::make_qcow2(&qcow2, "4G", &[(0, 2 << 20, 0x33)]);
+    crate::harness::write_random(&qcow2, 256 << 20, 20 << 20, 8);
+    let archive = scratch.path("podvm.tar.xz");
+    run(
+        "tar",
+        &[
+            "-C",
+            dir.to_str().unwrap(),
+            "-cJf",
+            archive.to_str().unwrap(),
+            "podvm-fedora-amd64.qcow2",
+        ],
+    );
+    let source = format!(
+        "{}/confidential-containers/podvm-generic-fedora-amd64:v0.13.0",
+        reg.host()
+    );
+    push_artifact(
+        &source,
+        "application/vnd.unknown.artifact.v1",
+        vmdisk::oci::OCI_EMPTY,
+        b"{}",
+        vec![ArtifactLayer {
+            bytes: std::fs::read(&archive).unwrap(),
+            media_type: vmdisk::oci::OCI_LAYER_TAR.into(),
+            annotations: serde_json::json!({"org.opencontainers.image.title": "podvm.tar.xz"}),
+        }],
+        None,
+    );
+    let layer = inspected_layer(&source, 0);
+    assert_eq!(
+        (&layer["layout"], &layer["lazy"]),
+        (&serde_json::json!("archive"), &serde_json::json!(false)),
+        "{layer}"
+    );
+    assert!(
+        layer["reason"].as_str().unwrap().contains("vmdisk convert"),
+        "{layer}"
+    );
+    let out = vmdisk(&["index", &source]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("vmdisk convert"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let target = format!("{}/peerpods/podvm:v0.13.0", reg.host());
+    let out = vmdisk_ok(&["convert", "--path", "/image/podvm.qcow2", &source, &target]);
+    eprintln!("vmdisk convert: {out}");
+    let report: serde_json::Value =
+        serde_json::from_str(&vmdisk_ok(&["inspect", "--json", &target])).unwrap();
+    let platform = &report["platforms"][0];
+    let layer = &platform["layers"][0];
+    assert_eq!(
+        (
+            &layer["layout"],
+            &layer["lazy"],
+            &layer["disk"]["path"],
+            &layer["disk"]["format"]
+        ),
+        (
+            &serde_json::json!("zstd:chunked"),
+            &serde_json::json!(true),
+            &serde_json::json!("image/podvm.qcow2"),
+            &serde_json::json!("qcow2")
+        ),
+        "{layer}"
+    );
+    assert_eq!(
+        platform["platform"].as_str(),
+        Some(vmdisk::oci::Platform::host().to_string().as_str())
+    );
+
+    let daemon = Daemon::start(&scratch, "");
+    let volume = daemon.vmdisk_ok(&["path", "--volume", &target]);
+    assert!(
+        volume.trim().ends_with("peerpods_podvm+v0.13.0.qcow2"),
+        "{volume}"
+    );
+    assert_eq!(read_whole(&volume), sha256_file(&qcow2));
+
+    // A gzip raw disk as an artifact's own layer: decompressed, then published at /disk/.
+    let raw = scratch.path("data.raw");
+    crate::harness::random_file(&raw, 8 << 20, 9);
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&raw).unwrap();
+        f.seek(SeekFrom::Start(510)).unwrap();
+        f.write_all(&[0x55, 0xaa]).unwrap();
+    }
+    run("truncate", &["-s", "64M", raw.to_str().unwrap()]);
+    let kubevirt = format!("{}/vms/data:1", reg.host());
+    push_artifact(
+        &kubevirt,
+        "application/vnd.kubevirt.virtualmachine.v1",
+        "application/vnd.kubevirt.virtualmachine.config.v1+json",
+        b"{}",
+        vec![ArtifactLayer {
+            bytes: gzip(&raw),
+            media_type: "application/vnd.kubevirt.disk.raw+gzip".into(),
+            annotations: serde_json::json!({"org.opencontainers.image.title": "datadisk.raw.gz"}),
+        }],
+        Some("linux/amd64"),
+    );
+    let converted = format!("{}/vms/data:1-lazy", reg.host());
+    vmdisk_ok(&["convert", &kubevirt, &converted]);
+    let layer = inspected_layer(&converted, 0);
+    assert_eq!(
+        (&layer["disk"]["path"], &layer["disk"]["format"]),
+        (
+            &serde_json::json!("disk/datadisk.raw"),
+            &serde_json::json!("raw")
+        ),
+        "{layer}"
+    );
+    let path = daemon.vmdisk_ok(&["path", &converted]);
+    assert_eq!(read_whole(&path), sha256_file(&raw));
+}

@@ -233,9 +233,15 @@ pub struct PushArgs {
 
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
-    /// Path of the disk in the source image (default: the regular file under /disk/ or /image/).
+    /// Path of the disk in the source image (default: the regular file under /disk/ or
+    /// /image/). For a disk artifact, where its disk goes (default /disk/<its name>;
+    /// /image/podvm.qcow2 for peer pods).
     #[arg(long, value_name = "PATH")]
     pub path: Option<String>,
+    /// Platform of a source that names none (a disk artifact with an empty config, such as the
+    /// peer-pod images pushed with oras); default: this machine's.
+    #[arg(long, value_name = "OS/ARCH")]
+    pub platform: Option<String>,
     /// Chunk size, a power of two from 64K to 16M.
     #[arg(long, default_value = "256K")]
     pub chunk_size: String,
@@ -398,8 +404,12 @@ pub async fn run(cli: Cli) -> Result<()> {
             let source: Reference = args.source.parse()?;
             let target: Reference = args.target.parse()?;
             let opts = publish_options(args.path, &args.chunk_size, None)?;
+            let platform = match &args.platform {
+                Some(p) => Platform::parse(p)?,
+                None => Platform::host(),
+            };
             let client = cli.registry.client()?;
-            let digest = publish::convert(&client, &source, &target, &opts).await?;
+            let digest = publish::convert(&client, &source, &target, &opts, &platform).await?;
             println!("{digest}");
         }
         Command::Mount(args) => mount(&cli.registry, args).await?,

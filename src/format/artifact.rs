@@ -12,6 +12,8 @@
 //! ([`Codec::sniff`]), because artifact media types are known to lie (a build system advertised
 //! gzip for uncompressed qcow2).
 
+use std::io::Read;
+
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::layout::{is_disk_path, ANN_DISK_DIGEST, ANN_PATH, DISK_DIRS};
@@ -59,6 +61,25 @@ impl Codec {
             "bz2" | "bzip2" => Some(Codec::Bzip2),
             _ => None,
         }
+    }
+
+    /// A reader of what `blob`, compressed with this codec, holds (concatenated members or
+    /// streams, as the command-line tools write them).
+    pub fn decoder<'a>(self, blob: impl Read + 'a) -> Result<Box<dyn Read + 'a>> {
+        Ok(match self {
+            Codec::Plain => Box::new(blob),
+            Codec::Gzip => Box::new(flate2::read::MultiGzDecoder::new(blob)),
+            Codec::Xz => Box::new(liblzma::read::XzDecoder::new_multi_decoder(blob)),
+            Codec::Zstd => Box::new(
+                zstd::stream::read::Decoder::new(blob)
+                    .map_err(|e| Error::io("starting the zstd decoder", e))?,
+            ),
+            Codec::Bzip2 => {
+                return Err(Error::unsupported(
+                    "the layer is bzip2-compressed, which vmdisk does not read; recompress it with gzip, xz or zstd",
+                ))
+            }
+        })
     }
 
     pub fn name(&self) -> &'static str {
@@ -263,6 +284,18 @@ pub fn disk_file(m: &Manifest) -> Result<DiskFile<'_>> {
         compression: source.compression,
         digest,
     })
+}
+
+/// Whether a file `name` (in an archive, say) is named like a disk: `*.qcow2`, `*.img`,
+/// `*.raw`.
+pub fn names_disk(name: &str) -> bool {
+    classify(&name.to_ascii_lowercase()).0 == Payload::Disk
+}
+
+/// The file name the disk of `layer` gets: its title without a compression suffix when that
+/// is a plain, printable name, else `disk.img`.
+pub fn file_name(layer: &ArtifactLayer<'_>) -> String {
+    view_name(layer.name.as_deref())
 }
 
 /// The disk's file name in the lazy view: the title's last component when it is a plain,

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use self::pipeline::{build_layer, BuiltLayer, ChunkingOptions, LayerContent};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result, ResultExt};
+use crate::format::artifact;
 use crate::format::disk::{self, DiskFormat};
 use crate::format::layout::{
     is_disk_path, layer_path, ANN_CHUNK_SIZE, ANN_DISK_DIGEST, ANN_DISK_SIZE, ANN_FORMAT, ANN_PATH,
@@ -430,9 +431,95 @@ pub fn check_target(target: &Reference) -> Result<()> {
     Ok(())
 }
 
-/// Looks for the disk in one source layer and, if it is there, republishes it.
+/// Which file of a source tar is the disk, and where it goes.
+#[derive(Clone, Debug)]
+enum Selection {
+    /// An image layer: the file at `wanted` (`--path`), else the first under `/disk/` or
+    /// `/image/`; republished at the same path.
+    Image { wanted: Option<String> },
+    /// An archive in an artifact (the peer-pod `podvm.tar.xz`): the first file under `/disk/`
+    /// or `/image/` or named like a disk (`*.qcow2`, `*.img`, `*.raw`); republished at `to`
+    /// (`--path`), else at `/disk/<its name>`.
+    Archive { to: Option<String> },
+}
+
+impl Selection {
+    /// Where the disk at `path` (clean) goes, if it is the disk.
+    fn target(&self, path: &str) -> Option<String> {
+        match self {
+            Selection::Image { wanted } => {
+                is_disk_path(path, wanted.as_deref()).then(|| wanted.clone().unwrap_or(path.into()))
+            }
+            Selection::Archive { to } => {
+                let name = path.rsplit('/').next().unwrap_or(path);
+                (is_disk_path(path, None) || artifact::names_disk(name)).then(|| {
+                    to.clone()
+                        .unwrap_or_else(|| format!("{}{name}", crate::format::layout::DISK_DIRS[0]))
+                })
+            }
+        }
+    }
+}
+
+/// The disk found in a source layer and republished: the layer, its path and size.
 type ConvertedLayer = (BuiltLayer, String, u64);
 
+/// Looks for the disk in a source tar `stream` and, if it is there, republishes it. The caller
+/// reads the source blob to its end afterwards, so its digest is checked before anything is
+/// tagged.
+fn convert_tar(
+    stream: impl std::io::Read,
+    selection: Selection,
+    chunks: ChunkingOptions,
+    sink: SegmentSink,
+) -> Result<(Option<ConvertedLayer>, Option<Digest>, SegmentSink)> {
+    let mut found = None;
+    let mut sink = Some(sink);
+    let mut archive = tar::Archive::new(stream);
+    let entries = archive
+        .entries()
+        .map_err(|e| Error::io("reading the source layer", e))?;
+    for entry in entries {
+        let mut entry = entry.map_err(|e| Error::io("reading the source layer", e))?;
+        let raw_path = entry
+            .path()
+            .map_err(|e| Error::io("source layer entry name", e))?
+            .to_string_lossy()
+            .into_owned();
+        let target = clean_path(&raw_path)
+            .ok()
+            .filter(|_| found.is_none())
+            .filter(|_| entry.header().entry_type() == tar::EntryType::Regular)
+            .and_then(|path| selection.target(&path));
+        let Some(target_path) = target else {
+            std::io::copy(&mut entry, &mut std::io::sink())
+                .map_err(|e| Error::io("reading the source layer", e))?;
+            continue;
+        };
+        let size = entry.size();
+        let mtime = source_date(entry.header().mtime().unwrap_or(0));
+        let content = LayerContent {
+            dirs: parent_dirs(&target_path, mtime),
+            file: entry_meta(&target_path, 0o644, mtime),
+            size,
+            reader: &mut entry,
+        };
+        let (built, s) = build_layer(content, chunks, sink.take().expect("one disk per layer"))?;
+        sink = Some(s);
+        found = Some((built, target_path, size));
+    }
+    let digest = found.as_ref().map(|(b, _, _)| b.summary.digest);
+    Ok((found, digest, sink.expect("sink returned")))
+}
+
+/// Reads the rest of a source blob, so its reader checks its digest.
+fn read_to_end(blob: &mut impl std::io::Read) -> Result<()> {
+    std::io::copy(blob, &mut std::io::sink())
+        .map(|_| ())
+        .map_err(|e| Error::io("verifying the source layer", e))
+}
+
+/// Looks for the disk in one source image layer and, if it is there, republishes it.
 fn convert_layer(
     blob: crate::registry::BlobReader,
     compression: oci::LayerCompression,
@@ -441,58 +528,12 @@ fn convert_layer(
     sink: SegmentSink,
 ) -> Result<(Option<ConvertedLayer>, Option<Digest>, SegmentSink)> {
     let mut blob = blob;
-    let mut found = None;
-    let mut sink = Some(sink);
-    {
-        let decoder = crate::format::layer_decoder(compression, &mut blob)?;
-        let mut archive = tar::Archive::new(decoder);
-        let entries = archive
-            .entries()
-            .map_err(|e| Error::io("reading the source layer", e))?;
-        for entry in entries {
-            let mut entry = entry.map_err(|e| Error::io("reading the source layer", e))?;
-            let raw_path = entry
-                .path()
-                .map_err(|e| Error::io("source layer entry name", e))?
-                .to_string_lossy()
-                .into_owned();
-            let Ok(path) = clean_path(&raw_path) else {
-                continue;
-            };
-            if found.is_some()
-                || entry.header().entry_type() != tar::EntryType::Regular
-                || !is_disk_path(&path, wanted.as_deref())
-            {
-                std::io::copy(&mut entry, &mut std::io::sink())
-                    .map_err(|e| Error::io("reading the source layer", e))?;
-                continue;
-            }
-            let size = entry.size();
-            let mtime = source_date(entry.header().mtime().unwrap_or(0));
-            let target_path = wanted.clone().unwrap_or(path.clone());
-            let content = LayerContent {
-                dirs: parent_dirs(&target_path, mtime),
-                file: entry_meta(&target_path, 0o644, mtime),
-                size,
-                reader: &mut entry,
-            };
-            let (built, s) =
-                build_layer(content, chunks, sink.take().expect("one disk per layer"))?;
-            sink = Some(s);
-            found = Some((built, target_path, size));
-        }
+    let decoder = crate::format::layer_decoder(compression, &mut blob)?;
+    let converted = convert_tar(decoder, Selection::Image { wanted }, chunks, sink)?;
+    if converted.0.is_some() {
+        read_to_end(&mut blob)?;
     }
-    if found.is_none() {
-        return Ok((None, None, sink.expect("unused sink")));
-    }
-    // Read to the end so the source blob's digest is checked before anything is tagged.
-    std::io::copy(&mut blob, &mut std::io::sink())
-        .map_err(|e| Error::io("verifying the source layer", e))?;
-    let digest = found
-        .as_ref()
-        .map(|(b, _, _)| b.summary.digest)
-        .expect("found");
-    Ok((found, Some(digest), sink.expect("sink returned")))
+    Ok(converted)
 }
 
 /// Republishes the disk of one source image (single platform) in the lazy layout.
@@ -526,17 +567,8 @@ async fn convert_image(
         })
         .await
         .context(format!("converting layer {} of {source}", layer.digest))?;
-        if let Some((built, path, size)) = found {
-            let (format, virtual_size) =
-                disk_facts_from_head(&built.head, size).context(format!("{path} in {source}"))?;
-            let disk = DiskFacts {
-                path,
-                format,
-                virtual_size,
-                size,
-                digest: built.disk_digest,
-            };
-            return finish_image(client, target, &built, disk, platform, opts.chunk_size).await;
+        if let Some(found) = found {
+            return finish_converted(client, source, target, found, platform, opts).await;
         }
     }
     let place = opts
@@ -551,12 +583,206 @@ async fn convert_image(
     ))
 }
 
+/// Config and manifest for a disk republished from `source`, once its format is known.
+async fn finish_converted(
+    client: &RegistryClient,
+    source: &Reference,
+    target: &Reference,
+    (built, path, size): ConvertedLayer,
+    platform: &Platform,
+    opts: &PublishOptions,
+) -> Result<(Published, Vec<u8>)> {
+    let (format, virtual_size) =
+        disk_facts_from_head(&built.head, size).context(format!("{path} in {source}"))?;
+    let disk = DiskFacts {
+        path,
+        format,
+        virtual_size,
+        size,
+        digest: built.disk_digest,
+    };
+    finish_image(client, target, &built, disk, platform, opts.chunk_size).await
+}
+
+/// What reading a disk artifact's disk layer gave.
+enum FromArtifact {
+    /// A disk found in an archive, republished.
+    Converted(Box<ConvertedLayer>),
+    /// The layer is the disk file itself, decompressed into this file (its size goes into the
+    /// tar header before its content, so it must be known first).
+    Spooled(tempfile::TempPath),
+    /// An archive without a disk.
+    Missing,
+}
+
+/// Most bytes of a tar header block, which tells a tar from a disk.
+const TAR_BLOCK: usize = 512;
+
+/// Writes `stream` into `file`, leaving holes where whole 1 MiB blocks are zero (a raw disk is
+/// mostly zeros).
+fn spool(mut stream: impl std::io::Read, file: &mut std::fs::File) -> Result<u64> {
+    use std::io::{Seek, SeekFrom, Write};
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let mut filled = 0;
+        while filled < buf.len() {
+            match stream.read(&mut buf[filled..]) {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io("reading the artifact's disk", e)),
+            }
+        }
+        if filled == 0 {
+            break;
+        }
+        let write = if buf[..filled].iter().all(|&b| b == 0) {
+            file.seek(SeekFrom::Current(filled as i64)).map(|_| ())
+        } else {
+            file.write_all(&buf[..filled])
+        };
+        write.map_err(|e| Error::io("writing the decompressed disk", e))?;
+        size += filled as u64;
+    }
+    file.set_len(size)
+        .map_err(|e| Error::io("writing the decompressed disk", e))?;
+    Ok(size)
+}
+
+/// Reads the disk layer `blob` of a disk artifact: decompressed as its first bytes say; a tar
+/// (the peer-pod `podvm.tar.xz`) is searched for the disk, which is republished as it is read,
+/// anything else is the disk itself and is decompressed into a temporary file.
+fn read_artifact_layer(
+    blob: crate::registry::BlobReader,
+    to: Option<String>,
+    chunks: ChunkingOptions,
+    sink: SegmentSink,
+) -> Result<(FromArtifact, Option<Digest>, SegmentSink)> {
+    use std::io::{BufRead, Read};
+    let mut blob = std::io::BufReader::with_capacity(64 << 10, blob);
+    let head = blob
+        .fill_buf()
+        .map_err(|e| Error::io("reading the artifact's layer", e))?;
+    let mut stream = artifact::Codec::sniff(head).decoder(&mut blob)?;
+    let mut first = Vec::with_capacity(TAR_BLOCK);
+    (&mut stream)
+        .take(TAR_BLOCK as u64)
+        .read_to_end(&mut first)
+        .map_err(|e| Error::io("reading the artifact's layer", e))?;
+    let is_tar = first.len() == TAR_BLOCK && &first[257..262] == b"ustar";
+    let stream = std::io::Cursor::new(first).chain(stream);
+    if is_tar {
+        let (found, digest, sink) = convert_tar(stream, Selection::Archive { to }, chunks, sink)?;
+        if found.is_some() {
+            read_to_end(&mut blob)?;
+        }
+        let found = found.map_or(FromArtifact::Missing, |f| {
+            FromArtifact::Converted(Box::new(f))
+        });
+        return Ok((found, digest, sink));
+    }
+    let mut file = tempfile::NamedTempFile::new()
+        .map_err(|e| Error::io("creating a temporary file for the disk (TMPDIR)", e))?;
+    spool(stream, file.as_file_mut())?;
+    read_to_end(&mut blob)?;
+    Ok((FromArtifact::Spooled(file.into_temp_path()), None, sink))
+}
+
+/// Republishes the disk of disk artifact `manifest` (one platform): its disk file, compressed
+/// with gzip, xz or zstd or not at all, or the disk in a tar archive it carries (the upstream
+/// peer-pod images' `podvm.tar.xz`). The disk goes to `--path`, else `/disk/<its name>`.
+async fn convert_artifact(
+    client: &RegistryClient,
+    source: &Reference,
+    manifest: &Manifest,
+    target: &Reference,
+    platform: &Platform,
+    opts: &PublishOptions,
+) -> Result<(Published, Vec<u8>)> {
+    let Some(layer) = artifact::disk_source(manifest) else {
+        return Err(Error::new(
+            ErrorKind::NotFound,
+            format!("{source} is an OCI artifact with no layer holding a disk (a *.qcow2, *.img or *.raw file, an archive such as *.tar.xz, or a disk media type)"),
+        ));
+    };
+    let desc = layer.layer;
+    let to = opts
+        .path
+        .as_deref()
+        .map(|p| layer_path(Some(p), ""))
+        .transpose()?;
+    let chunks = chunking(opts);
+    let read = with_restarts(client, || {
+        let to = to.clone();
+        async move {
+            let blob = client.blob_reader(source, desc).await?;
+            upload_streamed(client, target, None, move |sink| {
+                read_artifact_layer(blob, to, chunks, sink)
+            })
+            .await
+        }
+    })
+    .await
+    .context(format!("converting layer {} of {source}", desc.digest))?;
+    match read {
+        FromArtifact::Converted(found) => {
+            finish_converted(client, source, target, *found, platform, opts).await
+        }
+        FromArtifact::Spooled(file) => {
+            let path = to.unwrap_or_else(|| {
+                format!(
+                    "{}{}",
+                    crate::format::layout::DISK_DIRS[0],
+                    artifact::file_name(&layer)
+                )
+            });
+            let opts = PublishOptions {
+                path: Some(format!("/{path}")),
+                ..opts.clone()
+            };
+            push_disk(client, target, file.to_path_buf(), platform, &opts)
+                .await
+                .context(format!("the disk of {source}"))
+        }
+        FromArtifact::Missing => Err(Error::new(
+            ErrorKind::NotFound,
+            format!(
+                "the archive {} of {source} holds no file under /disk/ or /image/ or named *.qcow2, *.img or *.raw",
+                desc.annotations
+                    .get(artifact::ANN_TITLE)
+                    .cloned()
+                    .unwrap_or_else(|| desc.digest.to_string())
+            ),
+        )),
+    }
+}
+
+/// Republishes one manifest of `source`: an image's disk layer, or a disk artifact's disk.
+async fn convert_manifest(
+    client: &RegistryClient,
+    source: &Reference,
+    manifest: &Manifest,
+    target: &Reference,
+    platform: &Platform,
+    opts: &PublishOptions,
+) -> Result<(Published, Vec<u8>)> {
+    if artifact::is_artifact(manifest) {
+        convert_artifact(client, source, manifest, target, platform, opts).await
+    } else {
+        convert_image(client, source, manifest, target, platform, opts).await
+    }
+}
+
 /// `vmdisk convert`: republishes every platform of `source` at `target` in the lazy layout.
+/// `platform` is the platform of a source that names none (a disk artifact with an empty
+/// config).
 pub async fn convert(
     client: &RegistryClient,
     source: &Reference,
     target: &Reference,
     opts: &PublishOptions,
+    platform: &Platform,
 ) -> Result<Digest> {
     check_target(target)?;
     let fetched = client.get_manifest(source).await?;
@@ -572,14 +798,22 @@ pub async fn convert(
             let config = client
                 .get_blob(source, &m.config, oci::MAX_CONFIG_SIZE)
                 .await?;
-            let cfg: ImageConfig = serde_json::from_slice(&config)
-                .map_err(|e| Error::corrupt(format!("image config of {source}: {e}")))?;
-            let platform = Platform {
-                os: cfg.os,
-                architecture: cfg.architecture,
-                variant: cfg.variant,
+            let named = if artifact::is_artifact(&m) {
+                oci::config_platform(&config)
+            } else {
+                let cfg: ImageConfig = serde_json::from_slice(&config)
+                    .map_err(|e| Error::corrupt(format!("image config of {source}: {e}")))?;
+                Some(Platform {
+                    os: cfg.os,
+                    architecture: cfg.architecture,
+                    variant: cfg.variant,
+                })
             };
-            images.push(convert_image(client, source, &m, target, &platform, opts).await?);
+            let platform = named.unwrap_or_else(|| {
+                tracing::warn!(%source, %platform, "the source names no platform; publishing it for the one given (--platform)");
+                platform.clone()
+            });
+            images.push(convert_manifest(client, source, &m, target, &platform, opts).await?);
         }
         ManifestKind::Index(index) => {
             for desc in &index.manifests {
@@ -595,7 +829,7 @@ pub async fn convert(
                         desc.digest
                     )));
                 };
-                images.push(convert_image(client, source, &m, target, &platform, opts).await?);
+                images.push(convert_manifest(client, source, &m, target, &platform, opts).await?);
             }
         }
     }
