@@ -333,21 +333,33 @@ fn corrupted_or_mismatched_indexes_never_serve_wrong_bytes() {
         .unwrap();
     let json = zstd::decode_all(blob.as_slice()).unwrap();
     let index: seekable::SeekIndex = serde_json::from_slice(&json).unwrap();
+    let windows_desc = artifact.layers[1].clone();
+    let windows = s
+        .block_on(c.get_blob(&a_ref, &windows_desc, 1 << 30))
+        .unwrap();
     let publish = |target: &Reference,
                    subject: &vmdisk::registry::FetchedManifest,
                    index: &seekable::SeekIndex| {
         let bytes = index.encode().unwrap();
         let layer = vmdisk::oci::Descriptor::of(seekable::MEDIA_TYPE, &bytes);
         let subject = vmdisk::oci::Descriptor::of(&subject.media_type, &subject.bytes);
-        s.block_on(c.push_referrer(
-            target,
-            subject,
-            seekable::ARTIFACT_TYPE,
-            layer,
-            bytes,
-            Default::default(),
-        ))
-        .unwrap();
+        s.block_on(async {
+            c.push_blob(target, &layer.digest, bytes.into())
+                .await
+                .unwrap();
+            c.push_blob(target, &windows_desc.digest, windows.clone().into())
+                .await
+                .unwrap();
+            c.push_referrer(
+                target,
+                subject,
+                seekable::ARTIFACT_TYPE,
+                vec![layer, windows_desc.clone()],
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        });
     };
 
     // A's index published for B (its subject is B, it describes A's layer): refused.

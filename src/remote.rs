@@ -42,6 +42,13 @@ pub trait BlobSource: Send + Sync {
     }
 }
 
+/// Where a layer's bytes come from: its blob, and for a gzip layer read through a seekable
+/// index, the index's windows blob.
+pub struct Sources {
+    pub blob: Box<dyn BlobSource>,
+    pub windows: Option<Box<dyn BlobSource>>,
+}
+
 /// A layer blob in a registry, read with HTTP Range requests: the engine's source in
 /// production.
 pub struct RegistrySource {
@@ -80,12 +87,20 @@ pub async fn open_engine(
     opts: EngineOptions,
 ) -> Result<Arc<Engine>> {
     let layer = resolve(client.as_ref(), cache, reference).await?;
-    let source = RegistrySource {
+    let windows = layer.spans.as_ref().and_then(|spans| {
+        let windows = spans.index.windows?;
+        Some(Box::new(RegistrySource {
+            client: Arc::clone(&client),
+            reference: spans.windows_at.clone()?,
+            blob: windows.digest,
+        }) as Box<dyn BlobSource>)
+    });
+    let blob = Box::new(RegistrySource {
         client,
         reference: layer.reference.clone(),
         blob: layer.meta.layer_digest,
-    };
-    Engine::start(layer, cache, Box::new(source), opts).await
+    });
+    Engine::start(layer, cache, Sources { blob, windows }, opts).await
 }
 
 /// A regular file of the layer and its place in the chunk table.
@@ -126,6 +141,8 @@ pub struct Spans {
     span_of: Vec<u32>,
     /// Where each file's content starts in the uncompressed stream.
     file_at: Vec<u64>,
+    /// Where a gzip layer's windows blob is: the index's repository.
+    pub windows_at: Option<Reference>,
 }
 
 impl Spans {
@@ -280,6 +297,11 @@ impl RemoteLayer {
             });
         }
         let disk = disk_file(&nodes, &files, &meta)?;
+        // The windows blob sits beside the index.
+        let windows_at = match index.windows {
+            Some(_) => Some(source_repository(&meta)?),
+            None => None,
+        };
         Ok(RemoteLayer {
             reference,
             meta,
@@ -289,6 +311,7 @@ impl RemoteLayer {
             disk,
             online,
             spans: Some(Spans {
+                windows_at,
                 index,
                 span_of,
                 file_at,
@@ -296,21 +319,42 @@ impl RemoteLayer {
         })
     }
 
-    /// The verified content of chunk `idx` from its compressed bytes: the one way registry
-    /// bytes become chunk content, for every layout.
+    /// The verified content of chunk `idx` of a layer with a TOC (zstd:chunked, eStargz) from
+    /// its compressed bytes: with [`RemoteLayer::decode_span`], the one way registry bytes
+    /// become chunk content.
     pub fn decode(&self, idx: usize, compressed: &[u8]) -> Result<Vec<u8>> {
+        let (_, chunk) = self.chunk(idx);
+        if self.spans.is_some() {
+            return Err(Error::corrupt(format!(
+                "chunk {idx} of an indexed layer is decoded with its span's window"
+            )));
+        }
+        if self.meta.estargz {
+            return estargz::decode_chunk(compressed, chunk, self.last_of_file(idx));
+        }
+        crate::format::layout::decode_chunk(compressed, chunk)
+    }
+
+    /// The verified bytes of the span chunk `idx` of an indexed layer is part of, from the
+    /// span's compressed bytes and its window ([`SeekIndex::window_range`]); the chunk is
+    /// [`RemoteLayer::chunk_in_span`] of them, the next span's window their end.
+    pub fn decode_span(&self, idx: usize, compressed: &[u8], window: &[u8]) -> Result<Vec<u8>> {
+        let spans = self
+            .spans
+            .as_ref()
+            .ok_or_else(|| Error::corrupt(format!("chunk {idx} is not in a span")))?;
+        spans
+            .index
+            .decode_span(spans.span_of(idx), compressed, window)
+    }
+
+    /// Chunk `idx`'s part of the decoded bytes of its span.
+    pub fn chunk_in_span<'a>(&self, idx: usize, span: &'a [u8]) -> &'a [u8] {
         let (file, chunk) = self.chunk(idx);
-        let Some(spans) = &self.spans else {
-            if self.meta.estargz {
-                return estargz::decode_chunk(compressed, chunk, self.last_of_file(idx));
-            }
-            return crate::format::layout::decode_chunk(compressed, chunk);
-        };
+        let spans = self.spans.as_ref().expect("a chunk in a span");
         let s = spans.span_of(idx);
-        let mut data = spans.index.decode_span(s, compressed)?;
         let start = (spans.file_at(file) + chunk.offset - spans.index.spans[s].offset) as usize;
-        data.truncate(start + chunk.size as usize);
-        Ok(data.split_off(start))
+        &span[start..start + chunk.size as usize]
     }
 
     /// When chunk `idx` is the last of its file, the file's tar padding (which an eStargz
@@ -755,6 +799,15 @@ pub async fn seekable_layer(
     Ok((meta, index))
 }
 
+/// The repository the index of the layer `meta` records was found in.
+fn source_repository(meta: &LayerMeta) -> Result<Reference> {
+    meta.index
+        .as_ref()
+        .ok_or_else(|| Error::corrupt("the layer's record names no seekable index"))?
+        .repository
+        .parse()
+}
+
 /// What the index of the layer `meta` records must describe, if it is read through one.
 fn expected_of(meta: &LayerMeta) -> Option<Expected> {
     let source = meta.index.as_ref()?;
@@ -768,7 +821,8 @@ fn expected_of(meta: &LayerMeta) -> Option<Expected> {
 }
 
 /// Bytes `range` of the uncompressed stream of the layer `meta` reads through `index`, from
-/// its spans fetched from the registry and each checked against its digest.
+/// its spans fetched from the registry (the first one's window from the windows blob) and
+/// each checked against its digest.
 pub async fn read_stream(
     client: &dyn Registry,
     meta: &LayerMeta,
@@ -777,15 +831,30 @@ pub async fn read_stream(
 ) -> Result<Vec<u8>> {
     let reference: Reference = meta.reference.parse()?;
     let mut out = Vec::with_capacity((range.end - range.start) as usize);
+    let mut previous: Option<Vec<u8>> = None;
     for s in index.spans_for(range.clone()) {
         let span = &index.spans[s];
         let input = client
             .get_blob_range(&reference, &meta.layer_digest, span.input..span.input_end)
             .await?;
-        let data = crate::task::off_the_runtime(|| index.decode_span(s, &input))?;
+        let chained = previous
+            .as_deref()
+            .and_then(|p| index.window_after(s, p))
+            .map(<[u8]>::to_vec);
+        let window = match (chained, index.window_range(s), index.windows) {
+            (Some(w), _, _) => w,
+            (None, Some(frame), Some(windows)) => {
+                let repo = source_repository(meta)?;
+                let frame = client.get_blob_range(&repo, &windows.digest, frame).await?;
+                index.decode_window(s, &frame)?
+            }
+            _ => Vec::new(),
+        };
+        let data = crate::task::off_the_runtime(|| index.decode_span(s, &input, &window))?;
         let from = (range.start.max(span.offset) - span.offset) as usize;
         let to = (range.end.min(index.span_end(s)) - span.offset) as usize;
         out.extend_from_slice(&data[from..to]);
+        previous = Some(data);
     }
     Ok(out)
 }
@@ -1027,16 +1096,35 @@ async fn index_from(
             expected.layer
         )));
     }
-    let [blob] = m.layers.as_slice() else {
-        return Err(Error::corrupt("the artifact has not exactly one blob"));
+    let (blob, windows) = match m.layers.as_slice() {
+        [blob] => (blob, None),
+        [blob, windows] => (blob, Some(windows)),
+        _ => {
+            return Err(Error::corrupt(
+                "the artifact has not one or two blobs (the index and its windows)",
+            ))
+        }
     };
-    if blob.media_type != seekable::MEDIA_TYPE {
+    if blob.media_type != seekable::MEDIA_TYPE
+        || windows.is_some_and(|w| w.media_type != seekable::WINDOWS_MEDIA_TYPE)
+    {
         return Err(Error::corrupt(format!(
-            "the artifact's blob is {}, not {}",
-            blob.media_type,
-            seekable::MEDIA_TYPE
+            "the artifact's blobs are {}, not {} and {}",
+            m.layers
+                .iter()
+                .map(|l| l.media_type.as_str())
+                .collect::<Vec<_>>()
+                .join(" and "),
+            seekable::MEDIA_TYPE,
+            seekable::WINDOWS_MEDIA_TYPE
         )));
     }
+    // The windows blob the index names must be the one the artifact holds (so the registry
+    // keeps it).
+    let windows = windows.map(|w| seekable::Windows {
+        digest: w.digest,
+        size: w.size,
+    });
     // A layer read through this index before is kept under its identity, which needs the
     // digest of the stream: known here when the manifest pins it.
     if let (Some(cache), Some(diff_id)) = (cache.cloned(), expected.diff_id) {
@@ -1075,6 +1163,12 @@ async fn index_from(
             return Err(Error::unsupported(
                 "the indexed layer has no regular file under /disk/ or /image/",
             ));
+        }
+        if index.windows != windows {
+            return Err(Error::corrupt(format!(
+                "the index names the windows blob {:?}, the artifact holds {windows:?}",
+                index.windows
+            )));
         }
         Ok((bytes, index))
     })

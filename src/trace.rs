@@ -121,8 +121,13 @@ pub async fn publish(
 ) -> Result<Digest> {
     let blob = trace.to_json();
     let layer = Descriptor::of(MEDIA_TYPE, &blob);
-    client
-        .push_referrer(target, subject, MEDIA_TYPE, layer, blob, Default::default())
+    let published = async {
+        client.push_blob(target, &layer.digest, blob.into()).await?;
+        client
+            .push_referrer(target, subject, MEDIA_TYPE, vec![layer], Default::default())
+            .await
+    };
+    published
         .await
         .map_err(|e| e.context("publishing the boot trace"))
 }

@@ -1,6 +1,7 @@
 //! A seekable index as a registry sends it (zstd-compressed JSON, bounded), as JSON checked
-//! against the layer it claims, and span bytes decoded from an arbitrary bit position after an
-//! arbitrary window: never more than the span's length, never a panic.
+//! against the layer it claims, span bytes decoded from an arbitrary bit position after an
+//! arbitrary window, and window frames: never more than the span's (window's) length, never
+//! a panic.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -33,16 +34,23 @@ fuzz_target!(|data: &[u8]| {
             ..own
         });
     }
-    // One span over the input: the first byte picks the bit, the next two the window length.
+    // A span over the input: the first byte picks the bit, the next two the window length.
     if data.len() < 4 {
         return;
     }
     let window = usize::from(u16::from_le_bytes([data[1], data[2]])).min(data.len() - 3);
     let window = window.min(32 << 10);
     let input = &data[3 + window..];
-    use base64::Engine as _;
+    let span = |offset: u64, input_end: u64, bits: u8, window_end: u64| Span {
+        offset,
+        input: 0,
+        input_end,
+        bits,
+        window_end,
+        digest: Digest::of(b""),
+    };
     let index = SeekIndex {
-        version: 1,
+        version: 2,
         layer: Digest::of(b""),
         layer_size: input.len() as u64,
         compression: Compression::Gzip,
@@ -50,17 +58,17 @@ fuzz_target!(|data: &[u8]| {
         diff_id: Digest::of(b""),
         stream_size: window as u64 + 65536,
         span_size: 65536,
+        windows: None,
         entries: Vec::new(),
-        spans: vec![Span {
-            offset: window as u64,
-            input: 0,
-            input_end: input.len() as u64,
-            bits: data[0] % 8,
-            window: base64::engine::general_purpose::STANDARD.encode(&data[3..3 + window]),
-            digest: Digest::of(b""),
-        }],
+        // Span 1 starts `window` bytes into the stream, so its window is that long.
+        spans: vec![
+            span(0, 0, 0, 0),
+            span(window as u64, input.len() as u64, data[0] % 8, 1),
+        ],
     };
-    if let Err(e) = index.decode_span(0, input) {
+    if let Err(e) = index.decode_span(1, input, &data[3..3 + window]) {
         let _ = e.chain();
     }
+    // The same bytes as a window frame.
+    let _ = index.decode_window(1, &data[3..]);
 });

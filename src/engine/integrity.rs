@@ -230,14 +230,19 @@ impl Engine {
                 "{between} bytes of the layer's stream belong to no file, more than the {MAX_REGION_DECODED} tar headers can take"
             )));
         }
+        let mut previous: Option<(usize, Vec<u8>)> = None;
         for (slot, range) in wanted {
             let mut region = Vec::with_capacity((range.end - range.start) as usize);
             for s in spans.index.spans_for(range.clone()) {
-                let data = self.fetch_span(spans, s).await?;
+                let chained = previous.take().filter(|(p, _)| p + 1 == s);
+                let data = self
+                    .fetch_span(spans, s, chained.as_ref().map(|(_, d)| d.as_slice()))
+                    .await?;
                 let start = spans.index.spans[s].offset;
                 let from = (range.start.max(start) - start) as usize;
                 let to = (range.end.min(spans.index.span_end(s)) - start) as usize;
                 region.extend_from_slice(&data[from..to]);
+                previous = Some((s, data));
             }
             pieces[slot] = Piece::Region(region);
         }
@@ -245,18 +250,38 @@ impl Engine {
     }
 
     /// Span `s` of the index, fetched and verified (once more from the registry itself if it
-    /// fails verification).
-    async fn fetch_span(&self, spans: &Spans, s: usize) -> Result<Vec<u8>> {
+    /// fails verification); its window is the end of `previous` (the span before it, decoded)
+    /// when given, else fetched from the windows blob.
+    async fn fetch_span(
+        &self,
+        spans: &Spans,
+        s: usize,
+        previous: Option<&[u8]>,
+    ) -> Result<Vec<u8>> {
         let span = &spans.index.spans[s];
         let range = span.input..span.input_end;
-        let bytes = self.fetch_range(range.clone(), false).await?;
-        match off_the_runtime(|| spans.index.decode_span(s, &bytes)) {
+        let chained = previous.and_then(|p| spans.index.window_after(s, p));
+        let (bytes, window) = match chained {
+            Some(w) => (self.fetch_range(range.clone(), false).await?, w.to_vec()),
+            None => {
+                let (bytes, window) = tokio::join!(
+                    self.fetch_range(range.clone(), false),
+                    self.fetch_window(spans, s, false)
+                );
+                (bytes?, window?)
+            }
+        };
+        match off_the_runtime(|| spans.index.decode_span(s, &bytes, &window)) {
             Ok(data) => Ok(data),
             Err(e) => {
                 Stats::add(&self.stats.verify_failures, 1);
                 tracing::warn!(layer = %self.layer.meta.layer_digest, span = s, error = %e.chain(), "span failed verification; fetching it again");
-                let bytes = self.fetch_range(range, true).await?;
-                off_the_runtime(|| spans.index.decode_span(s, &bytes))
+                let (bytes, window) = tokio::join!(
+                    self.fetch_range(range, true),
+                    self.fetch_window(spans, s, true)
+                );
+                let (bytes, window) = (bytes?, window?);
+                off_the_runtime(|| spans.index.decode_span(s, &bytes, &window))
             }
         }
     }

@@ -40,7 +40,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::qcow2;
 use crate::format::zstd_chunked::Chunk;
 use crate::reference::Reference;
-use crate::remote::{BlobSource, RemoteLayer};
+use crate::remote::{BlobSource, RemoteLayer, Sources, Spans};
 use crate::task::off_the_runtime;
 
 /// Tunables of the engine.
@@ -87,6 +87,8 @@ pub struct Engine {
     pub cache: LayerCache,
     pub stats: Stats,
     source: Box<dyn BlobSource>,
+    /// A gzip layer's windows blob, when it is read through a seekable index.
+    windows: Option<Box<dyn BlobSource>>,
     inflight: Mutex<HashMap<usize, watch::Sender<Option<bool>>>>,
     fetch_slots: Semaphore,
     /// Chunks of other cached layers by digest; built after the mount is ready
@@ -179,7 +181,7 @@ impl Engine {
     pub async fn start(
         layer: RemoteLayer,
         cache: &CacheRoot,
-        source: Box<dyn BlobSource>,
+        sources: Sources,
         opts: EngineOptions,
     ) -> Result<Arc<Engine>> {
         let key = layer.id().key();
@@ -193,7 +195,7 @@ impl Engine {
         .await
         .map_err(|e| Error::new(ErrorKind::Io, "opening the layer cache").with_source(e))??;
         tracing::info!(reference = %layer.reference, layer = %layer.meta.layer_digest, %key, chunks, present = layer_cache.present_count(), online = layer.online, integrity = %integrity.clone().unwrap_or(Integrity::Pending), "layer opened");
-        let engine = Self::with_source(layer, layer_cache, source, opts);
+        let engine = Self::with_source(layer, layer_cache, sources, opts);
         if let Some(known) = integrity.filter(|i| *i != Integrity::Pending) {
             let _ = engine.integrity.set(known);
         }
@@ -234,14 +236,15 @@ impl Engine {
     fn with_source(
         layer: RemoteLayer,
         cache: LayerCache,
-        source: Box<dyn BlobSource>,
+        sources: Sources,
         opts: EngineOptions,
     ) -> Arc<Engine> {
         Arc::new(Engine {
             layer,
             cache,
             stats: Stats::default(),
-            source,
+            source: sources.blob,
+            windows: sources.windows,
             inflight: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             dedup: std::sync::OnceLock::new(),
@@ -409,6 +412,9 @@ impl Engine {
 
     /// Fetches contiguous chunks with one request, verifies each, refetches failures once.
     async fn fetch_verified(&self, run: &[usize]) -> Result<()> {
+        if let Some(spans) = &self.layer.spans {
+            return self.fetch_spans(spans, run).await;
+        }
         let first = &self.layer.chunks[run[0]];
         let last = &self.layer.chunks[run[run.len() - 1]];
         let range = first.compressed.start..last.compressed.end;
@@ -457,6 +463,106 @@ impl Engine {
         Ok(())
     }
 
+    /// Fetches contiguous chunks of an indexed layer with one request, and the window of the
+    /// first one's span alongside; decodes them span by span, each later span's window the end
+    /// of the span before it; verifies each against its span digest and refetches failures
+    /// once (window included).
+    async fn fetch_spans(&self, spans: &Spans, run: &[usize]) -> Result<()> {
+        let first = &self.layer.chunks[run[0]];
+        let last = &self.layer.chunks[run[run.len() - 1]];
+        let range = first.compressed.start..last.compressed.end;
+        let first_span = spans.span_of(run[0]);
+        let (bytes, window) = tokio::join!(
+            self.fetch_range(range.clone(), false),
+            self.fetch_window(spans, first_span, false)
+        );
+        let bytes = bytes?;
+        // A window frame that does not decode fails its span, which is fetched again below.
+        let window = match window {
+            Err(e) if e.kind() != ErrorKind::Corrupt => return Err(e),
+            other => other.ok(),
+        };
+        if bytes.len() as u64 != range.end - range.start {
+            return Err(Error::corrupt(format!(
+                "asked for {} bytes at {}, got {}",
+                range.end - range.start,
+                range.start,
+                bytes.len()
+            )));
+        }
+        let failed = off_the_runtime(|| {
+            let mut failed = Vec::new();
+            let mut previous: Option<(usize, Vec<u8>)> = None;
+            for &idx in run {
+                let (file, chunk) = self.layer.chunk(idx);
+                let s = spans.span_of(idx);
+                let frame = &bytes[(chunk.compressed.start - range.start) as usize
+                    ..(chunk.compressed.end - range.start) as usize];
+                let chained = previous
+                    .as_ref()
+                    .filter(|(p, _)| p + 1 == s)
+                    .and_then(|(_, data)| spans.index.window_after(s, data));
+                let window = chained.or(window.as_deref().filter(|_| s == first_span));
+                let decoded = window
+                    .ok_or_else(|| Error::corrupt(format!("span {s} has no window to start from")))
+                    .and_then(|w| self.layer.decode_span(idx, frame, w));
+                match decoded {
+                    Ok(span) => {
+                        self.store(idx, file, chunk, self.layer.chunk_in_span(idx, &span))?;
+                        previous = Some((s, span));
+                    }
+                    Err(e) => {
+                        Stats::add(&self.stats.verify_failures, 1);
+                        tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, span = s, error = %e.chain(), "span failed verification; fetching it again");
+                        failed.push(idx);
+                        previous = None;
+                    }
+                }
+            }
+            Ok::<_, Error>(failed)
+        })?;
+        for idx in failed {
+            let (file, chunk) = self.layer.chunk(idx);
+            let s = spans.span_of(idx);
+            let (frame, window) = tokio::join!(
+                self.fetch_range(chunk.compressed.clone(), true),
+                self.fetch_window(spans, s, true)
+            );
+            let (frame, window) = (frame?, window?);
+            off_the_runtime(|| {
+                let span = self.layer.decode_span(idx, &frame, &window).map_err(|e| {
+                    Stats::add(&self.stats.verify_failures, 1);
+                    e.context(format!(
+                        "chunk {idx} (offset {} of {}, span {s}) failed verification twice",
+                        chunk.offset, self.layer.nodes[self.layer.files[file].node].path
+                    ))
+                })?;
+                self.store(idx, file, chunk, self.layer.chunk_in_span(idx, &span))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The window span `s` of an indexed layer decodes from: its frame in the index's windows
+    /// blob, decoded (empty when the span needs none); `again` as for [`Engine::fetch_range`].
+    async fn fetch_window(&self, spans: &Spans, s: usize, again: bool) -> Result<Vec<u8>> {
+        let Some(frame) = spans.index.window_range(s) else {
+            return Ok(Vec::new());
+        };
+        let source = self.windows.as_deref().ok_or_else(|| {
+            Error::corrupt("the layer's index names a windows blob nobody serves")
+        })?;
+        let what = format!(
+            "the windows blob {}",
+            spans
+                .index
+                .windows
+                .map_or_else(String::new, |w| w.digest.to_string())
+        );
+        let bytes = self.fetch_from(source, &what, frame, again).await?;
+        off_the_runtime(|| spans.index.decode_window(s, &bytes))
+    }
+
     fn store(&self, idx: usize, file: usize, chunk: &Chunk, data: &[u8]) -> Result<()> {
         // Only chunks the TOC marks as zeros are scanned (the mark is a claim; the digest
         // already held).
@@ -470,9 +576,23 @@ impl Engine {
         Ok(())
     }
 
-    /// One Range request, retried on network errors and short answers until the deadline;
-    /// `again` for bytes that failed verification once (asked of the registry itself).
+    /// One Range request of the layer's blob, retried on network errors and short answers
+    /// until the deadline; `again` for bytes that failed verification once (asked of the
+    /// registry itself).
     async fn fetch_range(&self, range: Range<u64>, again: bool) -> Result<bytes::Bytes> {
+        let what = format!("layer {}", self.layer.meta.layer_digest);
+        self.fetch_from(self.source.as_ref(), &what, range, again)
+            .await
+    }
+
+    /// [`Engine::fetch_range`] of `source`, `what` its blob (for errors).
+    async fn fetch_from(
+        &self,
+        source: &dyn BlobSource,
+        what: &str,
+        range: Range<u64>,
+        again: bool,
+    ) -> Result<bytes::Bytes> {
         let deadline = Instant::now() + self.opts.fetch_deadline;
         let mut delay = Duration::from_millis(100);
         loop {
@@ -482,9 +602,9 @@ impl Engine {
             // bytes cannot hold the read past it.
             let left = deadline.saturating_duration_since(started);
             let fetch = if again {
-                self.source.refetch(range.clone())
+                source.refetch(range.clone())
             } else {
-                self.source.fetch(range.clone())
+                source.fetch(range.clone())
             };
             let attempt = tokio::time::timeout(left, fetch).await.unwrap_or_else(|_| {
                 Err(Error::new(
@@ -509,8 +629,8 @@ impl Engine {
                     let retryable = matches!(e.kind(), ErrorKind::Network | ErrorKind::Corrupt);
                     if !retryable || Instant::now() + delay > deadline {
                         return Err(e.context(format!(
-                            "fetching bytes {}..{} of layer {}",
-                            range.start, range.end, self.layer.meta.layer_digest
+                            "fetching bytes {}..{} of {what}",
+                            range.start, range.end
                         )));
                     }
                     tracing::warn!(layer = %self.layer.meta.layer_digest, start = range.start, end = range.end, error = %e.chain(), "chunk fetch failed; retrying");
@@ -820,6 +940,18 @@ mod tests {
         toc: &[u8],
         opts: EngineOptions,
     ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
+        let (engine, source, _, dir) = engine_of_sources(blob, None, meta, toc, opts);
+        (engine, source, dir)
+    }
+
+    /// [`engine_of_layer`] with a windows blob; its source too.
+    fn engine_of_sources(
+        blob: Vec<u8>,
+        windows: Option<Vec<u8>>,
+        meta: LayerMeta,
+        toc: &[u8],
+        opts: EngineOptions,
+    ) -> (Arc<Engine>, Arc<FakeBlob>, Arc<FakeBlob>, tempfile::TempDir) {
         let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, toc).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
@@ -828,26 +960,37 @@ mod tests {
             blob,
             ..FakeBlob::default()
         });
-        let engine = Engine::with_source(layer, cache, Box::new(Arc::clone(&source)), opts);
-        (engine, source, dir)
+        let windows_source = Arc::new(FakeBlob {
+            blob: windows.clone().unwrap_or_default(),
+            ..FakeBlob::default()
+        });
+        let sources = Sources {
+            blob: Box::new(Arc::clone(&source)),
+            windows: windows.map(|_| Box::new(Arc::clone(&windows_source)) as Box<dyn BlobSource>),
+        };
+        let engine = Engine::with_source(layer, cache, sources, opts);
+        (engine, source, windows_source, dir)
     }
 
-    /// An engine over an ordinary layer `blob` (of tar stream `tar`) read through `index`.
+    /// An engine over an ordinary layer `blob` (of tar stream `tar`) read through `index` and
+    /// its `windows`; the sources of both.
     fn engine_of_indexed(
         blob: Vec<u8>,
+        windows: Vec<u8>,
         tar: &[u8],
         index: &crate::format::seekable::SeekIndex,
-    ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
-        engine_of_indexed_at(blob, tar, index, None)
+    ) -> (Arc<Engine>, Arc<FakeBlob>, Arc<FakeBlob>, tempfile::TempDir) {
+        engine_of_indexed_at(blob, windows, tar, index, None)
     }
 
     /// The same, with the disk at `disk_path` (a disk artifact's layer).
     fn engine_of_indexed_at(
         blob: Vec<u8>,
+        windows: Vec<u8>,
         tar: &[u8],
         index: &crate::format::seekable::SeekIndex,
         disk_path: Option<&str>,
-    ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
+    ) -> (Arc<Engine>, Arc<FakeBlob>, Arc<FakeBlob>, tempfile::TempDir) {
         let bytes = index.encode().unwrap();
         let meta = LayerMeta {
             reference: "127.0.0.1:1/test/t:1".into(),
@@ -866,19 +1009,22 @@ mod tests {
             }),
             estargz: false,
         };
-        engine_of_layer(blob, meta, &bytes, EngineOptions::default())
+        let windows = index.windows.map(|_| windows);
+        engine_of_sources(blob, windows, meta, &bytes, EngineOptions::default())
     }
 
     /// A gzip containerDisk layer (a small file before the disk, one after) and its index.
-    fn gzip_layer(
-        span: u64,
-    ) -> (
-        Vec<u8>,
-        Vec<u8>,
-        Vec<u8>,
-        crate::format::seekable::SeekIndex,
-    ) {
-        use crate::format::seekable::{build, testing, Compression, Expected, Layout};
+    /// A gzip containerDisk layer (a small file before the disk, one after).
+    struct GzipLayer {
+        data: Vec<u8>,
+        tar: Vec<u8>,
+        blob: Vec<u8>,
+        index: crate::format::seekable::SeekIndex,
+        windows: Vec<u8>,
+    }
+
+    fn gzip_layer(span: u64) -> GzipLayer {
+        use crate::format::seekable::{testing, Compression, Expected, Layout};
         let data = testing::disk(3 << 20);
         let tar = testing::tar_of(&[
             ("etc/README", b"hello".to_vec()),
@@ -893,8 +1039,14 @@ mod tests {
             diff_id: Some(Digest::of(&tar)),
             layout: Layout::Tar,
         };
-        let index = build(blob.as_slice(), &exp, span).unwrap().index;
-        (data, tar, blob, index)
+        let (index, windows) = testing::index_of(&blob, &exp, span);
+        GzipLayer {
+            data,
+            tar,
+            blob,
+            index,
+            windows,
+        }
     }
 
     /// A disk artifact's layer, the gzip-compressed disk file itself, read through its index
@@ -902,7 +1054,7 @@ mod tests {
     /// caught there.
     #[tokio::test]
     async fn a_disk_file_layer_reads_by_span_and_is_verified_once_complete() {
-        use crate::format::seekable::{build, testing, Expected, Layout};
+        use crate::format::seekable::{testing, Expected, Layout};
         let data = testing::disk(3 << 20);
         let blob = testing::gzip(&data, 6);
         let exp = Expected {
@@ -912,9 +1064,14 @@ mod tests {
             diff_id: None,
             layout: Layout::File,
         };
-        let index = build(blob.as_slice(), &exp, 64 << 10).unwrap().index;
-        let (engine, source, _dir) =
-            engine_of_indexed_at(blob.clone(), &data, &index, Some("disk/d.raw"));
+        let (index, windows) = testing::index_of(&blob, &exp, 64 << 10);
+        let (engine, source, _, _dir) = engine_of_indexed_at(
+            blob.clone(),
+            windows.clone(),
+            &data,
+            &index,
+            Some("disk/d.raw"),
+        );
         let layer = &engine.layer;
         let paths: Vec<_> = layer.nodes.iter().map(|n| n.path.as_str()).collect();
         assert_eq!(paths, ["disk", "disk/d.raw"]);
@@ -933,17 +1090,16 @@ mod tests {
 
         // An index that lies consistently about span 5 (a forged window, the digest of what
         // it decodes to): every read passes its span check, the complete disk does not.
-        use base64::Engine as _;
-        let mut lying = index.clone();
-        lying.spans[5].window =
-            base64::engine::general_purpose::STANDARD.encode(vec![b'x'; 32 << 10]);
+        let forged = vec![b'x'; 32 << 10];
+        let (mut lying, lying_windows) = testing::with_window(&index, &windows, 5, &forged);
         let s = &lying.spans[5];
         let lie = lying
-            .decode_unverified(5, &blob[s.input as usize..s.input_end as usize])
+            .decode_unverified(5, &blob[s.input as usize..s.input_end as usize], &forged)
             .unwrap();
         assert_ne!(lie, data[s.offset as usize..index.span_end(5) as usize]);
         lying.spans[5].digest = Digest::of(&lie);
-        let (engine, _, _dir) = engine_of_indexed_at(blob, &data, &lying, Some("disk/d.raw"));
+        let (engine, _, _, _dir) =
+            engine_of_indexed_at(blob, lying_windows, &data, &lying, Some("disk/d.raw"));
         engine.read(0, 0, engine.layer.file_size(0)).await.unwrap();
         let outcome = engine.check_integrity(&cache).await;
         assert!(
@@ -952,40 +1108,65 @@ mod tests {
         );
     }
 
+    /// Bytes fetched from `source` so far.
+    fn fetched_bytes(source: &FakeBlob) -> u64 {
+        source
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| r.end - r.start)
+            .sum()
+    }
+
     #[tokio::test]
     async fn an_indexed_gzip_layer_reads_by_span_and_is_verified_once_complete() {
-        let (data, tar, blob, index) = gzip_layer(64 << 10);
-        let (engine, source, _dir) = engine_of_indexed(blob.clone(), &tar, &index);
+        let GzipLayer {
+            data,
+            tar,
+            blob,
+            index,
+            windows,
+        } = gzip_layer(64 << 10);
+        let (engine, source, windows_source, _dir) =
+            engine_of_indexed(blob.clone(), windows.clone(), &tar, &index);
         let disk = engine.layer.disk;
         assert_eq!(
             engine.layer.nodes[engine.layer.files[disk].node].path,
             "disk/d.raw"
         );
         engine.check_structure(None).await.unwrap();
-        let before: u64 = source
-            .calls
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|r| r.end - r.start)
-            .sum();
+        let before = fetched_bytes(&source);
         assert_eq!(
             engine.read(disk, 1 << 20, 4096).await.unwrap(),
             data[1 << 20..(1 << 20) + 4096]
         );
-        let fetched: u64 = source
-            .calls
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|r| r.end - r.start)
-            .sum::<u64>()
-            - before;
+        let fetched = fetched_bytes(&source) - before;
         assert!(
             fetched < blob.len() as u64 / 4,
             "a few spans, not the blob: {fetched} of {}",
             blob.len()
         );
+        // Spans 4 to 6 read in one go: one request, one window (the others follow from the
+        // spans before them).
+        let (requests, window_requests) = (
+            source.calls.lock().unwrap().len(),
+            windows_source.calls.lock().unwrap().len(),
+        );
+        let file_at = engine.layer.spans.as_ref().unwrap().file_at(disk);
+        let (from, to) = (index.spans[4].offset - file_at, index.span_end(6) - file_at);
+        assert_eq!(
+            engine.read(disk, from, to - from).await.unwrap(),
+            data[from as usize..to as usize]
+        );
+        assert_eq!(source.calls.lock().unwrap().len(), requests + 1);
+        assert_eq!(
+            window_requests + 1,
+            windows_source.calls.lock().unwrap().len()
+        );
+        // Never more windows than requests of the layer, and not all of them.
+        assert!(windows_source.calls.lock().unwrap().len() <= source.calls.lock().unwrap().len());
+        assert!(fetched_bytes(&windows_source) < windows.len() as u64);
         let cache_dir = tempfile::tempdir().unwrap();
         let cache = CacheRoot::open(cache_dir.path()).unwrap();
         assert_eq!(engine.check_integrity(&cache).await, Integrity::Pending);
@@ -999,10 +1180,18 @@ mod tests {
 
     #[tokio::test]
     async fn an_indexed_layer_never_serves_bytes_its_span_digest_does_not_match() {
-        let (data, tar, blob, mut index) = gzip_layer(64 << 10);
+        use crate::format::seekable::testing;
+        let GzipLayer {
+            data,
+            tar,
+            blob,
+            index,
+            windows,
+        } = gzip_layer(64 << 10);
         // A wrong checkpoint: span 5's window is span 6's.
-        index.spans[5].window = index.spans[6].window.clone();
-        let (engine, source, _dir) = engine_of_indexed(blob, &tar, &index);
+        let (index, windows) =
+            testing::with_window(&index, &windows, 5, &testing::window(&index, &windows, 6));
+        let (engine, source, windows_source, _dir) = engine_of_indexed(blob, windows, &tar, &index);
         let disk = engine.layer.disk;
         let at = index.spans[5].offset - engine.layer.spans.as_ref().unwrap().file_at(disk);
         let err = engine.read(disk, at, 10).await.unwrap_err();
@@ -1014,24 +1203,38 @@ mod tests {
             "checked, refetched, checked"
         );
         assert!(source.calls.lock().unwrap().len() >= 2);
+        assert!(
+            windows_source.calls.lock().unwrap().len() >= 2,
+            "its window refetched too"
+        );
         // The rest of the disk still reads.
         assert_eq!(engine.read(disk, 0, 4096).await.unwrap(), data[..4096]);
+        // A window frame corrupted on the way once is fetched again and the span reads.
+        *windows_source.corruptions.lock().unwrap() = 1;
+        let at = index.spans[9].offset - engine.layer.spans.as_ref().unwrap().file_at(disk);
+        engine.read(disk, at, 10).await.unwrap();
     }
 
     #[tokio::test]
     async fn an_index_that_lies_consistently_is_caught_by_the_diff_id_once_complete() {
-        use base64::Engine as _;
-        let (_, tar, blob, mut index) = gzip_layer(64 << 10);
+        use crate::format::seekable::testing;
+        let GzipLayer {
+            tar,
+            blob,
+            index,
+            windows,
+            ..
+        } = gzip_layer(64 << 10);
         // Span 5 from a forged window, with the digest of what that decodes to: every span
         // check passes, the bytes differ.
         let forged = vec![b'x'; 32 << 10];
-        index.spans[5].window = base64::engine::general_purpose::STANDARD.encode(&forged);
+        let (mut index, windows) = testing::with_window(&index, &windows, 5, &forged);
         let s = &index.spans[5];
         let input = &blob[s.input as usize..s.input_end as usize];
-        let lie = index.decode_unverified(5, input).unwrap();
+        let lie = index.decode_unverified(5, input, &forged).unwrap();
         assert_ne!(lie, tar[s.offset as usize..index.span_end(5) as usize]);
         index.spans[5].digest = Digest::of(&lie);
-        let (engine, _, _dir) = engine_of_indexed(blob, &tar, &index);
+        let (engine, _, _, _dir) = engine_of_indexed(blob, windows, &tar, &index);
         for f in 0..engine.layer.files.len() {
             engine.read(f, 0, engine.layer.file_size(f)).await.unwrap();
         }
@@ -1448,7 +1651,10 @@ mod tests {
         let engine = Engine::with_source(
             engine.layer,
             engine.cache,
-            Box::new(Stalled),
+            Sources {
+                blob: Box::new(Stalled),
+                windows: None,
+            },
             EngineOptions {
                 fetch_deadline: Duration::from_secs(5),
                 ..EngineOptions::default()

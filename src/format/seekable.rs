@@ -9,6 +9,11 @@
 //! uncompressed bytes, and the index lists the tar's entries with their data offsets, and
 //! the layer digest and diff_id it describes.
 //!
+//! The windows are most of an index's bytes (32 KiB a span) and a cold read needs one per
+//! run of spans it fetches, not all of them: they live in a second blob, one zstd frame per
+//! span, fetched by Range with the span, so a node is ready after fetching the small JSON
+//! index alone.
+//!
 //! The index is someone's claim, like a TOC: a span is served only after it decoded to exactly
 //! its length and digest ([`SeekIndex::decode_span`]), the tar headers are checked against the
 //! entries before anything is served, and the whole stream against the diff_id once complete
@@ -16,7 +21,6 @@
 
 use std::io::Read;
 
-use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
 use crate::digest::{Digest, Hasher};
@@ -26,9 +30,13 @@ use crate::format::zran::BlockInflater;
 use crate::format::zstd_chunked::clean_path;
 
 /// The artifact type of the index's manifest (and of its referrer descriptor).
-pub const ARTIFACT_TYPE: &str = "application/vnd.vmdisk.seekable-index.v1";
+pub const ARTIFACT_TYPE: &str = "application/vnd.vmdisk.seekable-index.v2";
 /// The media type of the index blob: zstd-compressed JSON.
-pub const MEDIA_TYPE: &str = "application/vnd.vmdisk.seekable-index.v1+json+zstd";
+pub const MEDIA_TYPE: &str = "application/vnd.vmdisk.seekable-index.v2+json+zstd";
+/// The media type of a gzip layer's windows blob: one zstd frame per span but the first.
+pub const WINDOWS_MEDIA_TYPE: &str = "application/vnd.vmdisk.seekable-index.v2.windows+zstd";
+/// The index version this vmdisk writes and reads.
+const VERSION: u32 = 2;
 /// Annotation on the index manifest: the layer digest it indexes.
 pub const ANN_LAYER: &str = "io.vmdisk.index.layer";
 
@@ -45,6 +53,8 @@ const MAX_ENTRIES: usize = 100_000;
 pub const MAX_SPAN_BYTES: u64 = 32 << 20;
 /// The deflate window a checkpoint carries.
 const WINDOW: usize = 32 << 10;
+/// Most bytes of one window's frame in the windows blob (zstd's bound for 32 KiB, rounded up).
+const MAX_WINDOW_FRAME: u64 = 33 << 10;
 
 /// How the indexed layer is compressed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,9 +129,11 @@ pub struct Span {
     /// `bits` bits of that byte are the span's (gzip only).
     #[serde(default)]
     pub bits: u8,
-    /// The 32 KiB (less at the start) of output before the span, base64 (gzip only).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub window: String,
+    /// Where the frame of its window (the 32 KiB of output before it) ends in the windows
+    /// blob; it starts where the span before's ends (gzip only; 0 for the first span, which
+    /// has none).
+    #[serde(default)]
+    pub window_end: u64,
     /// sha256 of the span's uncompressed bytes.
     pub digest: Digest,
 }
@@ -143,8 +155,19 @@ pub struct SeekIndex {
     pub stream_size: u64,
     /// The span size asked for (spans are at least this long, but for the last).
     pub span_size: u64,
+    /// The windows blob (gzip only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub windows: Option<Windows>,
     pub entries: Vec<Entry>,
     pub spans: Vec<Span>,
+}
+
+/// The blob holding a gzip layer's windows, published beside the index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Windows {
+    pub digest: Digest,
+    pub size: u64,
 }
 
 /// What a layer the index must describe is, from the verified manifest and config.
@@ -200,8 +223,11 @@ impl SeekIndex {
     /// the right length; entries are safe paths with content inside the stream, in order.
     pub fn validate(&self, expected: &Expected) -> Result<()> {
         let bad = |why: String| Err(Error::corrupt(format!("the seekable index {why}")));
-        if self.version != 1 {
-            return bad(format!("has version {}, this vmdisk reads 1", self.version));
+        if self.version != VERSION {
+            return bad(format!(
+                "has version {}, this vmdisk reads {VERSION}; run `vmdisk index` again",
+                self.version
+            ));
         }
         if (self.layer, self.layer_size) != (expected.layer, expected.layer_size)
             || expected.compression.is_some_and(|c| c != self.compression)
@@ -240,6 +266,16 @@ impl SeekIndex {
         {
             return bad("of an uncompressed layer gives a stream unlike the blob".into());
         }
+        match (self.compression, self.windows) {
+            (Compression::Gzip, Some(w))
+                if w.size <= self.spans.len() as u64 * MAX_WINDOW_FRAME => {}
+            (Compression::None, None) => {}
+            _ => {
+                return bad(
+                    "names no windows blob for a gzip layer, or one that does not fit".into(),
+                )
+            }
+        }
         for (i, span) in self.spans.iter().enumerate() {
             let end = self.span_end(i);
             let first = i == 0;
@@ -264,7 +300,7 @@ impl SeekIndex {
                     if span.input != span.offset || span.input_end != end || span.bits != 0 {
                         return Err(at("is not the blob's own bytes"));
                     }
-                    if !span.window.is_empty() {
+                    if span.window_end != 0 {
                         return Err(at("has a window in an uncompressed layer"));
                     }
                 }
@@ -275,11 +311,25 @@ impl SeekIndex {
                     if span.input_end - span.input > end - span.offset + (1 << 20) {
                         return Err(at("needs more compressed bytes than deflate can take"));
                     }
-                    let window = self.window_len(i)?;
-                    if window != (span.offset as usize).min(WINDOW) {
-                        return Err(at(&format!("has a {window}-byte window")));
+                    let fits = match i {
+                        0 => span.window_end == 0,
+                        _ => span
+                            .window_end
+                            .checked_sub(self.spans[i - 1].window_end)
+                            .is_some_and(|n| n > 0 && n <= MAX_WINDOW_FRAME),
+                    };
+                    if !fits {
+                        return Err(at("has no window frame of its own, or too large a one"));
                     }
                 }
+            }
+        }
+        if let (Some(w), Some(last)) = (self.windows, self.spans.last()) {
+            if last.window_end != w.size {
+                return bad(format!(
+                    "puts its last window at {}, but the windows blob is {} bytes",
+                    last.window_end, w.size
+                ));
             }
         }
         let mut data_end = 0;
@@ -334,36 +384,48 @@ impl SeekIndex {
         first..last
     }
 
-    fn window(&self, i: usize) -> Result<Vec<u8>> {
-        base64::engine::general_purpose::STANDARD
-            .decode(&self.spans[i].window)
-            .map_err(|_| Error::corrupt(format!("the window of span {i} is not base64")))
+    /// Where span `i`'s window frame is in the windows blob; `None` when decoding it needs no
+    /// window (an uncompressed layer, the first span).
+    pub fn window_range(&self, i: usize) -> Option<std::ops::Range<u64>> {
+        (self.compression == Compression::Gzip && i > 0)
+            .then(|| self.spans[i - 1].window_end..self.spans[i].window_end)
     }
 
-    /// The length span `i`'s window decodes to, from its padded base64 text alone: checking
-    /// an index (at every layer load) does not decode every window; a window that is not
-    /// base64 fails where it is decoded, with its span.
-    fn window_len(&self, i: usize) -> Result<usize> {
-        let text = self.spans[i].window.as_bytes();
-        if text.len() > WINDOW.div_ceil(3) * 4 || !text.len().is_multiple_of(4) {
+    /// The length of span `i`'s window: the 32 KiB before it, less at the stream's start.
+    fn window_len(&self, i: usize) -> usize {
+        match self.window_range(i) {
+            Some(_) => (self.spans[i].offset as usize).min(WINDOW),
+            None => 0,
+        }
+    }
+
+    /// Span `i`'s window from its frame in the windows blob: exactly its length.
+    pub fn decode_window(&self, i: usize, frame: &[u8]) -> Result<Vec<u8>> {
+        let want = self.window_len(i);
+        let window = crate::format::zstd_chunked::decompress_bounded(frame, want as u64)
+            .map_err(|e| e.context(format!("the window of span {i}")))?;
+        if window.len() != want {
             return Err(Error::corrupt(format!(
-                "the window of span {i} is not a padded base64 window"
+                "the window of span {i} is {} bytes, not {want}",
+                window.len()
             )));
         }
-        let padding = text
-            .iter()
-            .rev()
-            .take(2)
-            .take_while(|&&b| b == b'=')
-            .count();
-        Ok(text.len() / 4 * 3 - padding)
+        Ok(window)
+    }
+
+    /// Span `i`'s window from the decoded bytes of span `i − 1` (its end), when they hold it
+    /// all: a run of spans fetched together needs only its first span's window fetched.
+    pub fn window_after<'a>(&self, i: usize, previous: &'a [u8]) -> Option<&'a [u8]> {
+        let want = self.window_len(i);
+        (previous.len() >= want).then(|| &previous[previous.len() - want..])
     }
 
     /// The uncompressed bytes of span `i` from `input` (blob bytes `input..input_end` of the
-    /// span): decoded, exactly the span's length, matching its digest. The one decode of
-    /// indexed layer bytes; nothing else turns them into content.
-    pub fn decode_span(&self, i: usize, input: &[u8]) -> Result<Vec<u8>> {
-        let data = self.decode_unverified(i, input)?;
+    /// span) and its `window` ([`SeekIndex::decode_window`], [`SeekIndex::window_after`]):
+    /// decoded, exactly the span's length, matching its digest. The one decode of indexed
+    /// layer bytes; nothing else turns them into content.
+    pub fn decode_span(&self, i: usize, input: &[u8], window: &[u8]) -> Result<Vec<u8>> {
+        let data = self.decode_unverified(i, input, window)?;
         let span = &self.spans[i];
         span.digest
             .verify(&data, &format!("span {i} at stream offset {}", span.offset))?;
@@ -371,7 +433,19 @@ impl SeekIndex {
     }
 
     /// What span `i` decodes to, of its length but not checked against its digest.
-    pub(crate) fn decode_unverified(&self, i: usize, input: &[u8]) -> Result<Vec<u8>> {
+    pub(crate) fn decode_unverified(
+        &self,
+        i: usize,
+        input: &[u8],
+        window: &[u8],
+    ) -> Result<Vec<u8>> {
+        if window.len() != self.window_len(i) {
+            return Err(Error::corrupt(format!(
+                "span {i} was given a {}-byte window, not {}",
+                window.len(),
+                self.window_len(i)
+            )));
+        }
         let span = &self.spans[i];
         let size = (self.span_end(i) - span.offset) as usize;
         if input.len() as u64 != span.input_end - span.input {
@@ -383,11 +457,9 @@ impl SeekIndex {
         }
         let data = match self.compression {
             Compression::None => input.to_vec(),
-            Compression::Gzip => {
-                inflate_span(&self.window(i)?, span.bits, input, size).map_err(|e| {
-                    e.context(format!("span {i} (bytes {} of the stream)", span.offset))
-                })?
-            }
+            Compression::Gzip => inflate_span(window, span.bits, input, size).map_err(|e| {
+                e.context(format!("span {i} (bytes {} of the stream)", span.offset))
+            })?,
         };
         if data.len() != size {
             return Err(Error::corrupt(format!(
@@ -532,8 +604,13 @@ pub struct Built {
 /// Builds the index of a layer while reading its blob once, front to back: the blob's own
 /// reader checks its digest at the end; this checks the stream against the digest `expected`
 /// pins. The compression is `expected`'s or, for a disk artifact, what the blob's first bytes
-/// say.
-pub fn build(blob: impl Read, expected: &Expected, span_size: u64) -> Result<Built> {
+/// say. A gzip layer's windows blob is written to `windows` (nothing for an uncompressed one).
+pub fn build(
+    blob: impl Read,
+    expected: &Expected,
+    span_size: u64,
+    windows: impl std::io::Write,
+) -> Result<Built> {
     use std::io::BufRead;
     crate::format::layout::check_chunk_size(span_size as usize).map_err(|_| {
         Error::invalid(format!(
@@ -559,7 +636,7 @@ pub fn build(blob: impl Read, expected: &Expected, span_size: u64) -> Result<Bui
             }
         }
     };
-    let mut stream = IndexingReader::new(blob, compression, span_size)?;
+    let mut stream = IndexingReader::new(blob, compression, span_size, windows)?;
     let mut head = Vec::new();
     let entries = match expected.layout {
         Layout::Tar => read_entries(&mut stream)?,
@@ -573,7 +650,7 @@ pub fn build(blob: impl Read, expected: &Expected, span_size: u64) -> Result<Bui
     };
     std::io::copy(&mut stream, &mut std::io::sink())
         .map_err(|e| Error::io("reading the rest of the layer", e))?;
-    let (spans, diff_id, stream_size) = stream.finish()?;
+    let (spans, diff_id, stream_size, windows) = stream.finish()?;
     if let Some(pinned) = expected.diff_id.filter(|&d| d != diff_id) {
         return Err(Error::corrupt(match expected.layout {
             Layout::Tar => format!(
@@ -585,7 +662,7 @@ pub fn build(blob: impl Read, expected: &Expected, span_size: u64) -> Result<Bui
         }));
     }
     let index = SeekIndex {
-        version: 1,
+        version: VERSION,
         layer: expected.layer,
         layer_size: expected.layer_size,
         compression,
@@ -593,6 +670,7 @@ pub fn build(blob: impl Read, expected: &Expected, span_size: u64) -> Result<Bui
         diff_id,
         stream_size,
         span_size,
+        windows,
         entries,
         spans,
     };
@@ -653,9 +731,13 @@ fn read_entries(stream: &mut impl Read) -> Result<Vec<Entry>> {
     Ok(entries)
 }
 
-/// The layer's uncompressed stream, read through once, noting spans as it goes.
-struct IndexingReader<R> {
+/// The layer's uncompressed stream, read through once, noting spans as it goes and writing
+/// each span's window into the windows blob.
+struct IndexingReader<R, W> {
     blob: R,
+    windows: W,
+    windows_hasher: Hasher,
+    windows_size: u64,
     compression: Compression,
     span_size: u64,
     inflater: Option<BlockInflater>,
@@ -675,10 +757,13 @@ struct IndexingReader<R> {
     produced: u64,
 }
 
-impl<R: Read> IndexingReader<R> {
-    fn new(blob: R, compression: Compression, span_size: u64) -> Result<Self> {
+impl<R: Read, W: std::io::Write> IndexingReader<R, W> {
+    fn new(blob: R, compression: Compression, span_size: u64, windows: W) -> Result<Self> {
         Ok(IndexingReader {
             blob,
+            windows,
+            windows_hasher: Hasher::new(),
+            windows_size: 0,
             compression,
             span_size,
             inflater: match compression {
@@ -710,20 +795,21 @@ impl<R: Read> IndexingReader<R> {
                 "the layer needs more than {MAX_SPANS} spans; use a larger --span"
             )));
         }
-        let window = if self.compression == Compression::Gzip && self.produced > 0 {
+        if self.compression == Compression::Gzip && self.produced > 0 {
             let mut w = Vec::with_capacity(self.ring.len());
             w.extend_from_slice(&self.ring[self.ring_at..]);
             w.extend_from_slice(&self.ring[..self.ring_at]);
-            base64::engine::general_purpose::STANDARD.encode(w)
-        } else {
-            String::new()
-        };
+            let frame = zstd::bulk::compress(&w, 3)?;
+            self.windows.write_all(&frame)?;
+            self.windows_hasher.update(&frame);
+            self.windows_size += frame.len() as u64;
+        }
         self.spans.push(Span {
             offset: self.produced,
             input,
             input_end: input,
             bits,
-            window,
+            window_end: self.windows_size,
             digest: Digest::of(b""),
         });
         Ok(())
@@ -768,8 +854,8 @@ impl<R: Read> IndexingReader<R> {
         Ok(())
     }
 
-    /// Spans, the stream's digest and size, once the whole blob was read.
-    fn finish(mut self) -> Result<(Vec<Span>, Digest, u64)> {
+    /// Spans, the stream's digest and size and the windows blob, once the whole blob was read.
+    fn finish(mut self) -> Result<(Vec<Span>, Digest, u64, Option<Windows>)> {
         // The blob reader checks the blob's digest at its end: read it there.
         let mut rest = Vec::new();
         self.blob
@@ -791,8 +877,15 @@ impl<R: Read> IndexingReader<R> {
         if self.spans.is_empty() {
             return Err(Error::corrupt("the layer is empty"));
         }
+        self.windows
+            .flush()
+            .map_err(|e| Error::io("writing the windows", e))?;
+        let windows = (self.compression == Compression::Gzip).then(|| Windows {
+            digest: self.windows_hasher.finish(),
+            size: self.windows_size,
+        });
         let size = self.produced;
-        Ok((self.spans, self.stream_hasher.finish(), size))
+        Ok((self.spans, self.stream_hasher.finish(), size, windows))
     }
 
     fn read_plain(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -812,7 +905,7 @@ impl<R: Read> IndexingReader<R> {
     }
 }
 
-impl<R: Read> Read for IndexingReader<R> {
+impl<R: Read, W: std::io::Write> Read for IndexingReader<R, W> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);
@@ -868,6 +961,9 @@ impl<R: Read> Read for IndexingReader<R> {
 pub(crate) mod testing {
     use std::io::Write;
 
+    use super::{build, Expected, SeekIndex, Windows};
+    use crate::digest::Digest;
+
     /// A tar of `files` as KubeVirt's containerDisk build writes it (uid/gid 107, 0644).
     pub fn tar_of(files: &[(&str, Vec<u8>)]) -> Vec<u8> {
         let mut b = tar::Builder::new(Vec::new());
@@ -890,6 +986,47 @@ pub(crate) mod testing {
         e.finish().unwrap()
     }
 
+    /// The index of `blob` with its windows blob.
+    pub fn index_of(blob: &[u8], expected: &Expected, span: u64) -> (SeekIndex, Vec<u8>) {
+        let mut windows = Vec::new();
+        let index = build(blob, expected, span, &mut windows).unwrap().index;
+        (index, windows)
+    }
+
+    /// Span `i`'s window, from the windows blob `windows`.
+    pub fn window(index: &SeekIndex, windows: &[u8], i: usize) -> Vec<u8> {
+        match index.window_range(i) {
+            Some(r) => index
+                .decode_window(i, &windows[r.start as usize..r.end as usize])
+                .unwrap(),
+            None => Vec::new(),
+        }
+    }
+
+    /// `index` and `windows` with span `i`'s window replaced by `window` (the frames after it
+    /// moved, the blob's digest and size updated).
+    pub fn with_window(
+        index: &SeekIndex,
+        windows: &[u8],
+        i: usize,
+        window: &[u8],
+    ) -> (SeekIndex, Vec<u8>) {
+        let r = index.window_range(i).unwrap();
+        let frame = zstd::bulk::compress(window, 3).unwrap();
+        let mut out = windows[..r.start as usize].to_vec();
+        out.extend_from_slice(&frame);
+        out.extend_from_slice(&windows[r.end as usize..]);
+        let mut index = index.clone();
+        for s in &mut index.spans[i..] {
+            s.window_end = s.window_end + frame.len() as u64 - (r.end - r.start);
+        }
+        index.windows = Some(Windows {
+            digest: Digest::of(&out),
+            size: out.len() as u64,
+        });
+        (index, out)
+    }
+
     /// Pseudo-random, partly compressible disk content with long zero runs.
     pub fn disk(size: usize) -> Vec<u8> {
         use rand::{Rng, SeedableRng};
@@ -910,7 +1047,7 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
-    use super::testing::{disk, gzip, tar_of};
+    use super::testing::{disk, gzip, index_of, tar_of, window, with_window};
     use super::*;
 
     fn expected(blob: &[u8], tar: &[u8], compression: Compression) -> Expected {
@@ -924,10 +1061,14 @@ mod tests {
     }
 
     /// Every span decodes from its own bytes to exactly the stream's bytes.
-    fn check_all_spans(index: &SeekIndex, blob: &[u8], tar: &[u8]) {
+    fn check_all_spans(index: &SeekIndex, windows: &[u8], blob: &[u8], tar: &[u8]) {
         for (i, s) in index.spans.iter().enumerate() {
             let data = index
-                .decode_span(i, &blob[s.input as usize..s.input_end as usize])
+                .decode_span(
+                    i,
+                    &blob[s.input as usize..s.input_end as usize],
+                    &window(index, windows, i),
+                )
                 .unwrap();
             assert_eq!(
                 data,
@@ -943,7 +1084,7 @@ mod tests {
         for level in [1, 6, 9] {
             let blob = gzip(&tar, level);
             let exp = expected(&blob, &tar, Compression::Gzip);
-            let index = build(blob.as_slice(), &exp, 64 << 10).unwrap().index;
+            let (index, windows) = index_of(&blob, &exp, 64 << 10);
             assert!(
                 index.spans.len() > 10,
                 "level {level}: {} spans",
@@ -957,7 +1098,7 @@ mod tests {
             assert_eq!(index.entries[0].offset, 512);
             let again = SeekIndex::decode(&index.encode().unwrap(), &exp).unwrap();
             assert_eq!(again, index);
-            check_all_spans(&index, &blob, &tar);
+            check_all_spans(&index, &windows, &blob, &tar);
         }
     }
 
@@ -1002,9 +1143,9 @@ mod tests {
         for level in [1, 6] {
             let blob = gnu_gzip(&tar, level);
             let exp = expected(&blob, &tar, Compression::Gzip);
-            let index = build(blob.as_slice(), &exp, 64 << 10).unwrap().index;
+            let (index, windows) = index_of(&blob, &exp, 64 << 10);
             unaligned += index.spans.iter().filter(|s| s.bits != 0).count();
-            check_all_spans(&index, &blob, &tar);
+            check_all_spans(&index, &windows, &blob, &tar);
         }
         assert!(unaligned > 0, "some spans start inside a byte");
     }
@@ -1013,13 +1154,13 @@ mod tests {
     fn uncompressed_spans_are_byte_ranges() {
         let tar = tar_of(&[("disk/d.raw", disk(1 << 20)), ("disk/x", vec![1; 100])]);
         let exp = expected(&tar, &tar, Compression::None);
-        let index = build(tar.as_slice(), &exp, 64 << 10).unwrap().index;
+        let (index, windows) = index_of(&tar, &exp, 64 << 10);
         assert_eq!(
             index.spans.len() as u64,
             (tar.len() as u64).div_ceil(64 << 10)
         );
         assert_eq!(index.entries.len(), 2);
-        check_all_spans(&index, &tar, &tar);
+        check_all_spans(&index, &windows, &tar, &tar);
     }
 
     #[test]
@@ -1028,12 +1169,12 @@ mod tests {
         let blob = gzip(&tar, 6);
         let mut exp = expected(&blob, &tar, Compression::Gzip);
         exp.diff_id = Some(Digest::of(b"other"));
-        let e = build(blob.as_slice(), &exp, 64 << 10).unwrap_err();
+        let e = build(blob.as_slice(), &exp, 64 << 10, Vec::new()).unwrap_err();
         assert!(e.chain().contains("hashes to"), "{}", e.chain());
         let mut two = blob.clone();
         two.extend(gzip(b"more", 6));
         let exp = expected(&two, &tar, Compression::Gzip);
-        let e = build(two.as_slice(), &exp, 64 << 10).unwrap_err();
+        let e = build(two.as_slice(), &exp, 64 << 10, Vec::new()).unwrap_err();
         assert!(e.chain().contains("more than one member"), "{}", e.chain());
     }
 
@@ -1053,7 +1194,8 @@ mod tests {
                 diff_id: None,
                 layout: Layout::File,
             };
-            let built = build(blob.as_slice(), &exp, 64 << 10).unwrap();
+            let mut windows = Vec::new();
+            let built = build(blob.as_slice(), &exp, 64 << 10, &mut windows).unwrap();
             let index = built.index;
             assert_eq!(
                 (index.compression, index.diff_id, index.stream_size),
@@ -1061,7 +1203,7 @@ mod tests {
             );
             assert!(index.entries.is_empty());
             assert_eq!(built.head, disk[..HEAD_BYTES as usize]);
-            check_all_spans(&index, &blob, &disk);
+            check_all_spans(&index, &windows, &blob, &disk);
             let again = SeekIndex::decode(&index.encode().unwrap(), &exp).unwrap();
             assert_eq!(again, index);
             // Pinned: the right digest passes, another fails the build.
@@ -1074,7 +1216,7 @@ mod tests {
                 diff_id: Some(Digest::of(b"x")),
                 ..exp
             };
-            let e = build(blob.as_slice(), &wrong, 64 << 10).unwrap_err();
+            let e = build(blob.as_slice(), &wrong, 64 << 10, Vec::new()).unwrap_err();
             assert!(
                 e.chain().contains("the artifact's annotation"),
                 "{}",
@@ -1097,7 +1239,7 @@ mod tests {
             diff_id: None,
             layout: Layout::File,
         };
-        let e = build(zst.as_slice(), &exp, 64 << 10).unwrap_err();
+        let e = build(zst.as_slice(), &exp, 64 << 10, Vec::new()).unwrap_err();
         assert!(e.chain().contains("zstd-compressed"), "{}", e.chain());
         // An uncompressed index whose stream is not the blob's own bytes.
         let exp = Expected {
@@ -1107,7 +1249,9 @@ mod tests {
             diff_id: None,
             layout: Layout::File,
         };
-        let mut index = build(disk.as_slice(), &exp, 64 << 10).unwrap().index;
+        let mut index = build(disk.as_slice(), &exp, 64 << 10, Vec::new())
+            .unwrap()
+            .index;
         index.diff_id = Digest::of(b"other");
         assert!(index.validate(&exp).is_err());
     }
@@ -1117,7 +1261,7 @@ mod tests {
         let tar = tar_of(&[("disk/d.raw", disk(2 << 20))]);
         let blob = gzip(&tar, 6);
         let exp = expected(&blob, &tar, Compression::Gzip);
-        let index = build(blob.as_slice(), &exp, 64 << 10).unwrap().index;
+        let (index, windows) = index_of(&blob, &exp, 64 << 10);
         let refused = |f: &dyn Fn(&mut SeekIndex)| {
             let mut i = index.clone();
             f(&mut i);
@@ -1129,14 +1273,23 @@ mod tests {
         assert!(refused(&|i| i.spans[3].offset = i.spans[2].offset));
         assert!(refused(&|i| i.spans[3].input_end = u64::MAX));
         assert!(refused(&|i| i.spans[3].bits = 9));
-        assert!(refused(&|i| i.spans[3].window.clear()));
+        assert!(refused(&|i| i.spans[3].window_end = i.spans[2].window_end));
+        assert!(refused(&|i| i.spans[0].window_end = 1));
+        assert!(refused(&|i| i.spans[3].window_end += MAX_WINDOW_FRAME));
+        assert!(refused(&|i| i.windows = None));
+        assert!(refused(&|i| i.windows.as_mut().unwrap().size += 1));
+        assert!(refused(&|i| i.version = 1));
         assert!(refused(&|i| i.entries[0].name = "../etc/passwd".into()));
         assert!(refused(&|i| i.entries[0].offset = i.stream_size));
         assert!(refused(&|i| i.span_size = 3));
         // Consistent-looking lies fail at decode, never returning other bytes.
         let span = |i: &SeekIndex, n: usize| {
             let s = &i.spans[n];
-            i.decode_span(n, &blob[s.input as usize..s.input_end as usize])
+            i.decode_span(
+                n,
+                &blob[s.input as usize..s.input_end as usize],
+                &window(&index, &windows, n),
+            )
         };
         let mut wrong_digest = index.clone();
         wrong_digest.spans[4].digest = Digest::of(b"x");
@@ -1144,9 +1297,26 @@ mod tests {
         let mut wrong_bits = index.clone();
         wrong_bits.spans[4].bits = (wrong_bits.spans[4].bits + 3) % 8;
         assert!(span(&wrong_bits, 4).is_err());
-        let mut wrong_window = index.clone();
-        wrong_window.spans[4].window = index.spans[5].window.clone();
-        assert!(span(&wrong_window, 4).is_err());
+        let (wrong_window, other) = with_window(&index, &windows, 4, &window(&index, &windows, 5));
+        let s = &wrong_window.spans[4];
+        assert!(wrong_window
+            .decode_span(
+                4,
+                &blob[s.input as usize..s.input_end as usize],
+                &window(&wrong_window, &other, 4)
+            )
+            .is_err());
+        // A window of the wrong length, a frame that is no zstd.
+        assert!(index
+            .decode_span(4, &blob[s.input as usize..s.input_end as usize], b"short")
+            .is_err());
+        assert!(index.decode_window(4, b"not zstd").is_err());
+        // A run of spans needs only the first one's window: the next ones' are in the output.
+        let first = span(&index, 2).unwrap();
+        assert_eq!(
+            index.window_after(3, &first).unwrap(),
+            window(&index, &windows, 3)
+        );
         let mut moved = index.clone();
         moved.spans[4].input += 1;
         assert!(span(&moved, 4).is_err());

@@ -32,8 +32,9 @@ pub struct IndexReport {
     pub disk: String,
     pub span_size: u64,
     pub spans: usize,
-    /// The index blob's size, and where the artifact went.
+    /// The index blob's size, its windows blob's (gzip layers), and where the artifact went.
     pub index_size: u64,
+    pub windows_size: u64,
     pub repository: String,
     pub artifact: Digest,
     pub seconds: f64,
@@ -83,9 +84,22 @@ pub async fn index(
         (layer, expected, None)
     };
     let blob = client.blob_reader(reference, layer).await?;
-    let built = crate::task::blocking(move || seekable::build(blob, &expected, span_size))
-        .await
-        .map_err(|e| e.context(format!("indexing layer {} of {reference}", layer.digest)))?;
+    // The windows (32 KiB a span) go to a file, not memory: a 50 GiB disk has 1.6 GiB of them.
+    let windows_file = tempfile::NamedTempFile::new()
+        .map_err(|e| Error::io("creating a temporary file for the windows (TMPDIR)", e))?;
+    let windows_out = windows_file
+        .reopen()
+        .map_err(|e| Error::io("opening the windows file", e))?;
+    let built = crate::task::blocking(move || {
+        seekable::build(
+            blob,
+            &expected,
+            span_size,
+            std::io::BufWriter::with_capacity(1 << 20, windows_out),
+        )
+    })
+    .await
+    .map_err(|e| e.context(format!("indexing layer {} of {reference}", layer.digest)))?;
     let disk = match disk_path {
         Some(path) => {
             match disk::identify(&built.head, built.index.stream_size) {
@@ -129,15 +143,33 @@ pub async fn index(
     let blob_desc = Descriptor::of(seekable::MEDIA_TYPE, &bytes);
     let index_size = bytes.len() as u64;
     let annotations = [(seekable::ANN_LAYER.to_string(), layer.digest.to_string())].into();
-    let artifact = client
-        .push_referrer(
-            &target,
-            subject,
-            seekable::ARTIFACT_TYPE,
-            blob_desc,
-            bytes,
-            annotations,
-        )
+    let published = async {
+        let mut layers = vec![blob_desc.clone()];
+        if let Some(windows) = built.windows {
+            client
+                .push_blob_file(&target, &windows.digest, windows_file.path())
+                .await?;
+            layers.push(Descriptor {
+                media_type: seekable::WINDOWS_MEDIA_TYPE.into(),
+                digest: windows.digest,
+                size: windows.size,
+                ..Descriptor::of(seekable::WINDOWS_MEDIA_TYPE, b"")
+            });
+        }
+        client
+            .push_blob(&target, &blob_desc.digest, bytes.into())
+            .await?;
+        client
+            .push_referrer(
+                &target,
+                subject,
+                seekable::ARTIFACT_TYPE,
+                layers,
+                annotations,
+            )
+            .await
+    };
+    let artifact = published
         .await
         .map_err(|e| e.context(format!("publishing the index to {target}")))?;
     Ok(IndexReport {
@@ -151,6 +183,7 @@ pub async fn index(
         span_size,
         spans: built.spans.len(),
         index_size,
+        windows_size: built.windows.map_or(0, |w| w.size),
         repository: target.to_string(),
         artifact,
         seconds: started.elapsed().as_secs_f64(),

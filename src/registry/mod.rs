@@ -931,23 +931,19 @@ impl RegistryClient {
         Ok((tag, manifests))
     }
 
-    /// Publishes `blob` (described by `layer`) as an OCI 1.1 artifact of `artifact_type` that
-    /// refers to manifest `subject`, in `target`'s repository: the blob, the empty config, the
-    /// artifact manifest (with `annotations`), and the referrers fallback tag's index for
-    /// registries without the referrers API, where it replaces an earlier artifact of the
-    /// same type. Returns the artifact manifest's digest.
+    /// Publishes the blobs `layers` (already in `target`'s repository) as an OCI 1.1 artifact
+    /// of `artifact_type` that refers to manifest `subject`: the empty config, the artifact
+    /// manifest (with `annotations`), and the referrers fallback tag's index for registries
+    /// without the referrers API, where it replaces an earlier artifact of the same type.
+    /// Returns the artifact manifest's digest.
     pub async fn push_referrer(
         &self,
         target: &Reference,
         subject: Descriptor,
         artifact_type: &str,
-        layer: Descriptor,
-        blob: Vec<u8>,
+        layers: Vec<Descriptor>,
         annotations: std::collections::BTreeMap<String, String>,
     ) -> Result<Digest> {
-        self.push_blob(target, &layer.digest, blob.into())
-            .await
-            .map_err(|e| e.context("uploading the artifact's blob"))?;
         let config = Descriptor::of(oci::OCI_EMPTY, b"{}");
         self.push_blob(target, &config.digest, Bytes::from_static(b"{}"))
             .await
@@ -958,7 +954,7 @@ impl RegistryClient {
             media_type: Some(oci::OCI_MANIFEST.into()),
             artifact_type: Some(artifact_type.into()),
             config,
-            layers: vec![layer],
+            layers,
             subject: Some(Box::new(Descriptor {
                 platform: None,
                 annotations: Default::default(),
@@ -1203,6 +1199,39 @@ impl RegistryClient {
             offset: 0,
             disturbed: false,
         })
+    }
+
+    /// Uploads the file at `path` as blob `digest` (its sha256, computed by the caller) unless
+    /// the repository has it already, reading it a segment at a time.
+    pub async fn push_blob_file(
+        &self,
+        r: &Reference,
+        digest: &Digest,
+        path: &std::path::Path,
+    ) -> Result<()> {
+        use tokio::io::AsyncReadExt;
+        if self.blob_exists(r, digest).await? {
+            tracing::debug!(%digest, "blob exists, not uploading");
+            return Ok(());
+        }
+        let shown = || path.display().to_string();
+        let mut file = tokio::fs::File::open(path)
+            .await
+            .map_err(|e| Error::io(format!("opening {}", shown()), e))?;
+        let mut upload = self.start_upload(r).await?;
+        loop {
+            let mut segment = Vec::with_capacity(UPLOAD_SEGMENT);
+            let n = (&mut file)
+                .take(UPLOAD_SEGMENT as u64)
+                .read_to_end(&mut segment)
+                .await
+                .map_err(|e| Error::io(format!("reading {}", shown()), e))?;
+            if n == 0 {
+                break;
+            }
+            upload.write(Bytes::from(segment)).await?;
+        }
+        upload.finish(digest).await
     }
 
     /// Uploads `data` as one blob unless the repository has it already.
