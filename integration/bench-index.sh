@@ -2,7 +2,7 @@
 # Seekable-index figures (part of `make bench`), for the boot guest disk of BOOT_BENCH_GIB
 # (default 2) GiB published as KubeVirt users publish it today (a gzip containerDisk pushed by
 # skopeo) and, for comparison, with `vmdisk push` (zstd:chunked):
-# - the index's size (% of the tar stream) and build time by span size;
+# - the index's size and its windows blob's (% of the tar stream) and build time by span size;
 # - `vmdisk index` throughput (fetching the blob, inflating, hashing, publishing) beside
 #   `curl | gunzip` of the same blob alone;
 # - CRI PullImage over the shaped "cluster" link (20 ms, 200 Mbit/s): lazily through the
@@ -47,13 +47,13 @@ write_boot_script "$B"
 # Index size and time by span size (each into its own repository), then the default span
 # beside the image: the one the nodes find.
 ROWS=()
-for span in 4M 2M 1M; do
+for span in 4M 2M 512K 256K 1M; do
   sync; echo 3 > /proc/sys/vm/drop_caches
   t0=$(now)
   if [ "$span" = 1M ]; then to=(); else to=(--to "$REG/indexes/span-${span,,}"); fi
   "$VMDISK" index --json --span "$span" "${to[@]}" "$REG/vm/guest:gzip" > "$B/index-$span.json"
   t1=$(now)
-  ROWS+=("$span $(json "$B/index-$span.json" spans) $(json "$B/index-$span.json" index_size) $(json "$B/index-$span.json" stream_size) $(secs "$t0" "$t1")")
+  ROWS+=("$span $(json "$B/index-$span.json" spans) $(json "$B/index-$span.json" index_size) $(json "$B/index-$span.json" windows_size) $(json "$B/index-$span.json" stream_size) $(secs "$t0" "$t1")")
 done
 LAYER=$(json "$B/index-1M.json" layer)
 LAYER_SIZE=$(json "$B/index-1M.json" layer_size)
@@ -99,12 +99,12 @@ total() { python3 -c "print(f'{$1 + $2:.2f}')"; }
 {
   echo
   echo "Seekable index of a gzip containerDisk ($GIB GiB guest, qcow2 file $SIZE bytes, gzip layer $LAYER_SIZE bytes), same run:"
-  printf '  %-8s %8s %14s %12s %10s\n' span spans "index bytes" "% of stream" "index s"
+  printf '  %-8s %8s %12s %10s %14s %10s %10s\n' span spans "index bytes" "% stream" "windows bytes" "% stream" "index s"
   for row in "${ROWS[@]}"; do
-    read -r SPAN SPANS ISIZE STREAM ISECS <<< "$row"
-    printf '  %-8s %8s %14s %12s %10s\n' "$SPAN" "$SPANS" "$ISIZE" "$(pct "$ISIZE" "$STREAM")" "$ISECS"
+    read -r SPAN SPANS ISIZE WSIZE STREAM ISECS <<< "$row"
+    printf '  %-8s %8s %12s %10s %14s %10s %10s\n' "$SPAN" "$SPANS" "$ISIZE" "$(pct "$ISIZE" "$STREAM")" "$WSIZE" "$(pct "$WSIZE" "$STREAM")" "$ISECS"
   done
-  read -r _ _ _ STREAM ISECS <<< "${ROWS[2]}"
+  read -r _ _ _ _ STREAM ISECS <<< "${ROWS[4]}"
   echo "  vmdisk index (1M spans, registry to published index): $(mbps "$STREAM" "$ISECS") MB/s of tar stream;"
   echo "  curl | gunzip of the same blob alone: $GUNZIP_S s, $(mbps "$STREAM" "$GUNZIP_S") MB/s"
   echo "CRI PullImage over the cluster link (20 ms, 200 Mbit/s):"

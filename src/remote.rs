@@ -767,8 +767,67 @@ pub fn indexable_layer(m: &oci::Manifest) -> Option<(usize, &Descriptor, Compres
     })
 }
 
+/// The layer of an image with no TOC of its own, or of a disk artifact, that a seekable index
+/// must describe, and what it must say about it.
+pub struct IndexTarget<'m> {
+    pub layer: &'m Descriptor,
+    pub expected: Expected,
+    /// Where a disk artifact's disk appears in the view (part of its identity).
+    pub disk_path: Option<String>,
+}
+
+/// What a seekable index of `manifest` must describe: an image's topmost gzip or uncompressed
+/// tar layer with the diff_id its config claims, or a disk artifact's disk file with the digest
+/// the artifact pins for it. The one place both `vmdisk index` and the readers ask.
+pub async fn index_target<'m>(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &'m oci::Manifest,
+) -> Result<IndexTarget<'m>> {
+    if artifact::is_artifact(manifest) {
+        let disk = artifact::disk_file(manifest).map_err(|e| {
+            e.context(format!(
+                "{reference} is an OCI artifact ({})",
+                manifest
+                    .artifact_type
+                    .as_deref()
+                    .unwrap_or(&manifest.config.media_type)
+            ))
+        })?;
+        return Ok(IndexTarget {
+            layer: disk.layer,
+            expected: Expected {
+                layer: disk.layer.digest,
+                layer_size: disk.layer.size,
+                compression: None,
+                diff_id: disk.digest,
+                layout: Layout::File,
+            },
+            disk_path: Some(disk.path),
+        });
+    }
+    let Some((position, layer, compression)) = indexable_layer(manifest) else {
+        return Err(Error::unsupported(format!("{reference} has no zstd:chunked layer and no gzip or uncompressed tar layer a seekable index could describe; republish it with `vmdisk convert`")));
+    };
+    let config = image_config(client, cache, reference, manifest).await?;
+    Ok(IndexTarget {
+        layer,
+        expected: Expected {
+            layer: layer.digest,
+            layer_size: layer.size,
+            compression: Some(compression),
+            diff_id: Some(diff_id_of(&config, manifest, position, reference)?),
+            layout: Layout::Tar,
+        },
+        disk_path: None,
+    })
+}
+
 /// The disk layer of an image or disk artifact with no TOC of its own, its record and the
-/// bytes of the seekable index published for it.
+/// bytes of the seekable index published for it. A disk artifact's identity is the
+/// artifact's: the layer, the index, the disk's path in the view and the digest the artifact
+/// pins for the disk (else the index's, checked once complete).
 async fn seekable_layer_id(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
@@ -776,11 +835,18 @@ async fn seekable_layer_id(
     manifest: &oci::Manifest,
     manifest_digest: Digest,
 ) -> Result<(Descriptor, LayerMeta, Vec<u8>)> {
-    if artifact::is_artifact(manifest) {
-        artifact_layer_id(client, cache, reference, manifest, manifest_digest).await
-    } else {
-        indexed_layer_id(client, cache, reference, manifest, manifest_digest).await
-    }
+    let target = index_target(client, cache, reference, manifest).await?;
+    let found = find_index(
+        client,
+        cache,
+        reference,
+        manifest_digest,
+        &target.expected,
+        target.disk_path.as_deref(),
+    )
+    .await?;
+    let (meta, bytes) = indexed_meta(reference, target.layer, found, target.disk_path);
+    Ok((target.layer.clone(), meta, bytes))
 }
 
 /// The seekable index the disk layer of `manifest` (an image with no TOC, or a disk
@@ -857,70 +923,6 @@ pub async fn read_stream(
         previous = Some(data);
     }
     Ok(out)
-}
-
-/// The ordinary disk layer of `manifest` and its record, with the seekable index published
-/// for it.
-async fn indexed_layer_id(
-    client: &dyn Registry,
-    cache: Option<&CacheRoot>,
-    reference: &Reference,
-    manifest: &oci::Manifest,
-    manifest_digest: Digest,
-) -> Result<(Descriptor, LayerMeta, Vec<u8>)> {
-    let Some((position, layer, compression)) = indexable_layer(manifest) else {
-        return Err(Error::unsupported(format!("{reference} has no lazily loadable layer (zstd:chunked, or gzip or uncompressed tar with a seekable index); publish it with `vmdisk push` or `vmdisk convert`, or index it with `vmdisk index`")));
-    };
-    let config = image_config(client, cache, reference, manifest).await?;
-    let expected = Expected {
-        layer: layer.digest,
-        layer_size: layer.size,
-        compression: Some(compression),
-        diff_id: Some(diff_id_of(&config, manifest, position, reference)?),
-        layout: Layout::Tar,
-    };
-    let found = find_index(client, cache, reference, manifest_digest, &expected, None).await?;
-    let (meta, bytes) = indexed_meta(reference, layer, found, None);
-    Ok((layer.clone(), meta, bytes))
-}
-
-/// The disk file of disk artifact `manifest` and its record, with the seekable index published
-/// for it. Its identity is the artifact's: the layer, the index, the disk's path in the view
-/// and the digest the artifact pins for the disk (else the index's, checked once complete).
-async fn artifact_layer_id(
-    client: &dyn Registry,
-    cache: Option<&CacheRoot>,
-    reference: &Reference,
-    manifest: &oci::Manifest,
-    manifest_digest: Digest,
-) -> Result<(Descriptor, LayerMeta, Vec<u8>)> {
-    let disk = artifact::disk_file(manifest).map_err(|e| {
-        e.context(format!(
-            "{reference} is an OCI artifact ({})",
-            manifest
-                .artifact_type
-                .as_deref()
-                .unwrap_or(&manifest.config.media_type)
-        ))
-    })?;
-    let expected = Expected {
-        layer: disk.layer.digest,
-        layer_size: disk.layer.size,
-        compression: None,
-        diff_id: disk.digest,
-        layout: Layout::File,
-    };
-    let found = find_index(
-        client,
-        cache,
-        reference,
-        manifest_digest,
-        &expected,
-        Some(&disk.path),
-    )
-    .await?;
-    let (meta, bytes) = indexed_meta(reference, disk.layer, found, Some(disk.path.clone()));
-    Ok((disk.layer.clone(), meta, bytes))
 }
 
 /// The record of `layer` read through the index `found`, and the index's bytes.

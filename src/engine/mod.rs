@@ -415,18 +415,8 @@ impl Engine {
         if let Some(spans) = &self.layer.spans {
             return self.fetch_spans(spans, run).await;
         }
-        let first = &self.layer.chunks[run[0]];
-        let last = &self.layer.chunks[run[run.len() - 1]];
-        let range = first.compressed.start..last.compressed.end;
-        let bytes = self.fetch_range(range.clone(), false).await?;
-        if bytes.len() as u64 != range.end - range.start {
-            return Err(Error::corrupt(format!(
-                "asked for {} bytes at {}, got {}",
-                range.end - range.start,
-                range.start,
-                bytes.len()
-            )));
-        }
+        let range = self.run_range(run);
+        let bytes = self.fetch_exact(range.clone()).await?;
         let failed = off_the_runtime(|| {
             let mut failed = Vec::new();
             for &idx in run {
@@ -468,12 +458,10 @@ impl Engine {
     /// of the span before it; verifies each against its span digest and refetches failures
     /// once (window included).
     async fn fetch_spans(&self, spans: &Spans, run: &[usize]) -> Result<()> {
-        let first = &self.layer.chunks[run[0]];
-        let last = &self.layer.chunks[run[run.len() - 1]];
-        let range = first.compressed.start..last.compressed.end;
+        let range = self.run_range(run);
         let first_span = spans.span_of(run[0]);
         let (bytes, window) = tokio::join!(
-            self.fetch_range(range.clone(), false),
+            self.fetch_exact(range.clone()),
             self.fetch_window(spans, first_span, false)
         );
         let bytes = bytes?;
@@ -482,14 +470,6 @@ impl Engine {
             Err(e) if e.kind() != ErrorKind::Corrupt => return Err(e),
             other => other.ok(),
         };
-        if bytes.len() as u64 != range.end - range.start {
-            return Err(Error::corrupt(format!(
-                "asked for {} bytes at {}, got {}",
-                range.end - range.start,
-                range.start,
-                bytes.len()
-            )));
-        }
         let failed = off_the_runtime(|| {
             let mut failed = Vec::new();
             let mut previous: Option<(usize, Vec<u8>)> = None;
@@ -574,6 +554,27 @@ impl Engine {
         }
         Stats::add(&self.stats.chunks_fetched, 1);
         Ok(())
+    }
+
+    /// The blob bytes of a run of chunks.
+    fn run_range(&self, run: &[usize]) -> Range<u64> {
+        let first = &self.layer.chunks[run[0]];
+        let last = &self.layer.chunks[run[run.len() - 1]];
+        first.compressed.start..last.compressed.end
+    }
+
+    /// [`Engine::fetch_range`] that must answer exactly the bytes asked for.
+    async fn fetch_exact(&self, range: Range<u64>) -> Result<bytes::Bytes> {
+        let bytes = self.fetch_range(range.clone(), false).await?;
+        if bytes.len() as u64 != range.end - range.start {
+            return Err(Error::corrupt(format!(
+                "asked for {} bytes at {}, got {}",
+                range.end - range.start,
+                range.start,
+                bytes.len()
+            )));
+        }
+        Ok(bytes)
     }
 
     /// One Range request of the layer's blob, retried on network errors and short answers

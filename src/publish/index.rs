@@ -9,9 +9,8 @@ use serde::Serialize;
 
 use crate::digest::Digest;
 use crate::error::{Error, Result};
-use crate::format::artifact;
 use crate::format::disk::{self, DiskFormat};
-use crate::format::seekable::{self, Expected, Layout};
+use crate::format::seekable::{self, Layout};
 use crate::oci::Descriptor;
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
@@ -56,33 +55,8 @@ pub async fn index(
             "{reference} already has a lazily loadable zstd:chunked layer; it needs no index"
         )));
     }
-    let (layer, expected, disk_path) = if artifact::is_artifact(&manifest) {
-        let disk = artifact::disk_file(&manifest)
-            .map_err(|e| e.context(format!("{reference} is an OCI artifact")))?;
-        let expected = Expected {
-            layer: disk.layer.digest,
-            layer_size: disk.layer.size,
-            compression: None,
-            diff_id: disk.digest,
-            layout: Layout::File,
-        };
-        (disk.layer, expected, Some(disk.path))
-    } else {
-        let Some((position, layer, compression)) = remote::indexable_layer(&manifest) else {
-            return Err(Error::unsupported(format!(
-                "{reference} has no gzip or uncompressed tar layer to index"
-            )));
-        };
-        let config = remote::image_config(client, None, reference, &manifest).await?;
-        let expected = Expected {
-            layer: layer.digest,
-            layer_size: layer.size,
-            compression: Some(compression),
-            diff_id: Some(remote::diff_id_of(&config, &manifest, position, reference)?),
-            layout: Layout::Tar,
-        };
-        (layer, expected, None)
-    };
+    let target = remote::index_target(client, None, reference, &manifest).await?;
+    let (layer, expected, disk_path) = (target.layer, target.expected, target.disk_path);
     let blob = client.blob_reader(reference, layer).await?;
     // The windows (32 KiB a span) go to a file, not memory: a 50 GiB disk has 1.6 GiB of them.
     let windows_file = tempfile::NamedTempFile::new()

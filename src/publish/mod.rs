@@ -381,6 +381,29 @@ pub async fn push_disk(
     })
     .await
     .context(format!("pushing {shown} to {target}"))?;
+    finish_disk(
+        client,
+        target,
+        &built,
+        path,
+        (format, virtual_size, size),
+        platform,
+        opts,
+    )
+    .await
+}
+
+/// Config and manifest for a layer built around the disk at `path` of the given format,
+/// virtual size and size.
+async fn finish_disk(
+    client: &RegistryClient,
+    target: &Reference,
+    built: &BuiltLayer,
+    path: String,
+    (format, virtual_size, size): (DiskFormat, u64, u64),
+    platform: &Platform,
+    opts: &PublishOptions,
+) -> Result<(Published, Vec<u8>)> {
     let disk = DiskFacts {
         path,
         format,
@@ -388,7 +411,7 @@ pub async fn push_disk(
         size,
         digest: built.disk_digest,
     };
-    finish_image(client, target, &built, disk, platform, opts.chunk_size).await
+    finish_image(client, target, built, disk, platform, opts.chunk_size).await
 }
 
 /// Tags what was published: the manifest itself for one image, an index for several.
@@ -594,14 +617,16 @@ async fn finish_converted(
 ) -> Result<(Published, Vec<u8>)> {
     let (format, virtual_size) =
         disk_facts_from_head(&built.head, size).context(format!("{path} in {source}"))?;
-    let disk = DiskFacts {
+    finish_disk(
+        client,
+        target,
+        &built,
         path,
-        format,
-        virtual_size,
-        size,
-        digest: built.disk_digest,
-    };
-    finish_image(client, target, &built, disk, platform, opts.chunk_size).await
+        (format, virtual_size, size),
+        platform,
+        opts,
+    )
+    .await
 }
 
 /// What reading a disk artifact's disk layer gave.

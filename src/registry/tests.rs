@@ -332,6 +332,10 @@ async fn serve(server: Arc<Server>) -> String {
         .route("/v2/", axum::routing::get(|| async { "{}" }))
         .route("/v2/{*rest}", axum::routing::any(handle))
         .route("/{*rest}", axum::routing::any(handle))
+        // Upload segments are 8 MiB, as a registry takes them.
+        .layer(axum::extract::DefaultBodyLimit::max(
+            super::UPLOAD_SEGMENT * 2,
+        ))
         .with_state(server);
     tokio::spawn(async move { axum::serve(listener, app).await });
     host
@@ -452,6 +456,27 @@ async fn a_broken_upload_request_resumes_where_the_registry_is() {
     assert_eq!(server.blobs.lock().unwrap()[&digest.to_string()], data);
     // One PATCH broke after half, the status was asked, the rest was sent once.
     assert_eq!(server.patches.load(Ordering::SeqCst), 2);
+    assert_eq!(count(&server, "GET /vm/disk/blobs/uploads/u1"), 1);
+}
+
+/// A blob from a file (a seekable index's windows) goes up a segment at a time, and a segment
+/// whose request broke resumes where the registry is.
+#[tokio::test]
+async fn a_blob_file_uploads_a_segment_at_a_time() {
+    let server = Arc::new(Server::default());
+    let host = serve(Arc::clone(&server)).await;
+    let c = client(vec![]);
+    let r = reference(&host, "1");
+    let data: Vec<u8> = (0..(super::UPLOAD_SEGMENT * 2 + 12_345) as u32)
+        .map(|i| (i % 253) as u8)
+        .collect();
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), &data).unwrap();
+    let digest = Digest::of(&data);
+    c.push_blob_file(&r, &digest, file.path()).await.unwrap();
+    assert!(server.blobs.lock().unwrap()[&digest.to_string()] == data);
+    // Three segments; the first one's request broke after half and its rest was sent again.
+    assert_eq!(server.patches.load(Ordering::SeqCst), 4);
     assert_eq!(count(&server, "GET /vm/disk/blobs/uploads/u1"), 1);
 }
 
