@@ -67,12 +67,13 @@ impl RegistryArgs {
 pub enum Command {
     /// Publish VM disks (qcow2, raw; vmdk, vhdx, ova converted) as a lazily loadable containerDisk.
     Push(PushArgs),
-    /// Republish an existing containerDisk or peer-pod image in the lazy layout.
+    /// Republish an existing containerDisk, peer-pod image or disk artifact in the lazy layout.
     Convert(ConvertArgs),
     /// Show an image's layers, disks and whether they can be loaded lazily.
     Inspect(InspectArgs),
-    /// Make an ordinary (gzip or uncompressed) disk image lazily loadable without republishing
-    /// it: read its disk layer once and publish a seekable index that refers to the image.
+    /// Make an ordinary (gzip or uncompressed) disk image, or a disk artifact, lazily loadable
+    /// without republishing it: read its disk layer once and publish a seekable index that
+    /// refers to the image.
     Index(IndexArgs),
     /// Mount an image's disk layer read-only, fetching chunks as they are read (foreground).
     Mount(MountArgs),

@@ -226,19 +226,19 @@ impl RemoteLayer {
     ) -> Result<Self> {
         let expected = expected_of(&meta).expect("build_indexed is for indexed layers");
         let index = SeekIndex::decode(index_bytes, &expected)?;
-        let entries = match index.layout {
-            Layout::Tar => index.entries.clone(),
+        let entries: std::borrow::Cow<'_, [seekable::Entry]> = match index.layout {
+            Layout::Tar => (&index.entries[..]).into(),
             Layout::File => {
                 let path = meta.disk_path.as_deref().ok_or_else(|| {
                     Error::corrupt("the record of a disk file's layer names no path for it")
                 })?;
-                file_entries(path, index.stream_size)
+                file_entries(path, index.stream_size).into()
             }
         };
         let mut nodes = Vec::with_capacity(entries.len());
         let (mut files, mut chunks, mut span_of, mut file_at) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for entry in &entries {
+        for entry in entries.iter() {
             let kind = match entry.kind.as_str() {
                 "dir" => NodeKind::Dir,
                 "reg" => NodeKind::Regular,

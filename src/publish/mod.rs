@@ -866,6 +866,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_archive_s_disk_is_chosen_by_name_and_placed_under_disk() {
+        let archive = Selection::Archive { to: None };
+        assert_eq!(
+            archive.target("podvm-fedora-amd64.qcow2").as_deref(),
+            Some("disk/podvm-fedora-amd64.qcow2")
+        );
+        // Nested names keep only the file name; anything not named like a disk is skipped.
+        assert_eq!(
+            archive.target("out/images/guest.img").as_deref(),
+            Some("disk/guest.img")
+        );
+        assert_eq!(archive.target("README.md"), None);
+        assert_eq!(archive.target("podvm.sha256"), None);
+        let to = Selection::Archive {
+            to: Some("image/podvm.qcow2".into()),
+        };
+        assert_eq!(
+            to.target("podvm-x.qcow2").as_deref(),
+            Some("image/podvm.qcow2")
+        );
+        // An image layer: only the disk directories, or the named path.
+        let image = Selection::Image { wanted: None };
+        assert_eq!(image.target("guest.qcow2"), None);
+        assert_eq!(
+            image.target("disk/guest.qcow2").as_deref(),
+            Some("disk/guest.qcow2")
+        );
+        // Unsafe names never reach the selection: convert_tar cleans them first.
+        assert!(clean_path("../../etc/x.qcow2").is_err());
+    }
+
+    #[test]
     fn parents_are_listed_outermost_first() {
         let dirs = parent_dirs("a/b/c.qcow2", 5);
         assert_eq!(
