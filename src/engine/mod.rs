@@ -1055,17 +1055,10 @@ mod tests {
     /// caught there.
     #[tokio::test]
     async fn a_disk_file_layer_reads_by_span_and_is_verified_once_complete() {
-        use crate::format::seekable::{testing, Expected, Layout};
+        use crate::format::seekable::testing;
         let data = testing::disk(3 << 20);
         let blob = testing::gzip(&data, 6);
-        let exp = Expected {
-            layer: Digest::of(&blob),
-            layer_size: blob.len() as u64,
-            compression: None,
-            diff_id: None,
-            layout: Layout::File,
-        };
-        let (index, windows) = testing::index_of(&blob, &exp, 64 << 10);
+        let (index, windows) = testing::index_of(&blob, &testing::file_expected(&blob), 64 << 10);
         let (engine, source, _, _dir) = engine_of_indexed_at(
             blob.clone(),
             windows.clone(),

@@ -125,8 +125,6 @@ pub struct DiskFile<'a> {
     pub layer: &'a Descriptor,
     /// Where the disk is in the lazy view: `disk/<name>`, or the layer's `vmdisk.path`.
     pub path: String,
-    /// The compression its descriptor names, if any (the index reads the blob's own).
-    pub compression: Option<Codec>,
     /// sha256 of the uncompressed disk, when the layer's annotation pins it.
     pub digest: Option<Digest>,
 }
@@ -281,7 +279,6 @@ pub fn disk_file(m: &Manifest) -> Result<DiskFile<'_>> {
         position: source.position,
         layer: source.layer,
         path,
-        compression: source.compression,
         digest,
     })
 }
@@ -380,8 +377,8 @@ mod tests {
         ]);
         let d = disk_file(&m).unwrap();
         assert_eq!(
-            (d.position, d.path.as_str(), d.compression, d.digest),
-            (1, "disk/rootdisk.raw", Some(Codec::Gzip), None)
+            (d.position, d.path.as_str(), d.digest),
+            (1, "disk/rootdisk.raw", None)
         );
         // Media type only, and a pinned digest.
         let digest = Digest::of(b"disk");
@@ -390,10 +387,7 @@ mod tests {
             &[(ANN_DISK_DIGEST, &digest.to_string())],
         )]);
         let d = disk_file(&m).unwrap();
-        assert_eq!(
-            (d.path.as_str(), d.compression, d.digest),
-            ("disk/disk.img", None, Some(digest))
-        );
+        assert_eq!((d.path.as_str(), d.digest), ("disk/disk.img", Some(digest)));
         // One layer nobody describes is taken; a zstd disk is not lazily readable.
         let m = artifact(vec![layer(oci::OCI_LAYER_TAR, &[(ANN_TITLE, "fedora")])]);
         assert_eq!(disk_file(&m).unwrap().path, "disk/fedora");

@@ -1003,6 +1003,17 @@ pub(crate) mod testing {
         }
     }
 
+    /// What the index of a disk file `blob` must describe when nothing pins its content.
+    pub fn file_expected(blob: &[u8]) -> Expected {
+        Expected {
+            layer: Digest::of(blob),
+            layer_size: blob.len() as u64,
+            compression: None,
+            diff_id: None,
+            layout: super::Layout::File,
+        }
+    }
+
     /// `index` and `windows` with span `i`'s window replaced by `window` (the frames after it
     /// moved, the blob's digest and size updated).
     pub fn with_window(
@@ -1047,7 +1058,7 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
-    use super::testing::{disk, gzip, index_of, tar_of, window, with_window};
+    use super::testing::{disk, file_expected, gzip, index_of, tar_of, window, with_window};
     use super::*;
 
     fn expected(blob: &[u8], tar: &[u8], compression: Compression) -> Expected {
@@ -1187,13 +1198,7 @@ mod tests {
             (gzip(&disk, 6), Compression::Gzip),
             (disk.clone(), Compression::None),
         ] {
-            let exp = Expected {
-                layer: Digest::of(&blob),
-                layer_size: blob.len() as u64,
-                compression: None,
-                diff_id: None,
-                layout: Layout::File,
-            };
+            let exp = file_expected(&blob);
             let mut windows = Vec::new();
             let built = build(blob.as_slice(), &exp, 64 << 10, &mut windows).unwrap();
             let index = built.index;
@@ -1232,23 +1237,11 @@ mod tests {
         }
         // Other codecs are named, not indexed.
         let zst = zstd::bulk::compress(&disk, 3).unwrap();
-        let exp = Expected {
-            layer: Digest::of(&zst),
-            layer_size: zst.len() as u64,
-            compression: None,
-            diff_id: None,
-            layout: Layout::File,
-        };
+        let exp = file_expected(&zst);
         let e = build(zst.as_slice(), &exp, 64 << 10, Vec::new()).unwrap_err();
         assert!(e.chain().contains("zstd-compressed"), "{}", e.chain());
         // An uncompressed index whose stream is not the blob's own bytes.
-        let exp = Expected {
-            layer: Digest::of(&disk),
-            layer_size: disk.len() as u64,
-            compression: None,
-            diff_id: None,
-            layout: Layout::File,
-        };
+        let exp = file_expected(&disk);
         let mut index = build(disk.as_slice(), &exp, 64 << 10, Vec::new())
             .unwrap()
             .index;
