@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use crate::boot::boot;
-use crate::cri::{rt, Daemon};
+use crate::cri::{rt, CriContainerd, Daemon};
 use crate::harness::{run, sha256_file, vmdisk, vmdisk_ok, FaultProxy, Registry, Scratch};
 use crate::index::{bootable_raw, manifest_digest};
 use vmdisk::oci::{Descriptor, OCI_INDEX, OCI_MANIFEST};
@@ -112,6 +112,7 @@ fn read_whole(path: &str) -> String {
 /// its digest pinned by vmdisk's annotation), indexed by `vmdisk index` and served lazily by
 /// the daemon: ready and booted for a small part of the disk, read whole with the original's
 /// sha256, checked whole against the pinned digest; the artifact itself is not touched.
+/// (containerd's CRI refuses to pull it as an image.)
 #[test]
 fn a_gzip_disk_artifact_is_indexed_and_boots_lazily() {
     let scratch = Scratch::new();
@@ -207,6 +208,18 @@ fn a_gzip_disk_artifact_is_indexed_and_boots_lazily() {
     assert!(booted < disk_len / 20, "the lazy boot moved {booted} bytes");
     let disks = daemon.disks();
     assert_eq!(disks[0].disk_path, "disk/rootdisk.raw", "{:?}", disks[0]);
+    // containerd cannot pull an artifact as an image: it refuses before the snapshotter is
+    // asked anything.
+    let pause = crate::index::pause_image(&reg, &scratch);
+    let ctd = CriContainerd::start(&scratch, &daemon.socket, &pause, &[reg.port, proxy.port]);
+    let refused = ctd.pull(&image).unwrap_err();
+    assert!(
+        refused
+            .message()
+            .contains("mismatched image rootfs and manifest layers"),
+        "{refused:?}"
+    );
+    assert!(daemon.decisions().is_empty(), "{:?}", daemon.decisions());
 
     // The disk as published, read whole, is the original; once complete it is checked against
     // the digest the artifact pins.

@@ -116,7 +116,7 @@ pub fn wait_verified(daemon: &Daemon) -> String {
     }
 }
 
-fn pause_image(reg: &Registry, scratch: &Scratch) -> String {
+pub fn pause_image(reg: &Registry, scratch: &Scratch) -> String {
     let pause = scratch.path("pause");
     crate::cri::busybox_layout(&pause, &["/bin/sleep", "2147483647"]);
     let image = format!("{}/pause:1", reg.host());
