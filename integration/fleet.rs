@@ -169,16 +169,19 @@ fn a_fleet_behind_a_pull_through_cache_fetches_each_chunk_from_the_origin_about_
         read_by_nodes >= NODES as u64 * blob * 9 / 10,
         "each node read the disk in full"
     );
-    // The cache fetches the blob once (and starts a second copy for the request that found
-    // it missing); the first node reads from the origin directly while the cache fills. The
-    // nodes after it cost the origin (almost) nothing: its share does not grow with the fleet.
+    // The nodes after the first cost the origin (almost) nothing: its share does not grow
+    // with the fleet.
     assert!(
         later_nodes < blob / 10,
         "the nodes after the first made the origin send {later_nodes} bytes"
     );
+    // The first node reads from the origin directly while the cache fills (about one blob).
+    // The cache fetches the blob once to store it, and every request that missed while it
+    // filled (each one passed by the mirror) streams its own copy from the origin until the
+    // node hangs up: how much of it depends on timing, at most a blob each.
     assert!(
-        cache_bytes + direct_bytes < blob * 5 / 2,
-        "the origin sent {} bytes for a {blob}-byte blob read by {NODES} nodes",
+        cache_bytes + direct_bytes <= (2 + mirror_failures) * blob + blob / 10,
+        "the origin sent {} bytes for a {blob}-byte blob read by {NODES} nodes, {mirror_failures} requests passing by the mirror",
         cache_bytes + direct_bytes
     );
 
