@@ -87,14 +87,15 @@ pub async fn open_engine(
     opts: EngineOptions,
 ) -> Result<Arc<Engine>> {
     let layer = resolve(client.as_ref(), cache, reference).await?;
-    let windows = layer.spans.as_ref().and_then(|spans| {
-        let windows = spans.index.windows?;
-        Some(Box::new(RegistrySource {
+    // A gzip layer's windows blob sits beside its index.
+    let windows = match layer.spans.as_ref().and_then(|spans| spans.index.windows) {
+        Some(windows) => Some(Box::new(RegistrySource {
             client: Arc::clone(&client),
-            reference: spans.windows_at.clone()?,
+            reference: source_repository(&layer.meta)?,
             blob: windows.digest,
-        }) as Box<dyn BlobSource>)
-    });
+        }) as Box<dyn BlobSource>),
+        None => None,
+    };
     let blob = Box::new(RegistrySource {
         client,
         reference: layer.reference.clone(),
@@ -141,8 +142,6 @@ pub struct Spans {
     span_of: Vec<u32>,
     /// Where each file's content starts in the uncompressed stream.
     file_at: Vec<u64>,
-    /// Where a gzip layer's windows blob is: the index's repository.
-    pub windows_at: Option<Reference>,
 }
 
 impl Spans {
@@ -297,11 +296,6 @@ impl RemoteLayer {
             });
         }
         let disk = disk_file(&nodes, &files, &meta)?;
-        // The windows blob sits beside the index.
-        let windows_at = match index.windows {
-            Some(_) => Some(source_repository(&meta)?),
-            None => None,
-        };
         Ok(RemoteLayer {
             reference,
             meta,
@@ -311,7 +305,6 @@ impl RemoteLayer {
             disk,
             online,
             spans: Some(Spans {
-                windows_at,
                 index,
                 span_of,
                 file_at,

@@ -152,22 +152,12 @@ impl Engine {
         blocking(move || {
             let layer = &engine.layer;
             let mut stream = Stream::new(&engine, pieces, true);
-            if layer.is_disk_file() {
-                let copied = std::io::copy(&mut stream, &mut std::io::sink());
-                if let Some(e) = stream.cache_error.take() {
-                    return Err(e);
-                }
-                copied.map_err(|e| Error::io("reading the complete disk", e))?;
-                let digest = std::mem::take(&mut stream.hasher).finish();
-                if digest != layer.meta.diff_id {
-                    return Err(Error::corrupt(format!(
-                        "the disk hashes to {digest}, not {}",
-                        layer.meta.diff_id
-                    )));
-                }
-                return Ok(());
-            }
-            let entries = read_entries(&mut stream);
+            // A disk artifact's stream is the disk file: no tar entries to read or compare.
+            let disk_file = layer.is_disk_file();
+            let entries = match disk_file {
+                true => Ok(Vec::new()),
+                false => read_entries(&mut stream),
+            };
             let rest = std::io::copy(&mut stream, &mut std::io::sink());
             // A failing cache read is a local fault, not a verdict on the layer.
             if let Some(e) = stream.cache_error.take() {
@@ -177,10 +167,16 @@ impl Engine {
             rest.map_err(|e| Error::io("reading the rebuilt layer", e))?;
             let digest = std::mem::take(&mut stream.hasher).finish();
             if digest != layer.meta.diff_id {
-                return Err(Error::corrupt(format!(
-                    "the layer's tar stream hashes to {digest}, its image config says {}",
-                    layer.meta.diff_id
-                )));
+                return Err(Error::corrupt(match disk_file {
+                    true => format!("the disk hashes to {digest}, not {}", layer.meta.diff_id),
+                    false => format!(
+                        "the layer's tar stream hashes to {digest}, its image config says {}",
+                        layer.meta.diff_id
+                    ),
+                }));
+            }
+            if disk_file {
+                return Ok(());
             }
             compare(layer, &entries, &stream.chunk_starts)
         })
