@@ -8,13 +8,16 @@ CARGO ?= cargo
 # initramfs-tools give the kernel and initramfs the VM boot test boots (fdisk, e2fsprogs build
 # its disk). libvirt-daemon-system and libvirt-clients: the peer-pod test's libvirt daemon.
 # python3-yaml: the package test parses the Kubernetes manifests. xz-utils: the peer-pod
-# artifact test packs its podvm.tar.xz as cloud-api-adaptor does.
+# artifact test packs its podvm.tar.xz as cloud-api-adaptor does. golang-go and
+# golang-github-containerd-containerd-dev: containerd's snapshotter conformance suite, built
+# offline from Debian's packaged source (integration/conformance/).
 APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
 	python3 fuse3 nbdkit fio tar ca-certificates busybox-static protobuf-compiler linux-image-amd64 \
-	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients python3-yaml xz-utils gzip
+	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients python3-yaml xz-utils gzip \
+	golang-go golang-github-containerd-containerd-dev
 # Commands those packages provide, to skip apt when all are present.
 APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
-	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip
+	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip go
 
 .PHONY: all deps build demo test unit integration lint bench fuzz clean deb image
 
@@ -23,6 +26,7 @@ all: build
 deps:
 	@missing=0; for c in $(APT_COMMANDS); do command -v $$c >/dev/null 2>&1 || missing=1; done; \
 	ls /boot/vmlinuz-* >/dev/null 2>&1 || missing=1; \
+	[ -d /usr/share/gocode/src/github.com/containerd/containerd/snapshots/testsuite ] || missing=1; \
 	python3 -c 'import yaml' 2>/dev/null || missing=1; \
 	if [ $$missing = 1 ]; then \
 		echo "installing test dependencies with apt-get"; \

@@ -21,7 +21,7 @@ async fn main() -> std::process::ExitCode {
         [flag, images @ ..] if flag == "--rm" => (true, images),
         images => (false, images),
     };
-    let channel = match vmdisk::api::unix_channel(address).await {
+    let channel = match vmdisk::api::unix::channel(address).await {
         Ok(c) => c,
         Err(e) => {
             eprintln!("cri-pull: {}", e.chain());

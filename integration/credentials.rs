@@ -23,7 +23,7 @@ const TTL: u64 = 15;
 /// then a ListImages through it. The pulled image's id and the images listed.
 fn pull_with_secret(socket: &Path, image: &str) -> (String, cri::ListImagesResponse) {
     rt().block_on(async {
-        let channel = vmdisk::api::unix_channel(socket).await.unwrap();
+        let channel = vmdisk::api::unix::channel(socket).await.unwrap();
         let mut images = ImageServiceClient::new(channel);
         let pulled = images
             .pull_image(cri::PullImageRequest {

@@ -173,11 +173,11 @@ impl Daemon {
     }
 
     pub async fn snapshots(&self) -> SnapshotsClient<Channel> {
-        SnapshotsClient::new(vmdisk::api::unix_channel(&self.socket).await.unwrap())
+        SnapshotsClient::new(vmdisk::api::unix::channel(&self.socket).await.unwrap())
     }
 
     pub async fn manage(&self) -> ManageClient<Channel> {
-        ManageClient::new(vmdisk::api::unix_channel(&self.manage).await.unwrap())
+        ManageClient::new(vmdisk::api::unix::channel(&self.manage).await.unwrap())
     }
 
     /// Management `ListDisks`.
@@ -417,7 +417,7 @@ state = "{d}/state"
     }
 
     async fn channel(&self) -> Result<Channel, vmdisk::error::Error> {
-        vmdisk::api::unix_channel(&self.socket).await
+        vmdisk::api::unix::channel(&self.socket).await
     }
 
     pub async fn runtime(&self) -> Result<RuntimeServiceClient<Channel>, vmdisk::error::Error> {

@@ -3,6 +3,7 @@
 
 mod artifact;
 mod boot;
+mod conformance;
 mod credentials;
 mod cri;
 mod daemon;

@@ -606,7 +606,7 @@ async fn manage<T, F>(args: &ManageArgs, call: impl FnOnce(ManageClient) -> F) -
 where
     F: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
 {
-    let client = ManageClient::new(crate::api::unix_channel(&args.manage).await?);
+    let client = ManageClient::new(crate::api::unix::channel(&args.manage).await?);
     call(client)
         .await
         .map(tonic::Response::into_inner)

@@ -224,7 +224,7 @@ pub async fn prepare(
 
 async fn ensure_disk(manage: &Path, reference: &str) -> Result<crate::api::vmdisk::v1::Disk> {
     use crate::api::vmdisk::v1::{manage_client::ManageClient, DiskRequest};
-    let channel = crate::api::unix_channel(manage)
+    let channel = crate::api::unix::channel(manage)
         .await
         .map_err(|e| e.context(format!("vmdisk: cannot make {ANN_IMAGE}={reference} ready")))?;
     ManageClient::new(channel)

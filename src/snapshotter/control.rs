@@ -24,16 +24,14 @@ type Client = pb::layer_server_client::LayerServerClient<tonic::transport::Chann
 /// How long a status or hydrate call may take: a server answers from memory.
 pub const CALL_DEADLINE: Duration = Duration::from_secs(1);
 
-/// The longest unix socket path Linux accepts (`sun_path` less its terminating NUL).
-const MAX_SOCKET_PATH: usize = 107;
-
 /// Where a layer's server keeps its mount, its socket and its log on the host.
 #[derive(Debug, Clone)]
 pub struct LayerPaths {
     /// The layer's FUSE mount: `<root>/mounts/<key hex>`.
     pub mountpoint: PathBuf,
-    /// The control socket: `<root>/control/<first 32 hex digits of the key>.sock` (short, for
-    /// `sun_path`; the server's identity is checked on every use, so a prefix suffices).
+    /// The control socket: `<root>/control/<first 32 hex digits of the key>.sock` (a name that
+    /// fits a socket address however long the root is, [`crate::api::unix`]; the server's
+    /// identity is checked on every use, so a prefix suffices).
     pub control: PathBuf,
     /// The server's log: `<root>/servers/<key hex>.log`.
     pub log: PathBuf,
@@ -49,17 +47,8 @@ impl LayerPaths {
         }
     }
 
-    /// The directories servers need under `root`; fails naming the root when its control
-    /// sockets could not be bound (a path too long for a unix socket).
+    /// The directories servers need under `root`.
     pub fn prepare_root(root: &Path) -> Result<()> {
-        let probe = LayerPaths::new(root, &Digest::of(b""));
-        if probe.control.as_os_str().len() > MAX_SOCKET_PATH {
-            return Err(Error::invalid(format!(
-                "root {} is too long: mount servers' control sockets ({}) must fit in {MAX_SOCKET_PATH} bytes; choose a shorter root",
-                root.display(),
-                probe.control.display()
-            )));
-        }
         for dir in ["mounts", "control", "servers"] {
             let d = root.join(dir);
             std::fs::create_dir_all(&d)
@@ -80,7 +69,7 @@ where
     F: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
 {
     let work = async {
-        let channel = crate::api::unix_channel(socket).await?;
+        let channel = crate::api::unix::channel(socket).await?;
         f(Client::new(channel))
             .await
             .map(tonic::Response::into_inner)

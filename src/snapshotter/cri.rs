@@ -147,8 +147,8 @@ pub async fn serve(
     snapshotter: Arc<Snapshotter>,
 ) -> Result<()> {
     // Connected lazily: containerd may start after the daemon.
-    let containerd = crate::api::lazy_unix_channel(&config.containerd_address);
-    let listener = super::daemon::bind_unix(&config.image_service_address, 0o660)?;
+    let containerd = crate::api::unix::lazy_channel(&config.containerd_address);
+    let listener = crate::api::unix::bind(&config.image_service_address, 0o660)?;
     let proxy = Proxy {
         containerd: ImageServiceClient::new(containerd),
         pulled,

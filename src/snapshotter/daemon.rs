@@ -11,7 +11,7 @@
 //! keeps the counters and leaves the mount servers running, so containers keep reading across
 //! a restart.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,43 +28,6 @@ use crate::registry::RegistryClient;
 
 /// How often the daemon collects its mount servers' counters.
 pub const COLLECT_EVERY: Duration = Duration::from_secs(5);
-
-/// Binds a unix socket at `path` with `mode`, replacing a stale socket file.
-pub fn bind_unix(path: &Path, mode: u32) -> Result<tokio::net::UnixListener> {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => {
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                return Err(Error::new(
-                    ErrorKind::AlreadyExists,
-                    format!(
-                        "{} is in use by a running process; is another vmdisk-snapshotter running?",
-                        path.display()
-                    ),
-                ));
-            }
-            std::fs::remove_file(path).map_err(|e| {
-                Error::io(format!("removing the stale socket {}", path.display()), e)
-            })?;
-        }
-        Ok(_) => {
-            return Err(Error::invalid(format!(
-                "{} exists and is not a socket; choose another address",
-                path.display()
-            )))
-        }
-        Err(_) => {}
-    }
-    let listener = tokio::net::UnixListener::bind(path)
-        .map_err(|e| Error::io(format!("listening on {}", path.display()), e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
-    Ok(listener)
-}
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
@@ -117,8 +80,8 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
         tracing::info!(freed, limit, "cache eviction done");
     }
 
-    let snapshots = bind_unix(&config.address, 0o660)?;
-    let manage = bind_unix(&config.manage_address, 0o600)?;
+    let snapshots = crate::api::unix::bind(&config.address, 0o660)?;
+    let manage = crate::api::unix::bind(&config.manage_address, 0o600)?;
     let metrics_task = {
         let address = config.metrics_address()?;
         let s = Arc::clone(&snapshotter);

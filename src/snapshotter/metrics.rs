@@ -189,7 +189,7 @@ pub async fn serve(address: super::config::MetricsAddress, s: Arc<Snapshotter>) 
             axum::serve(listener, app).await.map_err(failed)
         }
         MetricsAddress::Unix(path) => {
-            let listener = super::daemon::bind_unix(&path, 0o600)?;
+            let listener = crate::api::unix::bind(&path, 0o600)?;
             axum::serve(listener, app).await.map_err(failed)
         }
     }

@@ -223,7 +223,7 @@ pub async fn serve_layer(
         super::control::keep_credentials(&pulled, credentials_from_stdin().await?);
     }
     let paths = LayerPaths::new(&config.root, layer);
-    let listener = super::daemon::bind_unix(&paths.control, 0o600)?;
+    let listener = crate::api::unix::bind(&paths.control, 0o600)?;
     let (stops, mut stop_requests) = mpsc::channel(4);
     let shared = Arc::new(Shared {
         layer: *layer,

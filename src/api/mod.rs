@@ -1,10 +1,9 @@
 //! Generated gRPC code (see `build.rs` and `proto/`): containerd's snapshots service,
-//! vmdisk's management API and the mount servers' control API; the channel to a unix socket;
-//! and the one mapping between error kinds and gRPC codes, both ways. The module tree mirrors
+//! vmdisk's management API and the mount servers' control API; unix sockets and the channels
+//! over them ([`unix`]); and the one mapping between error kinds and gRPC codes, both ways. The module tree mirrors
 //! the protobuf packages, because the generated code refers to other packages by relative path.
 
-#![allow(clippy::all, missing_docs)]
-
+#[allow(clippy::all, missing_docs)]
 pub mod containerd {
     pub mod types {
         tonic::include_proto!("containerd.types");
@@ -20,6 +19,9 @@ pub mod containerd {
 
 use crate::error::{Error, ErrorKind};
 
+pub mod unix;
+
+#[allow(clippy::all, missing_docs)]
 pub mod vmdisk {
     pub mod v1 {
         tonic::include_proto!("vmdisk.v1");
@@ -69,47 +71,6 @@ impl From<tonic::Status> for Error {
             .map_or(ErrorKind::Io, |(k, _)| *k);
         Error::new(kind, s.message().to_string())
     }
-}
-
-/// A gRPC channel to a unix socket (tonic speaks HTTP/2 over it; the URI is a placeholder).
-pub async fn unix_channel(
-    path: impl Into<std::path::PathBuf>,
-) -> crate::error::Result<tonic::transport::Channel> {
-    let path = path.into();
-    let shown = path.display().to_string();
-    tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(path).await?,
-                ))
-            }
-        }))
-        .await
-        .map_err(|e| {
-            crate::error::Error::new(
-                crate::error::ErrorKind::Network,
-                format!("connecting to {shown}; is vmdisk-snapshotter running?"),
-            )
-            .with_source(e)
-        })
-}
-
-/// A gRPC channel to the unix socket `path` that connects on first use (and again after the
-/// peer restarts), with a 5 s connect deadline.
-pub fn lazy_unix_channel(path: &std::path::Path) -> tonic::transport::Channel {
-    let path = path.to_path_buf();
-    tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_timeout(std::time::Duration::from_secs(5))
-        .connect_with_connector_lazy(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(path).await?,
-                ))
-            }
-        }))
 }
 
 #[cfg(test)]
