@@ -296,13 +296,15 @@ impl LayerFs {
     }
 
     /// The ready-disk directory of a layer: its disk as published (under its own file name,
-    /// [`crate::ready::published_name`]), `disk.raw` (unless unavailable) and `metadata.json`.
+    /// [`crate::ready::published_name`]), `disk.raw` (unless unavailable) and `metadata.json`;
+    /// readable by root and `group` only (0750 and 0440, [`crate::ready`]).
     pub fn ready(
         engine: Arc<Engine>,
         runtime: tokio::runtime::Handle,
         passthrough: bool,
         raw: RawSource,
         metadata: Vec<u8>,
+        group: u32,
     ) -> Self {
         let layer = &engine.layer;
         let disk = layer.disk;
@@ -310,14 +312,14 @@ impl LayerFs {
         let time = mtime(node.mod_time.as_deref());
         let name = crate::ready::published_name(&node.path);
         let dir = |ino| Inode {
-            attr: attr(ino, FileType::Directory, 0, 0o755, 0, 0, time),
+            attr: attr(ino, FileType::Directory, 0, 0o750, 0, group, time),
             parent: ROOT,
             content: Content::None,
             link: OsString::new(),
             children: Vec::new(),
         };
         let file = |ino, size, content| Inode {
-            attr: attr(ino, FileType::RegularFile, size, 0o444, 0, 0, time),
+            attr: attr(ino, FileType::RegularFile, size, 0o440, 0, group, time),
             parent: ROOT,
             content,
             link: OsString::new(),

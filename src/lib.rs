@@ -16,6 +16,7 @@ pub mod api;
 pub mod cache;
 pub mod cli;
 pub mod digest;
+pub mod dirs;
 pub mod engine;
 pub mod error;
 pub mod format;

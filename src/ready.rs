@@ -13,6 +13,10 @@
 //!
 //! Names come from references, which are caller-supplied: [`alias_name`] is injective and never
 //! yields a path separator, `.` or `..`.
+//!
+//! Only root and one group, the one the VMs' hypervisor runs in, may read the ready disks:
+//! every directory here is 0750 and every file 0440, owned by root and that group
+//! ([`prepare_root`], [`crate::dirs`]).
 
 use std::path::{Path, PathBuf};
 
@@ -51,6 +55,10 @@ pub struct ReadyMetadata {
 /// Where one layer's ready-disk directory and its links go.
 #[derive(Clone, Debug)]
 pub struct ReadyDir {
+    /// The configured `ready_dir` this directory is under.
+    pub root: PathBuf,
+    /// The group that may read it (besides root).
+    pub group: u32,
     /// The mount point, e.g. `/run/vmdisk/disks/<manifest digest hex>`.
     pub dir: PathBuf,
     /// A readable name for it (a symlink to `dir`), e.g. `/run/vmdisk/disks/by-name/<ref>`.
@@ -66,15 +74,18 @@ pub struct ReadyDir {
 
 impl ReadyDir {
     /// The directory of the image `manifest` under `root` (the configured `ready_dir`), with
-    /// links named after `alias` (the reference the user pulled), if any.
+    /// links named after `alias` (the reference the user pulled), if any, readable by `group`.
     pub fn new(
         root: &Path,
+        group: u32,
         manifest: &Digest,
         alias: Option<&str>,
         reference: String,
         platform: String,
     ) -> Self {
         ReadyDir {
+            root: root.to_path_buf(),
+            group,
             dir: dir_of(root, manifest),
             alias: alias.map(|a| root.join("by-name").join(alias_name(a))),
             volumes: alias.map(|a| root.join(VOLUMES_DIR).join(alias_name(a))),
@@ -104,6 +115,13 @@ impl ReadyDir {
         }
         links
     }
+}
+
+/// Makes the ready-disk root and its link directories, readable by root and `group` only.
+pub fn prepare_root(root: &Path, group: u32) -> Result<()> {
+    crate::dirs::shared(root, group)?;
+    crate::dirs::shared(&root.join("by-name"), group)?;
+    crate::dirs::shared(&root.join(VOLUMES_DIR), group)
 }
 
 /// The ready-disk directory of the image whose manifest is `manifest`.
@@ -187,12 +205,9 @@ pub fn alias_name(reference: &str) -> String {
     name
 }
 
-/// Points `link` at `target`, replacing what was there atomically.
+/// Points `link` at `target`, replacing what was there atomically; `link`'s directory exists
+/// ([`prepare_root`]).
 pub fn replace_symlink(link: &Path, target: &Path) -> Result<()> {
-    if let Some(parent) = link.parent() {
-        std::fs::create_dir_all(parent)
-            .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
-    }
     let mut tmp = link.as_os_str().to_owned();
     tmp.push(".new");
     let tmp = PathBuf::from(tmp);
@@ -250,6 +265,7 @@ mod tests {
         let manifest = Digest::of(b"manifest");
         let ready = ReadyDir::new(
             Path::new("/run/vmdisk/disks"),
+            0,
             &manifest,
             Some("r.example/vm:1"),
             "r.example/vm@sha256:x".into(),

@@ -211,10 +211,17 @@ async fn mount_ready(
         .map_err(|e| Error::new(ErrorKind::Io, "describing the disk").with_source(e))??;
     let json = serde_json::to_vec_pretty(&metadata).expect("metadata serialises");
     let links = ready.links(&metadata);
-    let fs = crate::fuse::LayerFs::ready(Arc::clone(engine), runtime, passthrough, raw, json);
+    let fs = crate::fuse::LayerFs::ready(
+        Arc::clone(engine),
+        runtime,
+        passthrough,
+        raw,
+        json,
+        ready.group,
+    );
     let _ = nix::mount::umount2(&ready.dir, nix::mount::MntFlags::MNT_DETACH);
-    std::fs::create_dir_all(&ready.dir)
-        .map_err(|e| Error::io(format!("creating {}", ready.dir.display()), e))?;
+    crate::ready::prepare_root(&ready.root, ready.group)?;
+    crate::dirs::shared(&ready.dir, ready.group)?;
     let session = crate::fuse::mount(fs, &ready.dir)?;
     for (link, target) in &links {
         crate::ready::replace_symlink(link, target)?;

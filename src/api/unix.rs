@@ -69,12 +69,12 @@ fn in_use(path: &Path) -> bool {
 }
 
 /// Binds a unix socket at `path` (of any length) with `mode`, replacing a stale socket file;
-/// creates its directory if missing.
+/// creates its directory if missing (passable, not listable: the socket's mode decides who
+/// may connect).
 pub fn bind(path: &Path, mode: u32) -> Result<tokio::net::UnixListener> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        crate::dirs::passage(dir)?;
     }
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {

@@ -62,6 +62,9 @@ fn main() -> std::process::ExitCode {
     if let Some(level) = args.log_level {
         config.log_level = level;
     }
+    // What the daemon and its mount servers create is private unless they say otherwise
+    // (crate::dirs): no file of theirs is readable by other users.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // h2 and tower log every connection at debug; keep them at warn unless asked.
     let directives = format!("{},h2=warn,tower=warn", config.log_level);
     vmdisk::cli::main_with("vmdisk-snapshotter", &directives, || async move {

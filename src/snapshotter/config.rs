@@ -25,6 +25,9 @@ pub struct Config {
     /// Ready-disk directories: `<ready_dir>/<manifest digest hex>/` with the disk as
     /// published, `disk.raw` and `metadata.json`; `<ready_dir>/by-name/<image>` links to them.
     pub ready_dir: PathBuf,
+    /// The group the VMs' hypervisor runs in (a name or a numeric gid): it alone, with root,
+    /// may read the ready disks. Everything else the daemon keeps is root's only.
+    pub vmm_group: String,
     pub cache: CacheConfig,
     pub registry: RegistrySettings,
     pub metrics: MetricsConfig,
@@ -110,6 +113,7 @@ impl Default for Config {
             manage_address: PathBuf::from("/run/vmdisk/manage.sock"),
             log_level: "info".into(),
             ready_dir: PathBuf::from("/run/vmdisk/disks"),
+            vmm_group: "kvm".into(),
             cache: CacheConfig::default(),
             registry: RegistrySettings::default(),
             metrics: MetricsConfig::default(),
@@ -196,6 +200,21 @@ impl Config {
             return Ok(None);
         }
         Ok(Some(crate::units::parse_size(&self.cache.size)? as u64))
+    }
+
+    /// The gid of `vmm_group`.
+    pub fn vmm_gid(&self) -> Result<u32> {
+        let group = self.vmm_group.trim();
+        if let Ok(gid) = group.parse::<u32>() {
+            return Ok(gid);
+        }
+        match nix::unistd::Group::from_name(group) {
+            Ok(Some(g)) => Ok(g.gid.as_raw()),
+            Ok(None) => Err(Error::invalid(format!(
+                "vmm_group {group:?} is not a group on this node; set it to the group your hypervisor runs in (Debian's libvirt: kvm or libvirt-qemu; a numeric gid works too)"
+            ))),
+            Err(e) => Err(Error::io(format!("looking up group {group:?}"), e.into())),
+        }
     }
 
     /// The index repositories, parsed: each a repository, without tag or digest.

@@ -47,12 +47,10 @@ impl LayerPaths {
         }
     }
 
-    /// The directories servers need under `root`.
+    /// The directories servers need under `root`, root's only.
     pub fn prepare_root(root: &Path) -> Result<()> {
         for dir in ["mounts", "control", "servers"] {
-            let d = root.join(dir);
-            std::fs::create_dir_all(&d)
-                .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+            crate::dirs::private(&root.join(dir))?;
         }
         Ok(())
     }

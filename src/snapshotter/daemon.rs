@@ -31,8 +31,10 @@ pub const COLLECT_EVERY: Duration = Duration::from_secs(5);
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
-    std::fs::create_dir_all(&config.root)
-        .map_err(|e| Error::io(format!("creating {}", config.root.display()), e))?;
+    // Node state is root's alone; the ready disks root's and the VMM group's.
+    crate::dirs::private(&config.root)?;
+    crate::dirs::private(&config.cache_dir())?;
+    crate::ready::prepare_root(&config.ready_dir, config.vmm_gid()?)?;
     // Credentials kubelet sends with PullImage, when the CRI proxy is on; memory only.
     let cri_on = !config.cri.image_service_address.as_os_str().is_empty();
     let pulled = cri_on.then(|| Arc::new(crate::registry::pulled::PulledCredentials::default()));

@@ -84,9 +84,8 @@ impl Snapshotter {
         classifier: Classifier,
         cache: CacheSettings,
     ) -> Result<Self> {
-        let snapshots = root.join("snapshots");
-        std::fs::create_dir_all(&snapshots)
-            .map_err(io(format!("creating {}", snapshots.display())))?;
+        crate::dirs::private(root)?;
+        crate::dirs::private(&root.join("snapshots"))?;
         control::LayerPaths::prepare_root(root)?;
         let store = Store::open(&root.join("metadata.db"))?;
         Ok(Snapshotter {

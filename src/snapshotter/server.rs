@@ -407,6 +407,7 @@ async fn start(
         .unwrap_or_default();
     let ready = crate::ready::ReadyDir::new(
         &config.ready_dir,
+        config.vmm_gid()?,
         &digest,
         alias,
         reference.to_string(),
@@ -449,5 +450,5 @@ fn prepare_mountpoint(dir: &Path) -> Result<()> {
     if nix::sys::statfs::statfs(dir).is_err() || std::fs::metadata(dir).is_err() {
         let _ = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH);
     }
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))
+    crate::dirs::private(dir)
 }
