@@ -37,14 +37,20 @@ fn containerds_snapshotter_suite_passes_with_long_roots() {
     std::fs::create_dir_all(&tmp).unwrap();
     let out = Command::new(&suite)
         .arg("-test.v")
-        .env("VMDISK_SNAPSHOTTER", env!("CARGO_BIN_EXE_vmdisk-snapshotter"))
+        .env(
+            "VMDISK_SNAPSHOTTER",
+            env!("CARGO_BIN_EXE_vmdisk-snapshotter"),
+        )
         .env("TMPDIR", &tmp)
         .output()
         .expect("run the conformance suite");
     let text = String::from_utf8_lossy(&out.stdout);
     let subtests = |outcome: &str| -> Vec<String> {
         text.lines()
-            .filter_map(|l| l.trim().strip_prefix(&format!("--- {outcome}: TestVmdiskSnapshotter/")))
+            .filter_map(|l| {
+                l.trim()
+                    .strip_prefix(&format!("--- {outcome}: TestVmdiskSnapshotter/"))
+            })
             .map(|l| l.split(' ').next().unwrap_or_default().to_string())
             .collect()
     };

@@ -160,6 +160,11 @@ pub struct PathArgs {
     /// is the volume name a peer-pod config map names (`LIBVIRT_VOL_NAME`).
     #[arg(long)]
     pub volume: bool,
+    /// Ask as a pod of this Kubernetes namespace does (the shim): the disk only if that
+    /// namespace may pull the image (docs/threat-model.md). Default: the node's own credentials.
+    #[arg(long, value_name = "NS")]
+    pub namespace: Option<String>,
+    /// An image reference (tag or digest).
     pub reference: String,
 }
 
@@ -173,6 +178,10 @@ pub struct PrefetchArgs {
     /// With --wait: give up after this many seconds (the hydration goes on).
     #[arg(long, value_name = "SECONDS", default_value_t = 3600)]
     pub timeout: u64,
+    /// Ask as a pod of this Kubernetes namespace does (see `vmdisk path --namespace`).
+    #[arg(long, value_name = "NS")]
+    pub namespace: Option<String>,
+    /// An image reference (tag or digest).
     pub reference: String,
 }
 
@@ -417,10 +426,14 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Trace(TraceCommand::Record(args)) => trace_record(&cli.registry, args).await?,
         Command::Ls(args) => ls(args).await?,
         Command::Path(args) => {
-            let reference = args.reference.clone();
-            let disk = manage(&args.daemon, |mut c| async move {
-                c.ensure_disk(DiskRequest { reference }).await
-            })
+            let request = DiskRequest {
+                reference: args.reference.clone(),
+                namespace: args.namespace.clone().unwrap_or_default(),
+            };
+            let disk = manage(
+                &args.daemon,
+                |mut c| async move { c.ensure_disk(request).await },
+            )
             .await?;
             if args.volume {
                 println!(
@@ -435,9 +448,12 @@ pub async fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Prefetch(args) => {
-            let reference = args.reference.clone();
+            let request = DiskRequest {
+                reference: args.reference.clone(),
+                namespace: args.namespace.clone().unwrap_or_default(),
+            };
             let mut disk = manage(&args.daemon, |mut c| async move {
-                c.prefetch_disk(DiskRequest { reference }).await
+                c.prefetch_disk(request).await
             })
             .await?;
             if args.wait {
@@ -459,6 +475,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             let r = manage(&args.daemon, |mut c| async move {
                 c.remove_disk(DiskRequest {
                     reference: args.reference,
+                    namespace: String::new(),
                 })
                 .await
             })

@@ -28,6 +28,7 @@ pub mod ready;
 pub mod reference;
 pub mod registry;
 pub mod remote;
+pub mod retry;
 pub mod serve;
 pub mod shim;
 pub mod snapshotter;

@@ -710,22 +710,29 @@ pub(crate) async fn fetch_estargz_toc(
         ));
     }
     let footer_at = size - estargz::FOOTER_SIZE;
-    let footer = client
-        .get_blob_range(reference, &layer, footer_at..size)
-        .await?;
-    let offset = estargz::toc_offset(&footer, size)?;
-    if footer_at - offset > estargz::MAX_TOC_MEMBER {
-        return Err(Error::corrupt(format!(
-            "the eStargz footer puts a {}-byte TOC member before it, more than the {} accepted",
-            footer_at - offset,
-            estargz::MAX_TOC_MEMBER
-        )));
-    }
-    let member = client
-        .get_blob_range(reference, &layer, offset..footer_at)
-        .await?;
-    let json = blocking(move || estargz::toc_json(&member, &digest)).await?;
-    Ok((offset, json))
+    // Footer and TOC member are fetched and checked again if what came does not hold up (cut,
+    // flipped): the TOC's digest is pinned, so only the published TOC passes.
+    client
+        .retry_policy()
+        .run(&format!("the eStargz TOC of layer {layer}"), || async {
+            let footer = client
+                .get_blob_range(reference, &layer, footer_at..size)
+                .await?;
+            let offset = estargz::toc_offset(&footer, size)?;
+            if footer_at - offset > estargz::MAX_TOC_MEMBER {
+                return Err(Error::corrupt(format!(
+                    "the eStargz footer puts a {}-byte TOC member before it, more than the {} accepted",
+                    footer_at - offset,
+                    estargz::MAX_TOC_MEMBER
+                )));
+            }
+            let member = client
+                .get_blob_range(reference, &layer, offset..footer_at)
+                .await?;
+            let json = blocking(move || estargz::toc_json(&member, &digest)).await?;
+            Ok((offset, json))
+        })
+        .await
 }
 
 /// The diff_id the image config (`config`, verified JSON bytes) claims for layer `position`.
@@ -893,23 +900,29 @@ pub async fn read_stream(
     let mut previous: Option<Vec<u8>> = None;
     for s in index.spans_for(range.clone()) {
         let span = &index.spans[s];
-        let input = client
-            .get_blob_range(&reference, &meta.layer_digest, span.input..span.input_end)
-            .await?;
         let chained = previous
             .as_deref()
             .and_then(|p| index.window_after(s, p))
             .map(<[u8]>::to_vec);
-        let window = match (chained, index.window_range(s), index.windows) {
-            (Some(w), _, _) => w,
-            (None, Some(frame), Some(windows)) => {
-                let repo = source_repository(meta)?;
-                let frame = client.get_blob_range(&repo, &windows.digest, frame).await?;
-                index.decode_window(s, &frame)?
-            }
-            _ => Vec::new(),
-        };
-        let data = crate::task::off_the_runtime(|| index.decode_span(s, &input, &window))?;
+        let what = format!("span {s} of layer {}", meta.layer_digest);
+        let data = client
+            .retry_policy()
+            .run(&what, || async {
+                let input = client
+                    .get_blob_range(&reference, &meta.layer_digest, span.input..span.input_end)
+                    .await?;
+                let window = match (chained.clone(), index.window_range(s), index.windows) {
+                    (Some(w), _, _) => w,
+                    (None, Some(frame), Some(windows)) => {
+                        let repo = source_repository(meta)?;
+                        let frame = client.get_blob_range(&repo, &windows.digest, frame).await?;
+                        index.decode_window(s, &frame)?
+                    }
+                    _ => Vec::new(),
+                };
+                crate::task::off_the_runtime(|| index.decode_span(s, &input, &window))
+            })
+            .await?;
         let from = (range.start.max(span.offset) - span.offset) as usize;
         let to = (range.end.min(index.span_end(s)) - span.offset) as usize;
         out.extend_from_slice(&data[from..to]);
@@ -1245,12 +1258,20 @@ async fn fetch_toc(
     layer: &Digest,
     loc: &TocLocation,
 ) -> Result<Vec<u8>> {
-    let toc = client
-        .get_blob_range(reference, layer, loc.range())
-        .await?
-        .to_vec();
-    loc.checksum.verify(&toc, "zstd:chunked TOC")?;
-    Ok(toc)
+    client
+        .retry_policy()
+        .run(
+            &format!("the zstd:chunked TOC of layer {layer}"),
+            || async {
+                let toc = client
+                    .get_blob_range(reference, layer, loc.range())
+                    .await?
+                    .to_vec();
+                loc.checksum.verify(&toc, "zstd:chunked TOC")?;
+                Ok(toc)
+            },
+        )
+        .await
 }
 
 async fn resolve_online(

@@ -30,6 +30,8 @@ pub const ANN_FORMAT: &str = "vmdisk.io/format";
 /// What Kata (and peer pods) read the guest image from.
 pub const ANN_KATA_IMAGE: &str = "io.katacontainers.config.hypervisor.image";
 const ANN_CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+/// The pod's namespace, written by containerd's CRI (a pod cannot set it).
+const ANN_SANDBOX_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
 
 /// What the runtime is given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -211,7 +213,12 @@ pub async fn prepare(
     let Some((reference, qcow2)) = wanted_image(&annotations) else {
         return Ok(delegate);
     };
-    let disk = ensure_disk(&config.manage_address, &reference).await?;
+    // The disk only if the pod's namespace may pull the image.
+    let namespace = annotations
+        .get(ANN_SANDBOX_NAMESPACE)
+        .cloned()
+        .unwrap_or_default();
+    let disk = ensure_disk(&config.manage_address, &reference, &namespace).await?;
     if runtime.provider != Provider::Name && !qcow2 {
         crate::ready::raw_view_path(Path::new(&disk.ready_dir))
             .map_err(|e| e.context(format!("vmdisk: {ANN_IMAGE}={reference}")))?;
@@ -222,7 +229,11 @@ pub async fn prepare(
     Ok(delegate)
 }
 
-async fn ensure_disk(manage: &Path, reference: &str) -> Result<crate::api::vmdisk::v1::Disk> {
+async fn ensure_disk(
+    manage: &Path,
+    reference: &str,
+    namespace: &str,
+) -> Result<crate::api::vmdisk::v1::Disk> {
     use crate::api::vmdisk::v1::{manage_client::ManageClient, DiskRequest};
     let channel = crate::api::unix::channel(manage)
         .await
@@ -230,6 +241,7 @@ async fn ensure_disk(manage: &Path, reference: &str) -> Result<crate::api::vmdis
     ManageClient::new(channel)
         .ensure_disk(DiskRequest {
             reference: reference.to_string(),
+            namespace: namespace.to_string(),
         })
         .await
         .map(tonic::Response::into_inner)

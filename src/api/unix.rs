@@ -158,7 +158,10 @@ mod tests {
         let listener = bind(&path, 0o600).unwrap();
         use std::os::unix::fs::{FileTypeExt, PermissionsExt};
         let meta = std::fs::symlink_metadata(&path).unwrap();
-        assert!(meta.file_type().is_socket(), "the socket is where its path says");
+        assert!(
+            meta.file_type().is_socket(),
+            "the socket is where its path says"
+        );
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
         let accepted = tokio::spawn(async move { listener.accept().await.map(|_| ()) });
         connect(&path).await.unwrap();

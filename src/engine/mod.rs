@@ -586,7 +586,9 @@ impl Engine {
             .await
     }
 
-    /// [`Engine::fetch_range`] of `source`, `what` its blob (for errors).
+    /// [`Engine::fetch_range`] of `source`, `what` its blob (for errors), under the retry
+    /// policy with the engine's fetch deadline: a read waits at most that long, body included,
+    /// so a registry that trickles bytes cannot hold it.
     async fn fetch_from(
         &self,
         source: &dyn BlobSource,
@@ -594,52 +596,38 @@ impl Engine {
         range: Range<u64>,
         again: bool,
     ) -> Result<bytes::Bytes> {
-        let deadline = Instant::now() + self.opts.fetch_deadline;
-        let mut delay = Duration::from_millis(100);
-        loop {
-            let started = Instant::now();
-            Stats::add(&self.stats.fetch_requests, 1);
-            // The deadline bounds the whole answer, body included: a registry that trickles
-            // bytes cannot hold the read past it.
-            let left = deadline.saturating_duration_since(started);
-            let fetch = if again {
-                source.refetch(range.clone())
-            } else {
-                source.fetch(range.clone())
-            };
-            let attempt = tokio::time::timeout(left, fetch).await.unwrap_or_else(|_| {
-                Err(Error::new(
-                    ErrorKind::Network,
-                    format!(
-                        "the registry did not answer within the {} s fetch deadline",
-                        self.opts.fetch_deadline.as_secs_f32()
-                    ),
-                ))
-            });
-            match attempt {
-                Ok(bytes) => {
-                    Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
-                    Stats::add(
-                        &self.stats.fetch_micros,
-                        started.elapsed().as_micros() as u64,
-                    );
-                    return Ok(bytes);
-                }
-                Err(e) => {
-                    Stats::add(&self.stats.fetch_errors, 1);
-                    let retryable = matches!(e.kind(), ErrorKind::Network | ErrorKind::Corrupt);
-                    if !retryable || Instant::now() + delay > deadline {
-                        return Err(e.context(format!(
-                            "fetching bytes {}..{} of {what}",
-                            range.start, range.end
-                        )));
+        let policy = crate::retry::RetryPolicy {
+            attempts: u32::MAX,
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(2),
+            deadline: self.opts.fetch_deadline,
+        };
+        let what = format!("fetching bytes {}..{} of {what}", range.start, range.end);
+        policy
+            .run(&what, || async {
+                let started = Instant::now();
+                Stats::add(&self.stats.fetch_requests, 1);
+                let fetched = if again {
+                    source.refetch(range.clone()).await
+                } else {
+                    source.fetch(range.clone()).await
+                };
+                match fetched {
+                    Ok(bytes) => {
+                        Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
+                        Stats::add(
+                            &self.stats.fetch_micros,
+                            started.elapsed().as_micros() as u64,
+                        );
+                        Ok(bytes)
                     }
-                    tracing::warn!(layer = %self.layer.meta.layer_digest, start = range.start, end = range.end, error = %e.chain(), "chunk fetch failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(2));
+                    Err(e) => {
+                        Stats::add(&self.stats.fetch_errors, 1);
+                        Err(e.context(what.as_str()))
+                    }
                 }
-            }
-        }
+            })
+            .await
     }
 
     /// Reads `size` bytes of file `file` at `offset` (short at the end of the file),
@@ -1398,7 +1386,9 @@ mod tests {
             .read(engine.layer.disk, CHUNK as u64, 10)
             .await
             .unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::Network);
+        // The deadline ends the tries and names the last failure.
+        assert_eq!(err.kind(), ErrorKind::Timeout, "{}", err.chain());
+        assert!(err.chain().contains("fetching bytes"), "{}", err.chain());
         assert!(!engine.cache.is_present(1));
     }
 
@@ -1656,8 +1646,12 @@ mod tests {
         );
         let started = tokio::time::Instant::now();
         let err = read_all(&engine).await.unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::Network);
-        assert!(err.chain().contains("fetch deadline"), "{}", err.chain());
+        assert_eq!(err.kind(), ErrorKind::Timeout);
+        assert!(
+            err.chain().contains("did not succeed within 5 s"),
+            "{}",
+            err.chain()
+        );
         assert!(
             started.elapsed() <= Duration::from_secs(10),
             "{:?}",

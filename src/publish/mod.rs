@@ -174,27 +174,21 @@ where
     Ok(value)
 }
 
-/// Runs `attempt` again when it fails with a network error, up to the client's retry
-/// attempts. Used around whole layer uploads: registries such as distribution 2.8 cancel an
-/// upload whose request broke part-way, and then only a new upload of the layer helps.
-async fn with_restarts<T, Fut>(
-    client: &RegistryClient,
-    mut attempt: impl FnMut() -> Fut,
-) -> Result<T>
+/// Runs `attempt` again when it fails with a network error, under the client's retry policy.
+/// Used around whole layer uploads: registries such as distribution 2.8 cancel an upload whose
+/// request broke part-way, and then only a new upload of the layer helps. A layer takes as
+/// long as it takes: each request of it is bounded, the upload as a whole is not.
+async fn with_restarts<T, Fut>(client: &RegistryClient, attempt: impl FnMut() -> Fut) -> Result<T>
 where
     Fut: std::future::Future<Output = Result<T>>,
 {
-    let attempts = client.retry_policy().attempts.max(1);
-    let mut tries = 0;
-    loop {
-        tries += 1;
-        match attempt().await {
-            Err(e) if e.kind() == ErrorKind::Network && tries < attempts => {
-                tracing::warn!(error = %e.chain(), tries, "layer upload failed; restarting it");
-            }
-            other => return other,
-        }
-    }
+    client
+        .retry_policy()
+        .with_deadline(std::time::Duration::MAX)
+        .run_when("uploading a layer", attempt, |e| {
+            e.kind() == ErrorKind::Network
+        })
+        .await
 }
 
 fn entry_meta(path: &str, mode: u32, mtime: u64) -> EntryMeta {

@@ -27,6 +27,22 @@ impl std::fmt::Debug for Credential {
 }
 
 impl Credential {
+    /// The credential an `auth` field carries (docker config files, CRI's `AuthConfig`): the
+    /// base64 of `user:password`.
+    pub fn from_auth(auth: &str) -> Result<Credential> {
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(auth.trim())
+            .map_err(|_| Error::invalid("auth is not valid base64"))?;
+        let text = String::from_utf8(raw).map_err(|_| Error::invalid("auth is not valid UTF-8"))?;
+        let (u, p) = text
+            .split_once(':')
+            .ok_or_else(|| Error::invalid("auth is not user:password"))?;
+        Ok(Credential {
+            username: u.to_string(),
+            secret: p.to_string(),
+        })
+    }
+
     /// The `Authorization: Basic` value.
     pub fn basic_header(&self) -> String {
         let raw = format!("{}:{}", self.username, self.secret);
@@ -164,17 +180,7 @@ fn decode_entry(entry: &AuthEntry) -> Result<Credential> {
         .auth
         .as_deref()
         .ok_or_else(|| Error::invalid("has neither auth nor username/password"))?;
-    let raw = base64::engine::general_purpose::STANDARD
-        .decode(auth.trim())
-        .map_err(|_| Error::invalid("auth is not valid base64"))?;
-    let text = String::from_utf8(raw).map_err(|_| Error::invalid("auth is not valid UTF-8"))?;
-    let (u, p) = text
-        .split_once(':')
-        .ok_or_else(|| Error::invalid("auth is not user:password"))?;
-    Ok(Credential {
-        username: u.to_string(),
-        secret: p.to_string(),
-    })
+    Credential::from_auth(auth)
 }
 
 /// How long a credential helper may take to answer.

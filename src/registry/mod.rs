@@ -9,9 +9,9 @@
 //! byte ranges are checked by the caller, who knows the chunk digests.
 
 pub mod auth;
+pub mod granted;
 pub mod health;
 pub mod hosts;
-pub mod pulled;
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -33,24 +33,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::oci::{self, Descriptor, ManifestKind};
 use crate::reference::{is_loopback_host, Reference};
 
-/// How often and how patiently to retry connection errors, 5xx and 429 answers.
-#[derive(Clone, Debug)]
-pub struct RetryPolicy {
-    /// Total tries per request, at least 1.
-    pub attempts: u32,
-    pub base_delay: Duration,
-    pub max_delay: Duration,
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        RetryPolicy {
-            attempts: 5,
-            base_delay: Duration::from_millis(200),
-            max_delay: Duration::from_secs(5),
-        }
-    }
-}
+pub use crate::retry::RetryPolicy;
 
 /// Client settings; the defaults are safe (HTTPS except on loopback).
 #[derive(Clone, Debug, Default)]
@@ -71,7 +54,7 @@ pub struct RegistryConfig {
 impl RegistryClient {
     /// The retry policy in force, for callers that retry whole operations.
     pub fn retry_policy(&self) -> &RetryPolicy {
-        &self.config.retry
+        &self.shared.config.retry
     }
 }
 
@@ -80,17 +63,51 @@ impl RegistryClient {
 /// segments cost more round trips.
 pub const UPLOAD_SEGMENT: usize = 8 << 20;
 
-/// A registry client. Cheap to share behind an `Arc`; all methods take `&self`.
+/// A registry client. Cheap to share behind an `Arc`; all methods take `&self`. It acts with
+/// the node's own credentials and those it was granted ([`granted`]); clients made with
+/// [`RegistryClient::with_grants`] share connections, endpoint health and tokens, each token
+/// kept under the credential it was got with.
 pub struct RegistryClient {
+    shared: std::sync::Arc<Shared>,
+    granted: std::sync::Arc<granted::Granted>,
+}
+
+/// What every client made from one [`RegistryClient::new`] shares.
+struct Shared {
     config: RegistryConfig,
     credentials: CredentialStore,
     clients: Mutex<HashMap<TlsSettings, reqwest::Client>>,
-    /// Authorization per endpoint base and scope.
-    auth: Mutex<HashMap<(String, String), CachedAuth>>,
+    /// Authorization per endpoint base, scope and the principal it was got for.
+    auth: Mutex<HashMap<(String, String, Principal), CachedAuth>>,
     hosts: hosts::HostsCache,
     health: health::Health,
-    /// Credentials kubelet sent with PullImage (the CRI proxy), looked up first.
-    pulled: Option<std::sync::Arc<pulled::PulledCredentials>>,
+}
+
+/// Whose credential a request carries: the node's own (or none), or one granted, named by a
+/// digest of user and secret (two grants with the same user name stay apart).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Principal {
+    Node,
+    Granted(String),
+}
+
+/// One credential a request may try, in the order they are tried.
+struct Candidate {
+    principal: Principal,
+    credential: Option<auth::Credential>,
+    /// Until when it may be used (a grant expires; the node's own does not).
+    usable_until: Option<Instant>,
+}
+
+impl Candidate {
+    fn describe(&self) -> String {
+        match (&self.principal, &self.credential) {
+            (Principal::Node, None) => "anonymous access (the node has no credentials for it: REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json)".into(),
+            (Principal::Node, Some(c)) => format!("the node's credentials (user {})", c.username),
+            (Principal::Granted(_), Some(c)) => format!("the credentials kubelet sent (user {})", c.username),
+            (Principal::Granted(_), None) => "a grant without a credential".into(),
+        }
+    }
 }
 
 /// What distinguishes one HTTP client from another: TLS verification, CAs, client identity.
@@ -117,8 +134,8 @@ fn scope(repo: &str, access: Access) -> String {
 }
 
 /// A request to send, rebuilt for every try (bodies are cheap `Bytes` clones).
-/// Only idempotent requests are retried here; a PATCH that fails part-way changes the
-/// upload's state, so [`BlobUpload::write`] resumes it instead.
+/// Only idempotent requests are retried ([`RegistryClient::send_retried`]); a PATCH that fails
+/// part-way changes the upload's state, so [`BlobUpload::write`] resumes it instead.
 struct Req {
     method: Method,
     url: String,
@@ -126,7 +143,6 @@ struct Req {
     body: Option<Bytes>,
     /// Extra scopes the token must cover (cross-repository mount source).
     extra_scope: Option<String>,
-    retry: bool,
 }
 
 impl Req {
@@ -136,7 +152,6 @@ impl Req {
             headers: HeaderMap::new(),
             body: None,
             extra_scope: None,
-            retry: method != Method::PATCH,
             method,
         }
     }
@@ -290,6 +305,23 @@ pub trait Registry: Send + Sync {
     fn index_repositories(&self) -> &[Reference] {
         &[]
     }
+    /// The retry policy its callers' verified fetches follow (a range fetched and then checked
+    /// against a digest the caller knows is retried by the caller under it).
+    fn retry_policy(&self) -> crate::retry::RetryPolicy {
+        crate::retry::RetryPolicy::default()
+    }
+    /// This store acting also with `granted` ([`RegistryClient::with_grants`]); a store that
+    /// checks no credentials (a test double) is itself.
+    fn with_grants(
+        self: std::sync::Arc<Self>,
+        granted: std::sync::Arc<granted::Granted>,
+    ) -> std::sync::Arc<dyn Registry>;
+    /// Succeeds if this client's credentials read manifest `r`, asked of the registry itself
+    /// now (a `HEAD`, never a cache): whether access holds, not what the manifest says.
+    fn check_manifest<'a>(
+        &'a self,
+        r: &'a Reference,
+    ) -> futures_util::future::BoxFuture<'a, Result<Digest>>;
 }
 
 impl Registry for RegistryClient {
@@ -330,7 +362,7 @@ impl Registry for RegistryClient {
     }
 
     fn endpoint_counters(&self) -> Vec<(String, health::EndpointCounters)> {
-        self.health.counters()
+        self.shared.health.counters()
     }
 
     fn referrers<'a>(
@@ -343,7 +375,25 @@ impl Registry for RegistryClient {
     }
 
     fn index_repositories(&self) -> &[Reference] {
-        &self.config.index_repositories
+        &self.shared.config.index_repositories
+    }
+
+    fn retry_policy(&self) -> crate::retry::RetryPolicy {
+        self.shared.config.retry.clone()
+    }
+
+    fn with_grants(
+        self: std::sync::Arc<Self>,
+        granted: std::sync::Arc<granted::Granted>,
+    ) -> std::sync::Arc<dyn Registry> {
+        std::sync::Arc::new(RegistryClient::with_grants(&self, granted))
+    }
+
+    fn check_manifest<'a>(
+        &'a self,
+        r: &'a Reference,
+    ) -> futures_util::future::BoxFuture<'a, Result<Digest>> {
+        Box::pin(RegistryClient::check_manifest(self, r))
     }
 }
 
@@ -355,45 +405,54 @@ impl RegistryClient {
             None => CredentialStore::from_env()?,
         };
         Ok(RegistryClient {
-            config,
-            credentials,
-            clients: Mutex::new(HashMap::new()),
-            auth: Mutex::new(HashMap::new()),
-            hosts: hosts::HostsCache::default(),
-            health: health::Health::default(),
-            pulled: None,
+            shared: std::sync::Arc::new(Shared {
+                config,
+                credentials,
+                clients: Mutex::new(HashMap::new()),
+                auth: Mutex::new(HashMap::new()),
+                hosts: hosts::HostsCache::default(),
+                health: health::Health::default(),
+            }),
+            granted: std::sync::Arc::default(),
         })
     }
 
-    /// Looks credentials up in `pulled` (per repository, from kubelet's PullImage) before the
-    /// docker config files.
-    pub fn with_pulled_credentials(
-        mut self,
-        pulled: std::sync::Arc<pulled::PulledCredentials>,
-    ) -> Self {
-        self.pulled = Some(pulled);
-        self
+    /// A client that also acts with `granted` (after the node's own credentials, each only for
+    /// its repository), sharing this one's connections, health and tokens.
+    pub fn with_grants(&self, granted: std::sync::Arc<granted::Granted>) -> Self {
+        RegistryClient {
+            shared: std::sync::Arc::clone(&self.shared),
+            granted,
+        }
     }
 
-    /// The credential for `r` and until when it may be used: kubelet's for its repository
-    /// until they expire, else the docker config files' (no end).
-    async fn credential(
-        &self,
-        r: &Reference,
-    ) -> Result<(Option<auth::Credential>, Option<Instant>)> {
-        if let Some((c, ttl)) = self
-            .pulled
-            .as_ref()
-            .and_then(|p| p.get(&r.registry, &r.repository))
-        {
-            return Ok((Some(c), Some(Instant::now() + ttl)));
+    /// The credentials a request for `r` may carry, in the order they are tried: the node's
+    /// own (or none), then each granted for `r`'s repository, newest first.
+    async fn candidates(&self, r: &Reference) -> Result<Vec<Candidate>> {
+        let mut all = vec![Candidate {
+            principal: Principal::Node,
+            credential: self.shared.credentials.get(&r.registry).await?,
+            usable_until: None,
+        }];
+        for (credential, ttl) in self.granted.for_repository(&r.registry, &r.repository) {
+            let key =
+                Digest::of(format!("{}\0{}", credential.username, credential.secret).as_bytes());
+            all.push(Candidate {
+                principal: Principal::Granted(key.hex()[..16].to_string()),
+                credential: Some(credential),
+                usable_until: Some(Instant::now() + ttl),
+            });
         }
-        Ok((self.credentials.get(&r.registry).await?, None))
+        Ok(all)
     }
 
     fn http(&self, ep: &Endpoint) -> Result<reqwest::Client> {
         let key = (ep.skip_verify, ep.ca.clone(), ep.client_cert.clone());
-        let mut clients = self.clients.lock().expect("client cache lock");
+        let mut clients = self
+            .shared
+            .clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if let Some(c) = clients.get(&key) {
             return Ok(c.clone());
         }
@@ -418,16 +477,21 @@ impl RegistryClient {
     }
 
     fn plain_http(&self, host: &str) -> bool {
-        self.config.plain_http
+        self.shared.config.plain_http
             || is_loopback_host(host)
-            || self.config.plain_http_hosts.iter().any(|h| h == host)
+            || self
+                .shared
+                .config
+                .plain_http_hosts
+                .iter()
+                .any(|h| h == host)
     }
 
     /// Endpoints for `r`, mirrors first; `push` selects push-capable ones.
     fn endpoints(&self, r: &Reference, access: Access) -> Result<Vec<Endpoint>> {
         let upstream = Endpoint::upstream(r.api_host(), self.plain_http(&r.registry));
-        let all = self.hosts.endpoints(
-            self.config.hosts_dir.as_deref(),
+        let all = self.shared.hosts.endpoints(
+            self.shared.config.hosts_dir.as_deref(),
             &r.registry,
             upstream.clone(),
         )?;
@@ -445,6 +509,7 @@ impl RegistryClient {
         })
     }
 
+    /// Answers `challenge` for `candidate` and keeps the authorization under its principal.
     async fn authorize(
         &self,
         ep: &Endpoint,
@@ -452,14 +517,15 @@ impl RegistryClient {
         challenge: &str,
         scope_key: &str,
         scopes: &[String],
+        candidate: &Candidate,
     ) -> Result<()> {
         let host = &r.registry;
         let challenge =
             auth::parse_challenge(challenge).map_err(|e| e.context(format!("registry {host}")))?;
-        let (credential, usable_until) = self.credential(r).await?;
+        let (credential, usable_until) = (&candidate.credential, candidate.usable_until);
         let (value, expiry) = match challenge {
             Challenge::Basic => {
-                let c = credential.ok_or_else(|| {
+                let c = credential.as_ref().ok_or_else(|| {
                     Error::new(ErrorKind::Auth, format!("registry {host} requires credentials and none were found; add them to a docker config file (REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json or ~/.docker/config.json)"))
                 })?;
                 (c.basic_header(), usable_until)
@@ -548,25 +614,36 @@ impl RegistryClient {
                 )
             }
         };
-        self.auth.lock().expect("auth lock").insert(
-            (ep.base.clone(), scope_key.to_string()),
-            CachedAuth {
-                header: value,
-                expires: expiry,
-            },
-        );
+        self.shared
+            .auth
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                (
+                    ep.base.clone(),
+                    scope_key.to_string(),
+                    candidate.principal.clone(),
+                ),
+                CachedAuth {
+                    header: value,
+                    expires: expiry,
+                },
+            );
         Ok(())
     }
 
-    fn cached_auth(&self, ep: &Endpoint, scope_key: &str) -> Option<String> {
-        let auth = self.auth.lock().expect("auth lock");
-        auth.get(&(ep.base.clone(), scope_key.to_string()))
+    fn cached_auth(&self, ep: &Endpoint, scope_key: &str, principal: &Principal) -> Option<String> {
+        let auth = self.shared.auth.lock().unwrap_or_else(|p| p.into_inner());
+        auth.get(&(ep.base.clone(), scope_key.to_string(), principal.clone()))
             .filter(|a| a.expires.is_none_or(|e| e > Instant::now()))
             .map(|a| a.header.clone())
     }
 
-    /// Sends `req` to `ep` with auth and retries; returns the first response that is not a
-    /// retryable failure. Authentication failures become `Auth` errors naming the registry.
+    /// Sends `req` to `ep` once, with the first credential whose authorization is kept, or
+    /// none; answers a 401 by authorizing the next credential the client may use
+    /// ([`RegistryClient::candidates`]) until one is accepted. Returns the registry's answer
+    /// as it is (the caller checks its status) or a `Network` error; when every credential was
+    /// refused, an `Auth` error naming each.
     async fn send(
         &self,
         ep: &Endpoint,
@@ -578,91 +655,123 @@ impl RegistryClient {
         let mut scopes = vec![scope(&r.repository, access)];
         scopes.extend(req.extra_scope.clone());
         let scope_key = scopes.join(" ");
-        let policy = &self.config.retry;
-        // A mirror is not retried: the next endpoint is the better second try.
-        let attempts = if ep.mirror && access == Access::Pull {
-            1
-        } else {
-            policy.attempts.max(1)
-        };
-        let mut delay = policy.base_delay;
-        let mut authorized_now = false;
-        let mut attempt = 0;
+        let candidates = self.candidates(r).await?;
+        // Start with a credential authorized before, else with none; `current` is the
+        // candidate whose authorization is sent, `fresh` whether it was got just now.
+        let (mut current, mut fresh, mut header) = (None, false, None);
+        for (i, c) in candidates.iter().enumerate() {
+            if let Some(h) = self.cached_auth(ep, &scope_key, &c.principal) {
+                (current, header) = (Some(i), Some(h));
+                break;
+            }
+        }
+        let mut refused = Vec::new();
         loop {
-            attempt += 1;
             let mut builder = client
                 .request(req.method.clone(), &req.url)
                 .headers(req.headers.clone());
             for (k, v) in &ep.headers {
                 builder = builder.header(k.as_str(), v.as_str());
             }
-            if let Some(a) = self.cached_auth(ep, &scope_key) {
+            if let Some(a) = &header {
                 builder = builder.header(AUTHORIZATION, a);
             }
             if let Some(b) = &req.body {
                 builder = builder.body(b.clone());
             }
-            let outcome = builder.send().await;
-            let retryable = match &outcome {
-                Ok(resp) if resp.status() == StatusCode::UNAUTHORIZED => {
-                    let challenge = resp
-                        .headers()
-                        .get(WWW_AUTHENTICATE)
-                        .and_then(|v| v.to_str().ok())
-                        .map(str::to_string);
-                    match challenge {
-                        Some(c) if !authorized_now => {
-                            self.authorize(ep, r, &c, &scope_key, &scopes).await?;
-                            authorized_now = true;
-                            attempt -= 1;
-                            continue;
-                        }
-                        _ => {
-                            let who = match self.credential(r).await?.0 {
-                                Some(c) => format!("the credentials of user {} were refused", c.username),
-                                None => "no credentials were found (REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json)".to_string(),
-                            };
-                            return Err(Error::new(
-                                ErrorKind::Auth,
-                                format!(
-                                    "registry {} requires authentication and {who} (HTTP 401)",
-                                    r.registry
-                                ),
-                            ));
-                        }
-                    }
-                }
-                Ok(resp) => {
-                    resp.status().is_server_error()
-                        || resp.status() == StatusCode::TOO_MANY_REQUESTS
-                }
-                Err(e) => e.is_connect() || e.is_timeout() || e.is_request(),
+            let resp = builder.send().await.map_err(|e| {
+                Error::new(
+                    ErrorKind::Network,
+                    format!("{} did not answer at {}", ep.describe(&r.registry), ep.base),
+                )
+                .with_source(e)
+            })?;
+            if resp.status() != StatusCode::UNAUTHORIZED {
+                return Ok(resp);
+            }
+            let Some(challenge) = resp
+                .headers()
+                .get(WWW_AUTHENTICATE)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+            else {
+                return Err(Error::new(
+                    ErrorKind::Auth,
+                    format!(
+                        "registry {} refused the request (HTTP 401) without saying how to authenticate",
+                        r.registry
+                    ),
+                ));
             };
-            if !req.retry || !retryable || attempt >= attempts {
-                return match outcome {
-                    Ok(resp) => Ok(resp),
-                    Err(e) => Err(Error::new(
+            // A kept authorization may have expired on the registry's side: authorize the
+            // same credential again once; a fresh one refused means the next credential.
+            let first = match current {
+                None => 0,
+                Some(i) if !fresh => i,
+                Some(i) => {
+                    refused.push(candidates[i].describe());
+                    i + 1
+                }
+            };
+            (current, header) = (None, None);
+            for (i, candidate) in candidates.iter().enumerate().skip(first) {
+                match self
+                    .authorize(ep, r, &challenge, &scope_key, &scopes, candidate)
+                    .await
+                {
+                    Ok(()) => {
+                        header = self.cached_auth(ep, &scope_key, &candidate.principal);
+                        (current, fresh) = (Some(i), true);
+                        break;
+                    }
+                    Err(e) if e.kind() == ErrorKind::Auth => {
+                        refused.push(format!("{} ({})", candidate.describe(), e.chain()))
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            if header.is_none() {
+                return Err(Error::new(
+                    ErrorKind::Auth,
+                    format!(
+                        "registry {} requires authentication for {}: refused {} (HTTP 401)",
+                        r.registry,
+                        r.repository,
+                        refused.join("; ")
+                    ),
+                ));
+            }
+        }
+    }
+
+    /// [`RegistryClient::send`] of an idempotent request under the retry policy: a request
+    /// that gets no answer, or a 5xx or 429 answer, is sent again.
+    async fn send_retried(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        access: Access,
+        req: &Req,
+        what: &str,
+    ) -> Result<reqwest::Response> {
+        self.shared
+            .config
+            .retry
+            .run(what, || async {
+                let resp = self.send(ep, r, access, req).await?;
+                let status = resp.status();
+                if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
+                    return Err(Error::new(
                         ErrorKind::Network,
                         format!(
-                            "{} is unreachable at {} after {attempt} tries",
-                            ep.describe(&r.registry),
-                            ep.base
+                            "{what}: {} answered HTTP {status}",
+                            ep.describe(&r.registry)
                         ),
-                    )
-                    .with_source(e)),
-                };
-            }
-            match &outcome {
-                Ok(resp) => {
-                    tracing::warn!(registry = %r.registry, url = %req.url, status = %resp.status(), attempt, "retrying")
+                    ));
                 }
-                Err(e) => {
-                    tracing::warn!(registry = %r.registry, url = %req.url, error = %e, attempt, "retrying")
-                }
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(policy.max_delay);
-        }
+                Ok(resp)
+            })
+            .await
     }
 
     async fn check(
@@ -706,12 +815,10 @@ impl RegistryClient {
         ))
     }
 
-    /// Tries each pull endpoint until one answers with what `take` accepts: mirrors first,
-    /// resting ones (see [`health`]) last. `take` reads and checks the answer (status, length,
-    /// digest); whatever fails there or before (no connection, a timeout, an error status, a
-    /// wrong body) sends the request on to the next endpoint. The error returned is the
-    /// registry's own if it was asked, else the last mirror's. An authentication error from
-    /// the registry itself is returned at once.
+    /// Fetches something whose answer `take` reads and checks (status, length, digest), under
+    /// the retry policy: each try goes to every pull endpoint in turn ([`Self::sweep`]), and
+    /// a try that failed transiently everywhere (no answer, a reset, a 5xx, a cut or corrupt
+    /// body) is made again after a backoff, until the policy's attempts or deadline run out.
     async fn pull<T, F>(
         &self,
         r: &Reference,
@@ -723,15 +830,41 @@ impl RegistryClient {
     where
         F: std::future::Future<Output = Result<T>>,
     {
+        let what_where = format!("fetching {what} from {}/{}", r.registry, r.repository);
+        self.shared
+            .config
+            .retry
+            .run(&what_where, || {
+                self.sweep(r, what, via_mirrors, &make, &take)
+            })
+            .await
+    }
+
+    /// One try of [`Self::pull`]: each pull endpoint until one answers with what `take`
+    /// accepts, mirrors first, resting ones (see [`health`]) last; whatever fails at one
+    /// endpoint sends the request on to the next. The error returned is the registry's own if
+    /// it was asked, else the last mirror's. An authentication error from the registry itself
+    /// is returned at once.
+    async fn sweep<T, F>(
+        &self,
+        r: &Reference,
+        what: &str,
+        via_mirrors: bool,
+        make: &impl Fn(&Endpoint) -> Req,
+        take: &impl Fn(reqwest::Response, Endpoint) -> F,
+    ) -> Result<T>
+    where
+        F: std::future::Future<Output = Result<T>>,
+    {
         // The error to return, and whether the registry itself gave it.
         let mut returned: Option<(bool, Error)> = None;
         let mut endpoints = self.endpoints(r, Access::Pull)?;
         if !via_mirrors {
             endpoints.retain(|e| !e.mirror);
         }
-        for ep in self.health.order(endpoints) {
+        for ep in self.shared.health.order(endpoints) {
             let req = make(&ep);
-            self.health.sent(&ep.base);
+            self.shared.health.sent(&ep.base);
             let answer = async {
                 let sent = self.send(&ep, r, Access::Pull, &req);
                 let resp = if ep.mirror {
@@ -755,7 +888,7 @@ impl RegistryClient {
             let outcome = answer.await;
             let e = match outcome {
                 Ok(v) => {
-                    self.health.succeeded(&ep.base);
+                    self.shared.health.succeeded(&ep.base);
                     return Ok(v);
                 }
                 Err(e) => e,
@@ -765,7 +898,7 @@ impl RegistryClient {
                 ErrorKind::Auth => health::Failure::Refused,
                 _ => health::Failure::Endpoint,
             };
-            self.health.failed(&ep.base, failure);
+            self.shared.health.failed(&ep.base, failure);
             if !ep.mirror && e.kind() == ErrorKind::Auth {
                 return Err(e);
             }
@@ -799,7 +932,7 @@ impl RegistryClient {
         what: &str,
     ) -> Result<Vec<u8>> {
         let body = read_limited(resp, limit, what).await?;
-        self.health.received(&ep.base, body.len() as u64);
+        self.shared.health.received(&ep.base, body.len() as u64);
         Ok(body)
     }
 
@@ -861,6 +994,52 @@ impl RegistryClient {
             bytes,
             manifest,
         })
+    }
+
+    /// Asks the registry (not a mirror: access is the registry's to grant) whether this client
+    /// may read manifest `r`: a `HEAD` under the retry policy. Returns the digest the registry
+    /// names (`Docker-Content-Digest`), which for a reference by digest must be that digest.
+    pub async fn check_manifest(&self, r: &Reference) -> Result<Digest> {
+        let accept = [
+            oci::OCI_MANIFEST,
+            oci::OCI_INDEX,
+            oci::DOCKER_MANIFEST,
+            oci::DOCKER_MANIFEST_LIST,
+        ]
+        .join(", ");
+        let object = r.object();
+        let what = &format!("manifest {object}");
+        self.pull(
+            r,
+            what,
+            false,
+            |ep| {
+                let mut req =
+                    Req::get(ep, r, &format!("manifests/{object}")).header(ACCEPT, &accept);
+                req.method = Method::HEAD;
+                req
+            },
+            |resp, ep| async move {
+                let named = resp
+                    .headers()
+                    .get("docker-content-digest")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<Digest>().ok());
+                match (&r.digest, named) {
+                    (Some(want), Some(got)) if *want != got => Err(Error::corrupt(format!(
+                        "{} names manifest {got} for {r}",
+                        ep.describe(&r.registry)
+                    ))),
+                    (Some(want), _) => Ok(*want),
+                    (None, Some(got)) => Ok(got),
+                    (None, None) => Err(Error::unsupported(format!(
+                        "{} does not name the digest of {r} (no Docker-Content-Digest)",
+                        ep.describe(&r.registry)
+                    ))),
+                }
+            },
+        )
+        .await
     }
 
     /// The referrers (OCI 1.1) of manifest `digest` in `r`'s repository whose artifact type is
@@ -1136,7 +1315,15 @@ impl RegistryClient {
             Method::HEAD,
             ep.url(&format!("{}/blobs/{digest}", r.repository)),
         );
-        let resp = self.send(&ep, r, Access::Push, &req).await?;
+        let resp = self
+            .send_retried(
+                &ep,
+                r,
+                Access::Push,
+                &req,
+                &format!("checking blob {digest}"),
+            )
+            .await?;
         match resp.status() {
             s if s.is_success() => Ok(true),
             StatusCode::NOT_FOUND => Ok(false),
@@ -1184,7 +1371,8 @@ impl RegistryClient {
         )
         .header(CONTENT_LENGTH, "0");
         let resp = Self::check(
-            self.send(&ep, r, Access::Push, &req).await?,
+            self.send_retried(&ep, r, Access::Push, &req, "starting a blob upload")
+                .await?,
             "starting a blob upload",
             r,
             &ep,
@@ -1256,7 +1444,8 @@ impl RegistryClient {
             .append_pair("from", from);
         let mut req = Req::new(Method::POST, url.to_string()).header(CONTENT_LENGTH, "0");
         req.extra_scope = Some(scope(from, Access::Pull));
-        let resp = self.send(&ep, r, Access::Push, &req).await?;
+        let what = format!("mounting blob {digest} from {from}");
+        let resp = self.send_retried(&ep, r, Access::Push, &req, &what).await?;
         match resp.status() {
             StatusCode::CREATED => Ok(true),
             StatusCode::ACCEPTED => {
@@ -1297,9 +1486,10 @@ impl RegistryClient {
         )
         .header(CONTENT_TYPE, media_type)
         .body(Bytes::from(bytes));
+        let what = format!("uploading manifest {object}");
         Self::check(
-            self.send(&ep, r, Access::Push, &req).await?,
-            &format!("uploading manifest {object}"),
+            self.send_retried(&ep, r, Access::Push, &req, &what).await?,
+            &what,
             r,
             &ep,
         )
@@ -1342,95 +1532,83 @@ impl BlobUpload<'_> {
     }
 
     /// Appends `data`. If a PATCH fails, asks the registry how much it kept and resends the
-    /// rest, within the retry policy. If the registry cannot resume, the error is a `Network`
+    /// rest, under the retry policy. If the registry cannot resume, the error is a `Network`
     /// error and the caller may start a new upload.
     pub async fn write(&mut self, data: Bytes) -> Result<()> {
         let r = self.reference.clone();
         let start = self.offset;
-        let mut sent = 0usize;
-        let mut tries = 0;
-        while sent < data.len() {
-            tries += 1;
-            let part = data.slice(sent..);
-            let from = start + sent as u64;
-            let req = Req::new(Method::PATCH, self.location.to_string())
-                .header(CONTENT_TYPE, "application/octet-stream")
-                .header(
-                    CONTENT_RANGE,
-                    &format!("{}-{}", from, from + part.len() as u64 - 1),
-                )
-                .body(part);
-            let outcome = match self.client.send(&self.ep, &r, Access::Push, &req).await {
-                Ok(resp) => RegistryClient::check(resp, "uploading blob data", &r, &self.ep).await,
-                Err(e) => Err(e),
-            };
-            match outcome {
-                Ok(resp) => {
-                    self.location = RegistryClient::resolve_location(&self.ep, &resp, &r)?;
-                    sent = data.len();
-                }
-                Err(e)
-                    if tries < self.client.config.retry.attempts
-                        && e.kind() == ErrorKind::Network =>
-                {
-                    tracing::warn!(error = %e.chain(), "upload segment failed, asking the registry where to resume");
-                    tokio::time::sleep(self.client.config.retry.base_delay * tries).await;
-                    // Some registries (distribution 2.8) cancel an upload whose PATCH broke
-                    // part-way; then only a new upload helps, which the caller decides.
-                    let have = match self.status().await {
-                        Ok(have) => have,
-                        Err(status_error) => {
-                            return Err(e.context(format!(
-                                "the registry cannot resume the upload ({})",
-                                status_error.chain()
-                            )))
-                        }
-                    };
-                    if have < from || have > start + data.len() as u64 {
-                        return Err(
-                            e.context(format!("the registry kept {have} bytes, cannot resume"))
-                        );
+        // What the registry has of `data`, and where the session continues.
+        let progress = tokio::sync::Mutex::new((0usize, self.location.clone(), false));
+        let policy = self.client.shared.config.retry.clone();
+        let tries = policy.run_when(
+            "uploading blob data",
+            || async {
+                let mut p = progress.lock().await;
+                let (sent, location, _) = &mut *p;
+                let part = data.slice(*sent..);
+                let from = start + *sent as u64;
+                let req = Req::new(Method::PATCH, location.to_string())
+                    .header(CONTENT_TYPE, "application/octet-stream")
+                    .header(
+                        CONTENT_RANGE,
+                        &format!("{}-{}", from, from + part.len() as u64 - 1),
+                    )
+                    .body(part);
+                let outcome = match self.client.send(&self.ep, &r, Access::Push, &req).await {
+                    Ok(resp) => {
+                        RegistryClient::check(resp, "uploading blob data", &r, &self.ep).await
                     }
-                    sent = (have - start) as usize;
-                    self.disturbed = true;
+                    Err(e) => Err(e),
+                };
+                match outcome {
+                    Ok(resp) => {
+                        *location = RegistryClient::resolve_location(&self.ep, &resp, &r)?;
+                        *sent = data.len();
+                        Ok(())
+                    }
+                    Err(e) if e.kind() == ErrorKind::Network => {
+                        tracing::warn!(error = %e.chain(), "upload segment failed, asking the registry where to resume");
+                        // Some registries (distribution 2.8) cancel an upload whose PATCH
+                        // broke part-way; then only a new upload helps, which the caller
+                        // decides.
+                        let (have, at) = match upload_status(self.client, &self.ep, &r, location).await {
+                            Ok(answer) => answer,
+                            Err(status_error) => {
+                                return Err(Error::new(ErrorKind::InvalidInput, format!(
+                                    "the registry cannot resume the upload ({})",
+                                    status_error.chain()
+                                )).with_source(e))
+                            }
+                        };
+                        if have < from || have > start + data.len() as u64 {
+                            return Err(Error::new(ErrorKind::InvalidInput, format!(
+                                "the registry kept {have} bytes, cannot resume"
+                            )).with_source(e));
+                        }
+                        (*sent, *location, p.2) = ((have - start) as usize, at, true);
+                        Err(e)
+                    }
+                    Err(e) => Err(e),
                 }
-                Err(e) => return Err(self.after_disturbance(e)),
+            },
+            |e| e.kind() == ErrorKind::Network,
+        );
+        let outcome = tries.await;
+        let (_, location, disturbed) = progress.into_inner();
+        (self.location, self.disturbed) = (location, self.disturbed || disturbed);
+        match outcome {
+            Ok(()) => {
+                self.offset = start + data.len() as u64;
+                Ok(())
             }
+            // The upload cannot go on: a new one may (the registry dropped the session).
+            Err(e) if e.kind() == ErrorKind::InvalidInput && self.disturbed => Err(Error::new(
+                ErrorKind::Network,
+                "the registry could not resume a broken upload",
+            )
+            .with_source(e)),
+            Err(e) => Err(self.after_disturbance(e)),
         }
-        self.offset = start + data.len() as u64;
-        Ok(())
-    }
-
-    /// How many bytes the registry holds for this upload (`GET` on the session).
-    async fn status(&mut self) -> Result<u64> {
-        let r = self.reference.clone();
-        let req = Req::new(Method::GET, self.location.to_string());
-        let resp = RegistryClient::check(
-            self.client.send(&self.ep, &r, Access::Push, &req).await?,
-            "querying an upload",
-            &r,
-            &self.ep,
-        )
-        .await?;
-        let range = resp
-            .headers()
-            .get(RANGE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("0-0")
-            .to_string();
-        self.location =
-            RegistryClient::resolve_location(&self.ep, &resp, &r).unwrap_or(self.location.clone());
-        let end = range
-            .trim_start_matches("bytes=")
-            .split('-')
-            .nth(1)
-            .and_then(|e| e.parse::<u64>().ok())
-            .unwrap_or(0);
-        Ok(if range.ends_with("0-0") && end == 0 {
-            0
-        } else {
-            end + 1
-        })
     }
 
     /// Completes the upload as `digest`; the registry checks it too.
@@ -1454,6 +1632,43 @@ impl BlobUpload<'_> {
         };
         outcome.map(drop).map_err(|e| self.after_disturbance(e))
     }
+}
+
+/// How many bytes the registry holds for the upload session at `location` (`GET` on it), and
+/// where the session continues.
+async fn upload_status(
+    client: &RegistryClient,
+    ep: &Endpoint,
+    r: &Reference,
+    location: &url::Url,
+) -> Result<(u64, url::Url)> {
+    let req = Req::new(Method::GET, location.to_string());
+    let resp = RegistryClient::check(
+        client.send(ep, r, Access::Push, &req).await?,
+        "querying an upload",
+        r,
+        ep,
+    )
+    .await?;
+    let range = resp
+        .headers()
+        .get(RANGE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("0-0")
+        .to_string();
+    let at = RegistryClient::resolve_location(ep, &resp, r).unwrap_or(location.clone());
+    let end = range
+        .trim_start_matches("bytes=")
+        .split('-')
+        .nth(1)
+        .and_then(|e| e.parse::<u64>().ok())
+        .unwrap_or(0);
+    let have = if range.ends_with("0-0") && end == 0 {
+        0
+    } else {
+        end + 1
+    };
+    Ok((have, at))
 }
 
 /// A blocking `Read` over a whole blob; the final read fails unless size and digest match.

@@ -59,9 +59,9 @@ impl Classifier {
         }
     }
 
-    /// The registry client.
-    pub fn client(&self) -> &dyn Registry {
-        self.client.as_ref()
+    /// The registry client, with the node's own credentials.
+    pub fn client(&self) -> &Arc<dyn Registry> {
+        &self.client
     }
 
     /// The cache that keeps verified manifests and configs, if any.
@@ -69,12 +69,21 @@ impl Classifier {
         self.cache.as_ref()
     }
 
-    async fn manifest(&self, reference: &Reference) -> Result<Arc<oci::Manifest>> {
+    async fn manifest(
+        &self,
+        client: &dyn Registry,
+        reference: &Reference,
+    ) -> Result<Arc<oci::Manifest>> {
         let key = reference.to_string();
-        if let Some(m) = self.manifests.lock().expect("manifest cache").get(&key) {
+        if let Some(m) = self
+            .manifests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
             return Ok(Arc::clone(m));
         }
-        let manifest = match crate::remote::manifest_of(self.client(), self.cache(), reference)
+        let manifest = match crate::remote::manifest_of(client, self.cache(), reference)
             .await?
             .0
         {
@@ -85,7 +94,7 @@ impl Classifier {
                 )))
             }
         };
-        let mut cache = self.manifests.lock().expect("manifest cache");
+        let mut cache = self.manifests.lock().unwrap_or_else(|p| p.into_inner());
         if cache.len() >= MANIFEST_CACHE {
             cache.clear();
         }
@@ -93,8 +102,15 @@ impl Classifier {
         Ok(manifest)
     }
 
-    /// Classifies the layer a Prepare with `labels` is about to unpack.
-    pub async fn classify(&self, labels: &BTreeMap<String, String>) -> Decision {
+    /// Classifies the layer a Prepare with `labels` is about to unpack, fetching what it needs
+    /// with `client` (the node's credentials and those of the pull in flight). Manifests,
+    /// configs and TOCs are verified by digest, whoever fetched them, so what was kept from an
+    /// earlier classification serves this one: containerd asks during a pull it authorized.
+    pub async fn classify(
+        &self,
+        labels: &BTreeMap<String, String>,
+        client: &dyn Registry,
+    ) -> Decision {
         let candidate = labels
             .keys()
             .any(|k| k.starts_with(crate::format::layout::ANN_PREFIX));
@@ -123,7 +139,7 @@ impl Classifier {
             Ok(p) => p,
             Err(e) => return ordinary("malformed_labels", e.chain()),
         };
-        let manifest = match self.manifest(&reference).await {
+        let manifest = match self.manifest(client, &reference).await {
             Ok(m) => m,
             Err(e) => return ordinary("registry_error", e.chain()),
         };
@@ -150,7 +166,7 @@ impl Classifier {
             return ordinary("not_disk_layer", "another layer holds the disk".into());
         }
         match crate::remote::disk_layer_id(
-            self.client(),
+            client,
             self.cache(),
             &reference,
             &manifest,

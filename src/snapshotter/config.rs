@@ -43,9 +43,12 @@ pub struct CriConfig {
     pub image_service_address: PathBuf,
     /// containerd's CRI socket, where every call is forwarded unchanged.
     pub containerd_address: PathBuf,
-    /// Seconds the credentials of a PullImage are kept (in memory only) for the lazy fetches
-    /// of that image's repository; each PullImage with credentials renews them.
+    /// Seconds the credentials of a PullImage that succeeded are kept (in memory only) for
+    /// the lazy fetches of that image and its namespace's disks; each such pull renews them.
     pub credentials_ttl: u64,
+    /// When a namespace is served what the node already holds of an image
+    /// (`never`, `if-private`, `always`; [`super::tenants::Verification`]).
+    pub verify_pulled_images: super::tenants::Verification,
 }
 
 impl Default for CriConfig {
@@ -54,6 +57,7 @@ impl Default for CriConfig {
             image_service_address: PathBuf::new(),
             containerd_address: PathBuf::from("/run/containerd/containerd.sock"),
             credentials_ttl: 12 * 3600,
+            verify_pulled_images: super::tenants::Verification::IfPrivate,
         }
     }
 }
@@ -88,7 +92,8 @@ pub struct RegistrySettings {
     pub auth_files: Vec<PathBuf>,
     /// Registries (host[:port]) spoken to over plain HTTP; loopback always may.
     pub plain_http_hosts: Vec<String>,
-    /// Seconds a read keeps retrying a failing chunk fetch before it fails with EIO.
+    /// Seconds a fetch (a read's chunks, a manifest, a TOC) keeps retrying before it fails
+    /// (a read with EIO).
     pub fetch_timeout: u64,
     /// Seconds Prepare waits for a disk to be mounted before falling back to a normal pull.
     pub mount_timeout: u64,
@@ -234,6 +239,10 @@ impl Config {
             plain_http_hosts: self.registry.plain_http_hosts.clone(),
             hosts_dir: Some(self.registry.hosts_dir.clone()).filter(|d| d.is_dir()),
             auth_files: Some(self.registry.auth_files.clone()).filter(|f| !f.is_empty()),
+            retry: crate::retry::RetryPolicy {
+                deadline: std::time::Duration::from_secs(self.registry.fetch_timeout),
+                ..Default::default()
+            },
             ..RegistryConfig::default()
         }
     }

@@ -16,7 +16,7 @@ use crate::engine::stats::StatsSnapshot;
 use crate::error::{Error, ErrorKind, Result};
 
 pub use pb::{
-    Credentials, EndpointCounters, HydrationState, LayerCounters, LayerStatus, ServerState,
+    Credentials, EndpointCounters, Grants, HydrationState, LayerCounters, LayerStatus, ServerState,
 };
 
 type Client = pb::layer_server_client::LayerServerClient<tonic::transport::Channel>;
@@ -143,7 +143,7 @@ impl std::fmt::Debug for pb::Credentials {
     }
 }
 
-/// Hands the server at `socket` credentials kubelet sent for its repository.
+/// Hands the server at `socket` credentials of a pull of its image that succeeded.
 pub async fn set_credentials(socket: &Path, credentials: Credentials) -> Result<()> {
     call(
         socket,
@@ -155,28 +155,23 @@ pub async fn set_credentials(socket: &Path, credentials: Credentials) -> Result<
     .map(|_| ())
 }
 
-/// The message that hands a server `credential` for `repository` of `registry`.
-pub fn credentials_message(
-    registry: &str,
-    repository: &str,
-    credential: crate::registry::auth::Credential,
-    ttl: Duration,
-) -> pb::Credentials {
+/// The message that hands a server `grant`.
+pub fn credentials_message(grant: &crate::registry::granted::Grant) -> pb::Credentials {
+    let ttl = grant
+        .expires
+        .saturating_duration_since(tokio::time::Instant::now());
     pb::Credentials {
-        registry: registry.to_string(),
-        repository: repository.to_string(),
-        username: credential.username,
-        secret: credential.secret,
+        registry: grant.registry.clone(),
+        repository: grant.repository.clone(),
+        username: grant.credential.username.clone(),
+        secret: grant.credential.secret.clone(),
         ttl_seconds: ttl.as_secs(),
     }
 }
 
-/// Keeps what a [`pb::Credentials`] message carries in `pulled`.
-pub fn keep_credentials(
-    pulled: &crate::registry::pulled::PulledCredentials,
-    message: pb::Credentials,
-) {
-    pulled.insert(
+/// The grant a [`pb::Credentials`] message carries.
+pub fn grant_of(message: pb::Credentials) -> crate::registry::granted::Grant {
+    crate::registry::granted::Grant::new(
         &message.registry,
         &message.repository,
         crate::registry::auth::Credential {
@@ -184,7 +179,7 @@ pub fn keep_credentials(
             secret: message.secret,
         },
         Duration::from_secs(message.ttl_seconds),
-    );
+    )
 }
 
 impl From<StatsSnapshot> for LayerCounters {

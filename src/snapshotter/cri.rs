@@ -3,11 +3,13 @@
 //! containerd uses the credentials kubelet sends with `PullImage` for its own requests and
 //! tells a proxy snapshotter nothing of them, so without this a node needs a docker config
 //! file for every private registry. This service forwards every image-service call to
-//! containerd's CRI unchanged and, before forwarding a `PullImage` that carries credentials,
-//! keeps them (in memory, per registry and repository, for `cri.credentials_ttl`) for the
-//! classification and the lazy fetches of that image, and hands them to the mount servers of
-//! that repository already running. Nothing of them is logged or written to disk.
+//! containerd's CRI unchanged. A `PullImage` with credentials is watched: while containerd
+//! pulls, they are pending (the classification of that pull's layers may use them); once the
+//! pull succeeded they become a grant of the pod's namespace for the image's manifest digests
+//! ([`super::tenants`]), handed to the mount servers of that image. A failed pull grants
+//! nothing. Nothing of them is logged or written to disk.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,10 +21,10 @@ use tonic::{Request, Response, Status};
 
 use super::config::CriConfig;
 use super::Snapshotter;
+use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::Reference;
 use crate::registry::auth::Credential;
-use crate::registry::pulled::PulledCredentials;
 
 /// Deadline of a forwarded `PullImage` (an ordinary multi-GiB image can take this long).
 const PULL_DEADLINE: Duration = Duration::from_secs(3600);
@@ -31,9 +33,7 @@ const CALL_DEADLINE: Duration = Duration::from_secs(120);
 
 struct Proxy {
     containerd: ImageServiceClient<Channel>,
-    pulled: Arc<PulledCredentials>,
     snapshotter: Arc<Snapshotter>,
-    ttl: Duration,
 }
 
 /// The credential an `AuthConfig` carries: username and password, or `auth` (base64 of
@@ -45,15 +45,7 @@ fn credential(auth: &cri::AuthConfig) -> Option<Credential> {
             secret: auth.password.clone(),
         });
     }
-    use base64::Engine as _;
-    let decoded = base64::engine::general_purpose::STANDARD
-        .decode(auth.auth.trim())
-        .ok()?;
-    let (user, password) = std::str::from_utf8(&decoded).ok()?.split_once(':')?;
-    Some(Credential {
-        username: user.to_string(),
-        secret: password.to_string(),
-    })
+    Credential::from_auth(&auth.auth).ok()
 }
 
 /// `request` to forward, under `deadline`; its metadata (kubelet's, e.g. a trace id) goes
@@ -68,21 +60,69 @@ impl Proxy {
         self.containerd.clone()
     }
 
-    /// Keeps the credentials of a PullImage of `image`, and hands them to the running servers
-    /// of its repository.
-    async fn keep(&self, image: &str, credential: Credential) {
-        let Ok(r) = image.parse::<Reference>() else {
-            // containerd will say what is wrong with the name.
+    /// The manifest digests containerd's pull of `image` resolved to (its repo digests in
+    /// `image`'s repository).
+    async fn repo_digests(&self, image: &str, reference: &Reference) -> BTreeSet<Digest> {
+        let mut request = Request::new(cri::ImageStatusRequest {
+            image: Some(cri::ImageSpec {
+                image: image.to_string(),
+                ..Default::default()
+            }),
+            verbose: false,
+        });
+        request.set_timeout(CALL_DEADLINE);
+        let answer = match self.client().image_status(request).await {
+            Ok(a) => a.into_inner(),
+            Err(e) => {
+                tracing::warn!(image, error = %e, "asking containerd what the pull resolved to failed");
+                return BTreeSet::new();
+            }
+        };
+        answer
+            .image
+            .into_iter()
+            .flat_map(|i| i.repo_digests)
+            .filter_map(|d| d.parse::<Reference>().ok())
+            .filter(|d| d.registry == reference.registry && d.repository == reference.repository)
+            .filter_map(|d| d.digest)
+            .collect()
+    }
+
+    /// Grants `namespace` the credentials of its pull of `image` that succeeded, for the
+    /// manifests it resolved (and those its layers were classified under), and hands them to
+    /// the running servers of that image.
+    async fn granted(
+        &self,
+        image: &str,
+        namespace: &str,
+        credential: Credential,
+        classified: BTreeSet<Digest>,
+    ) {
+        let Ok(reference) = image.parse::<Reference>() else {
             return;
         };
-        self.pulled
-            .insert(&r.registry, &r.repository, credential.clone(), self.ttl);
+        let mut digests = self.repo_digests(image, &reference).await;
+        digests.extend(classified);
+        if digests.is_empty() {
+            tracing::warn!(image, namespace, "the pull succeeded but its manifest digest is unknown; its credentials are not kept");
+            return;
+        }
+        let grant = self
+            .snapshotter
+            .tenants
+            .grant(namespace, &reference, credential, digests);
+        tracing::info!(
+            image,
+            namespace,
+            digests = grant.digests.len(),
+            "a pull with credentials succeeded; its namespace may read the image"
+        );
         if let Err(e) = self
             .snapshotter
-            .hand_credentials(&r.registry, &r.repository, credential, self.ttl)
+            .hand_grant(&grant.grant(), &grant.digests)
             .await
         {
-            tracing::warn!(registry = %r.registry, repository = %r.repository, error = %e.chain(), "handing credentials to the mount servers failed");
+            tracing::warn!(image, error = %e.chain(), "handing credentials to the mount servers failed");
         }
     }
 }
@@ -112,13 +152,31 @@ impl ImageService for Proxy {
         request: Request<cri::PullImageRequest>,
     ) -> Result<Response<cri::PullImageResponse>, Status> {
         let pull = request.get_ref();
-        let image = pull.image.as_ref().map(|i| i.image.clone());
-        if let (Some(image), Some(c)) = (image, pull.auth.as_ref().and_then(credential)) {
-            self.keep(&image, c).await;
-        }
-        self.client()
+        let image = pull
+            .image
+            .as_ref()
+            .map(|i| i.image.clone())
+            .unwrap_or_default();
+        let namespace = pull
+            .sandbox_config
+            .as_ref()
+            .and_then(|c| c.metadata.as_ref())
+            .map(|m| m.namespace.clone())
+            .unwrap_or_default();
+        let credential = pull.auth.as_ref().and_then(credential);
+        // Pending while containerd pulls: that pull's own layers may be classified with them.
+        let pending = credential
+            .clone()
+            .and_then(|c| self.snapshotter.tenants.begin_pull(&image, c));
+        let answer = self
+            .client()
             .pull_image(forward(request, PULL_DEADLINE))
-            .await
+            .await;
+        if let (Ok(_), Some(c), Some(p)) = (&answer, credential, &pending) {
+            self.granted(&image, &namespace, c, p.digests()).await;
+        }
+        drop(pending);
+        answer
     }
 
     async fn remove_image(
@@ -141,19 +199,13 @@ impl ImageService for Proxy {
 }
 
 /// Serves the CRI image service at `config.image_service_address` until the task is dropped.
-pub async fn serve(
-    config: CriConfig,
-    pulled: Arc<PulledCredentials>,
-    snapshotter: Arc<Snapshotter>,
-) -> Result<()> {
+pub async fn serve(config: CriConfig, snapshotter: Arc<Snapshotter>) -> Result<()> {
     // Connected lazily: containerd may start after the daemon.
     let containerd = crate::api::unix::lazy_channel(&config.containerd_address);
     let listener = crate::api::unix::bind(&config.image_service_address, 0o660)?;
     let proxy = Proxy {
         containerd: ImageServiceClient::new(containerd),
-        pulled,
         snapshotter,
-        ttl: Duration::from_secs(config.credentials_ttl),
     };
     tracing::info!(address = %config.image_service_address.display(), containerd = %config.containerd_address.display(), "serving the CRI image service");
     tonic::transport::Server::builder()

@@ -35,14 +35,12 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     crate::dirs::private(&config.root)?;
     crate::dirs::private(&config.cache_dir())?;
     crate::ready::prepare_root(&config.ready_dir, config.vmm_gid()?)?;
-    // Credentials kubelet sends with PullImage, when the CRI proxy is on; memory only.
-    let cri_on = !config.cri.image_service_address.as_os_str().is_empty();
-    let pulled = cri_on.then(|| Arc::new(crate::registry::pulled::PulledCredentials::default()));
-    let mut client = RegistryClient::new(config.registry_config())?;
-    if let Some(p) = &pulled {
-        client = client.with_pulled_credentials(Arc::clone(p));
-    }
-    let client = Arc::new(client);
+    let client = Arc::new(RegistryClient::new(config.registry_config())?);
+    // Which namespace's pulls granted what (the CRI proxy tells); memory only.
+    let tenants = super::tenants::Tenants::new(
+        config.cri.verify_pulled_images,
+        Duration::from_secs(config.cri.credentials_ttl),
+    );
     let servers = LayerServers::new(ServerCommand {
         exe: std::env::current_exe()
             .map_err(|e| Error::io("finding the daemon's own executable", e))?,
@@ -50,7 +48,6 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
         root: config.root.clone(),
         ready_dir: config.ready_dir.clone(),
         mount_timeout: Duration::from_secs(config.registry.mount_timeout),
-        credentials: pulled.clone(),
     });
     let (root, cache) = (
         config.root.clone(),
@@ -69,6 +66,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
                 Box::new(servers),
                 Classifier::new(client, Some(kept)),
                 cache,
+                tenants,
             )
         })
         .await?,
@@ -93,10 +91,11 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
             }
         })
     };
-    let cri_task = pulled.map(|pulled| {
+    let cri_on = !config.cri.image_service_address.as_os_str().is_empty();
+    let cri_task = cri_on.then(|| {
         let (cri, s) = (config.cri.clone(), Arc::clone(&snapshotter));
         tokio::spawn(async move {
-            if let Err(e) = super::cri::serve(cri, pulled, s).await {
+            if let Err(e) = super::cri::serve(cri, s).await {
                 tracing::error!(error = %e.chain(), "the CRI image service stopped");
             }
         })

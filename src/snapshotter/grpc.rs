@@ -264,9 +264,12 @@ impl ManageService {
         &self,
         request: Request<mpb::DiskRequest>,
     ) -> Result<crate::digest::Digest, Status> {
-        let reference = request.into_inner().reference;
+        let request = request.into_inner();
         self.snapshotter
-            .ensure_disk(&reference)
+            .ensure_disk(
+                &request.reference,
+                &super::Requester::of(&request.namespace),
+            )
             .await
             .map_err(Status::from)
     }

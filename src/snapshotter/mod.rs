@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod server;
 pub mod store;
 pub mod supervisor;
+pub mod tenants;
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
@@ -38,6 +39,11 @@ use classify::{Classifier, Decision, LABEL_REMOTE, LABEL_TARGET};
 use counters::Counters;
 use store::{Kind, Record, RemoteLayerRef, Store, Usage};
 use supervisor::{LayerLocks, Supervisor};
+use tenants::Tenants;
+
+use crate::reference::Reference;
+use crate::registry::granted::{Grant, Granted};
+use crate::registry::Registry;
 
 /// A mount for containerd to perform (`containerd.types.Mount`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,6 +67,28 @@ pub struct Snapshotter {
     pub counters: Counters,
     overlay_index_off: bool,
     cache: CacheSettings,
+    /// Which namespace's pulls granted what.
+    pub tenants: Tenants,
+}
+
+/// Who asks for a disk through the management API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Requester {
+    /// The node's operator (`vmdisk path`): the node's own credentials.
+    Node,
+    /// A pod of this Kubernetes namespace (the shim): what the namespace may pull.
+    Namespace(String),
+}
+
+impl Requester {
+    /// The requester a `DiskRequest`'s namespace names (empty: the node's operator).
+    pub fn of(namespace: &str) -> Self {
+        if namespace.is_empty() {
+            Requester::Node
+        } else {
+            Requester::Namespace(namespace.to_string())
+        }
+    }
 }
 
 /// The block cache the mount servers share, for garbage collection.
@@ -83,6 +111,7 @@ impl Snapshotter {
         servers: Box<dyn Supervisor>,
         classifier: Classifier,
         cache: CacheSettings,
+        tenants: Tenants,
     ) -> Result<Self> {
         crate::dirs::private(root)?;
         crate::dirs::private(&root.join("snapshots"))?;
@@ -98,6 +127,7 @@ impl Snapshotter {
             counters: Counters::load(&root.join("counters.json")),
             overlay_index_off: Path::new("/sys/module/overlay/parameters/index").exists(),
             cache,
+            tenants,
         })
     }
 
@@ -393,7 +423,9 @@ impl Snapshotter {
     }
 
     /// Classifies the layer and, if it is a disk, serves it remotely; whether the target
-    /// snapshot now exists. Every outcome is counted and logged.
+    /// snapshot now exists. Every outcome is counted and logged. The classification may use
+    /// the credentials of the CRI pulls of this image in flight (containerd is pulling it with
+    /// them: that is why it asks).
     async fn try_remote(
         self: &Arc<Self>,
         target: &str,
@@ -401,10 +433,16 @@ impl Snapshotter {
         labels: &BTreeMap<String, String>,
     ) -> bool {
         let started = std::time::Instant::now();
-        match self.classifier.classify(labels).await {
+        let image = labels.get(classify::LABEL_IMAGE_REF);
+        let pending = image.map_or_else(Vec::new, |i| self.tenants.pending_for(i));
+        let client = self.client_with(image.and_then(|i| i.parse().ok()), &pending);
+        match self.classifier.classify(labels, client.as_ref()).await {
             Decision::Remote { reference, layer } => {
+                if let (Some(image), Some(digest)) = (image, reference.digest) {
+                    self.tenants.note_classified(image, digest);
+                }
                 match self
-                    .prepare_remote(target, parent, labels, &reference, layer)
+                    .prepare_remote(target, parent, labels, &reference, layer, &pending)
                     .await
                 {
                     Ok(outcome) => {
@@ -440,13 +478,77 @@ impl Snapshotter {
         false
     }
 
+    /// The registry client acting with the node's credentials and `credentials` for the
+    /// repository of `image` (tried after the node's, in order).
+    fn client_with(
+        &self,
+        image: Option<Reference>,
+        credentials: &[crate::registry::auth::Credential],
+    ) -> Arc<dyn Registry> {
+        let base = Arc::clone(self.classifier.client());
+        match image {
+            Some(image) if !credentials.is_empty() => {
+                base.with_grants(Arc::new(Granted::of(credentials.iter().map(|c| {
+                    Grant::new(
+                        &image.registry,
+                        &image.repository,
+                        c.clone(),
+                        self.tenants.ttl(),
+                    )
+                }))))
+            }
+            _ => base,
+        }
+    }
+
+    /// What a new mount server of `reference` (pinned by digest) may fetch with: the grants of
+    /// succeeded pulls that covered it, and, if the node's own credentials do not read it, the
+    /// first credential of a pull in flight that does (asked of the registry now, so a wrong
+    /// one is never handed over).
+    async fn grants_for_server(
+        &self,
+        reference: &Reference,
+        pending: &[crate::registry::auth::Credential],
+    ) -> Vec<Grant> {
+        let Some(digest) = reference.digest else {
+            return Vec::new();
+        };
+        let mut grants = self.tenants.covering(reference, &digest);
+        if pending.is_empty() {
+            return grants;
+        }
+        match self.classifier.client().check_manifest(reference).await {
+            Ok(_) => return grants,
+            Err(e) if e.kind() == ErrorKind::Auth => {}
+            Err(e) => {
+                tracing::warn!(%reference, error = %e.chain(), "cannot tell which credentials read the image");
+                return grants;
+            }
+        }
+        for credential in pending {
+            let client =
+                self.client_with(Some(reference.clone()), std::slice::from_ref(credential));
+            if client.check_manifest(reference).await.is_ok() {
+                grants.push(Grant::new(
+                    &reference.registry,
+                    &reference.repository,
+                    credential.clone(),
+                    self.tenants.ttl(),
+                ));
+                break;
+            }
+        }
+        grants
+    }
+
     async fn prepare_remote(
         self: &Arc<Self>,
         target: &str,
         parent: &str,
         labels: &BTreeMap<String, String>,
-        reference: &crate::reference::Reference,
+        reference: &Reference,
         layer: crate::digest::Digest,
+        pending: &[crate::registry::auth::Credential],
     ) -> Result<&'static str> {
         let me = Arc::clone(self);
         let name = target.to_string();
@@ -460,9 +562,10 @@ impl Snapshotter {
             ));
         }
         let alias = labels.get(classify::LABEL_IMAGE_REF).cloned();
+        let grants = self.grants_for_server(reference, pending).await;
         let lock = self.layer_locks.lock(&layer).await;
         self.servers
-            .ensure(&layer, &reference.to_string(), alias.as_deref())
+            .ensure(&layer, &reference.to_string(), alias.as_deref(), &grants)
             .await?;
         let mut labels = labels.clone();
         labels.insert(LABEL_REMOTE.to_string(), "vmdisk".to_string());
@@ -526,36 +629,34 @@ impl Snapshotter {
         }
     }
 
-    /// What each of `layers`' servers says now (`None`: no server answered within the call
-    /// deadline), asked all at once; their counters are taken in.
-    /// Hands the running servers of `repository` of `registry` the credentials kubelet sent
-    /// with a PullImage of it; a server that does not answer gets them at its next start.
-    pub async fn hand_credentials(
+    /// Hands the running servers of the images `digests` of `grant`'s repository covers the
+    /// credentials of a pull of them that succeeded; a server that does not answer gets them
+    /// at its next start.
+    pub async fn hand_grant(
         self: &Arc<Self>,
-        registry: &str,
-        repository: &str,
-        credential: crate::registry::auth::Credential,
-        ttl: std::time::Duration,
+        grant: &Grant,
+        digests: &std::collections::BTreeSet<crate::digest::Digest>,
     ) -> Result<()> {
         let me = Arc::clone(self);
         let layers = blocking(move || me.remote_layers()).await?;
         for (layer, (remote, _)) in layers {
-            let same = remote
-                .reference
-                .parse::<crate::reference::Reference>()
-                .is_ok_and(|r| r.registry == registry && r.repository == repository);
-            if !same {
+            let covered = remote.reference.parse::<Reference>().is_ok_and(|r| {
+                r.registry == grant.registry
+                    && r.repository == grant.repository
+                    && r.digest.is_some_and(|d| digests.contains(&d))
+            });
+            if !covered {
                 continue;
             }
-            let message =
-                control::credentials_message(registry, repository, credential.clone(), ttl);
-            if let Err(e) = self.servers.hand_credentials(&layer, message).await {
+            if let Err(e) = self.servers.hand_grant(&layer, grant).await {
                 tracing::debug!(%layer, error = %e.chain(), "the layer's server did not take the credentials");
             }
         }
         Ok(())
     }
 
+    /// What each of `layers`' servers says now (`None`: no server answered within the call
+    /// deadline), asked all at once; their counters are taken in.
     pub async fn statuses(
         &self,
         layers: impl IntoIterator<Item = crate::digest::Digest>,
@@ -578,48 +679,231 @@ impl Snapshotter {
     }
 }
 
+/// How a requester may read a disk ([`Snapshotter::authorize`]).
+enum Access {
+    /// Through the registry with `client` (the node's credentials, or the namespace's `grant`).
+    Fetch {
+        client: Arc<dyn Registry>,
+        grant: Option<tenants::PullGrant>,
+    },
+    /// What the node holds for the reference, without asking the registry.
+    Held(RemoteLayerRef),
+}
+
 /// Disks made ready through the management API (`vmdisk path`, `prefetch`, `rm`, `gc`).
 impl Snapshotter {
-    /// Makes `reference`'s disk ready and keeps it until [`Snapshotter::remove_disk`]; returns
-    /// its layer. With the registry unreachable, a reference kept before is served from the
-    /// cache.
-    pub async fn ensure_disk(self: &Arc<Self>, reference: &str) -> Result<crate::digest::Digest> {
-        let parsed: crate::reference::Reference = reference.parse()?;
-        let (client, cache) = (self.classifier.client(), self.classifier.cache());
-        let remote = match crate::remote::platform_manifest(client, cache, &parsed).await {
-            Ok((manifest, digest, _)) => {
-                let pinned = parsed.with_digest(digest);
-                let (_, meta) =
-                    crate::remote::disk_layer_id(client, cache, &pinned, &manifest, digest).await?;
-                RemoteLayerRef {
-                    reference: pinned.to_string(),
-                    layer: meta.id().key(),
-                    alias: Some(reference.to_string()),
-                }
-            }
-            Err(e) if e.kind() == ErrorKind::Network => {
-                let me = Arc::clone(self);
-                let pins = blocking(move || me.store.pins()).await?;
-                let known = pins.into_iter().find(|(n, _)| n == reference);
-                match known {
-                    Some((_, r)) => {
-                        tracing::warn!(reference, error = %e.chain(), "registry unreachable; serving the disk kept before");
-                        r
+    /// Makes `reference`'s disk ready for `requester` and keeps it until
+    /// [`Snapshotter::remove_disk`]; returns its layer. A namespace gets it only if it may pull
+    /// the image ([`tenants`]). With the registry unreachable, a reference kept before is
+    /// served from the cache to the node's operator, and to a namespace as the verification
+    /// policy allows.
+    pub async fn ensure_disk(
+        self: &Arc<Self>,
+        reference: &str,
+        requester: &Requester,
+    ) -> Result<crate::digest::Digest> {
+        let parsed: Reference = reference.parse()?;
+        let cache = self.classifier.cache();
+        let (remote, grants) = match self.authorize(reference, &parsed, requester).await? {
+            Access::Fetch { client, grant } => {
+                match crate::remote::platform_manifest(client.as_ref(), cache, &parsed).await {
+                    Ok((manifest, digest, _)) => {
+                        let pinned = parsed.with_digest(digest);
+                        let (_, meta) = crate::remote::disk_layer_id(
+                            client.as_ref(),
+                            cache,
+                            &pinned,
+                            &manifest,
+                            digest,
+                        )
+                        .await?;
+                        let mut grants = self.tenants.covering(&parsed, &digest);
+                        match (&grant, requester) {
+                            (Some(g), Requester::Namespace(ns)) => {
+                                // The platform manifest joins the grant it was read through.
+                                for top in &g.digests {
+                                    self.tenants.extend(ns, &parsed, top, digest);
+                                }
+                                if !grants.iter().any(|h| h.credential == g.credential) {
+                                    grants.push(g.grant());
+                                }
+                            }
+                            _ => self.tenants.note_open(digest),
+                        }
+                        (
+                            RemoteLayerRef {
+                                reference: pinned.to_string(),
+                                layer: meta.id().key(),
+                                alias: Some(reference.to_string()),
+                            },
+                            grants,
+                        )
                     }
-                    None => return Err(e),
+                    Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::Timeout) => {
+                        let known = self.known(reference, &parsed).await?;
+                        let allowed = match requester {
+                            Requester::Node => true,
+                            Requester::Namespace(ns) => {
+                                self.may_serve_held(ns, &parsed, known.as_ref())
+                            }
+                        };
+                        match known.filter(|_| allowed) {
+                            Some(r) => {
+                                tracing::warn!(reference, error = %e.chain(), "registry unreachable; serving the disk kept before");
+                                (r, Vec::new())
+                            }
+                            None => return Err(e),
+                        }
+                    }
+                    Err(e) => return Err(e),
                 }
             }
-            Err(e) => return Err(e),
+            Access::Held(r) => (r, Vec::new()),
         };
         let layer = remote.layer;
         let lock = self.layer_locks.lock(&layer).await;
         self.servers
-            .ensure(&layer, &remote.reference, remote.alias.as_deref())
+            .ensure(&layer, &remote.reference, remote.alias.as_deref(), &grants)
             .await?;
         let (me, name) = (Arc::clone(self), reference.to_string());
         blocking(move || me.store.pin(&name, &remote)).await?;
         drop(lock);
         Ok(layer)
+    }
+
+    /// Whether `requester` may have `reference`'s disk, and how to read it. The node's
+    /// operator reads with the node's credentials. A namespace may if its own pull of that
+    /// digest succeeded, if the node's own credentials read the image, or if a grant of its
+    /// own reads the digest it pulled; failing that, under [`tenants::Verification::Never`],
+    /// it gets what the node holds for the reference.
+    async fn authorize(
+        self: &Arc<Self>,
+        reference: &str,
+        parsed: &Reference,
+        requester: &Requester,
+    ) -> Result<Access> {
+        let base = Arc::clone(self.classifier.client());
+        let Requester::Namespace(ns) = requester else {
+            return Ok(Access::Fetch {
+                client: base,
+                grant: None,
+            });
+        };
+        let scoped = |g: &tenants::PullGrant| -> Arc<dyn Registry> {
+            Arc::clone(&base).with_grants(Arc::new(Granted::of([g.grant()])))
+        };
+        let grants = self.tenants.grants_of(ns, parsed);
+        // The namespace's own pull of this very digest succeeded.
+        if let Some(g) = parsed
+            .digest
+            .and_then(|d| grants.iter().find(|g| g.digests.contains(&d)))
+        {
+            return Ok(Access::Fetch {
+                client: scoped(g),
+                grant: Some(g.clone()),
+            });
+        }
+        // The node's own credentials read it: anyone may have it.
+        match base.check_manifest(parsed).await {
+            Ok(digest) => {
+                self.tenants.note_open(digest);
+                return Ok(Access::Fetch {
+                    client: base,
+                    grant: None,
+                });
+            }
+            Err(e) if e.kind() == ErrorKind::Auth => {}
+            Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::Timeout) => {
+                let known = self.known(reference, parsed).await?;
+                return match known.filter(|k| self.may_serve_held(ns, parsed, Some(k))) {
+                    Some(k) => {
+                        tracing::warn!(reference, namespace = ns, error = %e.chain(), "registry unreachable; serving the disk kept before");
+                        Ok(Access::Held(k))
+                    }
+                    None => Err(e.context(format!(
+                        "cannot tell whether namespace {ns} may read {reference}"
+                    ))),
+                };
+            }
+            Err(e) => return Err(e),
+        }
+        // A grant of the namespace's own reads it, and its pull fetched that digest.
+        let mut other = None;
+        for g in &grants {
+            match scoped(g).check_manifest(parsed).await {
+                Ok(d) if g.digests.contains(&d) => {
+                    return Ok(Access::Fetch {
+                        client: scoped(g),
+                        grant: Some(g.clone()),
+                    })
+                }
+                Ok(d) => other = Some(d),
+                Err(e) if e.kind() == ErrorKind::Auth => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if self.tenants.policy == tenants::Verification::Never {
+            if let Some(k) = self.known(reference, parsed).await? {
+                return Ok(Access::Held(k));
+            }
+        }
+        let why = match other {
+            Some(d) => format!(
+                "namespace {ns} pulled other digests of {}/{}, not {d}",
+                parsed.registry, parsed.repository
+            ),
+            None => format!("no PullImage of it by a pod of namespace {ns} succeeded"),
+        };
+        Err(Error::new(
+            ErrorKind::Auth,
+            format!(
+                "namespace {ns} may not read {reference}: the registry requires credentials, the node's own do not read it, and {why}; pull the image in a pod of that namespace (with its imagePullSecret) first, or give the node credentials for it"
+            ),
+        ))
+    }
+
+    /// What the node holds for `reference`: a disk kept by that name, or a remote snapshot's
+    /// layer pulled by that name or pinned to that digest.
+    async fn known(
+        self: &Arc<Self>,
+        reference: &str,
+        parsed: &Reference,
+    ) -> Result<Option<RemoteLayerRef>> {
+        let (me, reference, parsed) = (Arc::clone(self), reference.to_string(), parsed.clone());
+        blocking(move || {
+            if let Some((_, r)) = me.store.pins()?.into_iter().find(|(n, _)| *n == reference) {
+                return Ok(Some(r));
+            }
+            Ok(me.remote_layers()?.into_values().map(|(r, _)| r).find(|r| {
+                r.alias.as_deref() == Some(reference.as_str())
+                    || parsed.digest.is_some_and(|d| {
+                        r.reference.parse::<Reference>().is_ok_and(|p| {
+                            p.digest == Some(d)
+                                && p.registry == parsed.registry
+                                && p.repository == parsed.repository
+                        })
+                    })
+            }))
+        })
+        .await
+    }
+
+    /// Whether namespace `ns` may be served what the node holds (`held`) without the registry
+    /// confirming it: as the verification policy says.
+    fn may_serve_held(&self, ns: &str, parsed: &Reference, held: Option<&RemoteLayerRef>) -> bool {
+        let Some(digest) = held.and_then(|h| h.reference.parse::<Reference>().ok()?.digest) else {
+            return false;
+        };
+        let own = self
+            .tenants
+            .grants_of(ns, parsed)
+            .iter()
+            .any(|g| g.digests.contains(&digest));
+        match self.tenants.policy {
+            tenants::Verification::Never => true,
+            tenants::Verification::IfPrivate => own || self.tenants.is_open(&digest),
+            tenants::Verification::Always => own,
+        }
     }
 
     /// Forgets a disk kept by [`Snapshotter::ensure_disk`]; returns whether its mount stopped.
@@ -701,7 +985,7 @@ impl Snapshotter {
             let _lock = self.layer_locks.lock(layer).await;
             match self
                 .servers
-                .ensure(layer, &remote.reference, remote.alias.as_deref())
+                .ensure(layer, &remote.reference, remote.alias.as_deref(), &[])
                 .await
             {
                 Ok(mnt) => {

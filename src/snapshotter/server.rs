@@ -22,6 +22,7 @@ use crate::cache::CacheRoot;
 use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::reference::Reference;
+use crate::registry::granted::Granted;
 use crate::serve::Serving;
 
 /// How long a server that failed to start waits for the daemon to collect the reason.
@@ -47,8 +48,9 @@ struct Shared {
     phase_changed: tokio::sync::Notify,
     /// Stop requests, each answered with the final counters or why not.
     stops: mpsc::Sender<oneshot::Sender<Result<pb::LayerCounters>>>,
-    /// Credentials the daemon handed over (kubelet's, from its CRI proxy); memory only.
-    pulled: Arc<crate::registry::pulled::PulledCredentials>,
+    /// Credentials of pulls of the image that succeeded, handed over by the daemon; memory
+    /// only.
+    granted: Arc<Granted>,
 }
 
 struct ControlService(Arc<Shared>);
@@ -166,7 +168,9 @@ impl pb::layer_server_server::LayerServer for ControlService {
         &self,
         request: Request<pb::Credentials>,
     ) -> Result<Response<pb::SetCredentialsResponse>, Status> {
-        super::control::keep_credentials(&self.0.pulled, request.into_inner());
+        self.0
+            .granted
+            .add(super::control::grant_of(request.into_inner()));
         Ok(Response::new(pb::SetCredentialsResponse {}))
     }
 
@@ -193,7 +197,7 @@ impl pb::layer_server_server::LayerServer for ControlService {
 const MAX_CREDENTIALS: u64 = 64 << 10;
 
 /// The credentials the daemon writes to a server's stdin when it starts it (then closes it).
-async fn credentials_from_stdin() -> Result<pb::Credentials> {
+async fn credentials_from_stdin() -> Result<pb::Grants> {
     use tokio::io::AsyncReadExt as _;
     let mut bytes = Vec::new();
     tokio::time::timeout(
@@ -210,7 +214,8 @@ async fn credentials_from_stdin() -> Result<pb::Credentials> {
 }
 
 /// Runs the mount server of `layer` (the key the daemon expects) for `reference` until stopped;
-/// `credentials_on_stdin`: the daemon hands it kubelet's credentials there first.
+/// `credentials_on_stdin`: the daemon hands it the credentials of pulls of the image there
+/// first.
 pub async fn serve_layer(
     config: &Config,
     reference: &str,
@@ -218,9 +223,11 @@ pub async fn serve_layer(
     alias: Option<&str>,
     credentials_on_stdin: bool,
 ) -> Result<()> {
-    let pulled = Arc::new(crate::registry::pulled::PulledCredentials::default());
+    let granted = Arc::new(Granted::default());
     if credentials_on_stdin {
-        super::control::keep_credentials(&pulled, credentials_from_stdin().await?);
+        for message in credentials_from_stdin().await?.credentials {
+            granted.add(super::control::grant_of(message));
+        }
     }
     let paths = LayerPaths::new(&config.root, layer);
     let listener = crate::api::unix::bind(&paths.control, 0o600)?;
@@ -243,7 +250,7 @@ pub async fn serve_layer(
         phase: Mutex::new(Phase::Starting),
         phase_changed: tokio::sync::Notify::new(),
         stops,
-        pulled,
+        granted,
     });
     let (done, done_rx) = tokio::sync::watch::channel(false);
     let control_task = tokio::spawn(
@@ -286,7 +293,7 @@ async fn run(
     stop_requests: &mut mpsc::Receiver<oneshot::Sender<Result<pb::LayerCounters>>>,
 ) -> Result<()> {
     let started = tokio::select! {
-        r = start(config, reference, layer, alias, paths, Arc::clone(&shared.pulled)) => r,
+        r = start(config, reference, layer, alias, paths, Arc::clone(&shared.granted)) => r,
         Some(reply) = stop_requests.recv() => {
             let _ = reply.send(Ok(pb::LayerCounters::default()));
             tracing::info!(%layer, "stopped while starting");
@@ -363,7 +370,7 @@ async fn start(
     layer: &Digest,
     alias: Option<&str>,
     paths: &LayerPaths,
-    pulled: Arc<crate::registry::pulled::PulledCredentials>,
+    granted: Arc<Granted>,
 ) -> Result<Serving> {
     let reference: Reference = reference.parse()?;
     let digest = reference.digest.ok_or_else(|| {
@@ -378,8 +385,7 @@ async fn start(
             Error::new(crate::error::ErrorKind::Io, "opening the cache").with_source(e)
         })??;
     let client = Arc::new(
-        crate::registry::RegistryClient::new(config.registry_config())?
-            .with_pulled_credentials(pulled),
+        crate::registry::RegistryClient::new(config.registry_config())?.with_grants(granted),
     );
     let opts = crate::engine::EngineOptions {
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),

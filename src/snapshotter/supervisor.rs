@@ -24,6 +24,7 @@ use futures_util::future::BoxFuture;
 use super::control::{self, LayerPaths, LayerStatus, ServerState};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
+use crate::registry::granted::Grant;
 
 /// How long one status call waits for a starting server to serve (or fail): the daemon learns
 /// the outcome as it happens instead of at its next poll.
@@ -39,9 +40,6 @@ pub struct ServerCommand {
     /// Where servers mount ready-disk directories (`ready_dir` of the configuration).
     pub ready_dir: PathBuf,
     pub mount_timeout: Duration,
-    /// Credentials kubelet sent with PullImage (the CRI proxy), handed to the servers of their
-    /// repositories.
-    pub credentials: Option<Arc<crate::registry::pulled::PulledCredentials>>,
 }
 
 /// What the snapshotter asks of whoever runs the mount servers.
@@ -55,21 +53,23 @@ pub trait Supervisor: Send + Sync {
     /// Asks `layer`'s server to fetch its whole disk; whether a new hydration started.
     fn hydrate<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<bool>>;
     /// Makes sure a server serves `layer` (of `reference`), adopting a running one or starting
-    /// one; returns the mount point. The caller holds the layer's lock.
+    /// one, and that it holds `grants` (credentials of pulls of that image that succeeded);
+    /// returns the mount point. The caller holds the layer's lock.
     fn ensure<'a>(
         &'a self,
         layer: &'a Digest,
         reference: &'a str,
         alias: Option<&'a str>,
+        grants: &'a [Grant],
     ) -> BoxFuture<'a, Result<PathBuf>>;
     /// Stops `layer`'s server; its last status with its final counters, or `None` if no server
     /// answered. A busy mount refuses (`FailedPrecondition`). The caller holds the layer's lock.
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>>;
-    /// Hands `layer`'s running server credentials kubelet sent for its repository.
-    fn hand_credentials<'a>(
+    /// Hands `layer`'s running server the credentials of a pull of its image that succeeded.
+    fn hand_grant<'a>(
         &'a self,
         _layer: &'a Digest,
-        _credentials: control::Credentials,
+        _grant: &'a Grant,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async { Ok(()) })
     }
@@ -94,18 +94,15 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
         layer: &'a Digest,
         reference: &'a str,
         alias: Option<&'a str>,
+        grants: &'a [Grant],
     ) -> BoxFuture<'a, Result<PathBuf>> {
-        (**self).ensure(layer, reference, alias)
+        (**self).ensure(layer, reference, alias, grants)
     }
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
         (**self).stop(layer)
     }
-    fn hand_credentials<'a>(
-        &'a self,
-        layer: &'a Digest,
-        credentials: control::Credentials,
-    ) -> BoxFuture<'a, Result<()>> {
-        (**self).hand_credentials(layer, credentials)
+    fn hand_grant<'a>(&'a self, layer: &'a Digest, grant: &'a Grant) -> BoxFuture<'a, Result<()>> {
+        (**self).hand_grant(layer, grant)
     }
 }
 
@@ -154,23 +151,6 @@ impl LayerServers {
         LayerPaths::new(&self.command.root, layer)
     }
 
-    /// The credentials kubelet sent for the repository of `reference`, as a message for its
-    /// server, if any are kept.
-    fn credentials_for(&self, reference: &str) -> Option<control::Credentials> {
-        let r: crate::reference::Reference = reference.parse().ok()?;
-        let (credential, ttl) = self
-            .command
-            .credentials
-            .as_ref()?
-            .get(&r.registry, &r.repository)?;
-        Some(control::credentials_message(
-            &r.registry,
-            &r.repository,
-            credential,
-            ttl,
-        ))
-    }
-
     /// What `layer`'s server says about itself, if a server for that layer answers within
     /// [`control::CALL_DEADLINE`].
     async fn server_status(&self, layer: &Digest) -> Option<LayerStatus> {
@@ -192,14 +172,14 @@ impl Supervisor for LayerServers {
         self.paths(layer).mountpoint
     }
 
-    fn hand_credentials<'a>(
-        &'a self,
-        layer: &'a Digest,
-        credentials: control::Credentials,
-    ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(
-            async move { control::set_credentials(&self.paths(layer).control, credentials).await },
-        )
+    fn hand_grant<'a>(&'a self, layer: &'a Digest, grant: &'a Grant) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            control::set_credentials(
+                &self.paths(layer).control,
+                control::credentials_message(grant),
+            )
+            .await
+        })
     }
 
     fn ready_dir(&self, reference: &str) -> Option<PathBuf> {
@@ -224,8 +204,9 @@ impl Supervisor for LayerServers {
         layer: &'a Digest,
         reference: &'a str,
         alias: Option<&'a str>,
+        grants: &'a [Grant],
     ) -> BoxFuture<'a, Result<PathBuf>> {
-        Box::pin(self.ensure_server(layer, reference, alias))
+        Box::pin(self.ensure_server(layer, reference, alias, grants))
     }
 
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
@@ -239,6 +220,7 @@ impl LayerServers {
         layer: &Digest,
         reference: &str,
         alias: Option<&str>,
+        grants: &[Grant],
     ) -> Result<PathBuf> {
         let paths = self.paths(layer);
         if let Some(status) = self.server_status(layer).await {
@@ -246,6 +228,11 @@ impl LayerServers {
                 ServerState::Serving => {
                     if self.know(&status.instance) {
                         tracing::info!(%layer, pid = status.pid, instance = status.instance, "adopted the running mount server");
+                    }
+                    for grant in grants {
+                        if let Err(e) = self.hand_grant(layer, grant).await {
+                            tracing::warn!(%layer, error = %e.chain(), "the layer's server did not take the credentials of a pull");
+                        }
                     }
                     return Ok(paths.mountpoint);
                 }
@@ -258,10 +245,16 @@ impl LayerServers {
                 }
             }
         }
-        self.start(layer, reference, alias).await
+        self.start(layer, reference, alias, grants).await
     }
 
-    async fn start(&self, layer: &Digest, reference: &str, alias: Option<&str>) -> Result<PathBuf> {
+    async fn start(
+        &self,
+        layer: &Digest,
+        reference: &str,
+        alias: Option<&str>,
+        grants: &[Grant],
+    ) -> Result<PathBuf> {
         let command = &self.command;
         let paths = self.paths(layer);
         let log_path = paths.log.clone();
@@ -289,9 +282,11 @@ impl LayerServers {
         if let Some(alias) = alias {
             cmd.arg("--alias").arg(alias);
         }
-        // Kubelet's credentials for this repository go to the server over a pipe, never in its
+        // Credentials of pulls of this image go to the server over a pipe, never in its
         // arguments or environment (both readable in /proc).
-        let handed = self.credentials_for(reference);
+        let handed = (!grants.is_empty()).then(|| control::Grants {
+            credentials: grants.iter().map(control::credentials_message).collect(),
+        });
         if handed.is_some() {
             cmd.arg("--credentials-on-stdin")
                 .stdin(std::process::Stdio::piped());

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
@@ -19,22 +19,64 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{ANN_TOC_CHECKSUM, ANN_TOC_POSITION};
 use crate::oci::Descriptor;
 use crate::reference::Reference;
+use crate::registry::auth::Credential;
+use crate::registry::granted::{Grant, Granted};
 use crate::registry::{FetchedManifest, Registry};
 
-/// Images in memory; `down` makes every call fail as an unreachable registry would.
+/// Images in memory; `down` makes every call fail as an unreachable registry would; with
+/// `private` set, only a client granted one of those credentials for the repository reads
+/// anything.
 #[derive(Default)]
-struct MemoryRegistry {
+struct Images {
     manifests: Mutex<HashMap<Digest, Vec<u8>>>,
     blobs: Mutex<HashMap<Digest, Vec<u8>>>,
+    tags: Mutex<HashMap<String, Digest>>,
     down: AtomicBool,
+    private: Mutex<Option<Vec<Credential>>>,
+    /// Manifest checks asked (HEADs).
+    checks: AtomicU32,
+}
+
+/// A client of [`Images`]: the node's (no credentials) or one with grants.
+#[derive(Default)]
+struct MemoryRegistry {
+    images: Arc<Images>,
+    granted: Arc<Granted>,
+}
+
+impl std::ops::Deref for MemoryRegistry {
+    type Target = Images;
+    fn deref(&self) -> &Images {
+        &self.images
+    }
 }
 
 impl MemoryRegistry {
-    fn check(&self) -> Result<()> {
+    fn check(&self, r: &Reference) -> Result<()> {
         if self.down.load(Ordering::SeqCst) {
             return Err(Error::new(ErrorKind::Network, "registry unreachable"));
         }
+        if let Some(accepted) = self.private.lock().unwrap().as_ref() {
+            let held = self.granted.for_repository(&r.registry, &r.repository);
+            if !held.iter().any(|(c, _)| accepted.contains(c)) {
+                return Err(Error::new(ErrorKind::Auth, "HTTP 401"));
+            }
+        }
         Ok(())
+    }
+
+    fn resolve(&self, r: &Reference) -> Result<Digest> {
+        match (r.digest, &r.tag) {
+            (Some(d), _) => Ok(d),
+            (None, Some(t)) => self
+                .tags
+                .lock()
+                .unwrap()
+                .get(t)
+                .copied()
+                .ok_or_else(|| Error::not_found(format!("tag {t}"))),
+            _ => Err(Error::invalid("no tag or digest")),
+        }
     }
 
     /// Stores an image whose layers have `layers` (media type, annotations) and returns the
@@ -73,8 +115,8 @@ impl MemoryRegistry {
 impl Registry for MemoryRegistry {
     fn get_manifest<'a>(&'a self, r: &'a Reference) -> BoxFuture<'a, Result<FetchedManifest>> {
         Box::pin(async move {
-            self.check()?;
-            let digest = r.digest.expect("CRI labels pin manifests by digest");
+            self.check(r)?;
+            let digest = self.resolve(r)?;
             let bytes = self
                 .manifests
                 .lock()
@@ -93,12 +135,12 @@ impl Registry for MemoryRegistry {
 
     fn get_blob<'a>(
         &'a self,
-        _r: &'a Reference,
+        r: &'a Reference,
         desc: &'a Descriptor,
         _limit: u64,
     ) -> BoxFuture<'a, Result<Vec<u8>>> {
         Box::pin(async move {
-            self.check()?;
+            self.check(r)?;
             self.blobs
                 .lock()
                 .unwrap()
@@ -116,12 +158,32 @@ impl Registry for MemoryRegistry {
     ) -> BoxFuture<'a, Result<bytes::Bytes>> {
         Box::pin(async move { Err(Error::not_found(format!("no ranges of {digest} here"))) })
     }
+
+    fn with_grants(self: Arc<Self>, granted: Arc<Granted>) -> Arc<dyn Registry> {
+        Arc::new(MemoryRegistry {
+            images: Arc::clone(&self.images),
+            granted,
+        })
+    }
+
+    fn check_manifest<'a>(&'a self, r: &'a Reference) -> BoxFuture<'a, Result<Digest>> {
+        Box::pin(async move {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            self.check(r)?;
+            let digest = self.resolve(r)?;
+            if !self.manifests.lock().unwrap().contains_key(&digest) {
+                return Err(Error::not_found(format!("manifest {digest}")));
+            }
+            Ok(digest)
+        })
+    }
 }
 
 /// Records what it was asked; mounts are plain directories; `fail` makes `ensure` fail.
 struct FakeSupervisor {
     root: PathBuf,
-    ensured: Mutex<Vec<(Digest, String)>>,
+    /// Layer, reference and the user names of the grants handed over.
+    ensured: Mutex<Vec<(Digest, String, Vec<String>)>>,
     stopped: Mutex<Vec<Digest>>,
     fail: AtomicBool,
 }
@@ -148,6 +210,7 @@ impl Supervisor for FakeSupervisor {
         layer: &'a Digest,
         reference: &'a str,
         _alias: Option<&'a str>,
+        grants: &'a [Grant],
     ) -> BoxFuture<'a, Result<PathBuf>> {
         Box::pin(async move {
             if self.fail.load(Ordering::SeqCst) {
@@ -155,10 +218,14 @@ impl Supervisor for FakeSupervisor {
             }
             let dir = self.mountpoint(layer);
             std::fs::create_dir_all(&dir).unwrap();
-            self.ensured
-                .lock()
-                .unwrap()
-                .push((*layer, reference.to_string()));
+            self.ensured.lock().unwrap().push((
+                *layer,
+                reference.to_string(),
+                grants
+                    .iter()
+                    .map(|g| g.credential.username.clone())
+                    .collect(),
+            ));
             Ok(dir)
         })
     }
@@ -179,6 +246,10 @@ struct Fixture {
 }
 
 fn fixture() -> Fixture {
+    fixture_with(super::tenants::Verification::IfPrivate)
+}
+
+fn fixture_with(policy: super::tenants::Verification) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let registry = Arc::new(MemoryRegistry::default());
     let supervisor = Arc::new(FakeSupervisor {
@@ -195,6 +266,7 @@ fn fixture() -> Fixture {
             dir: dir.path().join("cache"),
             limit: None,
         },
+        super::tenants::Tenants::new(policy, std::time::Duration::from_secs(3600)),
     )
     .unwrap();
     Fixture {
@@ -383,7 +455,10 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
         Some(cache.clone()),
     );
     let decision = classifier
-        .classify(&cri_labels("disk", &manifest, &layers[0]))
+        .classify(
+            &cri_labels("disk", &manifest, &layers[0]),
+            registry.as_ref(),
+        )
         .await;
     let super::classify::Decision::Remote { reference, layer } = decision else {
         panic!("the disk layer is remote: {decision:?}");
@@ -413,4 +488,175 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
     // Nor one larger than what may be read for it.
     assert!(cache.load_blob(&m.config.digest, 10).is_none());
     assert!(cache.load_blob(&m.config.digest, 1 << 20).is_some());
+}
+
+fn user(name: &str) -> Credential {
+    Credential {
+        username: name.into(),
+        secret: format!("{name}'s password"),
+    }
+}
+
+const IMAGE: &str = "r.example/vm/disk:1";
+
+impl Fixture {
+    /// A private disk image tagged `1` that only `accepted` read; its manifest digest.
+    fn private_image(&self, accepted: &[&str]) -> Digest {
+        let (manifest, _) = self.registry.image(&[(ZSTD, chunked())]);
+        self.registry
+            .tags
+            .lock()
+            .unwrap()
+            .insert("1".into(), manifest);
+        *self.registry.private.lock().unwrap() = Some(accepted.iter().map(|u| user(u)).collect());
+        manifest
+    }
+
+    async fn ensure(&self, reference: &str, namespace: &str) -> Result<Digest> {
+        self.snapshotter
+            .ensure_disk(reference, &super::Requester::of(namespace))
+            .await
+    }
+
+    /// The user names of the grants the last server start was handed.
+    fn handed(&self) -> Vec<String> {
+        self.supervisor
+            .ensured
+            .lock()
+            .unwrap()
+            .last()
+            .unwrap()
+            .2
+            .clone()
+    }
+}
+
+#[tokio::test]
+async fn a_namespace_gets_a_private_disk_only_through_its_own_pull() {
+    let f = fixture();
+    let manifest = f.private_image(&["alice", "bob"]);
+    let image: Reference = IMAGE.parse().unwrap();
+    let by_digest = format!("r.example/vm/disk@{manifest}");
+    // Nobody pulled it: refused to a namespace and to the node's operator alike.
+    let e = f.ensure(IMAGE, "tenant-a").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Auth, "{}", e.chain());
+    assert!(
+        e.chain()
+            .contains("no PullImage of it by a pod of namespace tenant-a"),
+        "{}",
+        e.chain()
+    );
+    assert_eq!(
+        f.ensure(IMAGE, "").await.unwrap_err().kind(),
+        ErrorKind::Auth
+    );
+    // tenant-a's pull with alice's credentials succeeded: tenant-a gets the disk, and its
+    // server fetches with alice's credentials.
+    f.snapshotter
+        .tenants
+        .grant("tenant-a", &image, user("alice"), [manifest].into());
+    f.ensure(IMAGE, "tenant-a").await.unwrap();
+    assert_eq!(f.handed(), ["alice"]);
+    // tenant-b pulled nothing: refused, by tag and by digest, though the node holds the disk.
+    for reference in [IMAGE, by_digest.as_str()] {
+        let e = f.ensure(reference, "tenant-b").await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Auth, "{}", e.chain());
+    }
+    // The operator's `vmdisk path` uses the node's credentials only, never a tenant's.
+    assert_eq!(
+        f.ensure(IMAGE, "").await.unwrap_err().kind(),
+        ErrorKind::Auth
+    );
+    // tenant-b's own pull of another digest of the repository does not cover this one.
+    let older = Digest::of(b"an older manifest");
+    f.snapshotter
+        .tenants
+        .grant("tenant-b", &image, user("bob"), [older].into());
+    let e = f.ensure(IMAGE, "tenant-b").await.unwrap_err();
+    assert!(e.chain().contains("pulled other digests"), "{}", e.chain());
+    // Once tenant-b's own pull of it succeeded, tenant-b gets it with its own credentials.
+    f.snapshotter
+        .tenants
+        .grant("tenant-b", &image, user("bob"), [manifest].into());
+    f.ensure(IMAGE, "tenant-b").await.unwrap();
+    assert!(f.handed().contains(&"bob".to_string()), "{:?}", f.handed());
+}
+
+#[tokio::test]
+async fn what_the_node_holds_is_served_to_a_namespace_as_the_policy_says() {
+    use super::tenants::Verification::{Always, IfPrivate, Never};
+    for policy in [Never, IfPrivate, Always] {
+        let f = fixture_with(policy);
+        let manifest = f.private_image(&["alice"]);
+        let image: Reference = IMAGE.parse().unwrap();
+        f.snapshotter
+            .tenants
+            .grant("tenant-a", &image, user("alice"), [manifest].into());
+        f.ensure(IMAGE, "tenant-a").await.unwrap();
+        // Another namespace, with the disk on the node and the registry saying no.
+        let b = f.ensure(IMAGE, "tenant-b").await;
+        assert_eq!(b.is_ok(), policy == Never, "{policy:?}: {b:?}");
+        // With the registry unreachable, tenant-a's own pull still counts; tenant-b's nothing.
+        f.registry.down.store(true, Ordering::SeqCst);
+        assert!(f.ensure(IMAGE, "tenant-a").await.is_ok(), "{policy:?}");
+        let b = f.ensure(IMAGE, "tenant-b").await;
+        assert_eq!(b.is_ok(), policy == Never, "{policy:?}: {b:?}");
+        // An image the node's own credentials read is anyone's, unless every use is checked
+        // (then not while the registry cannot be asked).
+        f.registry.down.store(false, Ordering::SeqCst);
+        *f.registry.private.lock().unwrap() = None;
+        f.ensure(IMAGE, "tenant-c").await.unwrap();
+        f.registry.down.store(true, Ordering::SeqCst);
+        let c = f.ensure(IMAGE, "tenant-d").await;
+        assert_eq!(c.is_ok(), policy != Always, "{policy:?}: {c:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_pull_in_flight_hands_its_server_only_credentials_that_read_the_image() {
+    let f = fixture();
+    let manifest = f.private_image(&["alice"]);
+    let (_, layers) = {
+        let m = f.registry.manifests.lock().unwrap()[&manifest].clone();
+        let parsed: serde_json::Value = serde_json::from_slice(&m).unwrap();
+        let layer: Digest = parsed["layers"][0]["digest"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        (manifest, vec![layer])
+    };
+    // Without credentials, the private image is not classified: containerd pulls it (and
+    // fails as it would without vmdisk).
+    let mounts = f
+        .snapshotter
+        .prepare("extract-1", "", cri_labels("disk", &manifest, &layers[0]))
+        .await
+        .unwrap();
+    assert!(mounts.is_some());
+    // Two pulls in flight: mallory's password is wrong, alice's right.
+    let mallory = f
+        .snapshotter
+        .tenants
+        .begin_pull(IMAGE, user("mallory"))
+        .unwrap();
+    let alice = f
+        .snapshotter
+        .tenants
+        .begin_pull(IMAGE, user("alice"))
+        .unwrap();
+    let mounts = f
+        .snapshotter
+        .prepare("extract-2", "", cri_labels("disk", &manifest, &layers[0]))
+        .await
+        .unwrap();
+    assert!(mounts.is_none(), "remote with the pulls' credentials");
+    assert_eq!(
+        f.handed(),
+        ["alice"],
+        "mallory's credentials are never handed over"
+    );
+    assert_eq!(alice.digests(), [manifest].into());
+    drop((mallory, alice));
+    assert!(f.snapshotter.tenants.pending_for(IMAGE).is_empty());
 }

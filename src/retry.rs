@@ -1,0 +1,191 @@
+//! The one retry policy. Every fetch whose bytes are verified (manifests, configs, TOCs,
+//! indexes, windows, chunks) and every idempotent registry request is retried here and
+//! nowhere else: a transient failure — no connection, a reset, a timeout, a 5xx or 429, a
+//! short body, bytes that fail their digest — is tried again with exponential backoff and
+//! jitter (`backon`), until it succeeds, the attempts run out or the overall deadline passes;
+//! anything else (not found, refused credentials, a malformed answer) fails at once. Which
+//! endpoint a try goes to (the next mirror first, the registry itself last) is the registry
+//! client's business; this module only decides whether and when to try again.
+
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable as _};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// How often, how patiently and for how long to retry.
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    /// Total tries, at least 1.
+    pub attempts: u32,
+    pub base_delay: Duration,
+    pub max_delay: Duration,
+    /// Nothing retried here runs past this, tries and waits included.
+    pub deadline: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            attempts: 5,
+            base_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(5),
+            deadline: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Whether a failure may go away by itself: network trouble and bytes that were not what was
+/// asked for (cut, flipped, from a confused mirror).
+pub fn transient(e: &Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Network | ErrorKind::Corrupt | ErrorKind::Timeout
+    )
+}
+
+impl RetryPolicy {
+    /// This policy with another overall deadline.
+    pub fn with_deadline(&self, deadline: Duration) -> Self {
+        RetryPolicy {
+            deadline,
+            ..self.clone()
+        }
+    }
+
+    /// Runs `op` until it succeeds or fails with an error that is not [`transient`], at most
+    /// `attempts` times and within `deadline`; `what` names the operation in logs and errors.
+    pub async fn run<T, F, Fut>(&self, what: &str, op: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.run_when(what, op, transient).await
+    }
+
+    /// [`RetryPolicy::run`] that retries the failures `retry` accepts.
+    pub async fn run_when<T, F, Fut>(
+        &self,
+        what: &str,
+        op: F,
+        retry: impl Fn(&Error) -> bool,
+    ) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let backoff = ExponentialBuilder::new()
+            .with_min_delay(self.base_delay)
+            .with_max_delay(self.max_delay)
+            .with_max_times(self.attempts.max(1) as usize - 1)
+            .with_jitter();
+        let last = std::sync::Mutex::new(None::<String>);
+        let tries = op
+            .retry(backoff)
+            .sleep(tokio::time::sleep)
+            .when(|e| retry(e))
+            .notify(|e, wait| {
+                tracing::warn!(what, error = %e.chain(), retry_in_ms = wait.as_millis() as u64, "failed; retrying");
+                *last.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.chain());
+            });
+        match tokio::time::timeout(self.deadline, tries).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                let last = last.lock().unwrap_or_else(|p| p.into_inner()).take();
+                let why = last.map_or_else(
+                    || "no answer".to_string(),
+                    |e| format!("the last try failed: {e}"),
+                );
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{what} did not succeed within {} s ({why})",
+                        self.deadline.as_secs_f32()
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    fn quick(attempts: u32, deadline_ms: u64) -> RetryPolicy {
+        RetryPolicy {
+            attempts,
+            base_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(5),
+            deadline: Duration::from_millis(deadline_ms),
+        }
+    }
+
+    #[tokio::test]
+    async fn transient_failures_are_retried_and_others_are_not() {
+        let tries = AtomicU32::new(0);
+        let got = quick(5, 5000)
+            .run("a flaky fetch", || async {
+                match tries.fetch_add(1, Ordering::SeqCst) {
+                    0 => Err(Error::corrupt("digest mismatch")),
+                    1 => Err(Error::new(ErrorKind::Network, "reset")),
+                    _ => Ok(7),
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!((got, tries.load(Ordering::SeqCst)), (7, 3));
+
+        let tries = AtomicU32::new(0);
+        let e = quick(5, 5000)
+            .run("a refused fetch", || async {
+                tries.fetch_add(1, Ordering::SeqCst);
+                Err::<(), _>(Error::new(ErrorKind::Auth, "401"))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(
+            (e.kind(), tries.load(Ordering::SeqCst)),
+            (ErrorKind::Auth, 1)
+        );
+
+        // Attempts run out: the last error is returned as it was.
+        let tries = AtomicU32::new(0);
+        let e = quick(3, 5000)
+            .run("always corrupt", || async {
+                tries.fetch_add(1, Ordering::SeqCst);
+                Err::<(), _>(Error::corrupt("blob sha256:ab does not match"))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(tries.load(Ordering::SeqCst), 3);
+        assert!(e.chain().contains("sha256:ab"), "{e}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_bounds_tries_and_waits_and_names_the_last_failure() {
+        let e = quick(1000, 2000)
+            .run("config sha256:cd", || async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Err::<(), _>(Error::new(ErrorKind::Network, "connection reset"))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout);
+        let text = e.chain();
+        assert!(
+            text.contains("config sha256:cd") && text.contains("connection reset"),
+            "{text}"
+        );
+        // A silent peer: nothing to name but the silence.
+        let e = quick(1000, 2000)
+            .run("manifest", || async {
+                std::future::pending::<()>().await;
+                Ok(())
+            })
+            .await
+            .unwrap_err();
+        assert!(e.chain().contains("no answer"), "{e}");
+    }
+}
