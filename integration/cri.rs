@@ -29,6 +29,8 @@ pub struct Daemon {
     pub manage: PathBuf,
     pub config: PathBuf,
     pub log: PathBuf,
+    /// Its ready-disk directory (outside its root, as /run/vmdisk/disks is).
+    pub ready: PathBuf,
     /// Its containerd `hosts.toml` directory (`<registry>/hosts.toml`; empty at first).
     pub hosts: PathBuf,
 }
@@ -49,7 +51,7 @@ impl Daemon {
         std::fs::write(
             &config,
             format!(
-                "root = \"{r}/state\"\nready_dir = \"{r}/state/disks\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[registry]\nhosts_dir = \"{r}/hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
+                "root = \"{r}/state\"\nready_dir = \"{r}/run/disks\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[registry]\nhosts_dir = \"{r}/hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
                 r = root.display(),
                 s = socket.display(),
                 m = manage.display()
@@ -63,6 +65,7 @@ impl Daemon {
             manage,
             config,
             log: root.join("daemon.log"),
+            ready: root.join("run/disks"),
             hosts: root.join("hosts"),
         };
         d.restart();
@@ -214,6 +217,7 @@ impl Drop for Daemon {
             run_quiet("kill", &["-KILL", &pid.to_string()]);
         }
         unmount_under(&self.root);
+        unmount_under(&self.ready);
     }
 }
 
@@ -502,12 +506,24 @@ state = "{d}/state"
         handler: &str,
         annotations: &[(&str, &str)],
     ) -> Result<(String, cri::PodSandboxConfig), tonic::Status> {
+        self.try_run_sandbox_in("default", name, logs, handler, annotations)
+    }
+
+    /// [`CriContainerd::try_run_sandbox`] for a pod of Kubernetes namespace `namespace`.
+    pub fn try_run_sandbox_in(
+        &self,
+        namespace: &str,
+        name: &str,
+        logs: &Path,
+        handler: &str,
+        annotations: &[(&str, &str)],
+    ) -> Result<(String, cri::PodSandboxConfig), tonic::Status> {
         std::fs::create_dir_all(logs).unwrap();
         let config = cri::PodSandboxConfig {
             metadata: Some(cri::PodSandboxMetadata {
                 name: name.into(),
-                uid: format!("uid-{name}"),
-                namespace: "default".into(),
+                uid: format!("uid-{namespace}-{name}"),
+                namespace: namespace.into(),
                 attempt: 0,
             }),
             log_directory: logs.display().to_string(),
@@ -557,6 +573,19 @@ state = "{d}/state"
         image: &str,
         command: &[&str],
     ) -> String {
+        self.start_container_as(sandbox, name, image, command, None)
+    }
+
+    /// [`CriContainerd::start_container`] running as user and group `uid` (KubeVirt's qemu is
+    /// 107) when given.
+    pub fn start_container_as(
+        &self,
+        sandbox: &(String, cri::PodSandboxConfig),
+        name: &str,
+        image: &str,
+        command: &[&str],
+        uid: Option<i64>,
+    ) -> String {
         rt().block_on(async {
             let mut rtc = self.runtime().await.unwrap();
             let config = cri::ContainerConfig {
@@ -576,6 +605,14 @@ state = "{d}/state"
                     readonly: true,
                     ..Default::default()
                 }],
+                linux: uid.map(|uid| cri::LinuxContainerConfig {
+                    security_context: Some(cri::LinuxContainerSecurityContext {
+                        run_as_user: Some(cri::Int64Value { value: uid }),
+                        run_as_group: Some(cri::Int64Value { value: uid }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
                 ..Default::default()
             };
             let id = rtc

@@ -899,7 +899,7 @@ fn ready_disks_are_keyed_and_named_by_what_was_verified() {
     );
     assert_ne!(disks[0].layer_key, disks[1].layer_key);
     // Each reference's by-name link and libvirt volume point at its own disk.
-    let ready = daemon.root.join("disks");
+    let ready = daemon.ready.clone();
     for (reference, bytes) in [(&victim_ref, &good), (&attacker_ref, &evil)] {
         let name = vmdisk::ready::alias_name(reference);
         let by_name = ready.join("by-name").join(&name).join("disk.img");

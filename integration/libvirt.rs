@@ -201,7 +201,7 @@ fn pod_vms_boot_under_libvirt_from_a_lazily_served_base_volume() {
     // The node (here: the libvirt host) makes the disk ready by reference; its volume name
     // is stable: the reference with `/` as `_` and `:` as `+`.
     let path = daemon.vmdisk_ok(&["path", &reference]);
-    let ready = daemon.root.join("disks");
+    let ready = daemon.ready.clone();
     let volumes = ready.join("volumes");
     let base_volume = format!("127.0.0.1+{}_peerpods_podvm+v1.qcow2", proxy.port);
     let volume = daemon.vmdisk_ok(&["path", "--volume", &reference]);
@@ -211,7 +211,9 @@ fn pod_vms_boot_under_libvirt_from_a_lazily_served_base_volume() {
         "{} has no {base_volume} (path {path})",
         volumes.display()
     );
-    open_up(&volumes);
+    // libvirt-qemu (group kvm, vmdisk's vmm_group) passes the scratch directory; vmdisk's
+    // own directories let the group in and nobody else.
+    open_up(scratch.dir.path());
     let mut libvirt = Libvirt::start();
     // LIBVIRT_POOL: a dir pool over vmdisk's volumes directory. The provider creates the pod
     // VMs' root volumes in the same pool as the base.

@@ -4,7 +4,6 @@
 mod artifact;
 mod boot;
 mod conformance;
-mod credentials;
 mod cri;
 mod daemon;
 mod fleet;
@@ -17,5 +16,6 @@ mod packages;
 mod publish;
 mod rawview;
 mod snapshotter;
+mod tenants;
 mod token;
 mod trace;

@@ -41,8 +41,13 @@ fn sign(key: &Path, data: &[u8]) -> Vec<u8> {
 }
 
 impl TokenServer {
-    /// Serves tokens to `user`/`password` until the test process ends.
+    /// Serves 300 s tokens to `user`/`password` until the test process ends.
     pub fn start(scratch: &Scratch, user: &str, password: &str) -> Self {
+        Self::start_for(scratch, &[(user, password)], 300)
+    }
+
+    /// Serves tokens that expire after `lifetime` seconds to each of `users` (name, password).
+    pub fn start_for(scratch: &Scratch, users: &[(&str, &str)], lifetime: u64) -> Self {
         let key = scratch.path("token.key");
         let cert = scratch.path("token.pem");
         run(
@@ -72,11 +77,16 @@ impl TokenServer {
         let port = listener.local_addr().unwrap().port();
         let issued = Arc::new(AtomicU64::new(0));
         let counter = Arc::clone(&issued);
-        let expected = format!(
-            "Basic {}",
-            base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
-        );
-        let user = user.to_string();
+        let accepted: Vec<(String, String)> = users
+            .iter()
+            .map(|(user, password)| {
+                let header = format!(
+                    "Basic {}",
+                    base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+                );
+                (header, user.to_string())
+            })
+            .collect();
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { continue };
@@ -85,24 +95,27 @@ impl TokenServer {
                 if reader.read_line(&mut request_line).is_err() {
                     continue;
                 }
-                let mut authorized = false;
+                let mut authorized = None;
                 loop {
                     let mut line = String::new();
                     if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
                         break;
                     }
                     if let Some((name, value)) = line.split_once(':') {
-                        if name.eq_ignore_ascii_case("authorization") && value.trim() == expected {
-                            authorized = true;
+                        if name.eq_ignore_ascii_case("authorization") {
+                            authorized = accepted
+                                .iter()
+                                .find(|(header, _)| value.trim() == header)
+                                .map(|(_, user)| user.clone());
                         }
                     }
                 }
-                if !authorized {
+                let Some(user) = authorized else {
                     let body =
                         r#"{"errors":[{"code":"UNAUTHORIZED","message":"bad credentials"}]}"#;
                     let _ = write!(stream, "HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
                     continue;
-                }
+                };
                 let target = request_line.split_whitespace().nth(1).unwrap_or("/");
                 let query = target.split_once('?').map_or("", |(_, q)| q);
                 let mut access = Vec::new();
@@ -122,7 +135,7 @@ impl TokenServer {
                     .as_secs();
                 let n = counter.fetch_add(1, Ordering::SeqCst);
                 let header = serde_json::json!({"typ": "JWT", "alg": "RS256", "x5c": [x5c]});
-                let claims = serde_json::json!({"iss": ISSUER, "sub": user, "aud": SERVICE, "exp": now + 300, "nbf": now - 10, "iat": now, "jti": format!("t{n}"), "access": access});
+                let claims = serde_json::json!({"iss": ISSUER, "sub": user, "aud": SERVICE, "exp": now + lifetime, "nbf": now - 10, "iat": now, "jti": format!("t{n}"), "access": access});
                 let signing_input = format!(
                     "{}.{}",
                     b64url(header.to_string().as_bytes()),
@@ -130,7 +143,7 @@ impl TokenServer {
                 );
                 let signature = sign(&key, signing_input.as_bytes());
                 let token = format!("{signing_input}.{}", b64url(&signature));
-                let body = serde_json::json!({"token": token, "expires_in": 300}).to_string();
+                let body = serde_json::json!({"token": token, "expires_in": lifetime}).to_string();
                 let _ = write!(stream, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
             }
         });
