@@ -588,6 +588,22 @@ pub struct Faults {
     pub seed: u64,
     /// Held before forwarding each registry-to-client buffer (a slow registry).
     pub response_delay: Option<Duration>,
+    /// Per response (a buffer that starts an HTTP answer): probability of one fault of
+    /// [`Fault`]'s four kinds, chosen at random; `response_fault_rate` is then not used.
+    pub mixed_response_rate: f64,
+}
+
+/// What the fault proxy does to a response in mixed mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// One bit of the answer flipped.
+    Flip,
+    /// The answer cut short (the connection closed mid-way).
+    Truncate,
+    /// The connection reset (RST) before the answer.
+    Reset,
+    /// `503 Service Unavailable` instead of the answer.
+    Unavailable,
 }
 
 /// A TCP proxy in front of a registry: counts the bytes in each direction (the registry-side
@@ -600,6 +616,9 @@ pub struct FaultProxy {
     pub to_client: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// Response faults injected.
     pub response_faults: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Responses seen and faults injected of each kind (mixed mode): responses, flips,
+    /// truncations, resets, 503s.
+    pub mixed: std::sync::Arc<[std::sync::atomic::AtomicU64; 5]>,
 }
 
 impl FaultProxy {
@@ -628,10 +647,12 @@ impl FaultProxy {
         let cuts = Arc::new(AtomicU64::new(0));
         let to_client = Arc::new(AtomicU64::new(0));
         let response_faults = Arc::new(AtomicU64::new(0));
-        let (cuts_out, to_client_out, faults_out) = (
+        let mixed: Arc<[AtomicU64; 5]> = Arc::new(Default::default());
+        let (cuts_out, to_client_out, faults_out, mixed_out) = (
             Arc::clone(&cuts),
             Arc::clone(&to_client),
             Arc::clone(&response_faults),
+            Arc::clone(&mixed),
         );
         std::thread::spawn(move || {
             let mut conn_no = 0u64;
@@ -643,8 +664,11 @@ impl FaultProxy {
                 conn_no += 1;
                 let (sent, cut_done, cuts) =
                     (Arc::clone(&sent), Arc::clone(&cut_done), Arc::clone(&cuts));
-                let (to_client, response_faults) =
-                    (Arc::clone(&to_client), Arc::clone(&response_faults));
+                let (to_client, response_faults, mixed) = (
+                    Arc::clone(&to_client),
+                    Arc::clone(&response_faults),
+                    Arc::clone(&mixed),
+                );
                 let (mut c_read, mut s_write) =
                     (client.try_clone().unwrap(), server.try_clone().unwrap());
                 let (mut s_read, mut c_write) = (server, client);
@@ -687,6 +711,60 @@ impl FaultProxy {
                         if let Some(delay) = faults.response_delay {
                             std::thread::sleep(delay);
                         }
+                        if faults.mixed_response_rate > 0.0 && buf[..n].starts_with(b"HTTP/1.") {
+                            mixed[0].fetch_add(1, Ordering::SeqCst);
+                            let roll = (next() % 1_000_000) as f64 / 1e6;
+                            let kind = (roll < faults.mixed_response_rate).then(|| {
+                                [
+                                    Fault::Flip,
+                                    Fault::Truncate,
+                                    Fault::Reset,
+                                    Fault::Unavailable,
+                                ][(next() % 4) as usize]
+                            });
+                            match kind {
+                                None => {}
+                                Some(Fault::Flip) => {
+                                    mixed[1].fetch_add(1, Ordering::SeqCst);
+                                    // In the body if there is one: a flipped header fails too,
+                                    // but a flipped byte of data is the case to catch.
+                                    let body = buf[..n]
+                                        .windows(4)
+                                        .position(|w| w == b"\r\n\r\n")
+                                        .map_or(0, |p| p + 4);
+                                    let at = body + (next() as usize) % (n - body).max(1);
+                                    if at < n {
+                                        buf[at] ^= 1 << (next() % 8);
+                                    }
+                                }
+                                Some(Fault::Truncate) => {
+                                    mixed[2].fetch_add(1, Ordering::SeqCst);
+                                    let keep = (next() % n as u64) as usize;
+                                    let _ = c_write.write_all(&buf[..keep]);
+                                    let _ = c_write.shutdown(std::net::Shutdown::Both);
+                                    let _ = s_read.shutdown(std::net::Shutdown::Both);
+                                    break;
+                                }
+                                Some(Fault::Reset) => {
+                                    mixed[3].fetch_add(1, Ordering::SeqCst);
+                                    // Closed with no linger: an RST once the other
+                                    // direction's thread, woken by the read shutdown, lets
+                                    // go of its handle too.
+                                    let _ = socket2::SockRef::from(&c_write)
+                                        .set_linger(Some(Duration::ZERO));
+                                    let _ = c_write.shutdown(std::net::Shutdown::Read);
+                                    let _ = s_read.shutdown(std::net::Shutdown::Both);
+                                    break;
+                                }
+                                Some(Fault::Unavailable) => {
+                                    mixed[4].fetch_add(1, Ordering::SeqCst);
+                                    let _ = c_write.write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                                    let _ = c_write.shutdown(std::net::Shutdown::Both);
+                                    let _ = s_read.shutdown(std::net::Shutdown::Both);
+                                    break;
+                                }
+                            }
+                        }
                         let fault = faults.response_fault_rate > 0.0
                             && (next() % 1_000_000) as f64 / 1e6 < faults.response_fault_rate;
                         if fault {
@@ -717,6 +795,7 @@ impl FaultProxy {
             cuts: cuts_out,
             to_client: to_client_out,
             response_faults: faults_out,
+            mixed: mixed_out,
         }
     }
 

@@ -248,6 +248,29 @@ impl HostileRegistry {
     }
 }
 
+impl HostileRegistry {
+    /// Flips a byte of the config blob of `repo:tag` (it no longer hashes to its name) and
+    /// returns the config's digest.
+    fn corrupt_config(&self, repo: &str, tag: &str) -> Digest {
+        let mut content = self.content.lock().unwrap();
+        let manifest = &content.manifests[&(repo.to_string(), tag.to_string())].1;
+        let manifest: serde_json::Value = serde_json::from_slice(manifest).unwrap();
+        let digest: Digest = manifest["config"]["digest"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let blob = content
+            .blobs
+            .get_mut(&(repo.to_string(), digest.to_string()))
+            .unwrap();
+        let mut bytes = blob.bytes.to_vec();
+        bytes[5] ^= 0x20;
+        blob.bytes = Arc::new(bytes);
+        digest
+    }
+}
+
 /// What a manifest and config claim about a layer, and how its blob answers.
 pub(crate) struct Claim {
     pub(crate) digest: Option<Digest>,
@@ -1035,5 +1058,28 @@ fn what_already_held_still_holds_traversal_offsets_and_digests() {
     assert_eq!(
         stats["verify_failures"], 2,
         "fetched twice, failed twice: {stats}"
+    );
+}
+
+/// A registry that only ever serves a corrupt image config: the fetch is tried again under the
+/// retry policy (a transient flip would have passed), then the mount fails naming the blob and
+/// what was wrong, well within the fetch deadline.
+#[test]
+fn a_blob_that_is_always_corrupt_fails_naming_it_within_the_deadline() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let layer = CraftedLayer::honest(&[("disk/disk.img", &random(1 << 20, 9))], 256 << 10);
+    let reference = reg.publish("vm/bad-config", "1", &layer, Claim::default());
+    let config = reg.corrupt_config("vm/bad-config", "1");
+    let run = mount_refused(&scratch, &reference, &config.to_string());
+    assert!(
+        run.stderr.contains("does not match"),
+        "the error says what was wrong: {}",
+        run.stderr
+    );
+    assert!(
+        run.took < Duration::from_secs(30),
+        "gave up after {:?}",
+        run.took
     );
 }

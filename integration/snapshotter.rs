@@ -810,8 +810,8 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
         "{meta}"
     );
     let alias = daemon
-        .root
-        .join("disks/by-name")
+        .ready
+        .join("by-name")
         .join(vmdisk::ready::alias_name(&format!(
             "{}/small:1",
             reg.host()

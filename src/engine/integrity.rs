@@ -84,24 +84,31 @@ impl Engine {
         if blocking(move || Ok(known.is_some_and(|c| c.structure_checked(&key)))).await? {
             return Ok(());
         }
-        let engine = Arc::clone(self);
-        async move {
-            let pieces = engine.pieces(false).await?;
-            blocking(move || {
-                let mut stream = Stream::new(&engine, pieces, false);
-                let entries = read_entries(&mut stream)?;
-                compare(&engine.layer, &entries, &stream.chunk_starts)?;
-                if let Some(cache) = cache {
-                    if let Err(e) = cache.save_structure_checked(&key) {
-                        tracing::warn!(error = %e.chain(), "recording the layer's structure check failed; it runs again next time");
+        // The regions between chunks carry no digest: bytes cut or flipped on the way fail the
+        // check as a lie would, so a failed check is made again from the registry itself
+        // before it counts.
+        let tries = std::sync::atomic::AtomicU32::new(0);
+        self.check_policy()
+            .run("the layer's structure check", || async {
+                let again = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0;
+                let engine = Arc::clone(self);
+                let cache = cache.clone();
+                let pieces = engine.pieces(false, again).await?;
+                blocking(move || {
+                    let mut stream = Stream::new(&engine, pieces, false);
+                    let entries = read_entries(&mut stream)?;
+                    compare(&engine.layer, &entries, &stream.chunk_starts)?;
+                    if let Some(cache) = cache {
+                        if let Err(e) = cache.save_structure_checked(&key) {
+                            tracing::warn!(error = %e.chain(), "recording the layer's structure check failed; it runs again next time");
+                        }
                     }
-                }
-                Ok(())
+                    Ok(())
+                })
+                .await
             })
             .await
-        }
-        .await
-        .map_err(|e| {
+            .map_err(|e| {
             e.context(format!(
                 "layer {} does not hold what its TOC describes",
                 self.layer.meta.layer_digest
@@ -118,7 +125,17 @@ impl Engine {
         if current != Integrity::Pending || !self.cache.complete() {
             return current;
         }
-        let outcome = match self.rebuild_and_compare().await {
+        // As for the structure check: a mismatch counts only once the regions fetched again
+        // from the registry itself say the same.
+        let tries = std::sync::atomic::AtomicU32::new(0);
+        let rebuilt = self
+            .check_policy()
+            .run("the layer's integrity check", || {
+                let again = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0;
+                self.rebuild_and_compare(again)
+            })
+            .await;
+        let outcome = match rebuilt {
             Ok(()) => Integrity::Verified,
             Err(e) if e.kind() == ErrorKind::Corrupt => Integrity::Failed(e.chain()),
             Err(e) => {
@@ -146,8 +163,8 @@ impl Engine {
 
     /// Rebuilds the whole stream (regions fetched, chunks from the cache) and compares it with
     /// the diff_id and the TOC, off the async workers.
-    async fn rebuild_and_compare(self: &Arc<Self>) -> Result<()> {
-        let pieces = self.pieces(true).await?;
+    async fn rebuild_and_compare(self: &Arc<Self>, again: bool) -> Result<()> {
+        let pieces = self.pieces(true, again).await?;
         let engine = Arc::clone(self);
         blocking(move || {
             let layer = &engine.layer;
@@ -185,17 +202,30 @@ impl Engine {
 
     /// The pieces of the layer's tar stream: all of it (`whole`), or what the structure check
     /// needs (a zstd:chunked or eStargz layer's stream up to its TOC; all of an indexed
-    /// layer's).
-    async fn pieces(&self, whole: bool) -> Result<Vec<Piece>> {
+    /// layer's); `again`: the regions between chunks from the registry itself, not a mirror.
+    async fn pieces(&self, whole: bool, again: bool) -> Result<Vec<Piece>> {
         match &self.layer.spans {
             Some(spans) => self.indexed_pieces(spans).await,
-            None if whole => self.regions(self.layer.meta.layer_size).await,
+            None if whole => self.regions(self.layer.meta.layer_size, again).await,
             // Up to the TOC: its member (eStargz), its skippable frame's header (zstd:chunked).
-            None if self.layer.meta.estargz => self.regions(self.layer.meta.toc_offset).await,
+            None if self.layer.meta.estargz => {
+                self.regions(self.layer.meta.toc_offset, again).await
+            }
             None => {
-                self.regions(self.layer.meta.toc_offset.saturating_sub(8))
+                self.regions(self.layer.meta.toc_offset.saturating_sub(8), again)
                     .await
             }
+        }
+    }
+
+    /// How the checks of a layer against its tar stream are made again: a few times, each
+    /// within the fetch deadline.
+    fn check_policy(&self) -> crate::retry::RetryPolicy {
+        crate::retry::RetryPolicy {
+            attempts: 3,
+            base_delay: std::time::Duration::from_millis(100),
+            max_delay: std::time::Duration::from_secs(1),
+            deadline: self.opts.fetch_deadline * 3,
         }
     }
 
@@ -285,7 +315,7 @@ impl Engine {
     /// The pieces of the layer's stream up to byte `until` of the blob: every chunk, and the
     /// regions between them fetched and decoded as an ordinary decoder would (zstd frames, or
     /// an eStargz layer's gzip members).
-    async fn regions(&self, until: u64) -> Result<Vec<Piece>> {
+    async fn regions(&self, until: u64, again: bool) -> Result<Vec<Piece>> {
         use futures_util::StreamExt;
         let layer = &self.layer;
         let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
@@ -319,36 +349,54 @@ impl Engine {
                 }
             }
         }
+        // A region carries no digest, but it must decode (zstd frames, gzip members with
+        // their CRC): one that does not came cut or flipped, or lies, and is fetched again
+        // from the registry itself before the check fails on it.
+        let estargz = self.layer.meta.estargz;
         let mut fetched =
             futures_util::stream::iter(wanted.into_iter().map(|(slot, range, skip)| async move {
-                let bytes = self.fetch_range(range.clone(), false).await?;
-                if bytes.len() as u64 != range.end - range.start {
-                    return Err(Error::new(
-                        ErrorKind::Network,
-                        format!("short answer for bytes {}..{}", range.start, range.end),
-                    ));
-                }
-                Ok((slot, range, skip, bytes))
+                let what = format!("bytes {}..{} of the layer", range.start, range.end);
+                let tries = std::sync::atomic::AtomicU32::new(0);
+                let region =
+                    self.check_policy()
+                        .run(&what, || async {
+                            let again = again
+                                || tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0;
+                            let bytes = self.fetch_range(range.clone(), again).await?;
+                            if bytes.len() as u64 != range.end - range.start {
+                                return Err(Error::new(
+                                    ErrorKind::Network,
+                                    format!("short answer for {what}"),
+                                ));
+                            }
+                            let region = if estargz {
+                                estargz::inflate_members(&bytes, MAX_REGION_DECODED + skip)
+                                    .and_then(|mut out| {
+                                        if (out.len() as u64) < skip {
+                                            return Err(Error::corrupt(
+                                                "a file's last chunk member is short",
+                                            ));
+                                        }
+                                        Ok(out.split_off(skip as usize))
+                                    })
+                            } else {
+                                decode_region(&bytes, MAX_REGION_DECODED)
+                            };
+                            region.map_err(|e| e.context(what.as_str()))
+                        })
+                        .await?;
+                Ok::<_, Error>((slot, region))
             }))
             .buffer_unordered(REGION_FETCHES);
         let mut decoded = 0u64;
         while let Some(result) = fetched.next().await {
-            let (slot, range, skip, bytes) = result?;
-            let limit = MAX_REGION_DECODED - decoded;
-            let region = if self.layer.meta.estargz {
-                estargz::inflate_members(&bytes, limit + skip).and_then(|mut out| {
-                    if (out.len() as u64) < skip {
-                        return Err(Error::corrupt("a file's last chunk member is short"));
-                    }
-                    Ok(out.split_off(skip as usize))
-                })
-            } else {
-                decode_region(&bytes, limit)
-            };
-            let region = region.map_err(|e| {
-                e.context(format!("bytes {}..{} of the layer", range.start, range.end))
-            })?;
+            let (slot, region) = result?;
             decoded += region.len() as u64;
+            if decoded > MAX_REGION_DECODED {
+                return Err(Error::corrupt(format!(
+                    "the regions between chunks decode to more than the {MAX_REGION_DECODED} bytes tar headers can take"
+                )));
+            }
             pieces[slot] = Piece::Region(region);
         }
         Ok(pieces)

@@ -680,9 +680,14 @@ impl RegistryClient {
                 builder = builder.body(b.clone());
             }
             let resp = builder.send().await.map_err(|e| {
+                let how = if e.is_connect() {
+                    "is unreachable"
+                } else {
+                    "did not answer"
+                };
                 Error::new(
                     ErrorKind::Network,
-                    format!("{} did not answer at {}", ep.describe(&r.registry), ep.base),
+                    format!("{} {how} at {}", ep.describe(&r.registry), ep.base),
                 )
                 .with_source(e)
             })?;
@@ -1574,14 +1579,14 @@ impl BlobUpload<'_> {
                         let (have, at) = match upload_status(self.client, &self.ep, &r, location).await {
                             Ok(answer) => answer,
                             Err(status_error) => {
-                                return Err(Error::new(ErrorKind::InvalidInput, format!(
+                                return Err(Error::new(ErrorKind::FailedPrecondition, format!(
                                     "the registry cannot resume the upload ({})",
                                     status_error.chain()
                                 )).with_source(e))
                             }
                         };
                         if have < from || have > start + data.len() as u64 {
-                            return Err(Error::new(ErrorKind::InvalidInput, format!(
+                            return Err(Error::new(ErrorKind::FailedPrecondition, format!(
                                 "the registry kept {have} bytes, cannot resume"
                             )).with_source(e));
                         }
@@ -1601,8 +1606,9 @@ impl BlobUpload<'_> {
                 self.offset = start + data.len() as u64;
                 Ok(())
             }
-            // The upload cannot go on: a new one may (the registry dropped the session).
-            Err(e) if e.kind() == ErrorKind::InvalidInput && self.disturbed => Err(Error::new(
+            // The upload cannot go on, a new one may (the registry dropped the session): a
+            // network failure, for the caller to upload the blob again.
+            Err(e) if e.kind() == ErrorKind::FailedPrecondition => Err(Error::new(
                 ErrorKind::Network,
                 "the registry could not resume a broken upload",
             )
