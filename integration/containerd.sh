@@ -115,6 +115,8 @@ manage_address = "$dir/manage.sock"
 log_level = "info"
 [registry]
 hosts_dir = "$dir/no-hosts.d"
+[containerd]
+root = "$dir/no-containerd"
 TOML
   "$SNAPSHOTTER" --config "$dir/vmdisk.toml" 2> "$dir/vmdisk.log" &
   PIDS+=($!)

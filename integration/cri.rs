@@ -45,13 +45,18 @@ impl Daemon {
     pub fn start_in(scratch: &Scratch, name: &str, extra: &str) -> Self {
         let root = scratch.path(name);
         std::fs::create_dir_all(&root).unwrap();
+        // The root of the containerd of this scratch directory ([`CriContainerd`]), made now so
+        // the daemon links its image filesystem there as on a node.
+        let containerd_root = scratch.path("ctd/root");
+        std::fs::create_dir_all(&containerd_root).unwrap();
         let config = root.join("config.toml");
         let socket = root.join("snapshotter.sock");
         let manage = root.join("manage.sock");
         std::fs::write(
             &config,
             format!(
-                "root = \"{r}/state\"\nready_dir = \"{r}/run/disks\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[registry]\nhosts_dir = \"{r}/hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
+                "root = \"{r}/state\"\nready_dir = \"{r}/run/disks\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[containerd]\nroot = \"{c}\"\n[registry]\nhosts_dir = \"{r}/hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
+                c = containerd_root.display(),
                 r = root.display(),
                 s = socket.display(),
                 m = manage.display()

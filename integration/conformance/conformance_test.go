@@ -53,8 +53,8 @@ func start(ctx context.Context, root string) (snapshots.Snapshotter, func() erro
 	}
 	sock := filepath.Join(sockets, "s.sock")
 	config := filepath.Join(root, "vmdisk.toml")
-	text := fmt.Sprintf("root = %q\naddress = %q\nmanage_address = %q\nready_dir = %q\n[registry]\nhosts_dir = %q\n",
-		state, sock, filepath.Join(state, "manage.sock"), filepath.Join(state, "disks"), filepath.Join(root, "hosts"))
+	text := fmt.Sprintf("root = %q\naddress = %q\nmanage_address = %q\nready_dir = %q\n[registry]\nhosts_dir = %q\n[containerd]\nroot = %q\n",
+		state, sock, filepath.Join(state, "manage.sock"), filepath.Join(state, "disks"), filepath.Join(root, "hosts"), filepath.Join(root, "no-containerd"))
 	if err := os.WriteFile(config, []byte(text), 0o600); err != nil {
 		return nil, nil, err
 	}

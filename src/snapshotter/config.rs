@@ -32,6 +32,28 @@ pub struct Config {
     pub registry: RegistrySettings,
     pub metrics: MetricsConfig,
     pub cri: CriConfig,
+    pub containerd: ContainerdConfig,
+}
+
+/// The containerd this daemon serves.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ContainerdConfig {
+    /// containerd's `root`. Its CRI plugin reports `<root>/io.containerd.snapshotter.v1.<plugin>`
+    /// as the image filesystem of a proxy snapshotter and kubelet stats that path: the daemon
+    /// links it to its own root. Skipped when the directory does not exist.
+    pub root: PathBuf,
+    /// The name of the proxy plugin in containerd's configuration (`[proxy_plugins.<name>]`).
+    pub plugin: String,
+}
+
+impl Default for ContainerdConfig {
+    fn default() -> Self {
+        ContainerdConfig {
+            root: PathBuf::from("/var/lib/containerd"),
+            plugin: "vmdisk".into(),
+        }
+    }
 }
 
 /// The CRI image-service proxy: kubelet's `--image-service-endpoint` points at it, so the
@@ -123,6 +145,7 @@ impl Default for Config {
             registry: RegistrySettings::default(),
             metrics: MetricsConfig::default(),
             cri: CriConfig::default(),
+            containerd: ContainerdConfig::default(),
         }
     }
 }

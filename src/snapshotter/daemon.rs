@@ -29,12 +29,62 @@ use crate::registry::RegistryClient;
 /// How often the daemon collects its mount servers' counters.
 pub const COLLECT_EVERY: Duration = Duration::from_secs(5);
 
+/// containerd's CRI plugin reports `<containerd root>/io.containerd.snapshotter.v1.<plugin>` as
+/// the image filesystem of every snapshotter, a proxy one included, and kubelet's eviction
+/// manager stats that path (and fails when it does not exist). It is made a link to the
+/// daemon's root, so it lies on the filesystem that holds vmdisk's snapshots and cache: what
+/// the image filesystem stats count (each snapshot's `Usage`, a remote one's cached bytes
+/// included) is stored there. A directory already at that path is replaced only if empty.
+pub fn link_image_filesystem(config: &Config) -> Result<()> {
+    let containerd = &config.containerd;
+    if !containerd.root.is_dir() {
+        tracing::info!(root = %containerd.root.display(), "no containerd root here; the image filesystem link is not made");
+        return Ok(());
+    }
+    if containerd.plugin.is_empty() || containerd.plugin.contains('/') {
+        return Err(Error::invalid(format!(
+            "containerd.plugin {:?} is not a plugin name",
+            containerd.plugin
+        )));
+    }
+    let link = containerd
+        .root
+        .join(format!("io.containerd.snapshotter.v1.{}", containerd.plugin));
+    let target = std::path::absolute(&config.root)
+        .map_err(|e| Error::io(format!("resolving {}", config.root.display()), e))?;
+    match std::fs::symlink_metadata(&link) {
+        Ok(m) if m.file_type().is_symlink() => {
+            if std::fs::read_link(&link).ok().as_deref() == Some(target.as_path()) {
+                return Ok(());
+            }
+        }
+        Ok(m) if m.is_dir() => {
+            if std::fs::remove_dir(&link).is_err() {
+                tracing::warn!(path = %link.display(), "containerd's image filesystem path for vmdisk is a directory with files in it; left as it is (kubelet's image filesystem stats count that directory, not vmdisk's root)");
+                return Ok(());
+            }
+        }
+        Ok(_) => {
+            return Err(Error::invalid(format!(
+                "{} exists and is not a directory or a link; remove it so it can point at {}",
+                link.display(),
+                target.display()
+            )))
+        }
+        Err(_) => {}
+    }
+    crate::ready::replace_symlink(&link, &target)?;
+    tracing::info!(link = %link.display(), target = %target.display(), "containerd's image filesystem for this snapshotter points at its root");
+    Ok(())
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     // Node state is root's alone; the ready disks root's and the VMM group's.
     crate::dirs::private(&config.root)?;
     crate::dirs::private(&config.cache_dir())?;
     crate::ready::prepare_root(&config.ready_dir, config.vmm_gid()?)?;
+    link_image_filesystem(&config)?;
     let client = Arc::new(RegistryClient::new(config.registry_config())?);
     // Which namespace's pulls granted what (the CRI proxy tells); memory only.
     let tenants = super::tenants::Tenants::new(

@@ -304,12 +304,20 @@ impl Snapshotter {
         Ok(None)
     }
 
-    /// Usage of `key`: frozen at commit, measured for active snapshots.
+    /// Usage of `key`: frozen at commit, measured for active snapshots; for a remote snapshot,
+    /// what the node stores of its layer now (its cache directory), so containerd's image
+    /// filesystem stats (kubelet's image GC and eviction) count the disks vmdisk keeps.
     pub fn usage(&self, key: &str) -> Result<Usage> {
         let record = self.store.must_get(key)?;
-        match (record.kind, record.usage) {
-            (Kind::Committed, Some(u)) => Ok(u),
-            _ if record.remote.is_some() => Ok(Usage::default()),
+        match (record.kind, record.usage, &record.remote) {
+            (Kind::Committed, Some(u), _) => Ok(u),
+            (_, _, Some(remote)) => {
+                let dir = crate::cache::CacheRoot::open(&self.cache.dir)?.layer_dir(&remote.layer);
+                match disk_usage(&dir) {
+                    Err(e) if e.kind() == ErrorKind::NotFound => Ok(Usage::default()),
+                    other => other,
+                }
+            }
             _ => disk_usage(&self.fs_dir(&record)),
         }
     }
