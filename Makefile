@@ -19,6 +19,13 @@ APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-syste
 APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
 	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip go
 
+# containerd 1.7 (Debian 13) and 2.x (Debian unstable), unpacked beside Debian 12's 1.6 without
+# installing them (integration/debs.sh): the containerd matrix of the tests. The versions the
+# tests were written against first; the suite's current one if the archive has moved on.
+DEPS_DIR := $(CURDIR)/target/deps
+CONTAINERD_17 := containerd=1.7.24~ds1-6+deb13u1
+CONTAINERD_2 := containerd=2.1.9+ds1-5
+
 .PHONY: all deps build demo test unit integration lint bench fuzz clean deb image
 
 all: build
@@ -34,6 +41,12 @@ deps:
 		apt-get update -qq && apt-get install -y -qq --no-install-recommends --allow-downgrades $(APT_PACKAGES) >/dev/null; \
 	fi
 	@$(CARGO) nextest --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-nextest
+	@[ -x $(DEPS_DIR)/containerd-1.7/usr/bin/containerd ] || \
+		integration/debs.sh $(DEPS_DIR)/containerd-1.7 $(CONTAINERD_17) || \
+		integration/debs.sh $(DEPS_DIR)/containerd-1.7 containerd/trixie
+	@[ -x $(DEPS_DIR)/containerd-2/usr/bin/containerd ] || \
+		integration/debs.sh $(DEPS_DIR)/containerd-2 $(CONTAINERD_2) || \
+		integration/debs.sh $(DEPS_DIR)/containerd-2 containerd/sid
 
 build:
 	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link

@@ -325,16 +325,92 @@ pub fn prepare_req(key: &str, parent: &str, l: &[(&str, &str)]) -> pb::PrepareSn
     }
 }
 
-/// containerd 1.6 with the CRI plugin using vmdisk as its snapshotter.
+/// A containerd release the tests run: Debian 12's 1.6 (installed), or 1.7 and 2.x from newer
+/// Debian releases, which `make deps` unpacks into `target/deps` (integration/debs.sh).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    V1_6,
+    V1_7,
+    V2,
+}
+
+impl Release {
+    /// The directory of its `containerd`, `ctr` and shims (1.6: the system's).
+    pub fn bin_dir(self) -> PathBuf {
+        let deps = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/deps");
+        match self {
+            Release::V1_6 => PathBuf::from("/usr/bin"),
+            Release::V1_7 => deps.join("containerd-1.7/usr/bin"),
+            Release::V2 => deps.join("containerd-2/usr/bin"),
+        }
+    }
+
+    /// The containerd configuration snippet vmdisk ships for it.
+    pub fn snippet(self) -> PathBuf {
+        let name = match self {
+            Release::V1_6 => "containerd-1.6.toml",
+            Release::V1_7 => "containerd-1.7.toml",
+            Release::V2 => "containerd-2.x.toml",
+        };
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("config")
+            .join(name)
+    }
+
+    /// Fails the test naming the install step when its binaries are missing.
+    pub fn require(self) {
+        let containerd = self.bin_dir().join("containerd");
+        assert!(
+            containerd.is_file(),
+            "{} is missing: `make deps` unpacks containerd 1.7 and 2.x into target/deps",
+            containerd.display()
+        );
+    }
+
+    /// Whether its configuration is version 3 (containerd 2.x's plugin names).
+    pub fn v3(self) -> bool {
+        self == Release::V2
+    }
+}
+
+/// Deep-merges `from` into `into` (tables key by key; anything else replaced).
+pub fn merge_toml(into: &mut toml::Value, from: toml::Value) {
+    match (into, from) {
+        (toml::Value::Table(a), toml::Value::Table(b)) => {
+            for (k, v) in b {
+                match a.get_mut(&k) {
+                    Some(existing) => merge_toml(existing, v),
+                    None => {
+                        a.insert(k, v);
+                    }
+                }
+            }
+        }
+        (slot, v) => *slot = v,
+    }
+}
+
+/// Replaces every string `from` in `value` with `to` (the shipped snippets' paths).
+fn replace_strings(value: &mut toml::Value, from: &str, to: &str) {
+    match value {
+        toml::Value::String(s) if s == from => *s = to.to_string(),
+        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| replace_strings(v, from, to)),
+        toml::Value::Array(a) => a.iter_mut().for_each(|v| replace_strings(v, from, to)),
+        _ => {}
+    }
+}
+
+/// containerd with the CRI plugin using vmdisk as its snapshotter.
 pub struct CriContainerd {
     child: Child,
+    pub release: Release,
     pub dir: PathBuf,
     pub socket: PathBuf,
     pub log: PathBuf,
 }
 
 impl CriContainerd {
-    /// `mirror_ports`: loopback registries reachable over plain HTTP.
+    /// containerd 1.6; `mirror_ports`: loopback registries reachable over plain HTTP.
     pub fn start(
         scratch: &Scratch,
         snapshotter: &Path,
@@ -386,39 +462,149 @@ state = "{d}/state"
             snap = snapshotter.display(),
         );
         std::fs::write(dir.join("config.toml"), config).unwrap();
+        Self::launch(Release::V1_6, dir, socket, env)
+    }
+
+    /// containerd `release` configured with the snippet vmdisk ships for it, unchanged but for
+    /// the snapshotter's socket, merged into what this machine needs (its own root, state and
+    /// socket; the sandbox image; `restrict_oom_score_adj`; plain HTTP to the loopback
+    /// registries through a `hosts.toml` directory; stats every second).
+    pub fn start_release(
+        scratch: &Scratch,
+        release: Release,
+        snapshotter: &Path,
+        sandbox_image: &str,
+        mirror_ports: &[u16],
+    ) -> Self {
+        release.require();
+        require("runc");
+        let dir = scratch.path("ctd");
+        let certs = dir.join("certs.d");
+        for p in mirror_ports {
+            let host = format!("127.0.0.1:{p}");
+            std::fs::create_dir_all(certs.join(&host)).unwrap();
+            std::fs::write(
+                certs.join(&host).join("hosts.toml"),
+                format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+            )
+            .unwrap();
+        }
+        let socket = dir.join("containerd.sock");
+        let mut config: toml::Value =
+            toml::from_str(&std::fs::read_to_string(release.snippet()).unwrap()).unwrap();
+        replace_strings(
+            &mut config,
+            "/run/vmdisk/snapshotter.sock",
+            snapshotter.to_str().unwrap(),
+        );
+        let (d, s, c) = (dir.display(), socket.display(), certs.display());
+        let machine = if release.v3() {
+            format!(
+                r#"root = "{d}/root"
+state = "{d}/state"
+[grpc]
+  address = "{s}"
+[plugins."io.containerd.cri.v1.images"]
+  stats_collect_period = 1
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{sandbox_image}"
+  [plugins."io.containerd.cri.v1.images".registry]
+    config_path = "{c}"
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+[plugins."io.containerd.transfer.v1.local"]
+  config_path = "{c}"
+"#
+            )
+        } else {
+            format!(
+                r#"root = "{d}/root"
+state = "{d}/state"
+[grpc]
+  address = "{s}"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{sandbox_image}"
+  restrict_oom_score_adj = true
+  disable_cgroup = true
+  stats_collect_period = 1
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{c}"
+"#
+            )
+        };
+        merge_toml(&mut config, toml::from_str(&machine).unwrap());
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.toml"), toml::to_string(&config).unwrap()).unwrap();
+        Self::launch(release, dir, socket, &[])
+    }
+
+    /// Starts containerd `release` with `dir/config.toml` and waits for its CRI to answer.
+    fn launch(release: Release, dir: PathBuf, socket: PathBuf, env: &[(&str, String)]) -> Self {
         let log = dir.join("containerd.log");
-        let child = Command::new("containerd")
-            .arg("--config")
-            .arg(dir.join("config.toml"))
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start containerd");
+        let child = Self::spawn(release, &dir, &log, env);
         let c = CriContainerd {
             child,
+            release,
             dir,
             socket,
             log,
         };
+        c.wait_ready();
+        c
+    }
+
+    fn spawn(release: Release, dir: &Path, log: &Path, env: &[(&str, String)]) -> Child {
+        let path = format!(
+            "{}:{}",
+            release.bin_dir().display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        Command::new(release.bin_dir().join("containerd"))
+            .arg("--config")
+            .arg(dir.join("config.toml"))
+            .env("PATH", path)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(log)
+                    .unwrap(),
+            )
+            .spawn()
+            .expect("start containerd")
+    }
+
+    fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let ok = rt().block_on(async {
-                match c.runtime().await {
+                match self.runtime().await {
                     Ok(mut r) => r.version(cri::VersionRequest::default()).await.is_ok(),
                     Err(_) => false,
                 }
             });
             if ok {
-                return c;
+                return;
             }
             assert!(
                 Instant::now() < deadline,
                 "containerd's CRI did not answer: {}",
-                c.log_text()
+                self.log_text()
             );
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// Stops containerd (SIGTERM, as systemd does) and starts it again with the same
+    /// configuration; containers keep running under their shims.
+    pub fn restart(&mut self) {
+        run_quiet("kill", &["-TERM", &self.child.id().to_string()]);
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+        self.child = Self::spawn(self.release, &self.dir, &self.log, &[]);
+        self.wait_ready();
     }
 
     pub fn log_text(&self) -> String {
@@ -476,7 +662,7 @@ state = "{d}/state"
 
     /// `ctr` against this containerd.
     pub fn ctr(&self, args: &[&str]) -> std::process::Output {
-        Command::new("ctr")
+        Command::new(self.release.bin_dir().join("ctr"))
             .arg("-a")
             .arg(&self.socket)
             .args(args)

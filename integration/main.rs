@@ -11,6 +11,7 @@ mod harness;
 mod hostile;
 mod index;
 mod libvirt;
+mod matrix;
 mod mount;
 mod packages;
 mod publish;

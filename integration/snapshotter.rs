@@ -430,7 +430,10 @@ fn snapshots_api_128_layers() {
 
 /// A registry holding a qcow2 containerDisk (1 GiB virtual, `data_mib` MiB of random data)
 /// published with `vmdisk push`, plus a pause and a busybox image: the registry, the disk file.
-fn registry_with_images(scratch: &Scratch, data_mib: u64) -> (crate::harness::Registry, PathBuf) {
+pub(crate) fn registry_with_images(
+    scratch: &Scratch,
+    data_mib: u64,
+) -> (crate::harness::Registry, PathBuf) {
     use crate::harness::*;
     let reg = Registry::start(scratch);
     let disk = scratch.path("disk.qcow2");

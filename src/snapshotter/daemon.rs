@@ -47,9 +47,10 @@ pub fn link_image_filesystem(config: &Config) -> Result<()> {
             containerd.plugin
         )));
     }
-    let link = containerd
-        .root
-        .join(format!("io.containerd.snapshotter.v1.{}", containerd.plugin));
+    let link = containerd.root.join(format!(
+        "io.containerd.snapshotter.v1.{}",
+        containerd.plugin
+    ));
     let target = std::path::absolute(&config.root)
         .map_err(|e| Error::io(format!("resolving {}", config.root.display()), e))?;
     match std::fs::symlink_metadata(&link) {

@@ -304,16 +304,18 @@ impl Snapshotter {
         Ok(None)
     }
 
-    /// Usage of `key`: frozen at commit, measured for active snapshots; for a remote snapshot,
-    /// what the node stores of its layer now (its cache directory), so containerd's image
-    /// filesystem stats (kubelet's image GC and eviction) count the disks vmdisk keeps.
+    /// Usage of `key`: frozen at commit, measured for active snapshots. For a remote snapshot,
+    /// what the node stores of its layer once it is read whole: its cache directory with each
+    /// data file at its full size (they are sparse until then). containerd asks once for a
+    /// committed snapshot and keeps the answer for its image filesystem stats, so a lazily
+    /// loaded disk is counted at what it will take, not at what a first read left.
     pub fn usage(&self, key: &str) -> Result<Usage> {
         let record = self.store.must_get(key)?;
         match (record.kind, record.usage, &record.remote) {
             (Kind::Committed, Some(u), _) => Ok(u),
             (_, _, Some(remote)) => {
                 let dir = crate::cache::CacheRoot::open(&self.cache.dir)?.layer_dir(&remote.layer);
-                match disk_usage(&dir) {
+                match tree_usage(&dir, Counted::Apparent) {
                     Err(e) if e.kind() == ErrorKind::NotFound => Ok(Usage::default()),
                     other => other,
                 }
@@ -958,6 +960,20 @@ fn set_mode(path: &Path, mode: u32) -> Result<()> {
 
 /// Bytes allocated and inodes under `dir`, each inode counted once (as containerd's du).
 pub fn disk_usage(dir: &Path) -> Result<Usage> {
+    tree_usage(dir, Counted::Allocated)
+}
+
+/// What [`tree_usage`] counts of a file.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    /// The blocks it holds now.
+    Allocated,
+    /// Its length, or its blocks if more (a sparse file at its full size).
+    Apparent,
+}
+
+/// Bytes and inodes under `dir`, each inode counted once.
+fn tree_usage(dir: &Path, counted: Counted) -> Result<Usage> {
     let mut seen = std::collections::HashSet::new();
     let mut usage = Usage::default();
     let mut stack = vec![dir.to_path_buf()];
@@ -966,7 +982,11 @@ pub fn disk_usage(dir: &Path) -> Result<Usage> {
             std::fs::symlink_metadata(&path).map_err(io(format!("reading {}", path.display())))?;
         if seen.insert((m.dev(), m.ino())) {
             usage.inodes += 1;
-            usage.size += m.blocks() * 512;
+            usage.size += match counted {
+                Counted::Allocated => m.blocks() * 512,
+                Counted::Apparent if m.is_file() => (m.blocks() * 512).max(m.len()),
+                Counted::Apparent => m.blocks() * 512,
+            };
         }
         if m.is_dir() {
             for entry in

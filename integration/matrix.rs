@@ -1,0 +1,359 @@
+//! The containerd matrix: Debian 12's containerd 1.6, Debian 13's 1.7 and Debian unstable's 2.x,
+//! each started with the snippet vmdisk ships for it (`config/containerd-*.toml`), unchanged but
+//! for paths. For each: a CRI pull of a containerDisk, as a pod of the documented setup makes
+//! it, is a remote snapshot (under 1% of the disk from the registry); a KubeVirt-style container
+//! reads `/disk` identical; the image filesystem containerd reports to kubelet exists on
+//! vmdisk's filesystem and counts what vmdisk stores; a containerd restart keeps the disk
+//! serving. On 2.x, `ctr images pull` through the transfer service is lazy too, and so is an
+//! image volume (KEP-4639) of a containerDisk.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::time::Duration;
+
+use k8s_cri::v1 as cri;
+
+use crate::cri::{container_output, rt, CriContainerd, Daemon, Release};
+use crate::harness::*;
+
+/// Runs `command` in a new container of `image` in `sandbox`; its output lines.
+fn run_in(
+    ctd: &CriContainerd,
+    sandbox: &(String, cri::PodSandboxConfig),
+    logs: &Path,
+    name: &str,
+    image: &str,
+    command: &[&str],
+) -> Vec<String> {
+    let id = ctd.start_container(sandbox, name, image, command);
+    let code = ctd.wait_exit(&id, Duration::from_secs(300));
+    let out = container_output(&logs.join(format!("{name}.log")));
+    assert_eq!(code, 0, "{name}: {out:?}\n{}", ctd.log_text());
+    out
+}
+
+/// Whether `line` (sha256sum's output) names the digest `want` (`sha256:<hex>`).
+fn same_digest(line: Option<&String>, want: &str) -> bool {
+    line.and_then(|l| l.split_whitespace().next())
+        .is_some_and(|hex| want.ends_with(hex))
+}
+
+/// CRI `ImageFsInfo`: the image filesystems containerd reports to kubelet.
+fn image_filesystems(ctd: &CriContainerd) -> Vec<cri::FilesystemUsage> {
+    rt().block_on(async {
+        ctd.images()
+            .await
+            .unwrap()
+            .image_fs_info(cri::ImageFsInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .image_filesystems
+    })
+}
+
+fn matrix(release: Release) {
+    release.require();
+    let scratch = Scratch::new();
+    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 96);
+    let proxy = FaultProxy::counting(reg.port);
+    let daemon = Daemon::start(&scratch, "");
+    let pause = format!("{}/pause:1", reg.host());
+    let mut ctd = CriContainerd::start_release(
+        &scratch,
+        release,
+        &daemon.socket,
+        &pause,
+        &[reg.port, proxy.port],
+    );
+    let image = format!("127.0.0.1:{}/disk:1", proxy.port);
+    let disk_len = std::fs::metadata(&disk).unwrap().len();
+    let want = sha256_file(&disk);
+
+    // A CRI pull as kubelet makes it for any pod: lazy.
+    let before = proxy.bytes_to_client();
+    ctd.pull(&image).unwrap_or_else(|e| {
+        panic!(
+            "{release:?} PullImage: {e}\n{}\n{}",
+            ctd.log_text(),
+            daemon.log_text()
+        )
+    });
+    let pulled = proxy.bytes_to_client() - before;
+    eprintln!("{release:?}: CRI pull moved {pulled} registry bytes for a {disk_len}-byte disk");
+    assert!(
+        pulled < disk_len / 100,
+        "{release:?}: the pull moved {pulled} bytes"
+    );
+    assert_eq!(
+        daemon.decisions().get("remote"),
+        Some(&1),
+        "{:?}",
+        daemon.decisions()
+    );
+
+    // KubeVirt's pattern: the containerDisk as the container's image, read whole.
+    let logs = scratch.path("pod-logs");
+    let sandbox = ctd.run_sandbox("vm", &logs);
+    let out = run_in(
+        &ctd,
+        &sandbox,
+        &logs,
+        "compute",
+        &image,
+        &["/busybox", "sha256sum", "/disk/disk.qcow2"],
+    );
+    assert!(
+        same_digest(out.first(), &want),
+        "{release:?}: read {out:?}, want {want}"
+    );
+
+    // kubelet's image filesystem: the path containerd reports exists, on vmdisk's filesystem,
+    // and its usage counts the disk vmdisk keeps (containerd asks a committed snapshot once;
+    // vmdisk answers with what its layer takes once read whole; stats every second here).
+    let layer_dir = {
+        let key: vmdisk::digest::Digest = daemon.disks()[0].layer_key.parse().unwrap();
+        vmdisk::cache::CacheRoot::open(&daemon.root.join("cache"))
+            .unwrap()
+            .layer_dir(&key)
+    };
+    let kept: u64 = walk_size(&layer_dir);
+    assert!(
+        kept > disk_len / 2,
+        "{release:?}: the cache holds {kept} bytes of the disk"
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let filesystems = image_filesystems(&ctd);
+    let vmdisk_fs = filesystems
+        .iter()
+        .find(|f| {
+            f.fs_id.as_ref().is_some_and(|id| {
+                id.mountpoint
+                    .ends_with("io.containerd.snapshotter.v1.vmdisk")
+            })
+        })
+        .unwrap_or_else(|| panic!("{release:?}: no image filesystem for vmdisk: {filesystems:?}"));
+    let mountpoint = Path::new(&vmdisk_fs.fs_id.as_ref().unwrap().mountpoint);
+    let device = std::fs::metadata(mountpoint)
+        .unwrap_or_else(|e| panic!("{release:?}: {} does not exist ({e})", mountpoint.display()))
+        .dev();
+    assert_eq!(device, std::fs::metadata(&daemon.root).unwrap().dev());
+    let used = vmdisk_fs.used_bytes.as_ref().map_or(0, |u| u.value);
+    eprintln!(
+        "{release:?}: image filesystem {} counts {used} bytes; vmdisk keeps {kept} of the disk",
+        mountpoint.display()
+    );
+    assert!(
+        used >= kept,
+        "{release:?}: ImageFsInfo counts {used} bytes, vmdisk keeps {kept}"
+    );
+
+    // A containerd restart (an upgrade) keeps the disk serving: a new container reads it from
+    // what the node holds.
+    ctd.restart();
+    let before = proxy.bytes_to_client();
+    let out = run_in(
+        &ctd,
+        &sandbox,
+        &logs,
+        "after-restart",
+        &image,
+        &["/busybox", "sha256sum", "/disk/disk.qcow2"],
+    );
+    assert!(
+        same_digest(out.first(), &want),
+        "{release:?} after a restart: {out:?}"
+    );
+    assert!(
+        proxy.bytes_to_client() - before < 64 << 10,
+        "{release:?}: the restart refetched the disk"
+    );
+
+    if release == Release::V2 {
+        transfer_service_and_image_volumes(
+            &scratch, &ctd, &daemon, &proxy, &sandbox, &logs, &pause,
+        );
+    }
+}
+
+/// Bytes allocated under `dir`.
+fn walk_size(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                stack.push(e.path());
+            } else {
+                total += m.blocks() * 512;
+            }
+        }
+    }
+    total
+}
+
+/// containerd 2.x: `ctr images pull` through the transfer service unpacks into vmdisk lazily,
+/// and that image mounted as an image volume is read lazily, identical.
+fn transfer_service_and_image_volumes(
+    scratch: &Scratch,
+    ctd: &CriContainerd,
+    daemon: &Daemon,
+    proxy: &FaultProxy,
+    sandbox: &(String, cri::PodSandboxConfig),
+    logs: &Path,
+    pause: &str,
+) {
+    let second = scratch.path("second.qcow2");
+    make_qcow2(&second, "256M", &[]);
+    write_random(&second, 8 << 20, 64 << 20, 41);
+    let upstream = format!("127.0.0.1:{}/volume:1", proxy.port);
+    vmdisk_ok(&["push", second.to_str().unwrap(), &upstream]);
+    let len = std::fs::metadata(&second).unwrap().len();
+
+    let before = proxy.bytes_to_client();
+    let out = ctd.ctr(&[
+        "-n",
+        "k8s.io",
+        "images",
+        "pull",
+        "--plain-http",
+        "--snapshotter",
+        "vmdisk",
+        &upstream,
+    ]);
+    assert!(
+        out.status.success(),
+        "ctr pull: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        ctd.log_text()
+    );
+    let pulled = proxy.bytes_to_client() - before;
+    eprintln!("V2: ctr pull through the transfer service moved {pulled} bytes for {len}");
+    assert!(
+        pulled < len / 100,
+        "the transfer service's pull moved {pulled} bytes"
+    );
+    assert_eq!(
+        daemon.decisions().get("remote"),
+        Some(&2),
+        "{:?}",
+        daemon.decisions()
+    );
+
+    // An image volume of that image, as kubelet asks for one: by the image's id.
+    let id = rt().block_on(async {
+        ctd.images()
+            .await
+            .unwrap()
+            .image_status(cri::ImageStatusRequest {
+                image: Some(cri::ImageSpec {
+                    image: upstream.clone(),
+                    ..Default::default()
+                }),
+                verbose: false,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .image
+            .expect("the pulled image is known to CRI")
+            .id
+    });
+    let before = proxy.bytes_to_client();
+    let container = rt().block_on(async {
+        let mut r = ctd.runtime().await.unwrap();
+        let config = cri::ContainerConfig {
+            metadata: Some(cri::ContainerMetadata {
+                name: "volume".into(),
+                attempt: 0,
+            }),
+            image: Some(cri::ImageSpec {
+                image: pause.to_string(),
+                ..Default::default()
+            }),
+            command: vec![
+                "/busybox".into(),
+                "sha256sum".into(),
+                "/vol/disk/second.qcow2".into(),
+            ],
+            log_path: "volume.log".into(),
+            mounts: vec![
+                cri::Mount {
+                    container_path: "/busybox".into(),
+                    host_path: "/bin/busybox".into(),
+                    readonly: true,
+                    ..Default::default()
+                },
+                cri::Mount {
+                    container_path: "/vol".into(),
+                    image: Some(cri::ImageSpec {
+                        image: id.clone(),
+                        ..Default::default()
+                    }),
+                    readonly: true,
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let id = r
+            .create_container(cri::CreateContainerRequest {
+                pod_sandbox_id: sandbox.0.clone(),
+                config: Some(config),
+                sandbox_config: Some(sandbox.1.clone()),
+            })
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "CreateContainer with an image volume: {e}\n{}",
+                    ctd.log_text()
+                )
+            })
+            .into_inner()
+            .container_id;
+        id
+    });
+    let at_create = proxy.bytes_to_client() - before;
+    eprintln!("V2: image volume created with {at_create} registry bytes");
+    assert!(
+        at_create < len / 100,
+        "the image volume fetched {at_create} bytes to start"
+    );
+    rt().block_on(async {
+        ctd.runtime()
+            .await
+            .unwrap()
+            .start_container(cri::StartContainerRequest {
+                container_id: container.clone(),
+            })
+            .await
+            .unwrap();
+    });
+    assert_eq!(
+        ctd.wait_exit(&container, Duration::from_secs(300)),
+        0,
+        "{}",
+        ctd.log_text()
+    );
+    let out = container_output(&logs.join("volume.log"));
+    assert!(
+        same_digest(out.first(), &sha256_file(&second)),
+        "the image volume read {out:?}"
+    );
+}
+
+#[test]
+fn containerd_1_6_with_the_shipped_snippet() {
+    matrix(Release::V1_6);
+}
+
+#[test]
+fn containerd_1_7_with_the_shipped_snippet() {
+    matrix(Release::V1_7);
+}
+
+#[test]
+fn containerd_2_with_the_shipped_snippet() {
+    matrix(Release::V2);
+}
