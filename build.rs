@@ -1,4 +1,4 @@
-//! Generates the gRPC code for containerd's snapshots API, vmdisk's management API and the
+//! Generates the gRPC code for containerd's snapshots and version APIs, vmdisk's management API and the
 //! mount servers' control API from `proto/`, with a vendored `protoc` so no system protobuf
 //! compiler is needed.
 
@@ -13,6 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .compile_protos(
             &[
                 "proto/containerd/services/snapshots/v1/snapshots.proto",
+                "proto/containerd/services/version/v1/version.proto",
                 "proto/vmdisk/v1/manage.proto",
                 "proto/vmdisk/v1/layer.proto",
             ],

@@ -538,6 +538,15 @@ state = "{d}/state"
         Self::launch(release, dir, socket, &[])
     }
 
+    /// containerd `release` with the configuration the test wrote at `<scratch>/ctd/config.toml`
+    /// (its `grpc.address` must be `<scratch>/ctd/containerd.sock`).
+    pub fn start_config(scratch: &Scratch, release: Release) -> Self {
+        release.require();
+        let dir = scratch.path("ctd");
+        let socket = dir.join("containerd.sock");
+        Self::launch(release, dir, socket, &[])
+    }
+
     /// Starts containerd `release` with `dir/config.toml` and waits for its CRI to answer.
     fn launch(release: Release, dir: PathBuf, socket: PathBuf, env: &[(&str, String)]) -> Self {
         let log = dir.join("containerd.log");

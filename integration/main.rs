@@ -3,6 +3,7 @@
 
 mod artifact;
 mod boot;
+mod cli;
 mod conformance;
 mod cri;
 mod daemon;

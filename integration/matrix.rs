@@ -357,3 +357,226 @@ fn containerd_1_7_with_the_shipped_snippet() {
 fn containerd_2_with_the_shipped_snippet() {
     matrix(Release::V2);
 }
+
+/// A node's containerd configuration as installers leave it (systemd cgroups, a sandbox image,
+/// a hosts.toml directory), plus what this machine needs to run it.
+fn node_config(release: Release, dir: &Path, pause: &str, certs: &Path) -> String {
+    let d = dir.display();
+    let c = certs.display();
+    if release.v3() {
+        format!(
+            r#"version = 3
+root = "{d}/root"
+state = "{d}/state"
+[grpc]
+  address = "{d}/containerd.sock"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = 'overlayfs'
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = '{pause}'
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = '{c}'
+[plugins.'io.containerd.cri.v1.runtime']
+  restrict_oom_score_adj = true
+  [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+    runtime_type = 'io.containerd.runc.v2'
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+      SystemdCgroup = true
+[plugins.'io.containerd.transfer.v1.local']
+  config_path = '{c}'
+"#
+        )
+    } else {
+        format!(
+            r#"version = 2
+root = "{d}/root"
+state = "{d}/state"
+[grpc]
+  address = "{d}/containerd.sock"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{pause}"
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = true
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{c}"
+"#
+        )
+    }
+}
+
+/// CRI `Status` (verbose): the effective CRI configuration, as JSON.
+fn cri_config(ctd: &CriContainerd) -> serde_json::Value {
+    let info = rt().block_on(async {
+        ctd.runtime()
+            .await
+            .unwrap()
+            .status(cri::StatusRequest { verbose: true })
+            .await
+            .unwrap()
+            .into_inner()
+            .info
+    });
+    serde_json::from_str(info.get("config").expect("the CRI status names its config")).unwrap()
+}
+
+/// The DaemonSet's install step on a node's containerd of `release`: `vmdisk containerd-config
+/// --only-handlers --write`, as packaging/kubernetes/vmdisk.yaml runs it. On 1.6 it refuses
+/// and changes nothing; on 1.7 and 2.x the node's CRI settings survive (before and after,
+/// from containerd's own CRI status), the VM handlers get vmdisk, and a pod of such a handler
+/// that carries the handler annotation pulls a containerDisk lazily.
+fn daemonset_setup(release: Release) {
+    release.require();
+    let manifest = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes/vmdisk.yaml"),
+    )
+    .unwrap();
+    assert!(
+        manifest.contains("vmdisk containerd-config") && manifest.contains("--only-handlers"),
+        "the DaemonSet's install step is `vmdisk containerd-config --only-handlers`"
+    );
+    let scratch = Scratch::new();
+    let (reg, _) = crate::snapshotter::registry_with_images(&scratch, 8);
+    let daemon = Daemon::start(&scratch, "");
+    let pause = format!("{}/pause:1", reg.host());
+    let dir = scratch.path("ctd");
+    let certs = dir.join("certs.d");
+    let host = reg.host();
+    std::fs::create_dir_all(certs.join(&host)).unwrap();
+    std::fs::write(
+        certs.join(&host).join("hosts.toml"),
+        format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+    )
+    .unwrap();
+    let config = dir.join("config.toml");
+    std::fs::write(&config, node_config(release, &dir, &pause, &certs)).unwrap();
+    let mut ctd = CriContainerd::start_config(&scratch, release);
+    let before = cri_config(&ctd);
+    let install = |ctd: &CriContainerd| {
+        vmdisk(&[
+            "containerd-config",
+            "--config",
+            config.to_str().unwrap(),
+            "--containerd",
+            ctd.socket.to_str().unwrap(),
+            "--only-handlers",
+            "--address",
+            daemon.socket.to_str().unwrap(),
+            "--write",
+        ])
+    };
+    if release == Release::V1_6 {
+        let text = std::fs::read(&config).unwrap();
+        let out = install(&ctd);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("containerd 1.6"),
+            "{err}"
+        );
+        assert_eq!(
+            std::fs::read(&config).unwrap(),
+            text,
+            "the config was changed"
+        );
+        return;
+    }
+    let out = install(&ctd);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "{release:?} install step: {}",
+        String::from_utf8_lossy(&out.stdout).trim()
+    );
+    ctd.restart();
+    let after = cri_config(&ctd);
+    eprintln!("{release:?} CRI config before: {before}\n{release:?} CRI config after: {after}");
+    // What the node set survives.
+    for pointer in [
+        "/containerd/runtimes/runc/options/SystemdCgroup",
+        "/sandboxImage",
+        "/registry/configPath",
+    ] {
+        if before.pointer(pointer).is_some() {
+            assert_eq!(
+                before.pointer(pointer),
+                after.pointer(pointer),
+                "{release:?}: {pointer}"
+            );
+        }
+    }
+    let runtimes = after
+        .pointer("/containerd/runtimes")
+        .unwrap_or_else(|| panic!("{release:?}: no runtimes in {after}"));
+    assert_eq!(
+        runtimes["runc"]["options"]["SystemdCgroup"], true,
+        "{runtimes}"
+    );
+    assert_eq!(runtimes["kubevirt"]["snapshotter"], "vmdisk", "{runtimes}");
+    assert_eq!(
+        after
+            .pointer("/containerd/snapshotter")
+            .and_then(|s| s.as_str())
+            .unwrap_or("overlayfs"),
+        "overlayfs"
+    );
+
+    // A virt-launcher pod of the kubevirt handler with the annotation: a lazy pull.
+    let image = format!("{}/disk:1", reg.host());
+    rt().block_on(async {
+        ctd.images()
+            .await
+            .unwrap()
+            .pull_image(cri::PullImageRequest {
+                image: Some(cri::ImageSpec {
+                    image: image.clone(),
+                    ..Default::default()
+                }),
+                sandbox_config: Some(cri::PodSandboxConfig {
+                    metadata: Some(cri::PodSandboxMetadata {
+                        name: "virt-launcher".into(),
+                        namespace: "default".into(),
+                        uid: "u".into(),
+                        attempt: 0,
+                    }),
+                    annotations: [(
+                        "io.containerd.cri.runtime-handler".to_string(),
+                        "kubevirt".to_string(),
+                    )]
+                    .into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{release:?} PullImage: {e}\n{}", ctd.log_text()));
+    });
+    assert_eq!(
+        daemon.decisions().get("remote"),
+        Some(&1),
+        "{release:?}: {:?}\n{}",
+        daemon.decisions(),
+        ctd.log_text()
+    );
+}
+
+#[test]
+fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_1_6() {
+    daemonset_setup(Release::V1_6);
+}
+
+#[test]
+fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_1_7() {
+    daemonset_setup(Release::V1_7);
+}
+
+#[test]
+fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_2() {
+    daemonset_setup(Release::V2);
+}

@@ -228,11 +228,13 @@ fn the_manifests_name_the_node_image_and_the_paths_it_has() {
     for path in [
         &config.address,
         &config.manage_address,
-        &config.cri.image_service_address,
         &config.cri.containerd_address,
         &config.registry.hosts_dir,
         Path::new("/dev/fuse"),
-    ] {
+    ]
+    .into_iter()
+    .chain(config.registry.auth_files.iter().map(PathBuf::as_path))
+    {
         assert!(
             mounted.iter().any(|d| under(path, d)),
             "{} is not on a host path ({mounted:?})",
@@ -240,6 +242,23 @@ fn the_manifests_name_the_node_image_and_the_paths_it_has() {
         );
     }
     assert_eq!(snapshotter["securityContext"]["privileged"], true);
+    // It never makes the node depend on it: kubelet's image service stays containerd's (a
+    // pod kubelet must pull to restart cannot serve kubelet's pulls), host networking reaches
+    // mirrors on the node's loopback, no service-account token, probes through the daemon's
+    // own API.
+    assert!(
+        config.cri.image_service_address.as_os_str().is_empty(),
+        "the DaemonSet serves kubelet's image service"
+    );
+    assert_eq!(pod["hostNetwork"], true);
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    for probe in ["readinessProbe", "livenessProbe"] {
+        let command = snapshotter[probe]["exec"]["command"].as_array().unwrap();
+        assert!(
+            command.iter().any(|c| c == "stats") && command.iter().any(|c| c == "--timeout"),
+            "{probe}: {command:?}"
+        );
+    }
     let volumes = pod["volumes"].as_array().unwrap();
     for m in mounts {
         assert!(
@@ -290,17 +309,28 @@ fn the_manifests_name_the_node_image_and_the_paths_it_has() {
             ],
         );
     }
-    // Every program and file the containers' commands name is in the image.
+    // Every program and file the containers' commands and probes name is in the image (or on
+    // a host path it mounts).
     for c in &containers {
-        let command: Vec<&str> = c["command"]
+        let mounted: Vec<&str> = c["volumeMounts"]
             .as_array()
-            .unwrap()
+            .map(|m| m.iter().map(|v| v["mountPath"].as_str().unwrap()).collect())
+            .unwrap_or_default();
+        let command: Vec<&str> = ["command"]
             .iter()
+            .map(|k| &c[k])
+            .chain(
+                ["readinessProbe", "livenessProbe"]
+                    .iter()
+                    .map(|p| &c[p]["exec"]["command"]),
+            )
+            .filter_map(|v| v.as_array())
+            .flatten()
             .map(|v| v.as_str().unwrap())
             .collect();
         let script = command.join(" ");
         for word in script.split(|ch: char| ch.is_whitespace() || ch == ';') {
-            if word.starts_with('/') && !word.starts_with("/host/") {
+            if word.starts_with('/') && !mounted.iter().any(|m| Path::new(word).starts_with(m)) {
                 assert!(
                     rootfs.join(word.trim_start_matches('/')).exists(),
                     "{word} (container {}) is not in the image",

@@ -19,8 +19,6 @@ use crate::serve::{Hydrate, ServeOptions};
 #[derive(Parser, Debug)]
 #[command(name = "vmdisk", version, about)]
 pub struct Cli {
-    #[command(flatten)]
-    pub registry: RegistryArgs,
     /// Log level (error, warn, info, debug, trace) or a tracing filter.
     #[arg(long, global = true, default_value = "warn", env = "VMDISK_LOG")]
     pub log_level: String,
@@ -28,22 +26,26 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// How to reach registries.
+/// How to reach registries (the commands that talk to them).
 #[derive(Args, Debug, Clone)]
 pub struct RegistryArgs {
     /// Speak plain HTTP to the registry (loopback registries always may).
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub plain_http: bool,
     /// containerd hosts.toml directory for mirrors (certs.d layout).
-    #[arg(long, global = true, value_name = "DIR", env = "VMDISK_HOSTS_DIR")]
+    #[arg(long, value_name = "DIR", env = "VMDISK_HOSTS_DIR")]
     pub hosts_dir: Option<PathBuf>,
     /// Docker config file with credentials (default: REGISTRY_AUTH_FILE, $DOCKER_CONFIG, ~/.docker).
-    #[arg(long, global = true, value_name = "FILE")]
+    #[arg(long, value_name = "FILE")]
     pub auth_file: Option<PathBuf>,
     /// A repository to look for seekable indexes in after the image's own (`index --to`);
     /// repeatable.
-    #[arg(long = "index-repository", global = true, value_name = "REPO")]
+    #[arg(long = "index-repository", value_name = "REPO")]
     pub index_repositories: Vec<String>,
+    /// Seconds a fetch from a registry (its tries and waits included) may take before the
+    /// command fails naming what did not answer.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
 }
 
 impl RegistryArgs {
@@ -58,6 +60,10 @@ impl RegistryArgs {
                 .iter()
                 .map(|r| repository(r, "--index-repository"))
                 .collect::<Result<_>>()?,
+            retry: crate::retry::RetryPolicy {
+                deadline: std::time::Duration::from_secs(self.timeout),
+                ..Default::default()
+            },
             ..RegistryConfig::default()
         })
     }
@@ -92,6 +98,46 @@ pub enum Command {
     /// Boot traces: what a boot reads, fetched first at every cold start.
     #[command(subcommand)]
     Trace(TraceCommand),
+    /// Set this node's containerd up for vmdisk: merge the snippet for its release into its
+    /// configuration file, keeping every other setting.
+    ContainerdConfig(ContainerdConfigArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ContainerdConfigArgs {
+    /// containerd's configuration file (created if missing).
+    #[arg(
+        long,
+        default_value = "/etc/containerd/config.toml",
+        value_name = "FILE"
+    )]
+    pub config: PathBuf,
+    /// containerd's socket, asked for its version.
+    #[arg(
+        long,
+        default_value = "/run/containerd/containerd.sock",
+        value_name = "SOCK"
+    )]
+    pub containerd: PathBuf,
+    /// containerd's release (1.6, 1.7 or 2), instead of asking containerd.
+    #[arg(long, value_name = "RELEASE")]
+    pub release: Option<String>,
+    /// vmdisk for the VM runtime handlers only (kubevirt, vmdisk, vmdisk-peerpods; their pods
+    /// need the io.containerd.cri.runtime-handler annotation), as the DaemonSet installs it;
+    /// by default vmdisk is the snapshotter for every image.
+    #[arg(long)]
+    pub only_handlers: bool,
+    /// vmdisk-snapshotter's snapshots socket.
+    #[arg(
+        long,
+        default_value = "/run/vmdisk/snapshotter.sock",
+        value_name = "SOCK"
+    )]
+    pub address: PathBuf,
+    /// Write the file (the original kept once as FILE.vmdisk-backup); by default the merged
+    /// configuration is printed.
+    #[arg(long)]
+    pub write: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -103,6 +149,8 @@ pub enum TraceCommand {
 
 #[derive(Args, Debug)]
 pub struct TraceRecordArgs {
+    #[command(flatten)]
+    pub registry: RegistryArgs,
     /// Cache directory.
     #[arg(long, default_value = crate::cache::DEFAULT_ROOT)]
     pub cache: PathBuf,
@@ -112,6 +160,7 @@ pub struct TraceRecordArgs {
     /// Publish the trace beside the image: an OCI artifact referring to its manifest.
     #[arg(long)]
     pub push: bool,
+    /// An image reference (tag or digest).
     pub reference: String,
     /// The boot to record, run with VMDISK_DISK set to the mounted disk file (e.g. qemu with
     /// `-drive file=$VMDISK_DISK,format=qcow2,readonly=on`).
@@ -130,6 +179,10 @@ pub struct ManageArgs {
         env = "VMDISK_MANAGE"
     )]
     pub manage: PathBuf,
+    /// Seconds a call to the daemon may take before the command fails saying it did not
+    /// answer.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
 }
 
 #[derive(Args, Debug)]
@@ -145,6 +198,7 @@ pub struct LsArgs {
 pub struct RefArgs {
     #[command(flatten)]
     pub daemon: ManageArgs,
+    /// The reference the disk was made ready by (as `vmdisk ls` shows it).
     pub reference: String,
 }
 
@@ -177,7 +231,7 @@ pub struct PrefetchArgs {
     pub wait: bool,
     /// With --wait: give up after this many seconds (the hydration goes on).
     #[arg(long, value_name = "SECONDS", default_value_t = 3600)]
-    pub timeout: u64,
+    pub wait_timeout: u64,
     /// Ask as a pod of this Kubernetes namespace does (see `vmdisk path --namespace`).
     #[arg(long, value_name = "NS")]
     pub namespace: Option<String>,
@@ -189,13 +243,16 @@ pub struct PrefetchArgs {
 pub struct GcArgs {
     #[command(flatten)]
     pub daemon: ManageArgs,
-    /// Evict down to this size (e.g. 20G) instead of the configured cache.size.
+    /// Evict down to this size (e.g. 20G; 0 evicts every cached layer no mount uses) instead
+    /// of the configured cache.size.
     #[arg(long, value_name = "SIZE")]
     pub limit: Option<String>,
 }
 
 #[derive(Args, Debug)]
 pub struct MountArgs {
+    #[command(flatten)]
+    pub registry: RegistryArgs,
     /// Cache directory.
     #[arg(long, default_value = crate::cache::DEFAULT_ROOT)]
     pub cache: PathBuf,
@@ -218,12 +275,16 @@ pub struct MountArgs {
     /// Print the counters as JSON on unmount.
     #[arg(long)]
     pub stats: bool,
+    /// An image reference (tag or digest).
     pub reference: String,
+    /// An existing directory to mount the image's disk layer on.
     pub dir: PathBuf,
 }
 
 #[derive(Args, Debug)]
 pub struct PushArgs {
+    #[command(flatten)]
+    pub registry: RegistryArgs,
     /// Platform of the following disk file (repeat with one file each for a multi-arch image).
     #[arg(long = "platform", value_name = "OS/ARCH")]
     pub platforms: Vec<String>,
@@ -243,6 +304,8 @@ pub struct PushArgs {
 
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
+    #[command(flatten)]
+    pub registry: RegistryArgs,
     /// Path of the disk in the source image (default: the regular file under /disk/ or
     /// /image/). For a disk artifact, where its disk goes (default /disk/<its name>;
     /// /image/podvm.qcow2 for peer pods).
@@ -255,15 +318,20 @@ pub struct ConvertArgs {
     /// Chunk size, a power of two from 64K to 16M.
     #[arg(long, default_value = "256K")]
     pub chunk_size: String,
+    /// The image to convert (a containerDisk, a peer-pod image, a disk artifact).
     pub source: String,
+    /// Where to push the converted image (another tag or repository than the source's).
     pub target: String,
 }
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
+    #[command(flatten)]
+    pub registry: RegistryArgs,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// An image reference (tag or digest).
     pub reference: String,
 }
 
@@ -274,6 +342,8 @@ fn repository(text: &str, flag: &str) -> Result<Reference> {
 
 #[derive(Args, Debug)]
 pub struct IndexArgs {
+    #[command(flatten)]
+    pub registry: RegistryArgs,
     /// Publish the index into this repository (`registry/repository`) instead of the image's:
     /// for images one cannot push beside. List it in the daemon's
     /// `[registry] index_repositories`.
@@ -286,6 +356,7 @@ pub struct IndexArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// The image (or disk artifact) to index, left as it is.
     pub reference: String,
 }
 
@@ -334,9 +405,9 @@ pub fn pair_platforms(platforms: &[String], files: &[String]) -> Result<Vec<(Pla
     Ok(pairs)
 }
 
-/// The body of each binary's `main`: logs to stderr filtered by `directives` (fuser's own
-/// messages at error unless named), runs `body` on a multi-threaded runtime, and prints an
-/// error as one line, `NAME: error: context: cause`.
+/// The body of each binary's `main`: logs as [`crate::logging`] says (an unknown level is
+/// refused), runs `body` on a multi-threaded runtime, and prints an error as one line,
+/// `NAME: error: context: cause`.
 pub fn main_with<F>(
     name: &str,
     directives: &str,
@@ -345,17 +416,10 @@ pub fn main_with<F>(
 where
     F: std::future::Future<Output = Result<()>>,
 {
-    let directives = if directives.contains("fuser") {
-        directives.to_string()
-    } else {
-        format!("{directives},fuser=error")
-    };
-    let filter = tracing_subscriber::EnvFilter::try_new(&directives)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,fuser=error"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    if let Err(e) = crate::logging::init(directives) {
+        eprintln!("{name}: error: {}", e.chain());
+        return std::process::ExitCode::FAILURE;
+    }
     crate::task::return_large_buffers();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -376,6 +440,52 @@ where
     }
 }
 
+/// `vmdisk containerd-config`.
+async fn containerd_config(args: ContainerdConfigArgs) -> Result<()> {
+    use crate::setup::{Release, Setup};
+    let (release, version) = match &args.release {
+        Some(r) => (Release::of_version(r)?, r.clone()),
+        None => crate::setup::running_release(&args.containerd).await?,
+    };
+    let setup = match args.only_handlers {
+        true => Setup::Handlers,
+        false => Setup::AllImages,
+    };
+    let snippet = crate::setup::snippet(release, setup)?;
+    let current = match std::fs::read_to_string(&args.config) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(Error::io(format!("reading {}", args.config.display()), e)),
+    };
+    let platform = Platform::host().to_string();
+    let merged = crate::setup::merge(&current, snippet, &args.address, &platform)
+        .map_err(|e| e.context(args.config.display().to_string()))?;
+    if !args.write {
+        print!("{merged}");
+        return Ok(());
+    }
+    if merged == current {
+        println!(
+            "{} already sets containerd {version} up for vmdisk",
+            args.config.display()
+        );
+        return Ok(());
+    }
+    let backup = crate::setup::write_config(&args.config, &merged)?;
+    let kept = backup.map_or(String::new(), |b| {
+        format!("; the original is kept as {}", b.display())
+    });
+    println!(
+        "wrote {} for containerd {version} ({}){kept}; restart containerd to use it",
+        args.config.display(),
+        match setup {
+            Setup::AllImages => "vmdisk is the snapshotter for every image",
+            Setup::Handlers => "vmdisk for the VM runtime handlers",
+        }
+    );
+    Ok(())
+}
+
 /// Runs a parsed command; what it prints goes to stdout.
 pub async fn run(cli: Cli) -> Result<()> {
     match cli.command {
@@ -388,7 +498,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             publish::check_target(&target)?;
             let pairs = pair_platforms(&args.platforms, files)?;
             let opts = publish_options(args.path, &args.chunk_size, args.format.as_deref())?;
-            let client = cli.registry.client()?;
+            let client = args.registry.client()?;
             let mut images = Vec::new();
             for (platform, file) in pairs {
                 let (published, bytes) =
@@ -413,17 +523,27 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Convert(args) => {
             let source: Reference = args.source.parse()?;
             let target: Reference = args.target.parse()?;
+            let tag = |r: &Reference| r.tag.clone().unwrap_or_else(|| "latest".into());
+            if target.registry == source.registry
+                && target.repository == source.repository
+                && source.digest.is_none()
+                && tag(&target) == tag(&source)
+            {
+                return Err(Error::invalid(format!(
+                    "convert would overwrite {source}, the image it reads; name another tag or repository"
+                )));
+            }
             let opts = publish_options(args.path, &args.chunk_size, None)?;
             let platform = match &args.platform {
                 Some(p) => Platform::parse(p)?,
                 None => Platform::host(),
             };
-            let client = cli.registry.client()?;
+            let client = args.registry.client()?;
             let digest = publish::convert(&client, &source, &target, &opts, &platform).await?;
             println!("{digest}");
         }
-        Command::Mount(args) => mount(&cli.registry, args).await?,
-        Command::Trace(TraceCommand::Record(args)) => trace_record(&cli.registry, args).await?,
+        Command::Mount(args) => mount(args).await?,
+        Command::Trace(TraceCommand::Record(args)) => trace_record(args).await?,
         Command::Ls(args) => ls(args).await?,
         Command::Path(args) => {
             let request = DiskRequest {
@@ -486,8 +606,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         }
         Command::Gc(args) => {
             let limit_bytes = match &args.limit {
-                Some(l) => crate::units::parse_size(l)? as u64,
-                None => 0,
+                Some(l) => Some(crate::units::parse_size(l)? as u64),
+                None => None,
             };
             let r = manage(&args.daemon, |mut c| async move {
                 c.gc(GcRequest { limit_bytes }).await
@@ -498,6 +618,7 @@ pub async fn run(cli: Cli) -> Result<()> {
                 r.freed_bytes, r.stopped_mounts
             );
         }
+        Command::ContainerdConfig(args) => containerd_config(args).await?,
         Command::Stats(args) => {
             let r = manage(
                 &args,
@@ -518,7 +639,7 @@ pub async fn run(cli: Cli) -> Result<()> {
                 .map(|t| repository(t, "--to"))
                 .transpose()?;
             let span = crate::units::parse_size(&args.span)? as u64;
-            let client = cli.registry.client()?;
+            let client = args.registry.client()?;
             let r = crate::publish::index::index(&client, &reference, to.as_ref(), span).await?;
             if args.json {
                 println!(
@@ -546,7 +667,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         }
         Command::Inspect(args) => {
             let reference: Reference = args.reference.parse()?;
-            let client = cli.registry.client()?;
+            let client = args.registry.client()?;
             let report = crate::inspect::inspect(&client, &reference).await?;
             if args.json {
                 println!(
@@ -568,7 +689,7 @@ async fn wait_hydrated(
     args: &PrefetchArgs,
     mut disk: crate::api::vmdisk::v1::Disk,
 ) -> Result<crate::api::vmdisk::v1::Disk> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.timeout);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.wait_timeout);
     loop {
         if disk.integrity.starts_with("failed") {
             return Err(Error::corrupt(format!(
@@ -602,7 +723,7 @@ async fn wait_hydrated(
                 crate::error::ErrorKind::Timeout,
                 format!(
                     "{}: {} of {} chunks cached after --timeout {}s; the fetch goes on in the background",
-                    args.reference, disk.chunks_cached, disk.chunks, args.timeout
+                    args.reference, disk.chunks_cached, disk.chunks, args.wait_timeout
                 ),
             ));
         }
@@ -623,11 +744,35 @@ async fn manage<T, F>(args: &ManageArgs, call: impl FnOnce(ManageClient) -> F) -
 where
     F: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
 {
-    let client = ManageClient::new(crate::api::unix::channel(&args.manage).await?);
-    call(client)
-        .await
-        .map(tonic::Response::into_inner)
-        .map_err(Error::from)
+    let deadline = std::time::Duration::from_secs(args.timeout);
+    let work = async {
+        let channel = crate::api::unix::channel(&args.manage).await.map_err(|e| {
+            match e.source_io_kind() {
+                Some(std::io::ErrorKind::PermissionDenied) => Error::new(
+                    crate::error::ErrorKind::Auth,
+                    format!(
+                        "{} is root's: run this command as root",
+                        args.manage.display()
+                    ),
+                ),
+                _ => e,
+            }
+        })?;
+        call(ManageClient::new(channel))
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(Error::from)
+    };
+    tokio::time::timeout(deadline, work).await.map_err(|_| {
+        Error::new(
+            crate::error::ErrorKind::Timeout,
+            format!(
+                "vmdisk-snapshotter did not answer on {} within {} s (--timeout)",
+                args.manage.display(),
+                deadline.as_secs()
+            ),
+        )
+    })?
 }
 
 async fn list_disks(args: &ManageArgs) -> Result<Vec<crate::api::vmdisk::v1::Disk>> {
@@ -738,9 +883,32 @@ async fn ls(args: LsArgs) -> Result<()> {
 }
 
 /// `vmdisk mount`: serves the disk layer at `dir` until SIGINT or SIGTERM.
-async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
+async fn mount(args: MountArgs) -> Result<()> {
+    let registry = &args.registry;
     use crate::engine::EngineOptions;
     let reference: Reference = args.reference.parse()?;
+    // Checked before anything is fetched or created.
+    match std::fs::metadata(&args.dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(Error::invalid(format!(
+                "the mount point {} is not a directory",
+                args.dir.display()
+            )))
+        }
+        Err(e) => {
+            return Err(Error::io(
+                format!("the mount point {}", args.dir.display()),
+                e,
+            ))
+        }
+    }
+    let cache_size = args
+        .cache_size
+        .as_deref()
+        .map(crate::units::parse_size)
+        .transpose()
+        .map_err(|e| e.context("--cache-size"))?;
     let client = std::sync::Arc::new(registry.client()?);
     let cache = crate::cache::CacheRoot::open(&args.cache)?;
     let opts = EngineOptions {
@@ -749,8 +917,8 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
     };
     let engine = crate::remote::open_engine(client, &cache, &reference, opts).await?;
     // Evict only now: the layer being mounted holds its lock and cannot be chosen.
-    if let Some(limit) = &args.cache_size {
-        let freed = cache.evict(crate::units::parse_size(limit)? as u64)?;
+    if let Some(limit) = cache_size {
+        let freed = cache.evict(limit as u64)?;
         tracing::info!(freed, "cache eviction done");
     }
     let serving = crate::serve::start(
@@ -786,7 +954,8 @@ async fn mount(registry: &RegistryArgs, args: MountArgs) -> Result<()> {
 
 /// `vmdisk trace record`: mounts the image in a scratch directory (no passthrough, so every
 /// read reaches the engine), runs the command, and keeps what it read.
-async fn trace_record(registry: &RegistryArgs, args: TraceRecordArgs) -> Result<()> {
+async fn trace_record(args: TraceRecordArgs) -> Result<()> {
+    let registry = &args.registry;
     use crate::trace::BootTrace;
     if args.output.is_none() && !args.push {
         return Err(Error::invalid(
@@ -876,6 +1045,31 @@ async fn trace_record(registry: &RegistryArgs, args: TraceRecordArgs) -> Result<
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn every_argument_of_every_command_is_described() {
+        use clap::CommandFactory;
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{path} {id}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                if sub.get_about().is_none() {
+                    missing.push(format!("{path} {} (the command)", sub.get_name()));
+                }
+                walk(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "vmdisk", &mut missing);
+        assert!(missing.is_empty(), "undescribed: {missing:?}");
+    }
+
     use super::*;
 
     #[test]

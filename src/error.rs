@@ -74,6 +74,20 @@ impl Error {
     }
 
     /// Attach the underlying cause.
+    /// The kind of the first I/O error among its causes, if any (a refused or forbidden
+    /// connection under a transport error, say).
+    pub fn source_io_kind(&self) -> Option<std::io::ErrorKind> {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> =
+            self.source.as_deref().map(|e| e as _);
+        while let Some(e) = cause {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                return Some(io.kind());
+            }
+            cause = e.source();
+        }
+        None
+    }
+
     pub fn with_source(
         mut self,
         source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,

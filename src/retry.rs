@@ -85,7 +85,7 @@ impl RetryPolicy {
             .sleep(tokio::time::sleep)
             .when(|e| retry(e))
             .notify(|e, wait| {
-                tracing::warn!(what, error = %e.chain(), retry_in_ms = wait.as_millis() as u64, "failed; retrying");
+                tracing::info!(what, error = %e.chain(), retry_in_ms = wait.as_millis() as u64, "failed; retrying");
                 *last.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.chain());
             });
         match tokio::time::timeout(self.deadline, tries).await {

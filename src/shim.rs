@@ -61,6 +61,9 @@ pub struct ShimConfig {
     /// vmdisk-snapshotter's management socket.
     #[serde(default = "default_manage")]
     pub manage_address: PathBuf,
+    /// Seconds the daemon may take to make a disk ready before the sandbox fails saying so.
+    #[serde(default = "default_timeout")]
+    pub timeout: u64,
     pub runtimes: BTreeMap<String, RuntimeConfig>,
 }
 
@@ -68,8 +71,33 @@ fn default_manage() -> PathBuf {
     PathBuf::from("/run/vmdisk/manage.sock")
 }
 
+fn default_timeout() -> u64 {
+    60
+}
+
 /// The default configuration file.
 pub const DEFAULT_CONFIG: &str = "/etc/vmdisk/shim.toml";
+
+/// `containerd-shim-vmdisk-v2 --help`.
+pub const HELP: &str = "\
+containerd-shim-vmdisk-v2: a containerd runtime shim (v2) that hands a VM runtime a ready disk.
+
+containerd runs it for runtime_type io.containerd.<name>.v2, where <name> is the part of the
+binary's name between containerd-shim- and -v2 (link it under each name you use):
+
+  containerd-shim-<name>-v2 -namespace NS -address SOCK -publish-binary BIN -id ID start|delete
+
+For a pod sandbox whose pod has the annotation vmdisk.io/image: REF it asks vmdisk-snapshotter
+to make REF's disk ready for the pod's namespace, writes io.katacontainers.config.hypervisor.image
+into the bundle's config.json (the raw view, the qcow2 with vmdisk.io/format: qcow2, a libvirt
+volume name or the reference, as the runtime's provider says), and then becomes the delegate
+runtime's shim with the same arguments. Anything else goes to the delegate unchanged.
+
+Configuration: $VMDISK_SHIM_CONFIG, default /etc/vmdisk/shim.toml, one [runtimes.<name>] section
+per name (delegate, provider), manage_address, timeout (seconds the daemon may take).
+  -v, --version   print the version
+  -h, --help      print this help
+";
 
 impl ShimConfig {
     pub fn load(path: &Path) -> Result<Self> {
@@ -218,7 +246,23 @@ pub async fn prepare(
         .get(ANN_SANDBOX_NAMESPACE)
         .cloned()
         .unwrap_or_default();
-    let disk = ensure_disk(&config.manage_address, &reference, &namespace).await?;
+    let deadline = std::time::Duration::from_secs(config.timeout);
+    let disk = tokio::time::timeout(
+        deadline,
+        ensure_disk(&config.manage_address, &reference, &namespace),
+    )
+    .await
+    .map_err(|_| {
+        Error::new(
+            crate::error::ErrorKind::Timeout,
+            format!(
+                "vmdisk: {ANN_IMAGE}={reference}: vmdisk-snapshotter at {} did not make the disk ready within {} s (timeout in {})",
+                config.manage_address.display(),
+                deadline.as_secs(),
+                config_path.display()
+            ),
+        )
+    })??;
     if runtime.provider != Provider::Name && !qcow2 {
         crate::ready::raw_view_path(Path::new(&disk.ready_dir))
             .map_err(|e| e.context(format!("vmdisk: {ANN_IMAGE}={reference}")))?;

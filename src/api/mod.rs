@@ -14,6 +14,11 @@ pub mod containerd {
                 tonic::include_proto!("containerd.services.snapshots.v1");
             }
         }
+        pub mod version {
+            pub mod v1 {
+                tonic::include_proto!("containerd.services.version.v1");
+            }
+        }
     }
 }
 

@@ -7,12 +7,16 @@ fn main() -> std::process::ExitCode {
     let mut argv = std::env::args();
     let argv0 = argv.next().unwrap_or_default();
     let args: Vec<String> = argv.collect();
-    // `-v` as containerd's own shims answer it.
+    // `-v` as containerd's own shims answer it; `-h` without reading any configuration.
     if matches!(args.as_slice(), [flag] if flag == "-v" || flag == "--version") {
         println!(
             "containerd-shim-vmdisk-v2:\n  Version: {}",
             env!("CARGO_PKG_VERSION")
         );
+        return std::process::ExitCode::SUCCESS;
+    }
+    if matches!(args.as_slice(), [flag] if flag == "-h" || flag == "--help") {
+        print!("{}", vmdisk::shim::HELP);
         return std::process::ExitCode::SUCCESS;
     }
     let config = std::env::var_os("VMDISK_SHIM_CONFIG")

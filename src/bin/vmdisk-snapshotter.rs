@@ -62,6 +62,14 @@ fn main() -> std::process::ExitCode {
     if let Some(level) = args.log_level {
         config.log_level = level;
     }
+    if let Err(e) = config.validate() {
+        let source = args
+            .config
+            .as_ref()
+            .map_or("the settings".to_string(), |p| p.display().to_string());
+        eprintln!("vmdisk-snapshotter: error: {source}: {}", e.chain());
+        return std::process::ExitCode::FAILURE;
+    }
     // What the daemon and its mount servers create is private unless they say otherwise
     // (crate::dirs): no file of theirs is readable by other users.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));

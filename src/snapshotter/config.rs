@@ -176,6 +176,10 @@ impl Default for RegistrySettings {
     }
 }
 
+/// The longest root or ready directory: PATH_MAX (4096) less room for what the daemon makes in
+/// it.
+const MAX_DIR_PATH: usize = 3584;
+
 /// Where the metrics endpoint listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MetricsAddress {
@@ -211,6 +215,75 @@ impl Config {
                 .map_err(|e| e.context(format!("configuration {}: cache.size", path.display())))?;
         }
         Ok(config)
+    }
+
+    /// Checks what no field's type says: a known log level; absolute paths; sockets others
+    /// dial (containerd, kubelet) short enough for a socket address; directories with room
+    /// under PATH_MAX for what the daemon makes in them. Nothing is created before this passes.
+    pub fn validate(&self) -> Result<()> {
+        crate::logging::filter(&self.log_level).map_err(|e| e.context("log_level"))?;
+        let metrics = match self.metrics_address()? {
+            MetricsAddress::Unix(p) => Some(p),
+            _ => None,
+        };
+        let paths = [
+            ("root", Some(&self.root)),
+            ("address", Some(&self.address)),
+            ("manage_address", Some(&self.manage_address)),
+            ("ready_dir", Some(&self.ready_dir)),
+            (
+                "cache.dir",
+                Some(&self.cache.dir).filter(|d| !d.as_os_str().is_empty()),
+            ),
+            ("registry.hosts_dir", Some(&self.registry.hosts_dir)),
+            (
+                "cri.image_service_address",
+                Some(&self.cri.image_service_address).filter(|d| !d.as_os_str().is_empty()),
+            ),
+            ("cri.containerd_address", Some(&self.cri.containerd_address)),
+            ("containerd.root", Some(&self.containerd.root)),
+            ("metrics.address", metrics.as_ref()),
+        ];
+        for (name, path) in paths {
+            let Some(path) = path else { continue };
+            if !path.is_absolute() {
+                return Err(Error::invalid(format!(
+                    "{name} {} is not an absolute path",
+                    path.display()
+                )));
+            }
+        }
+        // Dialled by containerd and kubelet, which need it to fit a socket address.
+        for (name, path) in [
+            ("address", &self.address),
+            ("cri.image_service_address", &self.cri.image_service_address),
+        ] {
+            if path.as_os_str().len() > crate::api::unix::MAX_SOCKET_PATH {
+                return Err(Error::invalid(format!(
+                    "{name} {} is longer than the {} bytes a socket address holds; containerd could not dial it",
+                    path.display(),
+                    crate::api::unix::MAX_SOCKET_PATH
+                )));
+            }
+        }
+        // Room for what is made below them (layer directories, link names of up to 200 bytes).
+        for (name, path) in [("root", &self.root), ("ready_dir", &self.ready_dir)] {
+            if path.as_os_str().len() > MAX_DIR_PATH {
+                return Err(Error::invalid(format!(
+                    "{name} is {} bytes long; at most {MAX_DIR_PATH} leave room under PATH_MAX for what the daemon makes in it",
+                    path.as_os_str().len()
+                )));
+            }
+        }
+        for path in [&self.address, &self.manage_address] {
+            if path.is_dir() {
+                return Err(Error::invalid(format!(
+                    "{} is a directory, not a socket path",
+                    path.display()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The cache directory.

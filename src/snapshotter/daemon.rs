@@ -169,6 +169,11 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
         snapshotter: Arc::clone(&snapshotter),
     });
     tracing::info!(address = %config.address.display(), manage = %config.manage_address.display(), remote_layers, "vmdisk-snapshotter ready");
+    // Under systemd (Type=notify): ready once the sockets are bound, so containerd, ordered
+    // after this unit, finds them.
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::warn!(error = %e, "telling systemd the daemon is ready failed");
+    }
     let shutdown = async {
         if let Err(e) = crate::serve::wait_for_signal().await {
             tracing::error!(error = %e.chain(), "signal handling failed");

@@ -434,7 +434,7 @@ impl mpb::manage_server::Manage for ManageService {
         &self,
         request: Request<mpb::GcRequest>,
     ) -> Result<Response<mpb::GcResponse>, Status> {
-        let limit = Some(request.into_inner().limit_bytes).filter(|&l| l > 0);
+        let limit = request.into_inner().limit_bytes;
         let (freed_bytes, stopped_mounts) =
             self.snapshotter.gc(limit).await.map_err(Status::from)?;
         Ok(Response::new(mpb::GcResponse {

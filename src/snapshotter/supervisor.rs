@@ -295,6 +295,8 @@ impl LayerServers {
         }
         cmd.stdout(std::process::Stdio::null())
             .stderr(log)
+            // systemd's notification socket is the daemon's to use, not its servers'.
+            .env_remove("NOTIFY_SOCKET")
             // Its own process group: a signal to the daemon's group does not stop it.
             .process_group(0)
             .kill_on_drop(false);
