@@ -10,14 +10,15 @@ CARGO ?= cargo
 # python3-yaml: the package test parses the Kubernetes manifests. xz-utils: the peer-pod
 # artifact test packs its podvm.tar.xz as cloud-api-adaptor does. golang-go and
 # golang-github-containerd-containerd-dev: containerd's snapshotter conformance suite, built
-# offline from Debian's packaged source (integration/conformance/).
+# offline from Debian's packaged source (integration/conformance/). lintian: the package test
+# checks the Debian package with it.
 APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
 	python3 fuse3 nbdkit fio tar ca-certificates busybox-static protobuf-compiler linux-image-amd64 \
 	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients python3-yaml xz-utils gzip \
-	golang-go golang-github-containerd-containerd-dev
+	golang-go golang-github-containerd-containerd-dev lintian
 # Commands those packages provide, to skip apt when all are present.
 APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
-	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip go
+	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip go lintian
 
 # containerd 1.7 (Debian 13) and 2.x (Debian unstable), unpacked beside Debian 12's 1.6 without
 # installing them (integration/debs.sh): the containerd matrix of the tests. The versions the

@@ -360,7 +360,7 @@ fn containerd_2_with_the_shipped_snippet() {
 
 /// A node's containerd configuration as installers leave it (systemd cgroups, a sandbox image,
 /// a hosts.toml directory), plus what this machine needs to run it.
-fn node_config(release: Release, dir: &Path, pause: &str, certs: &Path) -> String {
+pub(crate) fn node_config(release: Release, dir: &Path, pause: &str, certs: &Path) -> String {
     let d = dir.display();
     let c = certs.display();
     if release.v3() {
@@ -410,7 +410,7 @@ state = "{d}/state"
 }
 
 /// CRI `Status` (verbose): the effective CRI configuration, as JSON.
-fn cri_config(ctd: &CriContainerd) -> serde_json::Value {
+pub(crate) fn cri_config(ctd: &CriContainerd) -> serde_json::Value {
     let info = rt().block_on(async {
         ctd.runtime()
             .await

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::harness::*;
 
@@ -55,9 +55,16 @@ impl Drop for Installed {
     }
 }
 
+/// The Debian package: lintian accepts it (no error or warning); installed with dpkg on this
+/// Debian 12, it brings binaries, manual pages and a unit that makes nothing depend on it;
+/// its service (started as the unit starts it) tells systemd when it is ready; a real
+/// containerd set up with `vmdisk containerd-config` keeps the node's CRI settings and pulls
+/// through it; purging the package leaves that containerd running.
 #[test]
-fn the_deb_installs_and_its_service_starts_with_the_default_config() {
+fn the_deb_passes_lintian_installs_serves_containerd_and_leaves_it_running() {
+    use crate::cri::{CriContainerd, Release};
     require("dpkg-deb");
+    require("lintian");
     assert!(
         !dpkg_installed("vmdisk") && !Path::new("/run/vmdisk/snapshotter.sock").exists(),
         "vmdisk is installed or running on this machine; this test installs and purges the package, so run it where it is not"
@@ -76,6 +83,13 @@ fn the_deb_installs_and_its_service_starts_with_the_default_config() {
             && fields.contains(&format!("Version: {}", env!("CARGO_PKG_VERSION"))),
         "{fields}"
     );
+    let lintian = Command::new("lintian")
+        .args(["--fail-on", "error,warning", &deb])
+        .output()
+        .unwrap();
+    let tags = String::from_utf8_lossy(&lintian.stdout);
+    eprintln!("lintian: {tags}");
+    assert!(lintian.status.success(), "lintian: {tags}");
 
     let _installed = Installed;
     run("dpkg", &["-i", &deb]);
@@ -88,6 +102,12 @@ fn the_deb_installs_and_its_service_starts_with_the_default_config() {
         "/etc/vmdisk/shim.toml",
         "/lib/systemd/system/vmdisk-snapshotter.service",
         "/usr/share/vmdisk/vmdisk.yaml",
+        "/usr/share/man/man1/vmdisk.1.gz",
+        "/usr/share/man/man1/vmdisk-containerd-config.1.gz",
+        "/usr/share/man/man8/vmdisk-snapshotter.8.gz",
+        "/usr/share/man/man8/containerd-shim-vmdisk-v2.8.gz",
+        "/usr/share/doc/vmdisk/changelog.gz",
+        "/usr/share/doc/vmdisk/copyright",
     ] {
         assert!(Path::new(file).exists(), "{file} is not installed");
     }
@@ -97,14 +117,50 @@ fn the_deb_installs_and_its_service_starts_with_the_default_config() {
         format!("vmdisk-snapshotter {}", env!("CARGO_PKG_VERSION"))
     );
 
-    // The service as the unit starts it: its ExecStart, in the runtime directory systemd
-    // would make. Where systemd runs, postinst has started it already.
-    let unit = std::fs::read_to_string("/lib/systemd/system/vmdisk-snapshotter.service").unwrap();
+    // The unit: containerd never depends on it (removing, upgrading or misconfiguring vmdisk
+    // leaves containerd alone), it starts first, it is ready when its sockets are.
+    let unit_path = "/lib/systemd/system/vmdisk-snapshotter.service";
+    let unit = std::fs::read_to_string(unit_path).unwrap();
+    for forbidden in [
+        "RequiredBy",
+        "Requires=",
+        "BindsTo",
+        "PartOf",
+        "RequisiteOf",
+    ] {
+        assert!(!unit.contains(forbidden), "the unit has {forbidden}");
+    }
+    for wanted in [
+        "Type=notify",
+        "WantedBy=multi-user.target",
+        "Before=containerd.service",
+        "OOMScoreAdjust=-999",
+        "KillMode=process",
+    ] {
+        assert!(unit.contains(wanted), "the unit lacks {wanted}");
+    }
+    let verify = Command::new("systemd-analyze")
+        .args(["verify", unit_path])
+        .output()
+        .unwrap();
+    let complaints = String::from_utf8_lossy(&verify.stderr);
+    assert!(
+        !complaints.contains("vmdisk-snapshotter.service"),
+        "systemd-analyze verify: {complaints}"
+    );
+
+    // The service as the unit starts it (its ExecStart), with a notification socket as
+    // systemd gives a Type=notify service. Where systemd runs, postinst has started it.
     let exec = unit
         .lines()
         .find_map(|l| l.strip_prefix("ExecStart="))
         .expect("ExecStart");
     let systemd = Path::new("/run/systemd/system").exists();
+    let notify = scratch.path("notify.sock");
+    let notifications = std::os::unix::net::UnixDatagram::bind(&notify).unwrap();
+    notifications
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
     let mut daemon = None;
     if !systemd {
         std::fs::create_dir_all("/run/vmdisk").unwrap();
@@ -112,31 +168,107 @@ fn the_deb_installs_and_its_service_starts_with_the_default_config() {
         daemon = Some(
             Command::new(words.next().unwrap())
                 .args(words)
+                .env("NOTIFY_SOCKET", &notify)
                 .stdout(Stdio::null())
                 .stderr(std::fs::File::create(scratch.path("service.log")).unwrap())
                 .spawn()
                 .unwrap(),
         );
+        let mut message = [0u8; 256];
+        let n = notifications.recv(&mut message).unwrap_or_else(|e| {
+            panic!(
+                "no readiness notification ({e}): {}",
+                std::fs::read_to_string(scratch.path("service.log")).unwrap_or_default()
+            )
+        });
+        let message = String::from_utf8_lossy(&message[..n]);
+        assert!(message.contains("READY=1"), "{message}");
+        // Ready means its sockets are there.
+        assert!(Path::new("/run/vmdisk/snapshotter.sock").exists());
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let stats = loop {
+    let stats = || {
         let out = Command::new("/usr/bin/vmdisk")
-            .args(["stats", "--manage", "/run/vmdisk/manage.sock"])
+            .args([
+                "stats",
+                "--manage",
+                "/run/vmdisk/manage.sock",
+                "--timeout",
+                "10",
+            ])
             .output()
             .unwrap();
-        if out.status.success() {
-            break String::from_utf8(out.stdout).unwrap();
-        }
         assert!(
-            Instant::now() < deadline,
+            out.status.success(),
             "the service did not answer: {}\n{}",
             String::from_utf8_lossy(&out.stderr),
             std::fs::read_to_string(scratch.path("service.log")).unwrap_or_default()
         );
-        std::thread::sleep(Duration::from_millis(200));
+        String::from_utf8(out.stdout).unwrap()
     };
-    assert!(stats.contains(env!("CARGO_PKG_VERSION")), "{stats}");
-    assert!(Path::new("/run/vmdisk/snapshotter.sock").exists());
+    assert!(stats().contains(env!("CARGO_PKG_VERSION")));
+
+    // A node's containerd (1.6, Debian's), set up with the installed command: the node's CRI
+    // settings survive, and its pulls go through the packaged daemon.
+    let reg = Registry::start(&scratch);
+    let pause = format!("{}/pause:1", reg.host());
+    let image = scratch.path("pause");
+    crate::cri::busybox_layout(&image, &["/bin/sleep", "2147483647"]);
+    skopeo_push(&image, &pause, &[]);
+    let dir = scratch.path("ctd");
+    let certs = dir.join("certs.d");
+    let host = reg.host();
+    std::fs::create_dir_all(certs.join(&host)).unwrap();
+    std::fs::write(
+        certs.join(&host).join("hosts.toml"),
+        format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+    )
+    .unwrap();
+    let config = dir.join("config.toml");
+    std::fs::write(
+        &config,
+        crate::matrix::node_config(Release::V1_6, &dir, &pause, &certs),
+    )
+    .unwrap();
+    let mut ctd = CriContainerd::start_config(&scratch, Release::V1_6);
+    let before = crate::matrix::cri_config(&ctd);
+    let out = Command::new("/usr/bin/vmdisk")
+        .args([
+            "containerd-config",
+            "--config",
+            config.to_str().unwrap(),
+            "--containerd",
+        ])
+        .arg(&ctd.socket)
+        .arg("--write")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ctd.restart();
+    let after = crate::matrix::cri_config(&ctd);
+    for pointer in [
+        "/containerd/runtimes/runc/options/SystemdCgroup",
+        "/sandboxImage",
+        "/registry/configPath",
+    ] {
+        assert_eq!(before.pointer(pointer), after.pointer(pointer), "{pointer}");
+    }
+    assert_eq!(after["containerd"]["snapshotter"], "vmdisk", "{after}");
+    ctd.pull(&format!("127.0.0.1:{}/pause:1", reg.port))
+        .unwrap_or_else(|e| {
+            panic!(
+                "PullImage through the packaged daemon: {e}\n{}",
+                ctd.log_text()
+            )
+        });
+    assert!(
+        stats().contains("ordinary:no_index"),
+        "the pull did not go through vmdisk"
+    );
+
     if let Some(mut d) = daemon {
         let _ = Command::new("kill")
             .args(["-TERM", &d.id().to_string()])
@@ -146,6 +278,20 @@ fn the_deb_installs_and_its_service_starts_with_the_default_config() {
     run("dpkg", &["--purge", "vmdisk"]);
     assert!(!Path::new("/usr/bin/vmdisk-snapshotter").exists());
     assert!(!Path::new("/etc/vmdisk/snapshotter.toml").exists());
+    // containerd keeps running and answering; what it runs is unaffected.
+    rt_version(&ctd);
+}
+
+/// containerd's CRI answers `Version`.
+fn rt_version(ctd: &crate::cri::CriContainerd) {
+    crate::cri::rt().block_on(async {
+        ctd.runtime()
+            .await
+            .expect("containerd's socket")
+            .version(k8s_cri::v1::VersionRequest::default())
+            .await
+            .expect("containerd answers after vmdisk was purged");
+    });
 }
 
 /// The YAML documents of `file`, as JSON values.

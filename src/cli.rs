@@ -17,7 +17,7 @@ use crate::serve::{Hydrate, ServeOptions};
 
 /// VM disks from container registries, loaded lazily.
 #[derive(Parser, Debug)]
-#[command(name = "vmdisk", version, about)]
+#[command(name = "vmdisk", version)]
 pub struct Cli {
     /// Log level (error, warn, info, debug, trace) or a tracing filter.
     #[arg(long, global = true, default_value = "warn", env = "VMDISK_LOG")]
@@ -101,6 +101,12 @@ pub enum Command {
     /// Set this node's containerd up for vmdisk: merge the snippet for its release into its
     /// configuration file, keeping every other setting.
     ContainerdConfig(ContainerdConfigArgs),
+    /// Write the manual pages (man1, man8) under DIR (for packaging).
+    #[command(hide = true)]
+    GenerateMan {
+        /// Where the man1 and man8 directories go.
+        dir: PathBuf,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -619,6 +625,11 @@ pub async fn run(cli: Cli) -> Result<()> {
             );
         }
         Command::ContainerdConfig(args) => containerd_config(args).await?,
+        Command::GenerateMan { dir } => {
+            for page in crate::manpages::write_all(&dir)? {
+                println!("{}", page.display());
+            }
+        }
         Command::Stats(args) => {
             let r = manage(
                 &args,

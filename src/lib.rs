@@ -23,6 +23,7 @@ pub mod format;
 pub mod fuse;
 pub mod inspect;
 pub mod logging;
+pub mod manpages;
 pub mod oci;
 pub mod publish;
 pub mod ready;

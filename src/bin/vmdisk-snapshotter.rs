@@ -1,48 +1,9 @@
 //! `vmdisk-snapshotter`: the containerd proxy snapshotter daemon. All logic lives in the
 //! library (`vmdisk::snapshotter`).
 
-use std::path::PathBuf;
-
-use clap::{Parser, Subcommand};
+use clap::Parser;
+use vmdisk::snapshotter::args::{Args, Internal};
 use vmdisk::snapshotter::config::Config;
-
-/// containerd proxy snapshotter that serves VM-disk layers lazily.
-#[derive(Parser, Debug)]
-#[command(name = "vmdisk-snapshotter", version, about)]
-struct Args {
-    /// TOML configuration (config/vmdisk-snapshotter.toml documents every field).
-    #[arg(long, global = true, value_name = "FILE")]
-    config: Option<PathBuf>,
-    /// State directory (overrides `root`).
-    #[arg(long, global = true, value_name = "DIR")]
-    root: Option<PathBuf>,
-    /// Snapshots API socket (overrides `address`).
-    #[arg(long, value_name = "SOCK")]
-    address: Option<PathBuf>,
-    /// Log level or tracing filter (overrides `log_level`).
-    #[arg(long, global = true, value_name = "LEVEL")]
-    log_level: Option<String>,
-    #[command(subcommand)]
-    command: Option<Internal>,
-}
-
-#[derive(Subcommand, Debug)]
-enum Internal {
-    /// Internal: serve one remote layer's FUSE mount (started by the daemon).
-    #[command(hide = true)]
-    ServeLayer {
-        #[arg(long)]
-        reference: String,
-        #[arg(long)]
-        layer: String,
-        /// A readable name for the ready-disk directory (the image reference pulled).
-        #[arg(long)]
-        alias: Option<String>,
-        /// Read registry credentials (kubelet's) from stdin first.
-        #[arg(long)]
-        credentials_on_stdin: bool,
-    },
-}
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();

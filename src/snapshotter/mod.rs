@@ -15,6 +15,7 @@
 //! layer's server is started or stopped under that layer's own lock
 //! ([`supervisor::LayerLocks`]), never under a lock other layers wait for.
 
+pub mod args;
 pub mod classify;
 pub mod config;
 pub mod control;
