@@ -373,6 +373,16 @@ impl Release {
     }
 }
 
+/// Writes `certs/<host>/hosts.toml` so containerd speaks plain HTTP to the registry `host`.
+pub fn plain_http_host(certs: &Path, host: &str) {
+    std::fs::create_dir_all(certs.join(host)).unwrap();
+    std::fs::write(
+        certs.join(host).join("hosts.toml"),
+        format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+    )
+    .unwrap();
+}
+
 /// Deep-merges `from` into `into` (tables key by key; anything else replaced).
 pub fn merge_toml(into: &mut toml::Value, from: toml::Value) {
     match (into, from) {
@@ -481,13 +491,7 @@ state = "{d}/state"
         let dir = scratch.path("ctd");
         let certs = dir.join("certs.d");
         for p in mirror_ports {
-            let host = format!("127.0.0.1:{p}");
-            std::fs::create_dir_all(certs.join(&host)).unwrap();
-            std::fs::write(
-                certs.join(&host).join("hosts.toml"),
-                format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
-            )
-            .unwrap();
+            plain_http_host(&certs, &format!("127.0.0.1:{p}"));
         }
         let socket = dir.join("containerd.sock");
         let mut config: toml::Value =

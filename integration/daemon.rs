@@ -330,11 +330,15 @@ fn prefetch_after_a_failed_hydration_starts_again_and_wait_names_its_timeout() {
             ..Claim::default()
         },
     );
-    let (out, took) = timed(|| daemon.vmdisk(&["prefetch", "--wait", "--timeout", "2", &slow_ref]));
+    let (out, took) =
+        timed(|| daemon.vmdisk(&["prefetch", "--wait", "--wait-timeout", "2", &slow_ref]));
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{text}");
-    assert!(text.contains("--timeout 2s"), "{text}");
-    assert!(took < Duration::from_secs(20), "--timeout 2 took {took:?}");
+    assert!(text.contains("--wait-timeout 2s"), "{text}");
+    assert!(
+        took < Duration::from_secs(20),
+        "--wait-timeout 2 took {took:?}"
+    );
 }
 
 #[test]

@@ -239,7 +239,7 @@ fn an_index_in_another_repository_and_an_uncompressed_layer_load_lazily() {
     assert_eq!(report["compression"], "none");
     // The index in another repository is found where the lookup is told to search.
     let lazy = |args: &[&str]| {
-        let out = vmdisk_ok(&[args, &["inspect", "--json", &gz]].concat());
+        let out = vmdisk_ok(&[&["inspect", "--json"][..], args, &[&gz]].concat());
         let report: serde_json::Value = serde_json::from_str(&out).unwrap();
         report["platforms"][0]["layers"][0]["lazy"].as_bool()
     };

@@ -445,13 +445,7 @@ fn daemonset_setup(release: Release) {
     let pause = format!("{}/pause:1", reg.host());
     let dir = scratch.path("ctd");
     let certs = dir.join("certs.d");
-    let host = reg.host();
-    std::fs::create_dir_all(certs.join(&host)).unwrap();
-    std::fs::write(
-        certs.join(&host).join("hosts.toml"),
-        format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
-    )
-    .unwrap();
+    crate::cri::plain_http_host(&certs, &reg.host());
     let config = dir.join("config.toml");
     std::fs::write(&config, node_config(release, &dir, &pause, &certs)).unwrap();
     let mut ctd = CriContainerd::start_config(&scratch, release);

@@ -216,13 +216,7 @@ fn the_deb_passes_lintian_installs_serves_containerd_and_leaves_it_running() {
     skopeo_push(&image, &pause, &[]);
     let dir = scratch.path("ctd");
     let certs = dir.join("certs.d");
-    let host = reg.host();
-    std::fs::create_dir_all(certs.join(&host)).unwrap();
-    std::fs::write(
-        certs.join(&host).join("hosts.toml"),
-        format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
-    )
-    .unwrap();
+    crate::cri::plain_http_host(&certs, &reg.host());
     let config = dir.join("config.toml");
     std::fs::write(
         &config,

@@ -408,7 +408,7 @@ fn htpasswd_registry_works_with_docker_config_credentials() {
     );
 
     let bad = docker_config(scratch.dir.path(), &reg.host(), "alice", "wrong");
-    let out = vmdisk(&["--auth-file", bad.to_str().unwrap(), "inspect", &reference]);
+    let out = vmdisk(&["inspect", "--auth-file", bad.to_str().unwrap(), &reference]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -512,9 +512,9 @@ fn mirrors_from_hosts_toml_serve_pulls() {
     std::fs::create_dir_all(&hosts).unwrap();
     std::fs::write(hosts.join("hosts.toml"), format!("server = \"https://registry.invalid:5000\"\n\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n", reg.host())).unwrap();
     let out = vmdisk_ok(&[
+        "inspect",
         "--hosts-dir",
         scratch.path("certs.d").to_str().unwrap(),
-        "inspect",
         "--json",
         "registry.invalid:5000/vm/mirrored:1",
     ]);
@@ -542,9 +542,9 @@ fn bearer_token_registry_works_with_docker_config_credentials() {
 
     let good = docker_config(scratch.dir.path(), &reg.host(), "bob", "builder");
     let out = vmdisk(&[
+        "push",
         "--auth-file",
         good.to_str().unwrap(),
-        "push",
         disk.to_str().unwrap(),
         &reference,
     ]);
@@ -559,9 +559,9 @@ fn bearer_token_registry_works_with_docker_config_credentials() {
         "tokens are cached per scope, got {issued_for_push} for one push"
     );
     let out = vmdisk(&[
+        "inspect",
         "--auth-file",
         good.to_str().unwrap(),
-        "inspect",
         "--json",
         &reference,
     ]);
@@ -574,7 +574,7 @@ fn bearer_token_registry_works_with_docker_config_credentials() {
     assert_eq!(report["platforms"][0]["layers"][0]["lazy"], true);
 
     let bad = docker_config(scratch.dir.path(), &reg.host(), "bob", "wrong");
-    let out = vmdisk(&["--auth-file", bad.to_str().unwrap(), "inspect", &reference]);
+    let out = vmdisk(&["inspect", "--auth-file", bad.to_str().unwrap(), &reference]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -145,9 +145,9 @@ fn a_namespace_reads_only_the_disks_it_was_allowed_to_pull() {
     }
     for (disk, image) in [(&one, &image1), (&two, &image2)] {
         vmdisk_ok(&[
+            "push",
             "--auth-file",
             push_auth.to_str().unwrap(),
-            "push",
             disk.to_str().unwrap(),
             image,
         ]);

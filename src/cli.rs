@@ -695,7 +695,7 @@ pub async fn run(cli: Cli) -> Result<()> {
 
 /// `prefetch --wait`: polls the daemon until every chunk of `disk` is cached and the complete
 /// layer was checked; fails if the hydration or the check fails, the mount stops, or
-/// `--timeout` passes.
+/// `--wait-timeout` passes.
 async fn wait_hydrated(
     args: &PrefetchArgs,
     mut disk: crate::api::vmdisk::v1::Disk,
@@ -733,7 +733,7 @@ async fn wait_hydrated(
             return Err(Error::new(
                 crate::error::ErrorKind::Timeout,
                 format!(
-                    "{}: {} of {} chunks cached after --timeout {}s; the fetch goes on in the background",
+                    "{}: {} of {} chunks cached after --wait-timeout {}s; the fetch goes on in the background",
                     args.reference, disk.chunks_cached, disk.chunks, args.wait_timeout
                 ),
             ));
@@ -898,21 +898,12 @@ async fn mount(args: MountArgs) -> Result<()> {
     let registry = &args.registry;
     use crate::engine::EngineOptions;
     let reference: Reference = args.reference.parse()?;
-    // Checked before anything is fetched or created.
-    match std::fs::metadata(&args.dir) {
-        Ok(m) if m.is_dir() => {}
-        Ok(_) => {
-            return Err(Error::invalid(format!(
-                "the mount point {} is not a directory",
-                args.dir.display()
-            )))
-        }
-        Err(e) => {
-            return Err(Error::io(
-                format!("the mount point {}", args.dir.display()),
-                e,
-            ))
-        }
+    // Checked before anything is fetched or created (a missing one is made).
+    if args.dir.exists() && !args.dir.is_dir() {
+        return Err(Error::invalid(format!(
+            "the mount point {} is not a directory",
+            args.dir.display()
+        )));
     }
     let cache_size = args
         .cache_size

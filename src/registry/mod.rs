@@ -245,6 +245,14 @@ async fn read_limited(mut resp: reqwest::Response, limit: u64, what: &str) -> Re
         })
 }
 
+/// The manifest and index media types asked for (`Accept`).
+const MANIFEST_TYPES: [&str; 4] = [
+    oci::OCI_MANIFEST,
+    oci::OCI_INDEX,
+    oci::DOCKER_MANIFEST,
+    oci::DOCKER_MANIFEST_LIST,
+];
+
 /// A fetched manifest or index, verified when fetched by digest.
 #[derive(Clone, Debug)]
 pub struct FetchedManifest {
@@ -944,13 +952,7 @@ impl RegistryClient {
     /// Fetches the manifest or index `r` names. Verified against the digest when `r` has one;
     /// the returned digest is that of the bytes received.
     pub async fn get_manifest(&self, r: &Reference) -> Result<FetchedManifest> {
-        let accept = [
-            oci::OCI_MANIFEST,
-            oci::OCI_INDEX,
-            oci::DOCKER_MANIFEST,
-            oci::DOCKER_MANIFEST_LIST,
-        ]
-        .join(", ");
+        let accept = MANIFEST_TYPES.join(", ");
         let object = r.object();
         let what = &format!("manifest {object}");
         let (media_type, bytes) = self
@@ -1003,48 +1005,50 @@ impl RegistryClient {
 
     /// Asks the registry (not a mirror: access is the registry's to grant) whether this client
     /// may read manifest `r`: a `HEAD` under the retry policy. Returns the digest the registry
-    /// names (`Docker-Content-Digest`), which for a reference by digest must be that digest.
+    /// names (`Docker-Content-Digest`), which for a reference by digest must be that digest; a
+    /// registry that names none for a tag is asked for the manifest itself.
     pub async fn check_manifest(&self, r: &Reference) -> Result<Digest> {
-        let accept = [
-            oci::OCI_MANIFEST,
-            oci::OCI_INDEX,
-            oci::DOCKER_MANIFEST,
-            oci::DOCKER_MANIFEST_LIST,
-        ]
-        .join(", ");
+        let accept = MANIFEST_TYPES.join(", ");
         let object = r.object();
         let what = &format!("manifest {object}");
-        self.pull(
-            r,
-            what,
-            false,
-            |ep| {
-                let mut req =
-                    Req::get(ep, r, &format!("manifests/{object}")).header(ACCEPT, &accept);
-                req.method = Method::HEAD;
-                req
-            },
-            |resp, ep| async move {
-                let named = resp
-                    .headers()
-                    .get("docker-content-digest")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<Digest>().ok());
-                match (&r.digest, named) {
-                    (Some(want), Some(got)) if *want != got => Err(Error::corrupt(format!(
-                        "{} names manifest {got} for {r}",
-                        ep.describe(&r.registry)
-                    ))),
-                    (Some(want), _) => Ok(*want),
-                    (None, Some(got)) => Ok(got),
-                    (None, None) => Err(Error::unsupported(format!(
-                        "{} does not name the digest of {r} (no Docker-Content-Digest)",
-                        ep.describe(&r.registry)
-                    ))),
-                }
-            },
-        )
-        .await
+        let headed = self
+            .pull(
+                r,
+                what,
+                false,
+                |ep| {
+                    let mut req =
+                        Req::get(ep, r, &format!("manifests/{object}")).header(ACCEPT, &accept);
+                    req.method = Method::HEAD;
+                    req
+                },
+                |resp, ep| async move {
+                    let named = resp
+                        .headers()
+                        .get("docker-content-digest")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<Digest>().ok());
+                    match (&r.digest, named) {
+                        (Some(want), Some(got)) if *want != got => Err(Error::corrupt(format!(
+                            "{} names manifest {got} for {r}",
+                            ep.describe(&r.registry)
+                        ))),
+                        (Some(want), _) => Ok(*want),
+                        (None, Some(got)) => Ok(got),
+                        (None, None) => Err(Error::unsupported(format!(
+                            "{} does not name the digest of {r} (no Docker-Content-Digest)",
+                            ep.describe(&r.registry)
+                        ))),
+                    }
+                },
+            )
+            .await;
+        match headed {
+            Err(e) if e.kind() == ErrorKind::Unsupported => {
+                self.get_manifest(r).await.map(|m| m.digest)
+            }
+            other => other,
+        }
     }
 
     /// The referrers (OCI 1.1) of manifest `digest` in `r`'s repository whose artifact type is

@@ -229,15 +229,15 @@ impl LayerServers {
                     if self.know(&status.instance) {
                         tracing::info!(%layer, pid = status.pid, instance = status.instance, "adopted the running mount server");
                     }
-                    for grant in grants {
-                        if let Err(e) = self.hand_grant(layer, grant).await {
-                            tracing::warn!(%layer, error = %e.chain(), "the layer's server did not take the credentials of a pull");
-                        }
-                    }
+                    self.hand_grants(layer, grants).await;
                     return Ok(paths.mountpoint);
                 }
                 // A start begun by an earlier daemon: see it through.
-                ServerState::Starting => return self.wait_serving(layer, reference, None).await,
+                ServerState::Starting => {
+                    let mountpoint = self.wait_serving(layer, reference, None).await?;
+                    self.hand_grants(layer, grants).await;
+                    return Ok(mountpoint);
+                }
                 // Failed or stopping: make room for a new one.
                 _ => {
                     let _ = control::stop(&paths.control).await;
@@ -246,6 +246,15 @@ impl LayerServers {
             }
         }
         self.start(layer, reference, alias, grants).await
+    }
+
+    /// Hands `layer`'s running server `grants` (it adds them to those it holds).
+    async fn hand_grants(&self, layer: &Digest, grants: &[Grant]) {
+        for grant in grants {
+            if let Err(e) = self.hand_grant(layer, grant).await {
+                tracing::warn!(%layer, error = %e.chain(), "the layer's server did not take the credentials of a pull");
+            }
+        }
     }
 
     async fn start(

@@ -273,8 +273,8 @@ impl Tenants {
         }
     }
 
-    /// The unexpired grants of `namespace` for `image`'s repository, newest first.
-    pub fn grants_of(&self, namespace: &str, image: &Reference) -> Vec<PullGrant> {
+    /// The unexpired grants for `image`'s repository that `keep` accepts, newest first.
+    fn unexpired(&self, image: &Reference, keep: impl Fn(&PullGrant) -> bool) -> Vec<PullGrant> {
         let now = Instant::now();
         let grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
         grants
@@ -282,29 +282,25 @@ impl Tenants {
             .rev()
             .filter(|g| {
                 g.expires > now
-                    && g.namespace == namespace
                     && g.registry == image.registry
                     && g.repository == image.repository
+                    && keep(g)
             })
             .cloned()
             .collect()
+    }
+
+    /// The unexpired grants of `namespace` for `image`'s repository, newest first.
+    pub fn grants_of(&self, namespace: &str, image: &Reference) -> Vec<PullGrant> {
+        self.unexpired(image, |g| g.namespace == namespace)
     }
 
     /// The unexpired grants of any namespace whose pull covered manifest `digest` of `image`'s
     /// repository: what the mount server of that image may fetch with (the image's own bytes,
     /// which that pull was allowed).
     pub fn covering(&self, image: &Reference, digest: &Digest) -> Vec<Grant> {
-        let now = Instant::now();
-        let grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
-        grants
+        self.unexpired(image, |g| g.digests.contains(digest))
             .iter()
-            .rev()
-            .filter(|g| {
-                g.expires > now
-                    && g.registry == image.registry
-                    && g.repository == image.repository
-                    && g.digests.contains(digest)
-            })
             .map(PullGrant::grant)
             .collect()
     }
