@@ -22,7 +22,9 @@ APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu
 
 # containerd 1.7 (Debian 13) and 2.x (Debian unstable), unpacked beside Debian 12's 1.6 without
 # installing them (integration/debs.sh): the containerd matrix of the tests. The versions the
-# tests were written against first; the suite's current one if the archive has moved on.
+# tests were written against first; the suite's current one if the archive has moved on. Their
+# Go sources with their Go compilers too: containerd's own snapshotter conformance suite of each
+# release, built offline (integration/conformance/).
 DEPS_DIR := $(CURDIR)/target/deps
 CONTAINERD_17 := containerd=1.7.24~ds1-6+deb13u1
 CONTAINERD_2 := containerd=2.1.9+ds1-5
@@ -48,6 +50,10 @@ deps:
 	@[ -x $(DEPS_DIR)/containerd-2/usr/bin/containerd ] || \
 		integration/debs.sh $(DEPS_DIR)/containerd-2 $(CONTAINERD_2) || \
 		integration/debs.sh $(DEPS_DIR)/containerd-2 containerd/sid
+	@[ -d $(DEPS_DIR)/suite-1.7/usr/share/gocode ] || \
+		integration/debs.sh --go-sources trixie $(DEPS_DIR)/suite-1.7 golang-github-containerd-containerd-dev golang-go
+	@[ -d $(DEPS_DIR)/suite-2/usr/share/gocode ] || \
+		integration/debs.sh --go-sources sid $(DEPS_DIR)/suite-2 golang-github-containerd-containerd-dev golang-go
 
 build:
 	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link

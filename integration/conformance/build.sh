@@ -1,23 +1,42 @@
 #!/bin/bash
-# Builds containerd's snapshotter conformance suite (snapshots/testsuite) against
-# vmdisk-snapshotter as a Go test binary, offline: Debian 12's Go (1.19) in GOPATH mode and
-# containerd's source as Debian packages it (golang-github-containerd-containerd-dev, 1.6.20,
-# with its dependencies). `make deps` installs both.
-# Usage: build.sh OUT_BINARY
+# Builds containerd's snapshotter conformance suite (snapshots/testsuite of a containerd
+# release) against vmdisk-snapshotter as a Go test binary, offline, in GOPATH mode from Debian's
+# packaged Go sources:
+#   build.sh OUT_BINARY          containerd 1.6.20: Debian 12's golang-go (1.19) and
+#                                golang-github-containerd-containerd-dev, installed by make deps
+#   build.sh OUT_BINARY ROOT     the release whose Go sources and compiler make deps unpacked
+#                                under ROOT (debs.sh --go-sources: 1.7 from Debian 13, 2.x from
+#                                unstable); 2.x's packages live under .../containerd/v2/core
 # Run (as root): VMDISK_SNAPSHOTTER=/path/to/vmdisk-snapshotter OUT_BINARY -test.v
 set -euo pipefail
-out=${1:?usage: build.sh OUT_BINARY}
+out=${1:?usage: build.sh OUT_BINARY [ROOT]}
+root=$(cd "${2:-/}" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
-src=/usr/share/gocode/src/github.com/containerd/containerd/snapshots/testsuite
-command -v go >/dev/null && [ -d "$src" ] || {
-  echo "build.sh: needs golang-go and golang-github-containerd-containerd-dev (make deps)" >&2
+gocode=$root/usr/share/gocode
+if [ "$root" = / ]; then
+  go=$(command -v go || true)
+  goroot=
+else
+  go=$(ls -d "$root"/usr/lib/go-*/bin/go 2>/dev/null | sort -V | tail -1)
+  goroot=$(dirname "$(dirname "$go")")
+fi
+[ -n "$go" ] && [ -d "$gocode/src/github.com/containerd/containerd" ] || {
+  echo "build.sh: no Go compiler or containerd sources under $root (make deps)" >&2
   exit 1
 }
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/src/vmdisk.test/conformance"
-cp "$here/conformance_test.go" "$work/src/vmdisk.test/conformance/"
+pkg=$work/src/vmdisk.test/conformance
+mkdir -p "$pkg"
+if [ -d "$gocode/src/github.com/containerd/containerd/v2/core/snapshots/testsuite" ]; then
+  # containerd 2.x moved the packages under v2/core; the API stays where it was.
+  sed -e 's#"github.com/containerd/containerd/mount"#"github.com/containerd/containerd/v2/core/mount"#' \
+      -e 's#"github.com/containerd/containerd/snapshots\(/[a-z]*\)\{0,1\}"#"github.com/containerd/containerd/v2/core/snapshots\1"#' \
+      "$here/conformance_test.go" > "$pkg/conformance_test.go"
+else
+  cp "$here/conformance_test.go" "$pkg/"
+fi
 mkdir -p "$(dirname "$out")"
 cache=${GOCACHE:-$(dirname "$out")/gocache}
-cd "$work/src/vmdisk.test/conformance"
-GO111MODULE=off GOPATH="$work:/usr/share/gocode" GOFLAGS= GOPROXY=off GOCACHE="$cache" CGO_ENABLED=0 \
-  go test -c -o "$out" .
+cd "$pkg"
+env ${goroot:+GOROOT=$goroot} GO111MODULE=off GOPATH="$work:$gocode" GOFLAGS= GOPROXY=off \
+  GOTOOLCHAIN=local GOCACHE="$cache" CGO_ENABLED=0 "$go" test -c -o "$out" .
