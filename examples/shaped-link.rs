@@ -18,9 +18,10 @@
 //! It prints `listening on ADDR` once it accepts connections, and runs until killed.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -42,7 +43,7 @@ impl Link {
     /// When `n` bytes handed over now arrive at the other end.
     fn schedule(&self, n: usize) -> Instant {
         let now = Instant::now();
-        let mut free_at = self.free_at.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free_at = self.free_at.lock();
         let start = (*free_at).max(now);
         let departs = start + Duration::from_secs_f64(n as f64 / self.bytes_per_sec);
         *free_at = departs;

@@ -81,3 +81,4 @@ integration/bench-pull.sh
 integration/bench-boot.sh
 integration/bench-link.sh
 integration/bench-index.sh
+integration/bench-rawview.sh

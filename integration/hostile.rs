@@ -7,17 +7,18 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Path as UrlPath, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::Response;
+use parking_lot::Mutex;
 use vmdisk::digest::Digest;
+use vmdisk::format::toc::{Toc, TocEntry};
 use vmdisk::format::zstd_chunked::{
-    decode_toc, EncodedChunk, EntryMeta, LayerWriter, Toc, TocEntry, ANN_TOC_CHECKSUM,
-    ANN_TOC_POSITION,
+    decode_toc, EncodedChunk, EntryMeta, LayerWriter, ANN_TOC_CHECKSUM, ANN_TOC_POSITION,
 };
 
 use crate::harness::*;
@@ -76,7 +77,6 @@ async fn serve(
     if let Some((repo, reference)) = rest.rsplit_once("/manifests/") {
         let found = content
             .lock()
-            .unwrap()
             .manifests
             .get(&(repo.to_string(), reference.to_string()))
             .cloned();
@@ -94,7 +94,6 @@ async fn serve(
     };
     let found = content
         .lock()
-        .unwrap()
         .blobs
         .get(&(repo.to_string(), digest.to_string()))
         .cloned();
@@ -192,7 +191,7 @@ impl HostileRegistry {
         answer: Answer,
         at: Range<u64>,
     ) {
-        self.content.lock().unwrap().blobs.insert(
+        self.content.lock().blobs.insert(
             (repo.to_string(), digest.to_string()),
             Blob {
                 bytes: Arc::new(bytes),
@@ -234,7 +233,7 @@ impl HostileRegistry {
                         "annotations": annotations}],
         }))
         .unwrap();
-        let mut content = self.content.lock().unwrap();
+        let mut content = self.content.lock();
         for reference in [tag.to_string(), Digest::of(&manifest).to_string()] {
             content.manifests.insert(
                 (repo.to_string(), reference),
@@ -252,7 +251,7 @@ impl HostileRegistry {
     /// Flips a byte of the config blob of `repo:tag` (it no longer hashes to its name) and
     /// returns the config's digest.
     fn corrupt_config(&self, repo: &str, tag: &str) -> Digest {
-        let mut content = self.content.lock().unwrap();
+        let mut content = self.content.lock();
         let manifest = &content.manifests[&(repo.to_string(), tag.to_string())].1;
         let manifest: serde_json::Value = serde_json::from_slice(manifest).unwrap();
         let digest: Digest = manifest["config"]["digest"]
@@ -732,7 +731,7 @@ fn crafted_sizes_and_counts_stay_within_memory_and_time() {
     };
     for (entries, why) in [
         (
-            vmdisk::format::zstd_chunked::MAX_TOC_ENTRIES,
+            vmdisk::format::toc::MAX_TOC_ENTRIES,
             "outside the layer data",
         ),
         (4 << 20, "outside the accepted bounds"),

@@ -422,8 +422,11 @@ fn an_estargz_containerdisk_reads_lazily_and_identically() {
     crate::harness::make_qcow2(&disk, "1G", &[(0, 2 << 20, 0x21)]);
     crate::harness::write_random(&disk, 100 << 20, 24 << 20, 21);
     let content = std::fs::read(&disk).unwrap();
-    let (blob, toc, diff_id) =
-        vmdisk::format::estargz::testing::layer(&[("disk/disk.qcow2", content)], 1 << 20);
+    let vmdisk_testing::estargz::Layer {
+        blob,
+        toc_digest: toc,
+        diff_id,
+    } = vmdisk_testing::estargz::layer(&[("disk/disk.qcow2", content)], 1 << 20);
     let layout = scratch.path("layout");
     crate::harness::write_layout(
         &layout,

@@ -3,7 +3,7 @@
 //! Every failure carries a small, matchable [`ErrorKind`] (what went wrong, in terms a caller can
 //! act on), a human sentence of context (which registry, digest, offset or path) and, where there
 //! is one, the underlying source. Binaries turn kinds into exit codes; kinds and gRPC
-//! status convert into each other in one place (`crate::api`), the FUSE layer answers EIO.
+//! status convert into each other in one place (the gRPC API module), the FUSE layer answers EIO.
 
 use std::fmt;
 

@@ -15,7 +15,8 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::format::disk::{self, DiskFormat};
-use crate::format::zstd_chunked::{self, NodeKind, TocLocation};
+use crate::format::tree::NodeKind;
+use crate::format::zstd_chunked::{self, TocLocation};
 use crate::format::{artifact, seekable};
 use crate::oci::{
     self, Descriptor, ImageConfig, LayerCompression, Manifest, ManifestKind, Platform,
@@ -214,8 +215,8 @@ async fn inspect_image(
         .await
         .into_iter()
         .collect::<Result<_>>()?;
-    if crate::remote::disk_layer(m).is_none() {
-        if let Some((_, layer, _)) = crate::remote::indexable_layer(m) {
+    if crate::resolve::disk_layer(m).is_none() {
+        if let Some((_, layer, _)) = crate::resolve::indexable_layer(m) {
             let at = unique
                 .iter()
                 .position(|d| d.digest == layer.digest)
@@ -289,9 +290,9 @@ async fn inspect_artifact(
     let rep = &mut layers[disk.position];
     let manifest_digest: crate::digest::Digest = digest.parse()?;
     let pinned = r.with_digest(manifest_digest);
-    match crate::remote::seekable_layer(client, &pinned, m, manifest_digest).await {
+    match crate::resolve::seekable_layer(client, &pinned, m, manifest_digest).await {
         Ok((meta, index)) => {
-            let source = meta.index.as_ref().expect("read through an index");
+            let source = meta.index_source().expect("read through an index");
             rep.layout = format!("disk file ({})", source.compression.name());
             rep.lazy = true;
             rep.index = Some(format!(
@@ -300,7 +301,7 @@ async fn inspect_artifact(
             ));
             rep.chunks = index.spans.len() as u64;
             let head_end = seekable::HEAD_BYTES.min(index.stream_size);
-            let head = crate::remote::read_stream(client, &meta, &index, 0..head_end).await?;
+            let head = read_stream(client, &meta, &index, 0..head_end).await?;
             let (format, virtual_size) = disk::identify(&head, index.stream_size)?;
             rep.disk = Some(DiskReport {
                 path: disk.path,
@@ -320,6 +321,31 @@ async fn inspect_artifact(
     })
 }
 
+/// Bytes `range` of the uncompressed stream of the layer `meta` reads through `index`, from its
+/// spans fetched from the registry, each checked against its digest.
+async fn read_stream(
+    client: &RegistryClient,
+    meta: &crate::layer::LayerMeta,
+    index: &seekable::SeekIndex,
+    range: std::ops::Range<u64>,
+) -> Result<Vec<u8>> {
+    let source = meta
+        .index_source()
+        .ok_or_else(|| Error::corrupt("the layer's record names no seekable index"))?;
+    let windows = match index.windows {
+        Some(w) => Some((source.repository.parse()?, w.digest)),
+        None => None,
+    };
+    let client: std::sync::Arc<dyn crate::registry::Registry> = std::sync::Arc::new(client.clone());
+    let reference: Reference = meta.reference.parse()?;
+    let sources =
+        crate::engine::source::Sources::in_registry(client, &reference, meta.layer_digest, windows);
+    let ask = crate::layer::Ask::AnyEndpoint;
+    crate::layer::codec::indexed::SpanReader::new(index, &sources, ask)
+        .read(range)
+        .await
+}
+
 /// Looks up the seekable index of `m`'s ordinary disk layer (reported in `rep`): with one, the
 /// layer is lazily loadable through it.
 async fn seekable_index(
@@ -330,10 +356,10 @@ async fn seekable_index(
     rep: &mut LayerReport,
 ) -> Result<()> {
     let pinned = r.with_digest(manifest_digest);
-    match crate::remote::disk_layer_id(client, None, &pinned, m, manifest_digest).await {
+    match crate::resolve::disk_layer_id(client, None, &pinned, m, manifest_digest).await {
         Ok((_, meta)) => {
             let source = meta
-                .index
+                .index_source()
                 .expect("an ordinary layer is read through its index");
             rep.lazy = true;
             rep.reason = None;
@@ -421,7 +447,7 @@ async fn inspect_estargz(
         .parse()
         .map_err(|e: Error| e.context(format!("annotation {}", zstd_chunked::ANN_ESTARGZ_TOC)))?;
     let (offset, json) =
-        crate::remote::fetch_estargz_toc(client, r, desc.digest, desc.size, digest).await?;
+        crate::resolve::fetch_estargz_toc(client, r, desc.digest, desc.size, digest).await?;
     rep.toc_size = desc.size - crate::format::estargz::FOOTER_SIZE - offset;
     rep.toc_uncompressed_size = json.len() as u64;
     let nodes = crate::format::estargz::nodes(&json, offset)?;
@@ -435,7 +461,7 @@ async fn inspect_nodes(
     r: &Reference,
     desc: &Descriptor,
     mut rep: LayerReport,
-    nodes: &[crate::format::zstd_chunked::Node],
+    nodes: &[crate::format::tree::Node],
     estargz: bool,
 ) -> Result<LayerReport> {
     let wanted = desc
@@ -496,7 +522,7 @@ async fn inspect_nodes(
                         .then(|| crate::format::estargz::padding(disk.size));
                     crate::format::estargz::decode_chunk(&frame, first, last)
                 } else {
-                    crate::format::layout::decode_chunk(&frame, first)
+                    crate::format::zstd_chunked::decode_chunk(&frame, first)
                 };
                 decoded.map_err(|e| e.context(format!("first chunk of {}", disk.path)))?
             };
@@ -516,7 +542,10 @@ async fn inspect_nodes(
     });
     rep.reason = if !disk.verifiable() {
         Some("some chunks have no chunkDigest, so they cannot be verified one by one".into())
-    } else if format != "qcow2" && format != "raw" {
+    } else if !format
+        .parse::<disk::DiskFormat>()
+        .is_ok_and(|f| f.is_served())
+    {
         Some(format!(
             "the file at {} is not a qcow2 or raw disk ({format})",
             disk.path
@@ -550,7 +579,7 @@ async fn peek_stream_disk(
             let Ok(path) = entry.path().map(|p| p.to_string_lossy().into_owned()) else {
                 continue;
             };
-            let Ok(path) = zstd_chunked::clean_path(&path) else {
+            let Ok(path) = crate::format::tree::clean_path(&path) else {
                 continue;
             };
             let size = entry.size();

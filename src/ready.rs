@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::format::disk::DiskFormat;
 
 /// The raw view's file name.
 pub const RAW_NAME: &str = "disk.raw";
@@ -39,7 +40,7 @@ pub struct ReadyMetadata {
     pub layer_digest: String,
     pub platform: String,
     /// `qcow2` or `raw`.
-    pub format: String,
+    pub format: crate::format::disk::DiskFormat,
     pub virtual_size: u64,
     /// Size of the disk file as published.
     pub disk_size: u64,
@@ -109,8 +110,8 @@ impl ReadyDir {
             if metadata.raw_error.is_none() {
                 links.push((with("raw"), self.dir.join(RAW_NAME)));
             }
-            if metadata.format != "raw" {
-                links.push((with(&metadata.format), self.dir.join(&metadata.disk)));
+            if metadata.format != DiskFormat::Raw {
+                links.push((with(metadata.format.name()), self.dir.join(&metadata.disk)));
             }
         }
         links
@@ -163,11 +164,19 @@ pub fn raw_view_path(ready_dir: &Path) -> Result<PathBuf> {
 /// The directory under the ready-disk root that holds the libvirt volume links.
 pub const VOLUMES_DIR: &str = "volumes";
 
-/// The libvirt volume name of `reference`'s disk in a `dir` pool over `<ready_dir>/volumes`:
-/// the raw view, or the qcow2 as published.
-pub fn volume_name(reference: &str, qcow2: bool) -> String {
-    let ext = if qcow2 { "qcow2" } else { "raw" };
-    format!("{}.{ext}", alias_name(reference))
+/// Which file of a ready-disk directory a runtime is handed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handed {
+    /// The disk as published (qcow2 or raw).
+    AsPublished,
+    /// Its raw view, `disk.raw` (the disk itself when it is raw).
+    Raw,
+}
+
+/// The libvirt volume name of `reference`'s disk in a `dir` pool over `<ready_dir>/volumes`,
+/// as a disk in `format`: the raw view (`raw`), or the qcow2 as published.
+pub fn volume_name(reference: &str, format: DiskFormat) -> String {
+    format!("{}.{}", alias_name(reference), format.name())
 }
 
 /// The file name of an image reference in `by-name/` and `volumes/` (a libvirt volume name).
@@ -279,7 +288,7 @@ mod tests {
             reference: ready.reference.clone(),
             layer_digest: String::new(),
             platform: ready.platform.clone(),
-            format: "qcow2".into(),
+            format: DiskFormat::Qcow2,
             virtual_size: 1,
             disk_size: 1,
             disk: published_name("disk/disk.raw"),
@@ -298,7 +307,10 @@ mod tests {
             ]
         );
         assert_eq!(links[2].1, ready.dir.join("image-disk.raw"));
-        assert_eq!(volume_name("r.example/vm:1", true), "r.example_vm+1.qcow2");
+        assert_eq!(
+            volume_name("r.example/vm:1", DiskFormat::Qcow2),
+            "r.example_vm+1.qcow2"
+        );
         metadata.raw_error = Some("external data file".into());
         assert_eq!(ready.links(&metadata).len(), 2);
     }

@@ -79,19 +79,19 @@ impl RetryPolicy {
             .with_max_delay(self.max_delay)
             .with_max_times(self.attempts.max(1) as usize - 1)
             .with_jitter();
-        let last = std::sync::Mutex::new(None::<String>);
+        let last = parking_lot::Mutex::new(None::<String>);
         let tries = op
             .retry(backoff)
             .sleep(tokio::time::sleep)
             .when(|e| retry(e))
             .notify(|e, wait| {
                 tracing::info!(what, error = %e.chain(), retry_in_ms = wait.as_millis() as u64, "failed; retrying");
-                *last.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.chain());
+                *last.lock() = Some(e.chain());
             });
         match tokio::time::timeout(self.deadline, tries).await {
             Ok(outcome) => outcome,
             Err(_) => {
-                let last = last.lock().unwrap_or_else(|p| p.into_inner()).take();
+                let last = last.lock().take();
                 let why = last.map_or_else(
                     || "no answer".to_string(),
                     |e| format!("the last try failed: {e}"),

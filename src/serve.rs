@@ -1,5 +1,6 @@
 //! Serving one lazily loaded layer through FUSE until a signal says stop: the body of
-//! `vmdisk mount` and of the snapshotter's per-layer mount servers.
+//! `vmdisk mount` and of the snapshotter's per-layer mount servers, and the one place a lazily
+//! loaded layer is composed ([`open_engine`]: resolution, sources, engine, structure check).
 //!
 //! Besides the FUSE session it runs the layer's background work, in order and off the start-up
 //! path: flushing the presence bitmap every second, checking the layer once it is complete,
@@ -8,19 +9,67 @@
 //! while files are open is refused and the layer keeps serving.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use serde::Deserialize;
 
 use crate::cache::{CacheRoot, Integrity};
+use crate::engine::source::Sources;
 use crate::engine::stats::StatsSnapshot;
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::qcow2::ReadAt;
-use crate::format::qcow2_raw::RawView;
-use crate::fuse::{EngineFile, RawSource};
 use crate::ready::{ReadyDir, ReadyMetadata};
+use crate::reference::Reference;
+use crate::registry::Registry;
+use crate::view::file::LayerFile;
+use crate::view::qcow2::RawDisk;
+
+/// What a mount fetches while its layer's structure is checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Warm {
+    /// Nothing beyond the check.
+    Nothing,
+    /// The disk's head (qcow2 header, L1 and refcount tables), a round trip sooner, for a
+    /// mount that describes its disk before it serves (ready directories). Those chunks are
+    /// then fetched before other cached layers are indexed for dedup, so a mount without a
+    /// ready directory leaves it off.
+    DiskHead,
+}
+
+/// The one composition of a lazily loaded layer, for `vmdisk mount` and the mount servers:
+/// resolves `reference` to its disk layer, starts an engine over its cache and its blobs in
+/// the registry, and checks the layer's structure before anything is served.
+pub async fn open_engine(
+    client: Arc<dyn Registry>,
+    cache: &CacheRoot,
+    reference: &Reference,
+    opts: EngineOptions,
+    warm: Warm,
+) -> Result<Arc<Engine>> {
+    let layer = crate::resolve::resolve(client.as_ref(), cache, reference).await?;
+    // A gzip layer's windows blob sits beside its index.
+    let windows = match (layer.codec().windows_blob(), layer.meta.index_source()) {
+        (Some(digest), Some(source)) => Some((source.repository.parse()?, digest)),
+        _ => None,
+    };
+    let sources = Sources::in_registry(client, &layer.reference, layer.meta.layer_digest, windows);
+    let engine = Engine::open(layer, cache, sources, opts).await?;
+    match warm {
+        // Verified as always; nothing is served before the check passes.
+        Warm::DiskHead => {
+            let disk = LayerFile::disk(Arc::clone(&engine));
+            let (checked, _) = tokio::join!(
+                engine.check_structure(Some(cache)),
+                crate::view::qcow2::read_head(&disk)
+            );
+            checked?;
+        }
+        Warm::Nothing => engine.check_structure(Some(cache)).await?,
+    }
+    Ok(engine)
+}
 
 /// How a mount fetches what nobody read yet.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -60,52 +109,33 @@ pub enum HydrationState {
     Failed(String),
 }
 
-/// The raw view and the metadata of `engine`'s disk; reads the disk's first bytes and, for
-/// qcow2, its L1 table. A qcow2 the raw view cannot map is still served as published, without
-/// `disk.raw`. Blocks: call from a blocking thread.
-fn describe(
-    engine: &Arc<Engine>,
-    runtime: &tokio::runtime::Handle,
-    ready: &ReadyDir,
-) -> Result<(RawSource, ReadyMetadata)> {
-    let layer = &engine.layer;
-    let disk = layer.disk;
-    let path = layer.nodes[layer.files[disk].node].path.clone();
-    let file = EngineFile::new(Arc::clone(engine), disk, runtime.clone());
-    let disk_size = file.size();
-    let mut magic = [0u8; 4];
-    if disk_size >= 4 {
-        file.read_exact_at(&mut magic, 0)
-            .map_err(|e| Error::io(format!("reading the first bytes of /{path}"), e))?;
-    }
-    let mut raw_error = None;
-    let (raw, format, virtual_size) = if magic == crate::format::qcow2::MAGIC {
-        match RawView::open(file) {
-            Ok(view) => {
-                let size = view.size();
-                (RawSource::View(Arc::new(view)), "qcow2", size)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e.chain(), "no raw view of /{path}; serving it as published only");
-                raw_error = Some(e.chain());
-                (RawSource::Unavailable, "qcow2", 0)
-            }
+/// The raw view and the metadata of `engine`'s disk ([`crate::view::qcow2::describe`]).
+async fn describe(engine: &Arc<Engine>, ready: &ReadyDir) -> Result<(RawDisk, ReadyMetadata)> {
+    let disk = LayerFile::disk(Arc::clone(engine));
+    let disk_size = crate::view::DiskView::size(&disk);
+    let path = engine.layer.disk_path().to_string();
+    let described = crate::view::qcow2::describe(disk)
+        .await
+        .map_err(|e| e.context(format!("reading the first bytes of /{path}")))?;
+    let raw_error = match &described.raw {
+        RawDisk::Unavailable(e) => {
+            tracing::warn!(error = %e.chain(), "no raw view of /{path}; serving it as published only");
+            Some(e.chain())
         }
-    } else {
-        (RawSource::Disk, "raw", disk_size)
+        _ => None,
     };
     let metadata = ReadyMetadata {
         reference: ready.reference.clone(),
-        layer_digest: layer.meta.layer_digest.to_string(),
+        layer_digest: engine.layer.meta.layer_digest.to_string(),
         platform: ready.platform.clone(),
-        format: format.into(),
-        virtual_size,
+        format: described.format,
+        virtual_size: described.virtual_size,
         disk_size,
         disk: crate::ready::published_name(&path),
         path_in_image: format!("/{path}"),
         raw_error,
     };
-    Ok((raw, metadata))
+    Ok((described.raw, metadata))
 }
 
 /// A mounted ready-disk directory: its session, where it is, and the links (link, target)
@@ -188,7 +218,9 @@ pub async fn start(
     serving.tasks.push(tokio::spawn(async move {
         let indexer = Arc::clone(&e);
         let _ = tokio::task::spawn_blocking(move || indexer.index_other_layers(&index_cache)).await;
-        if let Err(err) = e.prefetch_qcow2().await {
+        let in_flight = e.options().max_concurrent_fetches;
+        let disk = LayerFile::disk(e);
+        if let Err(err) = crate::view::qcow2::prefetch_metadata(&disk, in_flight).await {
             tracing::warn!(error = %err.chain(), "qcow2 metadata prefetch failed");
         }
         if let Some(hydrate) = hydrate {
@@ -205,10 +237,7 @@ async fn mount_ready(
     passthrough: bool,
 ) -> Result<(fuser::BackgroundSession, Vec<(PathBuf, PathBuf)>)> {
     let runtime = tokio::runtime::Handle::current();
-    let (e, rt, r) = (Arc::clone(engine), runtime.clone(), ready.clone());
-    let (raw, metadata) = tokio::task::spawn_blocking(move || describe(&e, &rt, &r))
-        .await
-        .map_err(|e| Error::new(ErrorKind::Io, "describing the disk").with_source(e))??;
+    let (raw, metadata) = describe(engine, ready).await?;
     let json = serde_json::to_vec_pretty(&metadata).expect("metadata serialises");
     let links = ready.links(&metadata);
     let fs = crate::fuse::LayerFs::ready(
@@ -237,17 +266,12 @@ impl Serving {
 
     /// The path of the layer's disk file on the mount.
     pub fn disk_path(&self) -> PathBuf {
-        let layer = &self.engine.layer;
-        self.dir
-            .join(&layer.nodes[layer.files[layer.disk].node].path)
+        self.dir.join(self.engine.layer.disk_path())
     }
 
     /// Where hydration stands.
     pub fn hydration(&self) -> HydrationState {
-        self.hydration
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.hydration.lock().clone()
     }
 
     /// Starts fetching the whole disk at full speed unless a hydration is running; whether
@@ -262,7 +286,7 @@ impl Serving {
         let (state, announce) = (Arc::clone(&self.hydration), self.announce);
         move || {
             {
-                let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+                let mut s = state.lock();
                 if *s == HydrationState::Running {
                     return false;
                 }
@@ -286,7 +310,7 @@ impl Serving {
                         HydrationState::Failed(err.chain())
                     }
                 };
-                *state.lock().unwrap_or_else(|p| p.into_inner()) = outcome;
+                *state.lock() = outcome;
             });
             true
         }

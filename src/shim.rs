@@ -22,6 +22,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
+use crate::format::disk::DiskFormat;
+use crate::ready::Handed;
 
 /// The pod annotation naming the VM image.
 pub const ANN_IMAGE: &str = "vmdisk.io/image";
@@ -143,13 +145,16 @@ pub fn action(args: &[String]) -> Option<&str> {
 }
 
 /// What to write into the bundle for `annotations` (from `config.json`), if anything.
-pub fn wanted_image(annotations: &BTreeMap<String, String>) -> Option<(String, bool)> {
+pub fn wanted_image(annotations: &BTreeMap<String, String>) -> Option<(String, Handed)> {
     if annotations.get(ANN_CONTAINER_TYPE).map(String::as_str) != Some("sandbox") {
         return None;
     }
     let image = annotations.get(ANN_IMAGE)?.trim().to_string();
-    let qcow2 = annotations.get(ANN_FORMAT).map(String::as_str) == Some("qcow2");
-    Some((image, qcow2))
+    let handed = match annotations.get(ANN_FORMAT).map(String::as_str) {
+        Some("qcow2") => Handed::AsPublished,
+        _ => Handed::Raw,
+    };
+    Some((image, handed))
 }
 
 /// The value of the Kata image annotation for `provider`.
@@ -157,16 +162,19 @@ pub fn image_value(
     provider: Provider,
     reference: &str,
     disk: &crate::api::vmdisk::v1::Disk,
-    qcow2: bool,
+    handed: Handed,
 ) -> String {
     let dir = Path::new(&disk.ready_dir);
-    match provider {
-        Provider::Kata if qcow2 => crate::ready::published_path(dir, &disk.disk_path)
+    match (provider, handed) {
+        (Provider::Kata, Handed::AsPublished) => crate::ready::published_path(dir, &disk.disk_path)
             .display()
             .to_string(),
-        Provider::Kata => dir.join(crate::ready::RAW_NAME).display().to_string(),
-        Provider::Libvirt => crate::ready::volume_name(reference, qcow2),
-        Provider::Name => reference.to_string(),
+        (Provider::Kata, Handed::Raw) => dir.join(crate::ready::RAW_NAME).display().to_string(),
+        (Provider::Libvirt, Handed::AsPublished) => {
+            crate::ready::volume_name(reference, DiskFormat::Qcow2)
+        }
+        (Provider::Libvirt, Handed::Raw) => crate::ready::volume_name(reference, DiskFormat::Raw),
+        (Provider::Name, _) => reference.to_string(),
     }
 }
 
@@ -238,7 +246,7 @@ pub async fn prepare(
         return Ok(delegate);
     }
     let annotations = bundle_annotations(bundle)?;
-    let Some((reference, qcow2)) = wanted_image(&annotations) else {
+    let Some((reference, handed)) = wanted_image(&annotations) else {
         return Ok(delegate);
     };
     // The disk only if the pod's namespace may pull the image.
@@ -263,11 +271,11 @@ pub async fn prepare(
             ),
         )
     })??;
-    if runtime.provider != Provider::Name && !qcow2 {
+    if runtime.provider != Provider::Name && handed == Handed::Raw {
         crate::ready::raw_view_path(Path::new(&disk.ready_dir))
             .map_err(|e| e.context(format!("vmdisk: {ANN_IMAGE}={reference}")))?;
     }
-    let value = image_value(runtime.provider, &reference, &disk, qcow2);
+    let value = image_value(runtime.provider, &reference, &disk, handed);
     annotate_bundle(bundle, ANN_KATA_IMAGE, &value)?;
     tracing::info!(reference, value, delegate, "disk ready; handing over");
     Ok(delegate)
@@ -336,7 +344,7 @@ mod tests {
         };
         assert_eq!(
             wanted_image(&m(&[(ANN_CONTAINER_TYPE, "sandbox"), (ANN_IMAGE, "r/x:1")])),
-            Some(("r/x:1".into(), false))
+            Some(("r/x:1".into(), Handed::Raw))
         );
         assert_eq!(
             wanted_image(&m(&[
@@ -344,7 +352,7 @@ mod tests {
                 (ANN_IMAGE, "r/x:1"),
                 (ANN_FORMAT, "qcow2")
             ])),
-            Some(("r/x:1".into(), true))
+            Some(("r/x:1".into(), Handed::AsPublished))
         );
         assert_eq!(
             wanted_image(&m(&[(ANN_CONTAINER_TYPE, "container"), (ANN_IMAGE, "r")])),
@@ -361,18 +369,21 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            image_value(Provider::Kata, "r/f:1", &disk, false),
+            image_value(Provider::Kata, "r/f:1", &disk, Handed::Raw),
             "/run/vmdisk/disks/abc/disk.raw"
         );
         assert_eq!(
-            image_value(Provider::Kata, "r/f:1", &disk, true),
+            image_value(Provider::Kata, "r/f:1", &disk, Handed::AsPublished),
             "/run/vmdisk/disks/abc/fedora.qcow2"
         );
         assert_eq!(
-            image_value(Provider::Libvirt, "r/f:1", &disk, false),
+            image_value(Provider::Libvirt, "r/f:1", &disk, Handed::Raw),
             "r_f+1.raw"
         );
-        assert_eq!(image_value(Provider::Name, "r/f:1", &disk, false), "r/f:1");
+        assert_eq!(
+            image_value(Provider::Name, "r/f:1", &disk, Handed::Raw),
+            "r/f:1"
+        );
     }
 
     #[test]

@@ -53,7 +53,7 @@ impl BootTrace {
         BootTrace {
             version: 1,
             layer: layer.meta.layer_digest,
-            disk: layer.nodes[layer.files[layer.disk].node].path.clone(),
+            disk: layer.disk_path().to_string(),
             ranges: ranges
                 .into_iter()
                 .map(|r| [r.start, r.end - r.start])

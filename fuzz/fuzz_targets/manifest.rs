@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
         let _ = artifact::is_artifact(&m);
         let _ = artifact::disk_source(&m);
         if let Ok(disk) = artifact::disk_file(&m) {
-            let clean = vmdisk::format::zstd_chunked::clean_path(&disk.path);
+            let clean = vmdisk::format::tree::clean_path(&disk.path);
             assert_eq!(clean.as_deref().ok(), Some(disk.path.as_str()));
             assert!(vmdisk::format::layout::is_disk_path(&disk.path, None));
         }

@@ -5,7 +5,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use vmdisk::digest::Digest;
-use vmdisk::format::zstd_chunked::{parse_toc, read_toc, TocLocation};
+use vmdisk::format::toc::parse_toc;
+use vmdisk::format::zstd_chunked::{read_toc, TocLocation};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else { return };

@@ -9,7 +9,8 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 
@@ -133,7 +134,7 @@ impl LayerCache {
             _lock: lock,
         };
         let durable_bits: Vec<usize> = {
-            let d = cache.durable.lock().expect("bitmap lock");
+            let d = cache.durable.lock();
             (0..chunks)
                 .filter(|&i| d.bits[i / 8] & (1 << (i % 8)) != 0)
                 .collect()
@@ -191,7 +192,7 @@ impl LayerCache {
     /// bitmap.
     fn now_present(&self, idx: usize, file: usize) {
         if self.mark(idx) {
-            let mut p = self.pending.lock().expect("pending lock");
+            let mut p = self.pending.lock();
             p.chunks.push(idx);
             p.files.insert(file);
         }
@@ -221,7 +222,7 @@ impl LayerCache {
 
     /// Makes everything written so far durable: data first, then the bitmap bits for it.
     pub fn flush(&self) -> Result<()> {
-        let pending = std::mem::take(&mut *self.pending.lock().expect("pending lock"));
+        let pending = std::mem::take(&mut *self.pending.lock());
         if pending.chunks.is_empty() {
             return Ok(());
         }
@@ -230,7 +231,7 @@ impl LayerCache {
                 .sync_data()
                 .map_err(io(format!("syncing {}/data/{f}", self.dir.display())))?;
         }
-        let mut d = self.durable.lock().expect("bitmap lock");
+        let mut d = self.durable.lock();
         let (mut lo, mut hi) = (usize::MAX, 0);
         for &idx in &pending.chunks {
             d.bits[idx / 8] |= 1 << (idx % 8);

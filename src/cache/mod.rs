@@ -16,8 +16,9 @@
 //! blobs/<digest hex>   manifests and image configs fetched by digest (re-verified on load)
 //! ```
 //!
-//! **Identity.** A layer is keyed by what was verified about it ([`LayerId`]), never by the
-//! blob digest alone: a lazily read blob is never hashed whole, so its digest is only a claim.
+//! **Identity.** A layer is keyed by what was verified about it ([`crate::layer::LayerId`]),
+//! never by the blob digest alone: a lazily read blob is never hashed whole, so its digest is
+//! only a claim.
 //! Two images share a cache entry only if their manifests pin the same TOC (and so the same
 //! chunk digests), claim the same blob and diff_id, and name the same disk file.
 //!
@@ -37,115 +38,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::layer::LayerMeta;
 
 pub use layer::LayerCache;
 
 /// The default cache root.
 pub const DEFAULT_ROOT: &str = "/var/lib/vmdisk/cache";
-
-/// What identifies a lazily read layer: everything its (digest-pinned) manifest and config
-/// say about it, and for an ordinary layer read through a seekable index, the index's digest.
-/// The TOC (or index) digest pins every chunk's digest, so two images with the same id
-/// serve the same bytes; the blob digest and the diff_id are claims, checked only once the
-/// layer is complete (see `engine::integrity`), and part of the id so that an image that
-/// lies about them never shares, or spoils, another image's cache.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LayerId {
-    /// The blob digest the manifest names.
-    pub layer: Digest,
-    /// The blob size the manifest names.
-    pub size: u64,
-    /// The TOC digest the layer's annotation pins (of an indexed layer: the index blob's).
-    pub toc: Digest,
-    /// Where the annotation says the TOC is (the end of the tar data).
-    pub toc_offset: u64,
-    /// The uncompressed digest the image config claims (`rootfs.diff_ids`).
-    pub diff_id: Digest,
-    /// The disk's path in the layer, when an annotation names it.
-    pub disk_path: Option<String>,
-    /// Read through a seekable index (`toc` is the index's digest).
-    #[serde(default)]
-    pub indexed: bool,
-    /// An eStargz layer (`toc` is its TOC JSON's digest, `toc_offset` its TOC member's offset).
-    #[serde(default)]
-    pub estargz: bool,
-}
-
-impl LayerId {
-    /// The single digest that names the layer in the cache, in mount paths and in the
-    /// snapshotter's records.
-    pub fn key(&self) -> Digest {
-        let mut text = format!(
-            "vmdisk layer v1\nblob {} {}\ntoc {} at {}\ndiff_id {}\ndisk {}\n",
-            self.layer,
-            self.size,
-            self.toc,
-            self.toc_offset,
-            self.diff_id,
-            self.disk_path.as_deref().unwrap_or("")
-        );
-        if self.indexed {
-            text.push_str("seekable index\n");
-        }
-        if self.estargz {
-            text.push_str("estargz\n");
-        }
-        Digest::of(text.as_bytes())
-    }
-}
-
-/// Where a cached layer comes from, persisted as `meta.json`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct LayerMeta {
-    /// Registry and repository to fetch chunks from (the reference it was resolved from).
-    pub reference: String,
-    pub layer_digest: Digest,
-    pub layer_size: u64,
-    pub toc_offset: u64,
-    pub toc_length: u64,
-    pub toc_uncompressed_length: u64,
-    pub toc_digest: Digest,
-    /// The disk's path in the layer, when an annotation named it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub disk_path: Option<String>,
-    /// The layer's uncompressed digest as the image config claims it.
-    pub diff_id: Digest,
-    /// For an ordinary layer read through a seekable index: where the index is. The `toc_*`
-    /// fields then describe the index blob (`toc_offset` 0).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub index: Option<IndexSource>,
-    /// An eStargz layer: the `toc_*` fields describe its TOC JSON (kept uncompressed) and
-    /// `toc_offset` is where its TOC member starts.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub estargz: bool,
-}
-
-/// Where a layer's seekable index was found, and the layer's compression and layout.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct IndexSource {
-    /// The repository holding the index (`registry/repository`).
-    pub repository: String,
-    pub compression: crate::format::seekable::Compression,
-    /// A tar (an image layer) or the disk file itself (a disk artifact's layer).
-    #[serde(default)]
-    pub layout: crate::format::seekable::Layout,
-}
-
-impl LayerMeta {
-    /// The layer's identity.
-    pub fn id(&self) -> LayerId {
-        LayerId {
-            layer: self.layer_digest,
-            size: self.layer_size,
-            toc: self.toc_digest,
-            toc_offset: self.toc_offset,
-            diff_id: self.diff_id,
-            disk_path: self.disk_path.clone(),
-            indexed: self.index.is_some(),
-            estargz: self.estargz,
-        }
-    }
-}
 
 /// Whether a layer, once complete, was found to be what its image config says.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -174,7 +72,7 @@ impl std::fmt::Display for Integrity {
 pub struct RefRecord {
     pub reference: String,
     pub manifest_digest: Digest,
-    /// The layer's key ([`LayerId::key`]).
+    /// The layer's key ([`crate::layer::LayerId::key`]).
     pub layer_key: Digest,
     pub platform: String,
 }
@@ -226,7 +124,7 @@ impl CacheRoot {
         })
     }
 
-    /// The directory of the layer with key `key` ([`LayerId::key`]).
+    /// The directory of the layer with key `key` ([`crate::layer::LayerId::key`]).
     pub fn layer_dir(&self, key: &Digest) -> PathBuf {
         self.root.join("layers").join(key.hex())
     }

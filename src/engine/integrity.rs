@@ -33,28 +33,10 @@ use super::{Engine, Stats};
 use crate::cache::{CacheRoot, Integrity};
 use crate::digest::Hasher;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::estargz;
-use crate::format::zstd_chunked::{clean_path, decode_region, NodeKind};
-use crate::remote::{RemoteLayer, Spans};
-use crate::task::{blocking, off_the_runtime};
-
-/// Most compressed bytes of one region between chunks (the last one holds the TOC, whose
-/// compressed size is bounded at 64 MiB, and the tar-split).
-const MAX_REGION_BYTES: u64 = 160 << 20;
-/// Most decoded bytes of all regions between chunks together: tar headers, padding and the end
-/// of the archive need a few KiB per entry.
-const MAX_REGION_DECODED: u64 = 64 << 20;
-
-/// A piece of the rebuilt tar stream.
-enum Piece {
-    /// Decoded bytes of a region between chunks.
-    Region(Vec<u8>),
-    /// A chunk, read from the cache (or only skipped, when checking the structure).
-    Chunk(usize),
-}
-
-/// Most regions fetched at once.
-const REGION_FETCHES: usize = 8;
+use crate::format::tree::{clean_path, NodeKind};
+use crate::layer::Layer;
+use crate::layer::{Ask, Extent, Piece, StreamKind};
+use crate::task::blocking;
 
 /// What a tar entry of the rebuilt stream says.
 struct TarEntry {
@@ -74,11 +56,11 @@ impl Engine {
     /// docs). Fetches only the regions between chunks, up to the TOC. Done once per layer key;
     /// the cache remembers it.
     pub async fn check_structure(self: &Arc<Self>, cache: Option<&CacheRoot>) -> Result<()> {
-        if self.layer.is_disk_file() {
+        if self.layer.codec().stream() == StreamKind::DiskFile {
             // No tar headers: the view is the one file the manifest names, the whole stream.
             return Ok(());
         }
-        let key = self.layer.id().key();
+        let key = self.layer.key();
         let cache = cache.cloned();
         let known = cache.clone();
         if blocking(move || Ok(known.is_some_and(|c| c.structure_checked(&key)))).await? {
@@ -90,13 +72,16 @@ impl Engine {
         let tries = std::sync::atomic::AtomicU32::new(0);
         self.check_policy()
             .run("the layer's structure check", || async {
-                let again = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0;
+                let ask = ask_on(tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
                 let engine = Arc::clone(self);
                 let cache = cache.clone();
-                let pieces = engine.pieces(false, again).await?;
+                let pieces = engine.pieces(Extent::Structure, ask).await?;
                 blocking(move || {
+                    let dbg: Vec<String> = pieces.iter().map(|p| match p { Piece::Region(b) => format!("R{}:{}:{}", b.len(), crate::digest::Digest::of(b), String::from_utf8_lossy(&b[..b.len().min(1024)]).replace('\0', ".")), Piece::Chunk(i) => format!("C{i}") }).filter(|s| s.starts_with('R')).collect();
                     let mut stream = Stream::new(&engine, pieces, false);
-                    let entries = read_entries(&mut stream)?;
+                    let entries = read_entries(&mut stream).inspect_err(|_| eprintln!("DEBUG structure attempt failed: {dbg:?}"));
+                    if entries.is_ok() { eprintln!("DEBUG structure ok: {dbg:?}"); }
+                    let entries = entries?;
                     compare(&engine.layer, &entries, &stream.chunk_starts)?;
                     if let Some(cache) = cache {
                         if let Err(e) = cache.save_structure_checked(&key) {
@@ -131,8 +116,8 @@ impl Engine {
         let rebuilt = self
             .check_policy()
             .run("the layer's integrity check", || {
-                let again = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0;
-                self.rebuild_and_compare(again)
+                let ask = ask_on(tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+                self.rebuild_and_compare(ask)
             })
             .await;
         let outcome = match rebuilt {
@@ -154,7 +139,7 @@ impl Engine {
         }
         // Only this check sets it, one at a time (`checking`), after it found it unset.
         let _ = self.integrity.set(outcome.clone());
-        let (cache, key, record) = (cache.clone(), self.layer.id().key(), outcome.clone());
+        let (cache, key, record) = (cache.clone(), self.layer.key(), outcome.clone());
         if let Err(e) = blocking(move || cache.save_integrity(&key, &record)).await {
             tracing::warn!(error = %e.chain(), "recording the layer's integrity failed; it is checked again next time");
         }
@@ -163,14 +148,14 @@ impl Engine {
 
     /// Rebuilds the whole stream (regions fetched, chunks from the cache) and compares it with
     /// the diff_id and the TOC, off the async workers.
-    async fn rebuild_and_compare(self: &Arc<Self>, again: bool) -> Result<()> {
-        let pieces = self.pieces(true, again).await?;
+    async fn rebuild_and_compare(self: &Arc<Self>, ask: Ask) -> Result<()> {
+        let pieces = self.pieces(Extent::Whole, ask).await?;
         let engine = Arc::clone(self);
         blocking(move || {
             let layer = &engine.layer;
             let mut stream = Stream::new(&engine, pieces, true);
             // A disk artifact's stream is the disk file: no tar entries to read or compare.
-            let disk_file = layer.is_disk_file();
+            let disk_file = layer.codec().stream() == StreamKind::DiskFile;
             let entries = match disk_file {
                 true => Ok(Vec::new()),
                 false => read_entries(&mut stream),
@@ -200,22 +185,13 @@ impl Engine {
         .await
     }
 
-    /// The pieces of the layer's tar stream: all of it (`whole`), or what the structure check
-    /// needs (a zstd:chunked or eStargz layer's stream up to its TOC; all of an indexed
-    /// layer's); `again`: the regions between chunks from the registry itself, not a mirror.
-    async fn pieces(&self, whole: bool, again: bool) -> Result<Vec<Piece>> {
-        match &self.layer.spans {
-            Some(spans) => self.indexed_pieces(spans).await,
-            None if whole => self.regions(self.layer.meta.layer_size, again).await,
-            // Up to the TOC: its member (eStargz), its skippable frame's header (zstd:chunked).
-            None if self.layer.meta.estargz => {
-                self.regions(self.layer.meta.toc_offset, again).await
-            }
-            None => {
-                self.regions(self.layer.meta.toc_offset.saturating_sub(8), again)
-                    .await
-            }
-        }
+    /// The pieces of `extent` of the layer's stream, as its codec rebuilds them (`ask`: whom
+    /// the regions between chunks are asked of).
+    async fn pieces(&self, extent: Extent, ask: Ask) -> Result<Vec<Piece>> {
+        self.layer
+            .codec()
+            .pieces(&self.layer, extent, self, ask)
+            .await
     }
 
     /// How the checks of a layer against its tar stream are made again: a few times, each
@@ -228,188 +204,22 @@ impl Engine {
             deadline: self.opts.fetch_deadline * 3,
         }
     }
+}
 
-    /// The pieces of an indexed layer's stream: every chunk, and the stream between files
-    /// (tar headers, padding, the end of the archive) decoded from the spans that hold it.
-    async fn indexed_pieces(&self, spans: &Spans) -> Result<Vec<Piece>> {
-        let layer = &self.layer;
-        let mut order: Vec<usize> = (0..layer.files.len()).collect();
-        order.sort_unstable_by_key(|&f| spans.file_at(f));
-        let mut pieces = Vec::with_capacity(layer.chunks.len() + order.len() + 1);
-        let mut wanted = Vec::new();
-        let mut at = 0u64;
-        for next in order.into_iter().map(Some).chain([None]) {
-            let end = next.map_or(spans.index.stream_size, |f| spans.file_at(f));
-            if end > at {
-                wanted.push((pieces.len(), at..end));
-                pieces.push(Piece::Region(Vec::new()));
-            }
-            if let Some(f) = next {
-                let file = &layer.files[f];
-                pieces.extend((file.first..file.first + file.count).map(Piece::Chunk));
-                at = end + layer.file_size(f);
-            }
-        }
-        let between: u64 = wanted.iter().map(|(_, r)| r.end - r.start).sum();
-        if between > MAX_REGION_DECODED {
-            return Err(Error::corrupt(format!(
-                "{between} bytes of the layer's stream belong to no file, more than the {MAX_REGION_DECODED} tar headers can take"
-            )));
-        }
-        let mut previous: Option<(usize, Vec<u8>)> = None;
-        for (slot, range) in wanted {
-            let mut region = Vec::with_capacity((range.end - range.start) as usize);
-            for s in spans.index.spans_for(range.clone()) {
-                let chained = previous.take().filter(|(p, _)| p + 1 == s);
-                let data = self
-                    .fetch_span(spans, s, chained.as_ref().map(|(_, d)| d.as_slice()))
-                    .await?;
-                let start = spans.index.spans[s].offset;
-                let from = (range.start.max(start) - start) as usize;
-                let to = (range.end.min(spans.index.span_end(s)) - start) as usize;
-                region.extend_from_slice(&data[from..to]);
-                previous = Some((s, data));
-            }
-            pieces[slot] = Piece::Region(region);
-        }
-        Ok(pieces)
-    }
-
-    /// Span `s` of the index, fetched and verified (once more from the registry itself if it
-    /// fails verification); its window is the end of `previous` (the span before it, decoded)
-    /// when given, else fetched from the windows blob.
-    async fn fetch_span(
-        &self,
-        spans: &Spans,
-        s: usize,
-        previous: Option<&[u8]>,
-    ) -> Result<Vec<u8>> {
-        let span = &spans.index.spans[s];
-        let range = span.input..span.input_end;
-        let chained = previous.and_then(|p| spans.index.window_after(s, p));
-        let (bytes, window) = match chained {
-            Some(w) => (self.fetch_range(range.clone(), false).await?, w.to_vec()),
-            None => {
-                let (bytes, window) = tokio::join!(
-                    self.fetch_range(range.clone(), false),
-                    self.fetch_window(spans, s, false)
-                );
-                (bytes?, window?)
-            }
-        };
-        match off_the_runtime(|| spans.index.decode_span(s, &bytes, &window)) {
-            Ok(data) => Ok(data),
-            Err(e) => {
-                Stats::add(&self.stats.verify_failures, 1);
-                tracing::warn!(layer = %self.layer.meta.layer_digest, span = s, error = %e.chain(), "span failed verification; fetching it again");
-                let (bytes, window) = tokio::join!(
-                    self.fetch_range(range, true),
-                    self.fetch_window(spans, s, true)
-                );
-                let (bytes, window) = (bytes?, window?);
-                off_the_runtime(|| spans.index.decode_span(s, &bytes, &window))
-            }
-        }
-    }
-
-    /// The pieces of the layer's stream up to byte `until` of the blob: every chunk, and the
-    /// regions between them fetched and decoded as an ordinary decoder would (zstd frames, or
-    /// an eStargz layer's gzip members).
-    async fn regions(&self, until: u64, again: bool) -> Result<Vec<Piece>> {
-        use futures_util::StreamExt;
-        let layer = &self.layer;
-        let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
-        order.sort_unstable_by_key(|&i| layer.chunks[i].compressed.start);
-        // (index in `pieces`, blob range, decoded bytes to skip) of each region to fetch.
-        let mut wanted = Vec::new();
-        let mut pieces = Vec::with_capacity(order.len() * 2 + 1);
-        let (mut at, mut skip) = (0u64, 0u64);
-        for next in order.iter().map(|&i| Some(i)).chain([None]) {
-            let end = next.map_or(until, |i| layer.chunks[i].compressed.start);
-            if end > at {
-                if end - at > MAX_REGION_BYTES {
-                    return Err(Error::corrupt(format!(
-                        "bytes {at}..{end} of the layer belong to no chunk and are more than the {MAX_REGION_BYTES} a tar header region or the TOC can take"
-                    )));
-                }
-                wanted.push((pieces.len(), at..end, skip));
-                pieces.push(Piece::Region(Vec::new()));
-            }
-            if let Some(i) = next {
-                pieces.push(Piece::Chunk(i));
-                let chunk = &layer.chunks[i];
-                at = chunk.compressed.end;
-                skip = 0;
-                // eStargz: where a file's last chunk member ends is not known, and the file's
-                // padding is in it; the region after it is read from the chunk's start, its
-                // content skipped.
-                if layer.meta.estargz && layer.last_of_file(i).is_some() {
-                    at = chunk.compressed.start;
-                    skip = chunk.size;
-                }
-            }
-        }
-        // A region carries no digest, but it must decode (zstd frames, gzip members with
-        // their CRC): one that does not came cut or flipped, or lies, and is fetched again
-        // from the registry itself before the check fails on it.
-        let estargz = self.layer.meta.estargz;
-        let mut fetched =
-            futures_util::stream::iter(wanted.into_iter().map(|(slot, range, skip)| async move {
-                let what = format!("bytes {}..{} of the layer", range.start, range.end);
-                let tries = std::sync::atomic::AtomicU32::new(0);
-                let region =
-                    self.check_policy()
-                        .run(&what, || async {
-                            let again = again
-                                || tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0;
-                            let bytes = self.fetch_range(range.clone(), again).await?;
-                            if bytes.len() as u64 != range.end - range.start {
-                                return Err(Error::new(
-                                    ErrorKind::Network,
-                                    format!("short answer for {what}"),
-                                ));
-                            }
-                            let region = if estargz {
-                                estargz::inflate_members(&bytes, MAX_REGION_DECODED + skip)
-                                    .and_then(|mut out| {
-                                        if (out.len() as u64) < skip {
-                                            return Err(Error::corrupt(
-                                                "a file's last chunk member is short",
-                                            ));
-                                        }
-                                        Ok(out.split_off(skip as usize))
-                                    })
-                            } else {
-                                decode_region(&bytes, MAX_REGION_DECODED)
-                            };
-                            region.map_err(|e| e.context(what.as_str()))
-                        })
-                        .await?;
-                Ok::<_, Error>((slot, region))
-            }))
-            .buffer_unordered(REGION_FETCHES);
-        let mut decoded = 0u64;
-        while let Some(result) = fetched.next().await {
-            let (slot, region) = result?;
-            decoded += region.len() as u64;
-            if decoded > MAX_REGION_DECODED {
-                return Err(Error::corrupt(format!(
-                    "the regions between chunks decode to more than the {MAX_REGION_DECODED} bytes tar headers can take"
-                )));
-            }
-            pieces[slot] = Piece::Region(region);
-        }
-        Ok(pieces)
+/// Whom a check's `attempt`-th try (from 0) asks: the registry itself once one failed.
+fn ask_on(attempt: u32) -> Ask {
+    match attempt {
+        0 => Ask::AnyEndpoint,
+        _ => Ask::Registry,
     }
 }
 
-/// Runs blocking work off the async workers.
 /// Compares the tar entries with the TOC's nodes and the chunks' places in the stream with the
 /// tar headers.
-fn compare(layer: &RemoteLayer, entries: &[TarEntry], chunk_starts: &[u64]) -> Result<()> {
-    // An eStargz stream ends with its TOC as a tar entry, which the TOC does not list.
-    let entries = match entries.split_last() {
-        Some((last, rest)) if layer.meta.estargz && last.path == estargz::TOC_NAME => rest,
+fn compare(layer: &Layer, entries: &[TarEntry], chunk_starts: &[u64]) -> Result<()> {
+    // A stream may end with an entry the TOC does not list (eStargz: its TOC).
+    let entries = match (entries.split_last(), layer.codec().trailing_entry()) {
+        (Some((last, rest)), Some(trailing)) if last.path == trailing => rest,
         _ => entries,
     };
     if entries.len() != layer.nodes.len() {

@@ -17,30 +17,35 @@
 //!   read past it); then the read fails.
 //! - **Dedup.** A chunk whose digest is already cached under another layer is copied locally.
 //!
-//! The engine is async (tokio); the FUSE layer calls it from its threads through a runtime
-//! handle and answers from the task, so a missing chunk never blocks reads of cached data.
+//! What a chunk's bytes are and how they decode is the layer's codec's business
+//! ([`crate::layer::codec`]): the engine asks it and never what kind the layer is. The engine
+//! is async (tokio); the disk views (`crate::view`) call it for FUSE, which answers cached
+//! reads on its own threads and misses from a task, so a missing chunk never blocks reads of
+//! cached data.
 
 pub mod integrity;
 pub mod readahead;
+pub mod source;
 pub mod stats;
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
+use parking_lot::Mutex;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 
+use self::source::{BlobSource, Sources};
 use self::stats::Stats;
 use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::qcow2;
-use crate::format::zstd_chunked::Chunk;
+use crate::layer::{Ask, Fetch, Layer, Resolved};
 use crate::reference::Reference;
-use crate::remote::{BlobSource, RemoteLayer, Sources, Spans};
 use crate::task::off_the_runtime;
 
 /// Tunables of the engine.
@@ -55,11 +60,6 @@ pub struct EngineOptions {
     /// Most bytes fetched ahead of a sequential reader ([`readahead`]); 0 turns read-ahead
     /// off. Keep it above the link's bandwidth-delay product.
     pub readahead_bytes: u64,
-    /// Fetch the disk's head (qcow2 header, L1 and refcount tables) while the layer's
-    /// structure is checked, a round trip sooner, for a mount that describes its disk before
-    /// it serves (ready directories). Those chunks are then fetched before other cached layers
-    /// are indexed for dedup, so a mount without a ready directory leaves it off.
-    pub head_during_check: bool,
 }
 
 impl Default for EngineOptions {
@@ -69,7 +69,6 @@ impl Default for EngineOptions {
             max_concurrent_fetches: 4,
             max_request_bytes: 4 << 20,
             readahead_bytes: 32 << 20,
-            head_during_check: false,
         }
     }
 }
@@ -83,12 +82,10 @@ struct DedupSource {
 
 /// A lazily loaded layer: its chunk index, its cache and the fetch machinery.
 pub struct Engine {
-    pub layer: RemoteLayer,
+    pub layer: Layer,
     pub cache: LayerCache,
     pub stats: Stats,
-    source: Box<dyn BlobSource>,
-    /// A gzip layer's windows blob, when it is read through a seekable index.
-    windows: Option<Box<dyn BlobSource>>,
+    sources: Sources,
     inflight: Mutex<HashMap<usize, watch::Sender<Option<bool>>>>,
     fetch_slots: Semaphore,
     /// Chunks of other cached layers by digest; built after the mount is ready
@@ -123,7 +120,7 @@ impl Claim<'_> {
     }
 
     fn finish(&mut self, ok: bool) {
-        let mut inflight = self.engine.inflight.lock().expect("inflight lock");
+        let mut inflight = self.engine.inflight.lock();
         for idx in self.chunks.drain(..) {
             if let Some(tx) = inflight.remove(&idx) {
                 let _ = tx.send(Some(ok && self.engine.cache.is_present(idx)));
@@ -151,7 +148,7 @@ fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> 
         let Ok(reference) = meta.reference.parse::<Reference>() else {
             continue;
         };
-        let Ok(layer) = RemoteLayer::index(reference, meta, &toc) else {
+        let Ok(layer) = crate::layer::codec::open(reference, meta, &toc, Resolved::Offline) else {
             continue;
         };
         let dir = cache.layer_dir(&digest);
@@ -176,45 +173,36 @@ fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> 
 }
 
 impl Engine {
-    /// Opens the cache of a resolved `layer` whose blob `source` reads, restores the verdict
-    /// of an earlier integrity check, and checks the layer's structure before it serves.
-    pub async fn start(
-        layer: RemoteLayer,
+    /// Opens the cache of a resolved `layer` whose bytes `sources` serve and restores the
+    /// verdict of an earlier integrity check. Nothing may be served before
+    /// [`Engine::check_structure`] passed.
+    pub async fn open(
+        layer: Layer,
         cache: &CacheRoot,
         sources: Sources,
         opts: EngineOptions,
     ) -> Result<Arc<Engine>> {
-        let key = layer.id().key();
+        let key = layer.key();
         let dir = cache.layer_dir(&key);
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
         let chunks = layer.chunks.len();
         let c = cache.clone();
-        let (layer_cache, integrity) = tokio::task::spawn_blocking(move || {
+        let (layer_cache, integrity) = crate::task::blocking(move || {
             LayerCache::open(&dir, &sizes, chunks).map(|lc| (lc, c.load_integrity(&key)))
         })
-        .await
-        .map_err(|e| Error::new(ErrorKind::Io, "opening the layer cache").with_source(e))??;
-        tracing::info!(reference = %layer.reference, layer = %layer.meta.layer_digest, %key, chunks, present = layer_cache.present_count(), online = layer.online, integrity = %integrity.clone().unwrap_or(Integrity::Pending), "layer opened");
+        .await?;
+        tracing::info!(reference = %layer.reference, layer = %layer.meta.layer_digest, %key, chunks, present = layer_cache.present_count(), resolved = ?layer.resolved, integrity = %integrity.clone().unwrap_or(Integrity::Pending), "layer opened");
         let engine = Self::with_source(layer, layer_cache, sources, opts);
         if let Some(known) = integrity.filter(|i| *i != Integrity::Pending) {
             let _ = engine.integrity.set(known);
         }
         engine.usable()?;
-        if engine.opts.head_during_check {
-            // Describing the disk reads its head next: fetched now, the mount is ready a round
-            // trip sooner. (Verified as always; nothing is served before the check passes.)
-            let (checked, _) =
-                tokio::join!(engine.check_structure(Some(cache)), engine.qcow2_head());
-            checked?;
-        } else {
-            engine.check_structure(Some(cache)).await?;
-        }
         Ok(engine)
     }
 
     /// Requests, failures and bytes per registry endpoint (the registry and its mirrors).
     pub fn endpoint_counters(&self) -> Vec<(String, crate::registry::health::EndpointCounters)> {
-        self.source.endpoint_counters()
+        self.sources.blob.endpoint_counters()
     }
 
     /// What the check of the complete layer found so far.
@@ -234,7 +222,7 @@ impl Engine {
     }
 
     fn with_source(
-        layer: RemoteLayer,
+        layer: Layer,
         cache: LayerCache,
         sources: Sources,
         opts: EngineOptions,
@@ -243,8 +231,7 @@ impl Engine {
             layer,
             cache,
             stats: Stats::default(),
-            source: sources.blob,
-            windows: sources.windows,
+            sources,
             inflight: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             dedup: std::sync::OnceLock::new(),
@@ -259,7 +246,7 @@ impl Engine {
     /// with this one are copied instead of fetched. Reads every cached TOC: run it off the
     /// start-up path (blocking I/O); until it is done, shared chunks are simply fetched.
     pub fn index_other_layers(&self, cache: &CacheRoot) {
-        let index = build_dedup(cache, &self.layer.id().key());
+        let index = build_dedup(cache, &self.layer.key());
         tracing::info!(
             sources = index.len(),
             "indexed chunks of other cached layers"
@@ -284,7 +271,7 @@ impl Engine {
         let mut waits = Vec::new();
         let mut claimed = Vec::new();
         {
-            let mut inflight = self.inflight.lock().expect("inflight lock");
+            let mut inflight = self.inflight.lock();
             for idx in chunks {
                 if self.cache.is_present(idx) {
                     continue;
@@ -410,140 +397,80 @@ impl Engine {
         true
     }
 
-    /// Fetches contiguous chunks with one request, verifies each, refetches failures once.
+    /// Fetches contiguous chunks with one request (and the first one's window, if its codec
+    /// needs one), has the codec verify each, and fetches failures once more on their own from
+    /// the registry itself.
     async fn fetch_verified(&self, run: &[usize]) -> Result<()> {
-        if let Some(spans) = &self.layer.spans {
-            return self.fetch_spans(spans, run).await;
-        }
+        let codec = self.layer.codec();
         let range = self.run_range(run);
-        let bytes = self.fetch_exact(range.clone()).await?;
-        let failed = off_the_runtime(|| {
-            let mut failed = Vec::new();
-            for &idx in run {
-                let (file, chunk) = self.layer.chunk(idx);
-                let frame = &bytes[(chunk.compressed.start - range.start) as usize
-                    ..(chunk.compressed.end - range.start) as usize];
-                match self.layer.decode(idx, frame) {
-                    Ok(data) => self.store(idx, file, chunk, &data)?,
-                    Err(e) => {
-                        Stats::add(&self.stats.verify_failures, 1);
-                        tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, offset = chunk.offset, digest = ?chunk.digest, error = %e.chain(), "chunk failed verification; fetching it again");
-                        failed.push(idx);
-                    }
-                }
-            }
-            Ok::<_, Error>(failed)
-        })?;
-        for idx in failed {
-            let (file, chunk) = self.layer.chunk(idx);
-            let frame = self.fetch_range(chunk.compressed.clone(), true).await?;
-            off_the_runtime(|| {
-                let data = self.layer.decode(idx, &frame).map_err(|e| {
-                    Stats::add(&self.stats.verify_failures, 1);
-                    e.context(format!(
-                        "chunk {idx} (offset {} of {}, digest {:?}) failed verification twice",
-                        chunk.offset,
-                        self.layer.nodes[self.layer.files[file].node].path,
-                        chunk.digest
-                    ))
-                })?;
-                self.store(idx, file, chunk, &data)
-            })?;
-        }
-        Ok(())
-    }
-
-    /// Fetches contiguous chunks of an indexed layer with one request, and the window of the
-    /// first one's span alongside; decodes them span by span, each later span's window the end
-    /// of the span before it; verifies each against its span digest and refetches failures
-    /// once (window included).
-    async fn fetch_spans(&self, spans: &Spans, run: &[usize]) -> Result<()> {
-        let range = self.run_range(run);
-        let first_span = spans.span_of(run[0]);
         let (bytes, window) = tokio::join!(
-            self.fetch_exact(range.clone()),
-            self.fetch_window(spans, first_span, false)
+            self.fetch_range(range, Ask::AnyEndpoint),
+            self.fetch_window(run[0], Ask::AnyEndpoint)
         );
         let bytes = bytes?;
-        // A window frame that does not decode fails its span, which is fetched again below.
+        // A window that does not decode fails its chunk, which is fetched again below.
         let window = match window {
             Err(e) if e.kind() != ErrorKind::Corrupt => return Err(e),
             other => other.ok(),
         };
-        let failed = off_the_runtime(|| {
-            let mut failed = Vec::new();
-            let mut previous: Option<(usize, Vec<u8>)> = None;
-            for &idx in run {
-                let (file, chunk) = self.layer.chunk(idx);
-                let s = spans.span_of(idx);
-                let frame = &bytes[(chunk.compressed.start - range.start) as usize
-                    ..(chunk.compressed.end - range.start) as usize];
-                let chained = previous
-                    .as_ref()
-                    .filter(|(p, _)| p + 1 == s)
-                    .and_then(|(_, data)| spans.index.window_after(s, data));
-                let window = chained.or(window.as_deref().filter(|_| s == first_span));
-                let decoded = window
-                    .ok_or_else(|| Error::corrupt(format!("span {s} has no window to start from")))
-                    .and_then(|w| self.layer.decode_span(idx, frame, w));
+        let mut failed = Vec::new();
+        off_the_runtime(|| {
+            codec.decode_run(&self.layer, run, &bytes, window.as_deref(), &mut |idx, decoded| {
                 match decoded {
-                    Ok(span) => {
-                        self.store(idx, file, chunk, self.layer.chunk_in_span(idx, &span))?;
-                        previous = Some((s, span));
-                    }
+                    Ok(data) => self.store(idx, data),
                     Err(e) => {
                         Stats::add(&self.stats.verify_failures, 1);
-                        tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, span = s, error = %e.chain(), "span failed verification; fetching it again");
+                        tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, error = %e.chain(), "chunk failed verification; fetching it again");
                         failed.push(idx);
-                        previous = None;
+                        Ok(())
                     }
                 }
-            }
-            Ok::<_, Error>(failed)
+            })
         })?;
         for idx in failed {
-            let (file, chunk) = self.layer.chunk(idx);
-            let s = spans.span_of(idx);
+            let chunk = &self.layer.chunks[idx];
             let (frame, window) = tokio::join!(
-                self.fetch_range(chunk.compressed.clone(), true),
-                self.fetch_window(spans, s, true)
+                self.fetch_range(chunk.compressed.clone(), Ask::Registry),
+                self.fetch_window(idx, Ask::Registry)
             );
             let (frame, window) = (frame?, window?);
             off_the_runtime(|| {
-                let span = self.layer.decode_span(idx, &frame, &window).map_err(|e| {
-                    Stats::add(&self.stats.verify_failures, 1);
-                    e.context(format!(
-                        "chunk {idx} (offset {} of {}, span {s}) failed verification twice",
-                        chunk.offset, self.layer.nodes[self.layer.files[file].node].path
-                    ))
-                })?;
-                self.store(idx, file, chunk, self.layer.chunk_in_span(idx, &span))
+                codec.decode_run(
+                    &self.layer,
+                    &[idx],
+                    &frame,
+                    Some(&window),
+                    &mut |idx, decoded| {
+                        let data = decoded.map_err(|e| {
+                            Stats::add(&self.stats.verify_failures, 1);
+                            let (file, chunk) = self.layer.chunk(idx);
+                            e.context(format!(
+                                "chunk {idx} (offset {} of {}) failed verification twice",
+                                chunk.offset,
+                                self.layer.file_path(file)
+                            ))
+                        })?;
+                        self.store(idx, data)
+                    },
+                )
             })?;
         }
         Ok(())
     }
 
-    /// The window span `s` of an indexed layer decodes from: its frame in the index's windows
-    /// blob, decoded (empty when the span needs none); `again` as for [`Engine::fetch_range`].
-    async fn fetch_window(&self, spans: &Spans, s: usize, again: bool) -> Result<Vec<u8>> {
-        let Some(frame) = spans.index.window_range(s) else {
+    /// The window chunk `idx` decodes from when it starts a fetch ([`crate::layer::codec::Codec::window`]):
+    /// its frame in the windows blob, decoded; empty when it needs none.
+    async fn fetch_window(&self, idx: usize, ask: Ask) -> Result<Vec<u8>> {
+        let codec = self.layer.codec();
+        let Some(frame) = codec.window(idx) else {
             return Ok(Vec::new());
         };
-        let source = self.windows.as_deref().ok_or_else(|| {
-            Error::corrupt("the layer's index names a windows blob nobody serves")
-        })?;
-        let what = format!(
-            "the windows blob {}",
-            spans
-                .index
-                .windows
-                .map_or_else(String::new, |w| w.digest.to_string())
-        );
-        let bytes = self.fetch_from(source, &what, frame, again).await?;
-        off_the_runtime(|| spans.index.decode_window(s, &bytes))
+        let bytes = Fetch::windows(self, frame, ask).await?;
+        off_the_runtime(|| codec.decode_window(idx, &bytes))
     }
 
-    fn store(&self, idx: usize, file: usize, chunk: &Chunk, data: &[u8]) -> Result<()> {
+    fn store(&self, idx: usize, data: &[u8]) -> Result<()> {
+        let (file, chunk) = self.layer.chunk(idx);
         // Only chunks the TOC marks as zeros are scanned (the mark is a claim; the digest
         // already held).
         if chunk.zeros && data.iter().all(|&b| b == 0) {
@@ -563,27 +490,13 @@ impl Engine {
         first.compressed.start..last.compressed.end
     }
 
-    /// [`Engine::fetch_range`] that must answer exactly the bytes asked for.
-    async fn fetch_exact(&self, range: Range<u64>) -> Result<bytes::Bytes> {
-        let bytes = self.fetch_range(range.clone(), false).await?;
-        if bytes.len() as u64 != range.end - range.start {
-            return Err(Error::corrupt(format!(
-                "asked for {} bytes at {}, got {}",
-                range.end - range.start,
-                range.start,
-                bytes.len()
-            )));
-        }
-        Ok(bytes)
-    }
-
-    /// One Range request of the layer's blob, retried on network errors and short answers
-    /// until the deadline; `again` for bytes that failed verification once (asked of the
-    /// registry itself).
-    async fn fetch_range(&self, range: Range<u64>, again: bool) -> Result<bytes::Bytes> {
+    /// One Range request of the layer's blob, which must answer exactly the bytes asked for,
+    /// retried on network errors until the deadline; `ask`: whom (the registry itself, for
+    /// bytes that failed verification once).
+    async fn fetch_range(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {
         let what = format!("layer {}", self.layer.meta.layer_digest);
-        self.fetch_from(self.source.as_ref(), &what, range, again)
-            .await
+        let fetched = self.fetch_from(self.sources.blob.as_ref(), &what, range.clone(), ask);
+        source::exact(fetched, range).await
     }
 
     /// [`Engine::fetch_range`] of `source`, `what` its blob (for errors), under the retry
@@ -591,10 +504,10 @@ impl Engine {
     /// so a registry that trickles bytes cannot hold it.
     async fn fetch_from(
         &self,
-        source: &dyn BlobSource,
+        blob: &dyn BlobSource,
         what: &str,
         range: Range<u64>,
-        again: bool,
+        ask: Ask,
     ) -> Result<bytes::Bytes> {
         let policy = crate::retry::RetryPolicy {
             attempts: u32::MAX,
@@ -607,12 +520,7 @@ impl Engine {
             .run(&what, || async {
                 let started = Instant::now();
                 Stats::add(&self.stats.fetch_requests, 1);
-                let fetched = if again {
-                    source.refetch(range.clone()).await
-                } else {
-                    source.fetch(range.clone()).await
-                };
-                match fetched {
+                match source::ask(blob, range.clone(), ask).await {
                     Ok(bytes) => {
                         Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
                         Stats::add(
@@ -638,8 +546,8 @@ impl Engine {
         self.read_unrecorded(file, offset, size).await
     }
 
-    /// [`Engine::read`] for the engine's own reads (qcow2 metadata), which are not a boot's.
-    async fn read_unrecorded(&self, file: usize, offset: u64, size: u64) -> Result<Vec<u8>> {
+    /// [`Engine::read`] for reads of our own (qcow2 metadata), which are not a boot's.
+    pub async fn read_unrecorded(&self, file: usize, offset: u64, size: u64) -> Result<Vec<u8>> {
         let end = (offset + size).min(self.layer.file_size(file));
         if offset >= end {
             return Ok(Vec::new());
@@ -686,7 +594,7 @@ impl Engine {
     pub fn recorded(&self) -> Vec<Range<u64>> {
         self.recorder
             .get()
-            .map_or_else(Vec::new, |r| r.order.lock().expect("recorder lock").clone())
+            .map_or_else(Vec::new, |r| r.order.lock().clone())
     }
 
     /// Records a read of `range` of `file` if recording and `file` is the disk.
@@ -702,7 +610,7 @@ impl Engine {
             }
             let chunk = &self.layer.chunks[idx];
             let span = chunk.offset..chunk.offset + chunk.size;
-            let mut order = recorder.order.lock().expect("recorder lock");
+            let mut order = recorder.order.lock();
             match order.last_mut() {
                 Some(last) if last.end == span.start => last.end = span.end,
                 _ => order.push(span),
@@ -714,18 +622,30 @@ impl Engine {
     /// order, a few requests at a time so that readers' misses keep slots of their own; each
     /// chunk once, present ones skipped. Returns how many chunks the ranges cover.
     pub async fn replay(&self, ranges: &[Range<u64>]) -> Result<usize> {
+        let in_flight = (self.opts.max_concurrent_fetches / 2).max(1);
+        self.ensure_ranges(self.layer.disk, ranges, in_flight).await
+    }
+
+    /// Fetches the chunks of file `file` that `ranges` (file byte ranges) cover, in that
+    /// order, `in_flight` requests at a time; each chunk once, present ones skipped. Returns
+    /// how many chunks the ranges cover.
+    pub async fn ensure_ranges(
+        &self,
+        file: usize,
+        ranges: &[Range<u64>],
+        in_flight: usize,
+    ) -> Result<usize> {
         use futures_util::StreamExt;
-        let disk = self.layer.disk;
         let mut seen = std::collections::HashSet::new();
         let mut order: Vec<usize> = Vec::new();
         for range in ranges {
             order.extend(
                 self.layer
-                    .chunks_for(disk, range.clone())
+                    .chunks_for(file, range.clone())
                     .filter(|&c| seen.insert(c)),
             );
         }
-        // Runs of chunks adjacent in the trace and in the blob, one request each.
+        // Runs of chunks adjacent in `order` and in the blob, one request each.
         let mut runs: Vec<Range<usize>> = Vec::new();
         for &c in &order {
             let chunk = &self.layer.chunks[c];
@@ -740,67 +660,12 @@ impl Engine {
                 _ => runs.push(c..c + 1),
             }
         }
-        let in_flight = (self.opts.max_concurrent_fetches / 2).max(1);
         let mut fetches = futures_util::stream::iter(runs.into_iter().map(|r| self.ensure(r)))
-            .buffered(in_flight);
+            .buffered(in_flight.max(1));
         while let Some(result) = fetches.next().await {
             result?;
         }
         Ok(order.len())
-    }
-
-    /// Reads the disk's qcow2 header, then its L1 and refcount tables together (two round
-    /// trips); the header and the L1 table, or `None` if the disk is not qcow2. This is what
-    /// describing the disk for its ready directory reads.
-    pub async fn qcow2_head(&self) -> Result<Option<(qcow2::Header, Vec<u8>)>> {
-        let disk = self.layer.disk;
-        let head = self.read_unrecorded(disk, 0, 104).await?;
-        if head.len() < 4 || head[..4] != qcow2::MAGIC {
-            return Ok(None);
-        }
-        let header = qcow2::Header::read(&head[..])?;
-        let tables = header.tables(self.layer.file_size(disk))?;
-        let (l1, _) = futures_util::future::join(
-            self.read_unrecorded(disk, tables.l1.start, tables.l1.end - tables.l1.start),
-            self.read_unrecorded(
-                disk,
-                tables.refcount.start,
-                tables.refcount.end - tables.refcount.start,
-            ),
-        )
-        .await;
-        Ok(Some((header, l1?)))
-    }
-
-    /// Fetches what qemu reads first from a qcow2 disk: header, L1 table, refcount table and
-    /// every L2 table. Does nothing for raw disks. What the header claims is bounded as qemu
-    /// bounds it ([`qcow2::Header::tables`]), and each chunk is fetched once however many
-    /// tables share it.
-    pub async fn prefetch_qcow2(&self) -> Result<()> {
-        use futures_util::StreamExt;
-        let disk = self.layer.disk;
-        let Some((header, l1)) = self.qcow2_head().await? else {
-            return Ok(());
-        };
-        let cluster = header.cluster_size();
-        let mut chunks = std::collections::BTreeSet::new();
-        for l2 in qcow2::l2_offsets(&l1) {
-            chunks.extend(self.layer.chunks_for(disk, l2..l2.saturating_add(cluster)));
-        }
-        // Runs of adjacent chunks, so `ensure` coalesces them into few requests.
-        let mut runs: Vec<Range<usize>> = Vec::new();
-        for c in chunks {
-            match runs.last_mut() {
-                Some(run) if run.end == c => run.end += 1,
-                _ => runs.push(c..c + 1),
-            }
-        }
-        let mut fetches = futures_util::stream::iter(runs.into_iter().map(|r| self.ensure(r)))
-            .buffer_unordered(self.opts.max_concurrent_fetches.max(1));
-        while let Some(result) = fetches.next().await {
-            result?;
-        }
-        Ok(())
     }
 
     /// Fetches the whole layer in order, `concurrency` batches at a time, at most
@@ -834,6 +699,22 @@ impl Engine {
     }
 }
 
+/// The engine fetches for its layer's codec: the blob and the windows blob, counted and under
+/// its deadline.
+impl Fetch for Engine {
+    fn blob(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
+        Box::pin(self.fetch_range(range, ask))
+    }
+
+    fn windows(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
+        Box::pin(async move {
+            let source = self.sources.windows()?;
+            let what = "the index's windows blob";
+            source::exact(self.fetch_from(source, what, range.clone(), ask), range).await
+        })
+    }
+}
+
 /// Whether chunk bytes `next` follow `prev` in the blob, so one request fetches both: they
 /// touch, or (spans of a gzip index) share the byte where one block ends and the next begins.
 fn adjacent(prev: &Range<u64>, next: &Range<u64>) -> bool {
@@ -843,9 +724,9 @@ fn adjacent(prev: &Range<u64>, next: &Range<u64>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::LayerMeta;
-    use crate::format::layout::decode_chunk;
-    use crate::format::zstd_chunked::{decode_toc, Toc, TocLocation};
+    use crate::format::toc::Toc;
+    use crate::format::zstd_chunked::{decode_chunk, decode_toc, TocLocation};
+    use crate::layer::{IndexSource, LayerKind, LayerMeta};
 
     /// A blob in memory that records requests and can fail or corrupt the next answers.
     #[derive(Default)]
@@ -861,16 +742,16 @@ mod tests {
             &self,
             range: Range<u64>,
         ) -> futures_util::future::BoxFuture<'_, Result<bytes::Bytes>> {
-            self.calls.lock().unwrap().push(range.clone());
-            let fail = std::mem::replace(&mut *self.failures.lock().unwrap(), 0);
+            self.calls.lock().push(range.clone());
+            let fail = std::mem::replace(&mut *self.failures.lock(), 0);
             if fail > 0 {
-                *self.failures.lock().unwrap() = fail - 1;
+                *self.failures.lock() = fail - 1;
                 return Box::pin(async {
                     Err(Error::new(ErrorKind::Network, "injected network failure"))
                 });
             }
             let mut bytes = self.blob[range.start as usize..range.end as usize].to_vec();
-            let mut corrupt = self.corruptions.lock().unwrap();
+            let mut corrupt = self.corruptions.lock();
             if *corrupt > 0 {
                 *corrupt -= 1;
                 let mid = bytes.len() / 2;
@@ -915,8 +796,7 @@ mod tests {
             toc_digest: loc.checksum,
             disk_path: None,
             diff_id: summary.diff_id,
-            index: None,
-            estargz: false,
+            kind: LayerKind::ZstdChunked,
         };
         let toc = blob[loc.offset as usize..(loc.offset + loc.length) as usize].to_vec();
         engine_of_layer(blob, meta, &toc, opts)
@@ -941,7 +821,13 @@ mod tests {
         toc: &[u8],
         opts: EngineOptions,
     ) -> (Arc<Engine>, Arc<FakeBlob>, Arc<FakeBlob>, tempfile::TempDir) {
-        let layer = RemoteLayer::index(meta.reference.parse().unwrap(), meta, toc).unwrap();
+        let layer = crate::layer::codec::open(
+            meta.reference.parse().unwrap(),
+            meta,
+            toc,
+            Resolved::Offline,
+        )
+        .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
         let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len()).unwrap();
@@ -991,19 +877,22 @@ mod tests {
             toc_digest: Digest::of(&bytes),
             disk_path: disk_path.map(str::to_string),
             diff_id: Digest::of(tar),
-            index: Some(crate::cache::IndexSource {
+            kind: LayerKind::Indexed(IndexSource {
                 repository: "127.0.0.1:1/test/t".into(),
                 compression: index.compression,
                 layout: index.layout,
             }),
-            estargz: false,
         };
         let windows = index.windows.map(|_| windows);
         engine_of_sources(blob, windows, meta, &bytes, EngineOptions::default())
     }
 
+    /// Where the disk's content starts in the tar stream `index` describes.
+    fn disk_at(index: &crate::format::seekable::SeekIndex) -> u64 {
+        index.disk_entry().unwrap().offset
+    }
+
     /// A gzip containerDisk layer (a small file before the disk, one after) and its index.
-    /// A gzip containerDisk layer (a small file before the disk, one after).
     struct GzipLayer {
         data: Vec<u8>,
         tar: Vec<u8>,
@@ -1060,7 +949,7 @@ mod tests {
         assert_eq!(layer.files.len(), 1);
         assert_eq!(layer.chunks.len(), index.spans.len());
         engine.check_structure(None).await.unwrap();
-        assert!(source.calls.lock().unwrap().is_empty(), "nothing to check");
+        assert!(source.calls.lock().is_empty(), "nothing to check");
         assert_eq!(
             engine.read(0, 2 << 20, 4096).await.unwrap(),
             data[2 << 20..(2 << 20) + 4096]
@@ -1092,13 +981,7 @@ mod tests {
 
     /// Bytes fetched from `source` so far.
     fn fetched_bytes(source: &FakeBlob) -> u64 {
-        source
-            .calls
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|r| r.end - r.start)
-            .sum()
+        source.calls.lock().iter().map(|r| r.end - r.start).sum()
     }
 
     #[tokio::test]
@@ -1131,23 +1014,18 @@ mod tests {
         );
         // Spans 4 to 6 read in one go: one request, one window (the others follow from the
         // spans before them).
-        let (requests, window_requests) = (
-            source.calls.lock().unwrap().len(),
-            windows_source.calls.lock().unwrap().len(),
-        );
-        let file_at = engine.layer.spans.as_ref().unwrap().file_at(disk);
+        let (requests, window_requests) =
+            (source.calls.lock().len(), windows_source.calls.lock().len());
+        let file_at = disk_at(&index);
         let (from, to) = (index.spans[4].offset - file_at, index.span_end(6) - file_at);
         assert_eq!(
             engine.read(disk, from, to - from).await.unwrap(),
             data[from as usize..to as usize]
         );
-        assert_eq!(source.calls.lock().unwrap().len(), requests + 1);
-        assert_eq!(
-            window_requests + 1,
-            windows_source.calls.lock().unwrap().len()
-        );
+        assert_eq!(source.calls.lock().len(), requests + 1);
+        assert_eq!(window_requests + 1, windows_source.calls.lock().len());
         // Never more windows than requests of the layer, and not all of them.
-        assert!(windows_source.calls.lock().unwrap().len() <= source.calls.lock().unwrap().len());
+        assert!(windows_source.calls.lock().len() <= source.calls.lock().len());
         assert!(fetched_bytes(&windows_source) < windows.len() as u64);
         let cache_dir = tempfile::tempdir().unwrap();
         let cache = CacheRoot::open(cache_dir.path()).unwrap();
@@ -1175,7 +1053,7 @@ mod tests {
             testing::with_window(&index, &windows, 5, &testing::window(&index, &windows, 6));
         let (engine, source, windows_source, _dir) = engine_of_indexed(blob, windows, &tar, &index);
         let disk = engine.layer.disk;
-        let at = index.spans[5].offset - engine.layer.spans.as_ref().unwrap().file_at(disk);
+        let at = index.spans[5].offset - disk_at(&index);
         let err = engine.read(disk, at, 10).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt, "{}", err.chain());
         assert!(err.chain().contains("span 5"), "{}", err.chain());
@@ -1184,16 +1062,16 @@ mod tests {
             2,
             "checked, refetched, checked"
         );
-        assert!(source.calls.lock().unwrap().len() >= 2);
+        assert!(source.calls.lock().len() >= 2);
         assert!(
-            windows_source.calls.lock().unwrap().len() >= 2,
+            windows_source.calls.lock().len() >= 2,
             "its window refetched too"
         );
         // The rest of the disk still reads.
         assert_eq!(engine.read(disk, 0, 4096).await.unwrap(), data[..4096]);
         // A window frame corrupted on the way once is fetched again and the span reads.
-        *windows_source.corruptions.lock().unwrap() = 1;
-        let at = index.spans[9].offset - engine.layer.spans.as_ref().unwrap().file_at(disk);
+        *windows_source.corruptions.lock() = 1;
+        let at = index.spans[9].offset - disk_at(&index);
         engine.read(disk, at, 10).await.unwrap();
     }
 
@@ -1241,7 +1119,12 @@ mod tests {
             ("disk/d.qcow2", data.clone()),
             ("etc/hostname", b"vm\n".to_vec()),
         ];
-        let (blob, toc, diff_id) = estargz::testing::layer(&files, CHUNK);
+        let written = vmdisk_testing::estargz::layer(&files, CHUNK);
+        let (blob, toc, diff_id): (_, Digest, Digest) = (
+            written.blob,
+            written.toc_digest.parse().unwrap(),
+            written.diff_id.parse().unwrap(),
+        );
         let size = blob.len() as u64;
         let offset = estargz::toc_offset(&blob[blob.len() - 51..], size).unwrap();
         let json = estargz::toc_json(&blob[offset as usize..blob.len() - 51], &toc).unwrap();
@@ -1255,8 +1138,7 @@ mod tests {
             toc_digest: toc,
             disk_path: None,
             diff_id,
-            index: None,
-            estargz: true,
+            kind: LayerKind::Estargz,
         };
         let (engine, _, _dir) = engine_of_layer(blob, meta, &json, EngineOptions::default());
         engine.check_structure(None).await.unwrap();
@@ -1274,7 +1156,7 @@ mod tests {
     }
 
     fn calls(source: &FakeBlob) -> usize {
-        source.calls.lock().unwrap().len()
+        source.calls.lock().len()
     }
 
     #[tokio::test]
@@ -1302,7 +1184,7 @@ mod tests {
             vec![0u8; CHUNK]
         );
         assert_eq!(calls(&source), 2);
-        let zero_frame = source.calls.lock().unwrap()[1].clone();
+        let zero_frame = source.calls.lock()[1].clone();
         assert!(zero_frame.end - zero_frame.start < 64, "{zero_frame:?}");
         // Reading past the end is short, not an error.
         assert_eq!(
@@ -1337,7 +1219,7 @@ mod tests {
     async fn a_corrupt_chunk_is_fetched_once_more() {
         let data = content(4);
         let (engine, source, _dir) = engine(&data, EngineOptions::default());
-        *source.corruptions.lock().unwrap() = 1;
+        *source.corruptions.lock() = 1;
         assert_eq!(
             engine
                 .read(engine.layer.disk, 0, CHUNK as u64)
@@ -1353,7 +1235,7 @@ mod tests {
     async fn persistent_corruption_fails_and_caches_nothing() {
         let data = content(4);
         let (engine, source, _dir) = engine(&data, EngineOptions::default());
-        *source.corruptions.lock().unwrap() = 100;
+        *source.corruptions.lock() = 100;
         let err = engine
             .read(engine.layer.disk, 0, CHUNK as u64)
             .await
@@ -1375,13 +1257,13 @@ mod tests {
             ..EngineOptions::default()
         };
         let (engine, source, _dir) = engine(&data, opts);
-        *source.failures.lock().unwrap() = 2;
+        *source.failures.lock() = 2;
         assert_eq!(
             engine.read(engine.layer.disk, 0, 10).await.unwrap(),
             data[..10]
         );
         assert_eq!(calls(&source), 3);
-        *source.failures.lock().unwrap() = 1000;
+        *source.failures.lock() = 1000;
         let err = engine
             .read(engine.layer.disk, CHUNK as u64, 10)
             .await
@@ -1543,7 +1425,7 @@ mod tests {
             err.chain()
         );
         // Only the regions between chunks were fetched: no chunk.
-        for range in source.calls.lock().unwrap().iter() {
+        for range in source.calls.lock().iter() {
             assert!(engine
                 .layer
                 .chunks

@@ -21,8 +21,11 @@ pub enum DiskFormat {
     Ova,
 }
 
+/// The formats `qemu-img` converts for `vmdisk push`, by their driver names.
+const FOREIGN: [&str; 4] = ["vmdk", "vhdx", "vpc", "vdi"];
+
 impl DiskFormat {
-    /// The name written into annotations (`qcow2` or `raw`).
+    /// The format's name, as annotations, metadata and `qemu-img` spell it (`qcow2`, `raw`).
     pub fn name(&self) -> &'static str {
         match self {
             DiskFormat::Qcow2 => "qcow2",
@@ -30,6 +33,53 @@ impl DiskFormat {
             DiskFormat::Foreign(f) => f,
             DiskFormat::Ova => "ova",
         }
+    }
+
+    /// Whether disks in this format are published and served as they are (qcow2, raw).
+    pub fn is_served(&self) -> bool {
+        matches!(self, DiskFormat::Qcow2 | DiskFormat::Raw)
+    }
+}
+
+impl std::fmt::Display for DiskFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DiskFormat {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "qcow2" => Ok(DiskFormat::Qcow2),
+            "raw" => Ok(DiskFormat::Raw),
+            "ova" => Ok(DiskFormat::Ova),
+            other => FOREIGN
+                .iter()
+                .find(|f| **f == other)
+                .map(|f| DiskFormat::Foreign(f))
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "{other:?} is not a disk format vmdisk knows (qcow2, raw, ova, {})",
+                        FOREIGN.join(", ")
+                    ))
+                }),
+        }
+    }
+}
+
+impl serde::Serialize for DiskFormat {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DiskFormat {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse()
+            .map_err(|e: Error| serde::de::Error::custom(e.chain()))
     }
 }
 
@@ -39,7 +89,7 @@ pub fn sniff(head: &[u8], tail: &[u8], len: u64) -> Option<DiskFormat> {
     let at = |off: usize, magic: &[u8]| {
         head.len() >= off + magic.len() && &head[off..off + magic.len()] == magic
     };
-    if at(0, &qcow2::MAGIC) {
+    if qcow2::is_qcow2(head) {
         return Some(DiskFormat::Qcow2);
     }
     if at(0, b"KDMV") || at(0, b"# Disk DescriptorFile") {
@@ -252,7 +302,7 @@ fn extract_ova_disk(ova: &Path, dir: &Path) -> Result<(PathBuf, String)> {
     })?;
     let href =
         first_disk_href(&ovf).map_err(|e| e.context(format!("OVF descriptor in {shown}")))?;
-    let name = super::zstd_chunked::clean_path(&href).map_err(|e| e.context(format!("{shown}")))?;
+    let name = super::tree::clean_path(&href).map_err(|e| e.context(format!("{shown}")))?;
     let base = name.rsplit('/').next().unwrap_or(&name).to_string();
     for entry in tar::Archive::new(open()?)
         .entries()
@@ -264,7 +314,7 @@ fn extract_ova_disk(ova: &Path, dir: &Path) -> Result<(PathBuf, String)> {
             .map_err(|e| Error::io("OVA entry name", e))?
             .to_string_lossy()
             .into_owned();
-        if super::zstd_chunked::clean_path(&path).ok().as_deref() == Some(name.as_str()) {
+        if super::tree::clean_path(&path).ok().as_deref() == Some(name.as_str()) {
             let out = dir.join(&base);
             let mut file =
                 File::create(&out).map_err(|e| Error::io("extracting the OVA disk", e))?;

@@ -10,7 +10,8 @@ use std::io::Read;
 
 use crate::digest::Digest;
 use crate::error::{Error, Result};
-use crate::format::zstd_chunked::{Chunk, Node, Toc};
+use crate::format::toc::Toc;
+use crate::format::tree::{Chunk, Node};
 
 /// The layer annotation pinning the TOC JSON's sha256.
 pub use crate::format::zstd_chunked::ANN_ESTARGZ_TOC as ANN_TOC_DIGEST;
@@ -169,87 +170,6 @@ pub fn inflate_members(members: &[u8], limit: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// A writer of eStargz layers as stargz-snapshotter's writer lays them out, for this crate's
-/// tests and the integration tests (no standard eStargz tool is packaged for these machines).
-#[doc(hidden)]
-pub mod testing {
-    use std::io::Write;
-
-    use super::*;
-
-    fn member(data: &[u8]) -> Vec<u8> {
-        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(6));
-        e.write_all(data).unwrap();
-        e.finish().unwrap()
-    }
-
-    /// The layer blob, its TOC digest and its diff_id, for `files` (path, content) with
-    /// chunks of `chunk` bytes, laid out as stargz-snapshotter's writer lays them out: each
-    /// tar header in its own member, each chunk in its own member (the last with the file's
-    /// padding), the TOC entry and the end of the archive, the footer.
-    pub fn layer(files: &[(&str, Vec<u8>)], chunk: usize) -> (Vec<u8>, Digest, Digest) {
-        let mut blob = Vec::new();
-        let mut stream = Vec::new();
-        let mut entries = Vec::new();
-        let mut put = |blob: &mut Vec<u8>, bytes: &[u8]| {
-            blob.extend(member(bytes));
-            stream.extend_from_slice(bytes);
-        };
-        for (name, data) in files {
-            let mut h = tar::Header::new_ustar();
-            h.set_path(name).unwrap();
-            h.set_size(data.len() as u64);
-            h.set_mode(0o644);
-            h.set_uid(107);
-            h.set_gid(107);
-            h.set_mtime(0);
-            h.set_cksum();
-            put(&mut blob, h.as_bytes());
-            let parts: Vec<&[u8]> = data.chunks(chunk).collect();
-            for (i, part) in parts.iter().enumerate() {
-                let mut e = serde_json::json!({"type": if i == 0 { "reg" } else { "chunk" },
-                    "name": name, "offset": blob.len(), "chunkOffset": i * chunk,
-                    "chunkSize": part.len(), "chunkDigest": Digest::of(part).to_string()});
-                if i == 0 {
-                    e["size"] = data.len().into();
-                    e["mode"] = 0o644.into();
-                    e["uid"] = 107.into();
-                    e["gid"] = 107.into();
-                    e["digest"] = Digest::of(data).to_string().into();
-                }
-                entries.push(e);
-                let mut bytes = part.to_vec();
-                if i + 1 == parts.len() {
-                    bytes.resize(bytes.len() + padding(data.len() as u64) as usize, 0);
-                }
-                put(&mut blob, &bytes);
-            }
-        }
-        let json =
-            serde_json::to_vec(&serde_json::json!({"version": 1, "entries": entries})).unwrap();
-        let toc_offset = blob.len();
-        let mut b = tar::Builder::new(Vec::new());
-        let mut h = tar::Header::new_ustar();
-        h.set_path(TOC_NAME).unwrap();
-        h.set_size(json.len() as u64);
-        h.set_mode(0o644);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(0);
-        h.set_cksum();
-        b.append(&h, json.as_slice()).unwrap();
-        put(&mut blob, &b.into_inner().unwrap());
-        let mut footer = vec![
-            0x1f, 0x8b, 8, 4, 0, 0, 0, 0, 0, 0xff, 26, 0, b'S', b'G', 22, 0,
-        ];
-        footer.extend_from_slice(format!("{toc_offset:016x}STARGZ").as_bytes());
-        footer.extend_from_slice(&[1, 0, 0, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0]);
-        assert_eq!(footer.len() as u64, FOOTER_SIZE);
-        blob.extend(footer);
-        (blob, Digest::of(&json), Digest::of(&stream))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,7 +177,12 @@ mod tests {
     #[test]
     fn a_layer_reads_back_through_its_toc() {
         let disk: Vec<u8> = (0..700_000u32).map(|i| (i % 251) as u8).collect();
-        let (blob, toc, diff_id) = testing::layer(&[("disk/d.raw", disk.clone())], 256 << 10);
+        let written = vmdisk_testing::estargz::layer(&[("disk/d.raw", disk.clone())], 256 << 10);
+        let (blob, toc, diff_id): (_, Digest, Digest) = (
+            written.blob,
+            written.toc_digest.parse().unwrap(),
+            written.diff_id.parse().unwrap(),
+        );
         // An ordinary gzip reader sees the tar, TOC entry included.
         let mut stream = Vec::new();
         flate2::read::MultiGzDecoder::new(blob.as_slice())

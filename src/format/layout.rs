@@ -1,7 +1,6 @@
 //! The vmdisk image layout: what a published VM-disk layer says about itself and where its disk
-//! is. The producer (`publish`), the readers (`remote`, `engine`, `inspect`) and the
-//! snapshotter's classifier ask this module; none spells an annotation, a disk directory or a
-//! chunk decode itself.
+//! is. The producer (`publish`), the readers (`resolve`, `inspect`) and the snapshotter's
+//! classifier ask this module; none spells an annotation or a disk directory itself.
 //!
 //! - **Annotations** on the disk layer (and, as `vmdisk.io/` labels, in the config): format,
 //!   sizes, digest and path of the disk, chunk size, and a copy of the TOC's position and
@@ -9,10 +8,9 @@
 //! - **The disk** is the regular file the `path` annotation names, else the first regular file
 //!   under `/disk/` (KubeVirt containerDisk) or `/image/` (peer-pod and Kata images); we
 //!   publish it at `--path` or `/disk/<file name>`.
-//! - **A chunk** is decoded in one place, [`decode_chunk`], and only verified bytes leave it.
 
 use crate::error::{Error, Result};
-use crate::format::zstd_chunked::{check_regular_frames, clean_path, decompress_bounded, Chunk};
+use crate::format::tree::clean_path;
 
 /// Annotation (and snapshot label) prefix for our disk metadata.
 pub const ANN_PREFIX: &str = "containerd.io/snapshot/vmdisk.";
@@ -37,6 +35,33 @@ pub const LABEL_PREFIX: &str = "vmdisk.io/";
 
 /// The directories a disk lives in: KubeVirt's `/disk/` and the peer-pod `/image/`.
 pub const DISK_DIRS: [&str; 2] = ["disk/", "image/"];
+
+/// KubeVirt's qemu user and group: a containerDisk's disk and the directories above it are
+/// theirs, as KubeVirt's containerDisk build writes them, and so are vmdisk's.
+pub const DISK_OWNER: u32 = 107;
+
+/// An entry of the view of a disk as a containerDisk holds it ([`disk_view`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskViewEntry {
+    pub path: String,
+    pub dir: bool,
+    pub mode: u32,
+    pub owner: u32,
+}
+
+/// How a disk at `path` (a clean relative path) appears in a layer: the directories above it
+/// (0755), outermost first, then the disk file (0644), all owned by [`DISK_OWNER`]. What
+/// `vmdisk push` writes and how a disk artifact's disk file is shown.
+pub fn disk_view(path: &str) -> impl Iterator<Item = DiskViewEntry> + '_ {
+    let parts: Vec<&str> = path.split('/').collect();
+    let dirs = parts.len() - 1;
+    (1..=parts.len()).map(move |n| DiskViewEntry {
+        path: parts[..n].join("/"),
+        dir: n <= dirs,
+        mode: if n <= dirs { 0o755 } else { 0o644 },
+        owner: DISK_OWNER,
+    })
+}
 
 /// Whether `path` (clean, relative) is the disk: the path the layer's annotation names
 /// (`wanted`), or without one, a path under one of the [`DISK_DIRS`].
@@ -86,33 +111,6 @@ pub fn check_chunk_size(size: usize) -> Result<usize> {
     Ok(size)
 }
 
-/// The content of `chunk` from its `frame` (the compressed range): the range must be whole
-/// regular zstd frames (what an ordinary decoder reads as file content), decompress within the
-/// chunk's size to exactly that size, and match the chunk's digest. The one decode of chunk
-/// bytes; nothing else turns registry bytes into chunk content.
-pub fn decode_chunk(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
-    check_regular_frames(frame)?;
-    let data = decompress_bounded(frame, chunk.size)?;
-    if data.len() as u64 != chunk.size {
-        return Err(Error::corrupt(format!(
-            "chunk at {} decompressed to {} bytes, expected {}",
-            chunk.offset,
-            data.len(),
-            chunk.size
-        )));
-    }
-    match chunk.digest {
-        Some(d) => d.verify(&data, &format!("chunk at offset {}", chunk.offset))?,
-        None => {
-            return Err(Error::corrupt(format!(
-                "chunk at {} has no digest",
-                chunk.offset
-            )))
-        }
-    }
-    Ok(data)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,6 +123,24 @@ mod tests {
         assert!(!is_disk_path("diskette", None));
         assert!(is_disk_path("vm/x.raw", Some("vm/x.raw")));
         assert!(!is_disk_path("disk/x.raw", Some("vm/x.raw")));
+    }
+
+    #[test]
+    fn a_disk_appears_under_its_directories_owned_by_kubevirts_qemu() {
+        let view: Vec<_> = disk_view("a/b/c.qcow2").collect();
+        let paths: Vec<_> = view
+            .iter()
+            .map(|v| (v.path.as_str(), v.dir, v.mode))
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                ("a", true, 0o755),
+                ("a/b", true, 0o755),
+                ("a/b/c.qcow2", false, 0o644)
+            ]
+        );
+        assert!(view.iter().all(|v| v.owner == 107));
     }
 
     #[test]

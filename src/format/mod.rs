@@ -1,7 +1,10 @@
 //! Layer and disk formats: what we write and what we read from registries.
 //!
+//! - [`tree`]: what every layer format yields, format-neutral: nodes, chunks, safe paths.
+//! - [`toc`]: the TOC zstd:chunked and eStargz share, its parser and its validator.
 //! - [`zstd_chunked`]: the lazily loadable layer layout (containers/storage's zstd:chunked),
-//!   its TOC, the writer used by `vmdisk push` and the reader used by everything that fetches.
+//!   where its TOC is, the writer used by `vmdisk push` and the reader used by everything
+//!   that fetches.
 //! - [`layout`]: the vmdisk image layout: annotations, where the disk is, the verified decode
 //!   of a chunk.
 //! - [`seekable`]: the seekable index `vmdisk index` publishes for ordinary gzip and
@@ -21,6 +24,8 @@ pub mod qcow2;
 pub mod qcow2_raw;
 pub mod seekable;
 pub mod tarsplit;
+pub mod toc;
+pub mod tree;
 pub mod zran;
 pub mod zstd_chunked;
 

@@ -1,12 +1,16 @@
 //! The qcow2 header and cluster tables: enough to validate an image before publishing it
 //! (version, features, no backing file, no encryption, every referenced cluster inside the
-//! file) and to report its virtual size. The reader works on any [`ReadAt`] source, so the
-//! lazy engine can use it on a remote disk later.
+//! file) and to report its virtual size. The reader works on any [`ReadAt`] source.
 
 use crate::error::{Error, Result};
 
 /// qcow2 magic, `QFI\xfb`.
 pub const MAGIC: [u8; 4] = *b"QFI\xfb";
+
+/// Whether an image starting with `head` is qcow2 (the one place its magic is checked).
+pub fn is_qcow2(head: &[u8]) -> bool {
+    head.starts_with(&MAGIC)
+}
 
 /// Positioned reads from a disk image.
 pub trait ReadAt {
@@ -100,7 +104,7 @@ impl Header {
         if short || src.read_exact_at(&mut b[..72], 0).is_err() {
             return Err(Error::corrupt("qcow2 header is truncated"));
         }
-        if b[..4] != MAGIC {
+        if !is_qcow2(&b) {
             return Err(Error::corrupt("not a qcow2 image (no QFI\\xfb magic)"));
         }
         let version = be32(&b, 4);

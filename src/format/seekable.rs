@@ -26,8 +26,8 @@ use serde::{Deserialize, Serialize};
 use crate::digest::{Digest, Hasher};
 use crate::error::{Error, Result};
 use crate::format::artifact::Codec;
+use crate::format::tree::clean_path;
 use crate::format::zran::BlockInflater;
-use crate::format::zstd_chunked::clean_path;
 
 /// The artifact type of the index's manifest (and of its referrer descriptor).
 pub const ARTIFACT_TYPE: &str = "application/vnd.vmdisk.seekable-index.v2";

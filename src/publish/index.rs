@@ -14,7 +14,7 @@ use crate::format::seekable::{self, Layout};
 use crate::oci::Descriptor;
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
-use crate::remote;
+use crate::resolve;
 
 /// What `vmdisk index` did.
 #[derive(Debug, Serialize)]
@@ -49,13 +49,14 @@ pub async fn index(
     span_size: u64,
 ) -> Result<IndexReport> {
     let started = std::time::Instant::now();
-    let (manifest, manifest_digest, _) = remote::platform_manifest(client, None, reference).await?;
-    if remote::disk_layer(&manifest).is_some() {
+    let (manifest, manifest_digest, _) =
+        resolve::platform_manifest(client, None, reference).await?;
+    if resolve::disk_layer(&manifest).is_some() {
         return Err(Error::invalid(format!(
             "{reference} already has a lazily loadable zstd:chunked layer; it needs no index"
         )));
     }
-    let target = remote::index_target(client, None, reference, &manifest).await?;
+    let target = resolve::index_target(client, None, reference, &manifest).await?;
     let (layer, expected, disk_path) = (target.layer, target.expected, target.disk_path);
     let blob = client.blob_reader(reference, layer).await?;
     // The windows (32 KiB a span) go to a file, not memory: a 50 GiB disk has 1.6 GiB of them.

@@ -24,7 +24,8 @@ use crate::format::layout::{
     is_disk_path, layer_path, ANN_CHUNK_SIZE, ANN_DISK_DIGEST, ANN_DISK_SIZE, ANN_FORMAT, ANN_PATH,
     ANN_PREFIX, ANN_TOC_DIGEST, ANN_TOC_POSITION, ANN_VIRTUAL_SIZE, LABEL_PREFIX,
 };
-use crate::format::zstd_chunked::{clean_path, EntryMeta, TocLocation};
+use crate::format::tree::clean_path;
+use crate::format::zstd_chunked::{EntryMeta, TocLocation};
 use crate::oci::{self, Descriptor, ImageConfig, Manifest, ManifestKind, Platform, RootFs};
 use crate::reference::Reference;
 use crate::registry::{BlobUpload, RegistryClient, UPLOAD_SEGMENT};
@@ -191,22 +192,20 @@ where
         .await
 }
 
-fn entry_meta(path: &str, mode: u32, mtime: u64) -> EntryMeta {
-    EntryMeta {
-        path: path.to_string(),
-        mode,
-        uid: 107,
-        gid: 107,
-        mtime,
-    }
-}
-
-/// The directories above `path`, outermost first.
-fn parent_dirs(path: &str, mtime: u64) -> Vec<EntryMeta> {
-    let parts: Vec<&str> = path.split('/').collect();
-    (1..parts.len())
-        .map(|n| entry_meta(&parts[..n].join("/"), 0o755, mtime))
-        .collect()
+/// The tar entries of the disk at `path`: the directories above it and the file, as a
+/// containerDisk holds them ([`crate::format::layout::disk_view`]).
+fn disk_entries(path: &str, mtime: u64) -> (Vec<EntryMeta>, EntryMeta) {
+    let mut entries: Vec<EntryMeta> = crate::format::layout::disk_view(path)
+        .map(|v| EntryMeta {
+            path: v.path,
+            mode: v.mode,
+            uid: v.owner,
+            gid: v.owner,
+            mtime,
+        })
+        .collect();
+    let file = entries.pop().expect("the view ends with the disk");
+    (entries, file)
 }
 
 /// Format and virtual size from the first bytes of a disk.
@@ -360,9 +359,10 @@ pub async fn push_disk(
             upload_streamed(client, target, Some(upload), move |sink| {
                 let reader = std::fs::File::open(&disk.path)
                     .map_err(|e| Error::io(format!("opening {}", disk.path.display()), e))?;
+                let (dirs, file) = disk_entries(&layer_file, mtime);
                 let content = LayerContent {
-                    dirs: parent_dirs(&layer_file, mtime),
-                    file: entry_meta(&layer_file, 0o644, mtime),
+                    dirs,
+                    file,
                     size,
                     reader,
                 };
@@ -515,9 +515,10 @@ fn convert_tar(
         };
         let size = entry.size();
         let mtime = source_date(entry.header().mtime().unwrap_or(0));
+        let (dirs, file) = disk_entries(&target_path, mtime);
         let content = LayerContent {
-            dirs: parent_dirs(&target_path, mtime),
-            file: entry_meta(&target_path, 0o644, mtime),
+            dirs,
+            file,
             size,
             reader: &mut entry,
         };
@@ -893,10 +894,14 @@ mod tests {
 
     #[test]
     fn parents_are_listed_outermost_first() {
-        let dirs = parent_dirs("a/b/c.qcow2", 5);
+        let (dirs, file) = disk_entries("a/b/c.qcow2", 5);
         assert_eq!(
             dirs.iter().map(|d| d.path.as_str()).collect::<Vec<_>>(),
             ["a", "a/b"]
+        );
+        assert_eq!(
+            (file.path.as_str(), file.mode, file.uid, file.mtime),
+            ("a/b/c.qcow2", 0o644, 107, 5)
         );
     }
 }

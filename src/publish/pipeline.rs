@@ -6,7 +6,9 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc};
+
+use parking_lot::Mutex;
 
 use crate::digest::Digest;
 use crate::error::{Error, Result};
@@ -95,7 +97,7 @@ pub fn build_layer<R: Read, W: Write + Send>(
                         }
                     };
                     loop {
-                        let next = rx.lock().expect("chunk queue lock").recv();
+                        let next = rx.lock().recv();
                         let Ok((index, data)) = next else { return };
                         let encoded =
                             EncodedChunk::encode(data, &mut compressor).map(|c| (index, c));

@@ -3,15 +3,14 @@
 //! A client always acts with the node's own credentials (docker config files, their helpers,
 //! or none). On a node, kubelet's credentials for a pod (a CRI `PullImage`'s `auth`) may be
 //! granted to the clients that serve that pod's images, each for one repository of one
-//! registry and until it expires; the snapshotter decides who gets what
-//! ([`crate::snapshotter::tenants`]). A granted credential is tried only after the node's
-//! own, and only for its repository. In memory only: never written to a file, never logged
-//! ([`Credential`]'s `Debug` is redacted), handed to a mount server over its stdin or its
-//! private control socket.
+//! registry and until it expires; the snapshotter decides who gets what (its tenants module).
+//! A granted credential is tried only after the node's own, and only for its repository. In
+//! memory only: never written to a file, never logged ([`Credential`]'s `Debug` is redacted),
+//! handed to a mount server over its stdin or its private control socket.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::auth::Credential;
@@ -63,7 +62,7 @@ impl Granted {
     /// Adds `grant`; one for the same repository and credential is replaced (renewed).
     pub fn add(&self, grant: Grant) {
         let now = Instant::now();
-        let mut grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+        let mut grants = self.grants.lock();
         grants.retain(|g| {
             g.expires > now
                 && !(g.covers(&grant.registry, &grant.repository)
@@ -86,7 +85,7 @@ impl Granted {
     /// long it stays valid.
     pub fn for_repository(&self, registry: &str, repository: &str) -> Vec<(Credential, Duration)> {
         let now = Instant::now();
-        let grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+        let grants = self.grants.lock();
         grants
             .iter()
             .rev()
@@ -157,7 +156,7 @@ mod tests {
                 Duration::from_secs(100 + i as u64),
             ));
         }
-        assert_eq!(g.grants.lock().unwrap().len(), MAX_GRANTS);
+        assert_eq!(g.grants.lock().len(), MAX_GRANTS);
         assert!(g.for_repository("r", "repo0").is_empty());
         assert!(!g
             .for_repository("r", &format!("repo{}", MAX_GRANTS + 9))

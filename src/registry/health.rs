@@ -10,9 +10,9 @@
 //! credentials): the request goes on to the next endpoint without the endpoint resting.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::hosts::Endpoint;
@@ -58,7 +58,7 @@ pub struct Health {
 
 impl Health {
     fn with<T>(&self, base: &str, f: impl FnOnce(&mut State) -> T) -> T {
-        let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        let mut states = self.states.lock();
         // Every chunk request comes here: no key allocation once the endpoint is known.
         if let Some(state) = states.get_mut(base) {
             return f(state);
@@ -70,7 +70,7 @@ impl Health {
     /// configured order.
     pub fn order(&self, endpoints: Vec<Endpoint>) -> Vec<Endpoint> {
         let now = Instant::now();
-        let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        let states = self.states.lock();
         let resting = |e: &Endpoint| {
             states
                 .get(&e.base)
@@ -119,7 +119,7 @@ impl Health {
 
     /// Every endpoint's counters, by base URL, sorted.
     pub fn counters(&self) -> Vec<(String, EndpointCounters)> {
-        let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        let states = self.states.lock();
         let mut out: Vec<_> = states
             .iter()
             .map(|(k, s)| (k.clone(), s.counters.clone()))

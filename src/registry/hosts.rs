@@ -12,9 +12,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
+use parking_lot::Mutex;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
@@ -292,7 +292,7 @@ impl HostsCache {
         };
         let now = Instant::now();
         let stamp = {
-            let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+            let mut entries = self.entries.lock();
             if let Some(c) = entries.get_mut(registry) {
                 if now.duration_since(c.checked) < RECHECK {
                     return Ok(c.endpoints.clone());
@@ -309,17 +309,14 @@ impl HostsCache {
         };
         // Read outside the lock; a file that fails to parse is not kept (read again next time).
         let endpoints = endpoints_for(hosts_dir, registry, upstream)?;
-        self.entries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                registry.to_string(),
-                Cached {
-                    stamp,
-                    endpoints: endpoints.clone(),
-                    checked: now,
-                },
-            );
+        self.entries.lock().insert(
+            registry.to_string(),
+            Cached {
+                stamp,
+                endpoints: endpoints.clone(),
+                checked: now,
+            },
+        );
         Ok(endpoints)
     }
 }

@@ -12,14 +12,16 @@ pub mod auth;
 pub mod granted;
 pub mod health;
 pub mod hosts;
+#[cfg(test)]
+pub mod memory;
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use parking_lot::Mutex;
 use reqwest::header::{
     HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE,
     LOCATION, RANGE, WWW_AUTHENTICATE,
@@ -67,6 +69,7 @@ pub const UPLOAD_SEGMENT: usize = 8 << 20;
 /// the node's own credentials and those it was granted ([`granted`]); clients made with
 /// [`RegistryClient::with_grants`] share connections, endpoint health and tokens, each token
 /// kept under the credential it was got with.
+#[derive(Clone)]
 pub struct RegistryClient {
     shared: std::sync::Arc<Shared>,
     granted: std::sync::Arc<granted::Granted>,
@@ -456,11 +459,7 @@ impl RegistryClient {
 
     fn http(&self, ep: &Endpoint) -> Result<reqwest::Client> {
         let key = (ep.skip_verify, ep.ca.clone(), ep.client_cert.clone());
-        let mut clients = self
-            .shared
-            .clients
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut clients = self.shared.clients.lock();
         if let Some(c) = clients.get(&key) {
             return Ok(c.clone());
         }
@@ -622,26 +621,22 @@ impl RegistryClient {
                 )
             }
         };
-        self.shared
-            .auth
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                (
-                    ep.base.clone(),
-                    scope_key.to_string(),
-                    candidate.principal.clone(),
-                ),
-                CachedAuth {
-                    header: value,
-                    expires: expiry,
-                },
-            );
+        self.shared.auth.lock().insert(
+            (
+                ep.base.clone(),
+                scope_key.to_string(),
+                candidate.principal.clone(),
+            ),
+            CachedAuth {
+                header: value,
+                expires: expiry,
+            },
+        );
         Ok(())
     }
 
     fn cached_auth(&self, ep: &Endpoint, scope_key: &str, principal: &Principal) -> Option<String> {
-        let auth = self.shared.auth.lock().unwrap_or_else(|p| p.into_inner());
+        let auth = self.shared.auth.lock();
         auth.get(&(ep.base.clone(), scope_key.to_string(), principal.clone()))
             .filter(|a| a.expires.is_none_or(|e| e > Instant::now()))
             .map(|a| a.header.clone())
@@ -955,7 +950,7 @@ impl RegistryClient {
         let accept = MANIFEST_TYPES.join(", ");
         let object = r.object();
         let what = &format!("manifest {object}");
-        let (media_type, bytes) = self
+        let (media_type, bytes, manifest) = self
             .pull(
                 r,
                 what,
@@ -972,17 +967,32 @@ impl RegistryClient {
                         .unwrap_or("")
                         .trim()
                         .to_string();
+                    // By tag, the digest the registry names for what it sends, when it
+                    // names one (distribution does): a body cut or flipped on the way fails
+                    // here and is fetched again, as a body fetched by digest does.
+                    let named = resp
+                        .headers()
+                        .get("docker-content-digest")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<Digest>().ok());
                     let bytes = self.body(&ep, resp, oci::MAX_MANIFEST_SIZE, what).await?;
-                    if let Some(expected) = &r.digest {
-                        expected.verify(&bytes, &format!("manifest of {r}"))?;
+                    match (&r.digest, named) {
+                        (Some(expected), _) => {
+                            expected.verify(&bytes, &format!("manifest of {r}"))?
+                        }
+                        (None, Some(named)) => named.verify(
+                            &bytes,
+                            &format!("manifest of {r} (the registry's Docker-Content-Digest)"),
+                        )?,
+                        (None, None) => {}
                     }
-                    Ok((media_type, bytes))
+                    let manifest = oci::parse_manifest(&bytes, Some(&media_type))
+                        .map_err(|e| e.context(format!("{r}")))?;
+                    Ok((media_type, bytes, manifest))
                 },
             )
             .await?;
         let digest = Digest::of(&bytes);
-        let manifest = oci::parse_manifest(&bytes, Some(&media_type))
-            .map_err(|e| e.context(format!("{r}")))?;
         let media_type = match &manifest {
             ManifestKind::Image(m) => m.media_type.clone().unwrap_or(if media_type.is_empty() {
                 oci::OCI_MANIFEST.into()

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes as AxumBytes};
@@ -13,6 +13,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::Response;
 use bytes::Bytes;
+use parking_lot::Mutex;
 
 use super::{RegistryClient, RegistryConfig, RetryPolicy};
 use crate::digest::Digest;
@@ -51,11 +52,7 @@ async fn handle(
     headers: HeaderMap,
     body: AxumBytes,
 ) -> Response {
-    server
-        .seen
-        .lock()
-        .unwrap()
-        .push(format!("{method} /{rest}"));
+    server.seen.lock().push(format!("{method} /{rest}"));
     if rest == "token" {
         let (token, userpass) = server.token.clone().unwrap();
         use base64::Engine as _;
@@ -124,23 +121,19 @@ async fn handle(
         .strip_prefix("vm/disk/blobs/")
         .filter(|_| method == Method::GET)
     {
-        if let Some(blob) = server.blobs.lock().unwrap().get(digest) {
+        if let Some(blob) = server.blobs.lock().get(digest) {
             return serve_blob(blob, &headers, true);
         }
     }
     if rest.ends_with("/blobs/uploads/") && method == Method::POST {
-        server
-            .uploads
-            .lock()
-            .unwrap()
-            .insert("u1".into(), Vec::new());
+        server.uploads.lock().insert("u1".into(), Vec::new());
         return respond(StatusCode::ACCEPTED)
             .header(header::LOCATION, "/v2/vm/disk/blobs/uploads/u1")
             .body(Body::empty())
             .unwrap();
     }
     if rest.ends_with("/blobs/uploads/u1") {
-        let mut uploads = server.uploads.lock().unwrap();
+        let mut uploads = server.uploads.lock();
         let kept = uploads.get_mut("u1").unwrap();
         let location = |b: axum::http::response::Builder| {
             b.header(header::LOCATION, "/v2/vm/disk/blobs/uploads/u1")
@@ -186,7 +179,7 @@ async fn handle(
                         .body(Body::empty())
                         .unwrap();
                 }
-                server.blobs.lock().unwrap().insert(digest, kept.clone());
+                server.blobs.lock().insert(digest, kept.clone());
                 return respond(StatusCode::CREATED).body(Body::empty()).unwrap();
             }
             _ => {}
@@ -292,11 +285,7 @@ impl Mirrored {
         let origin = Arc::new(Server::default());
         let blob: Vec<u8> = (0..65536u32).map(|i| (i * 7 % 253) as u8).collect();
         let digest = Digest::of(&blob);
-        origin
-            .blobs
-            .lock()
-            .unwrap()
-            .insert(digest.to_string(), blob.clone());
+        origin.blobs.lock().insert(digest.to_string(), blob.clone());
         let host = serve(Arc::clone(&origin)).await;
         let hits = Arc::new(AtomicUsize::new(0));
         let mirror = serve_mirror(how, blob.clone(), Arc::clone(&hits)).await;
@@ -367,7 +356,6 @@ fn count(server: &Server, what: &str) -> usize {
     server
         .seen
         .lock()
-        .unwrap()
         .iter()
         .filter(|s| s.starts_with(what))
         .count()
@@ -454,7 +442,7 @@ async fn a_broken_upload_request_resumes_where_the_registry_is() {
     assert_eq!(upload.offset(), data.len() as u64);
     let digest = Digest::of(&data);
     upload.finish(&digest).await.unwrap();
-    assert_eq!(server.blobs.lock().unwrap()[&digest.to_string()], data);
+    assert_eq!(server.blobs.lock()[&digest.to_string()], data);
     // One PATCH broke after half, the status was asked, the rest was sent once.
     assert_eq!(server.patches.load(Ordering::SeqCst), 2);
     assert_eq!(count(&server, "GET /vm/disk/blobs/uploads/u1"), 1);
@@ -475,7 +463,7 @@ async fn a_blob_file_uploads_a_segment_at_a_time() {
     std::fs::write(file.path(), &data).unwrap();
     let digest = Digest::of(&data);
     c.push_blob_file(&r, &digest, file.path()).await.unwrap();
-    assert!(server.blobs.lock().unwrap()[&digest.to_string()] == data);
+    assert!(server.blobs.lock()[&digest.to_string()] == data);
     // Three segments; the first one's request broke after half and its rest was sent again.
     assert_eq!(server.patches.load(Ordering::SeqCst), 4);
     assert_eq!(count(&server, "GET /vm/disk/blobs/uploads/u1"), 1);
@@ -591,11 +579,7 @@ async fn a_mirror_that_is_down_costs_one_refused_connection() {
     let origin = Arc::new(Server::default());
     let blob = vec![7u8; 4096];
     let digest = Digest::of(&blob);
-    origin
-        .blobs
-        .lock()
-        .unwrap()
-        .insert(digest.to_string(), blob);
+    origin.blobs.lock().insert(digest.to_string(), blob);
     let host = serve(Arc::clone(&origin)).await;
     let closed = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

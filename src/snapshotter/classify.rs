@@ -8,7 +8,9 @@
 //! never decide alone, because they are caller-supplied text.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use crate::cache::CacheRoot;
 use crate::digest::Digest;
@@ -75,15 +77,10 @@ impl Classifier {
         reference: &Reference,
     ) -> Result<Arc<oci::Manifest>> {
         let key = reference.to_string();
-        if let Some(m) = self
-            .manifests
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-        {
+        if let Some(m) = self.manifests.lock().get(&key) {
             return Ok(Arc::clone(m));
         }
-        let manifest = match crate::remote::manifest_of(client, self.cache(), reference)
+        let manifest = match crate::resolve::manifest_of(client, self.cache(), reference)
             .await?
             .0
         {
@@ -94,7 +91,7 @@ impl Classifier {
                 )))
             }
         };
-        let mut cache = self.manifests.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cache = self.manifests.lock();
         if cache.len() >= MANIFEST_CACHE {
             cache.clear();
         }
@@ -151,9 +148,9 @@ impl Classifier {
         }
         let manifest_digest = reference.digest.expect("the reference is pinned above");
         let disk =
-            match crate::remote::disk_layer(&manifest) {
+            match crate::resolve::disk_layer(&manifest) {
                 Some(disk) => disk,
-                None => match crate::remote::indexable_layer(&manifest) {
+                None => match crate::resolve::indexable_layer(&manifest) {
                     Some((_, ordinary, _)) if ordinary.digest == layer => ordinary,
                     _ => return ordinary(
                         "not_lazy",
@@ -165,7 +162,7 @@ impl Classifier {
         if disk.digest != layer {
             return ordinary("not_disk_layer", "another layer holds the disk".into());
         }
-        match crate::remote::disk_layer_id(
+        match crate::resolve::disk_layer_id(
             client,
             self.cache(),
             &reference,

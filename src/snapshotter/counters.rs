@@ -11,8 +11,8 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::control::LayerCounters;
@@ -134,7 +134,7 @@ impl Counters {
 
     /// Applies `change`, which says whether it changed anything worth writing.
     fn change(&self, change: impl FnOnce(&mut State) -> bool) {
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.state.lock();
         let (state, dirty) = &mut *guard;
         if change(state) {
             *dirty = true;
@@ -151,13 +151,13 @@ impl Counters {
 
     /// The total of `name`.
     pub fn get(&self, name: &str) -> u64 {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = self.state.lock();
         guard.0.totals.get(name).copied().unwrap_or(0)
     }
 
     /// Every counter whose name starts with `prefix`, with the prefix removed.
     pub fn with_prefix(&self, prefix: &str) -> BTreeMap<String, u64> {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = self.state.lock();
         guard
             .0
             .totals
@@ -201,7 +201,7 @@ impl Counters {
     /// Writes the counters if they changed (atomically). Blocking: call off the async workers.
     pub fn save(&self) -> Result<()> {
         let bytes = {
-            let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut guard = self.state.lock();
             if !guard.1 {
                 return Ok(());
             }
@@ -213,7 +213,7 @@ impl Counters {
             .and_then(|()| std::fs::rename(&tmp, &self.path))
             .map_err(|e| {
                 // Written again next time.
-                self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+                self.state.lock().1 = true;
                 Error::io(format!("writing {}", self.path.display()), e)
             })
     }

@@ -33,15 +33,16 @@ pub mod tenants;
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use crate::error::{Error, ErrorKind, Result};
 use classify::{Classifier, Decision, LABEL_REMOTE, LABEL_TARGET};
 use counters::Counters;
+use parking_lot::Mutex;
 use store::{Kind, Record, RemoteLayerRef, Store, Usage};
 use supervisor::{LayerLocks, Supervisor};
 use tenants::Tenants;
 
+use crate::error::{Error, ErrorKind, Result};
 use crate::reference::Reference;
 use crate::registry::granted::{Grant, Granted};
 use crate::registry::Registry;
@@ -132,8 +133,8 @@ impl Snapshotter {
         })
     }
 
-    fn guard(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.lock.lock().unwrap_or_else(|p| p.into_inner())
+    fn guard(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.lock.lock()
     }
 
     fn snapshot_dir(&self, id: u64) -> PathBuf {
@@ -717,10 +718,10 @@ impl Snapshotter {
         let cache = self.classifier.cache();
         let (remote, grants) = match self.authorize(reference, &parsed, requester).await? {
             Access::Fetch { client, grant } => {
-                match crate::remote::platform_manifest(client.as_ref(), cache, &parsed).await {
+                match crate::resolve::platform_manifest(client.as_ref(), cache, &parsed).await {
                     Ok((manifest, digest, _)) => {
                         let pinned = parsed.with_digest(digest);
-                        let (_, meta) = crate::remote::disk_layer_id(
+                        let (_, meta) = crate::resolve::disk_layer_id(
                             client.as_ref(),
                             cache,
                             &pinned,

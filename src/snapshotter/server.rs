@@ -9,9 +9,10 @@
 //! the daemon always learns why. SIGTERM and SIGINT stop it too, like `vmdisk mount`.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
 
@@ -57,15 +58,12 @@ struct ControlService(Arc<Shared>);
 
 impl Shared {
     fn set_phase(&self, phase: Phase) {
-        *self.phase.lock().unwrap_or_else(|p| p.into_inner()) = phase;
+        *self.phase.lock() = phase;
         self.phase_changed.notify_waiters();
     }
 
     fn starting(&self) -> bool {
-        matches!(
-            *self.phase.lock().unwrap_or_else(|p| p.into_inner()),
-            Phase::Starting
-        )
+        matches!(*self.phase.lock(), Phase::Starting)
     }
 
     /// Returns once the server is no longer starting, or after `wait`.
@@ -84,7 +82,7 @@ impl Shared {
     }
 
     fn serving(&self) -> Option<Arc<Serving>> {
-        match &*self.phase.lock().unwrap_or_else(|p| p.into_inner()) {
+        match &*self.phase.lock() {
             Phase::Serving(s) => Some(Arc::clone(s)),
             _ => None,
         }
@@ -99,7 +97,7 @@ impl Shared {
             mountpoint: self.mountpoint.clone(),
             ..Default::default()
         };
-        let serving = match &*self.phase.lock().unwrap_or_else(|p| p.into_inner()) {
+        let serving = match &*self.phase.lock() {
             Phase::Starting => {
                 status.set_state(ServerState::Starting);
                 return status;
@@ -120,7 +118,7 @@ impl Shared {
         let engine = serving.engine();
         let layer = &engine.layer;
         status.layer_digest = layer.meta.layer_digest.to_string();
-        status.disk_path = layer.nodes[layer.files[layer.disk].node].path.clone();
+        status.disk_path = layer.disk_path().to_string();
         status.disk_size = layer.file_size(layer.disk);
         status.chunks = layer.chunks.len() as u64;
         status.chunks_cached = engine.cache.present_count() as u64;
@@ -389,13 +387,13 @@ async fn start(
     );
     let opts = crate::engine::EngineOptions {
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
-        // The ready directory is described before serving, head first.
-        head_during_check: true,
         ..Default::default()
     };
+    // The ready directory is described before serving, head first.
+    let warm = crate::serve::Warm::DiskHead;
     let engine =
-        crate::remote::open_engine(Arc::clone(&client) as _, &cache, &reference, opts).await?;
-    let key = engine.layer.id().key();
+        crate::serve::open_engine(Arc::clone(&client) as _, &cache, &reference, opts, warm).await?;
+    let key = engine.layer.key();
     if key != *layer {
         return Err(Error::corrupt(format!(
             "{reference} resolves to disk layer {} with key {key}, not {layer}; the image changed since the snapshot was made",

@@ -16,10 +16,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
+use parking_lot::Mutex;
 
 use super::control::{self, LayerPaths, LayerStatus, ServerState};
 use crate::digest::Digest;
@@ -117,7 +118,7 @@ impl LayerLocks {
     /// Waits for `layer`'s lock (only operations on the same layer wait).
     pub async fn lock(&self, layer: &Digest) -> tokio::sync::OwnedMutexGuard<()> {
         let lock = {
-            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+            let mut locks = self.locks.lock();
             // Forget locks nobody holds or waits for, so the map stays as small as the work.
             locks.retain(|_, l| Arc::strong_count(l) > 1);
             Arc::clone(locks.entry(*layer).or_default())
@@ -160,10 +161,7 @@ impl LayerServers {
 
     /// Remembers a server instance; whether it was new to this daemon.
     fn know(&self, instance: &str) -> bool {
-        self.known
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(instance.to_string())
+        self.known.lock().insert(instance.to_string())
     }
 }
 

@@ -20,9 +20,9 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::time::Instant;
 
@@ -100,11 +100,7 @@ pub struct PendingPull<'a> {
 impl PendingPull<'_> {
     /// The manifest digests the pull's layers were classified under.
     pub fn digests(&self) -> BTreeSet<Digest> {
-        let pending = self
-            .tenants
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let pending = self.tenants.pending.lock();
         pending
             .get(&self.image)
             .and_then(|pulls| pulls.iter().find(|p| p.id == self.id))
@@ -115,11 +111,7 @@ impl PendingPull<'_> {
 
 impl Drop for PendingPull<'_> {
     fn drop(&mut self) {
-        let mut pending = self
-            .tenants
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut pending = self.tenants.pending.lock();
         if let Some(pulls) = pending.get_mut(&self.image) {
             pulls.retain(|p| p.id != self.id);
             if pulls.is_empty() {
@@ -172,7 +164,7 @@ impl Tenants {
     pub fn begin_pull(&self, image: &str, credential: Credential) -> Option<PendingPull<'_>> {
         let key = image_key(image)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pending = self.pending.lock();
         if pending.values().map(Vec::len).sum::<usize>() >= MAX_PENDING {
             tracing::warn!(
                 image,
@@ -197,7 +189,7 @@ impl Tenants {
         let Some(key) = image_key(image) else {
             return Vec::new();
         };
-        let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let pending = self.pending.lock();
         pending
             .get(&key)
             .map(|pulls| pulls.iter().map(|p| p.credential.clone()).collect())
@@ -207,7 +199,7 @@ impl Tenants {
     /// Notes that the pulls of `image` in flight classified layers under manifest `digest`.
     pub fn note_classified(&self, image: &str, digest: Digest) {
         let Some(key) = image_key(image) else { return };
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pending = self.pending.lock();
         for pull in pending.get_mut(&key).into_iter().flatten() {
             if pull.digests.len() < MAX_DIGESTS {
                 pull.digests.insert(digest);
@@ -233,7 +225,7 @@ impl Tenants {
             expires: Instant::now() + self.ttl,
         };
         let now = Instant::now();
-        let mut grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+        let mut grants = self.grants.lock();
         grants.retain(|g| g.expires > now);
         if let Some(i) = grants.iter().position(|g| g.same(&grant)) {
             let old = grants.remove(i);
@@ -260,7 +252,7 @@ impl Tenants {
     /// Adds `digest` (a platform manifest resolved through it) to the grants of `namespace`
     /// for `image`'s repository that cover `via`.
     pub fn extend(&self, namespace: &str, image: &Reference, via: &Digest, digest: Digest) {
-        let mut grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+        let mut grants = self.grants.lock();
         for g in grants.iter_mut().filter(|g| {
             g.namespace == namespace
                 && g.registry == image.registry
@@ -276,7 +268,7 @@ impl Tenants {
     /// The unexpired grants for `image`'s repository that `keep` accepts, newest first.
     fn unexpired(&self, image: &Reference, keep: impl Fn(&PullGrant) -> bool) -> Vec<PullGrant> {
         let now = Instant::now();
-        let grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+        let grants = self.grants.lock();
         grants
             .iter()
             .rev()
@@ -307,7 +299,7 @@ impl Tenants {
 
     /// Remembers that the node's own credentials read manifest `digest`.
     pub fn note_open(&self, digest: Digest) {
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let mut open = self.open.lock();
         if !open.contains(&digest) {
             if open.len() >= MAX_OPEN {
                 open.pop_front();
@@ -318,10 +310,7 @@ impl Tenants {
 
     /// Whether the node's own credentials were seen to read manifest `digest`.
     pub fn is_open(&self, digest: &Digest) -> bool {
-        self.open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(digest)
+        self.open.lock().contains(digest)
     }
 }
 

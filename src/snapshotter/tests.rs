@@ -3,12 +3,13 @@
 //! the counters is checked here; the real thing (containerd, FUSE, mount servers) is checked
 //! in `integration/snapshotter.rs`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
+use parking_lot::Mutex;
 
 use super::classify::{Classifier, LABEL_IMAGE_REF, LABEL_LAYER, LABEL_MANIFEST, LABEL_TARGET};
 use super::control::LayerStatus;
@@ -17,68 +18,13 @@ use super::{CacheSettings, Snapshotter};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{ANN_TOC_CHECKSUM, ANN_TOC_POSITION};
-use crate::oci::Descriptor;
 use crate::reference::Reference;
 use crate::registry::auth::Credential;
-use crate::registry::granted::{Grant, Granted};
-use crate::registry::{FetchedManifest, Registry};
-
-/// Images in memory; `down` makes every call fail as an unreachable registry would; with
-/// `private` set, only a client granted one of those credentials for the repository reads
-/// anything.
-#[derive(Default)]
-struct Images {
-    manifests: Mutex<HashMap<Digest, Vec<u8>>>,
-    blobs: Mutex<HashMap<Digest, Vec<u8>>>,
-    tags: Mutex<HashMap<String, Digest>>,
-    down: AtomicBool,
-    private: Mutex<Option<Vec<Credential>>>,
-    /// Manifest checks asked (HEADs).
-    checks: AtomicU32,
-}
-
-/// A client of [`Images`]: the node's (no credentials) or one with grants.
-#[derive(Default)]
-struct MemoryRegistry {
-    images: Arc<Images>,
-    granted: Arc<Granted>,
-}
-
-impl std::ops::Deref for MemoryRegistry {
-    type Target = Images;
-    fn deref(&self) -> &Images {
-        &self.images
-    }
-}
+use crate::registry::granted::Grant;
+use crate::registry::memory::MemoryRegistry;
+use crate::registry::Registry;
 
 impl MemoryRegistry {
-    fn check(&self, r: &Reference) -> Result<()> {
-        if self.down.load(Ordering::SeqCst) {
-            return Err(Error::new(ErrorKind::Network, "registry unreachable"));
-        }
-        if let Some(accepted) = self.private.lock().unwrap().as_ref() {
-            let held = self.granted.for_repository(&r.registry, &r.repository);
-            if !held.iter().any(|(c, _)| accepted.contains(c)) {
-                return Err(Error::new(ErrorKind::Auth, "HTTP 401"));
-            }
-        }
-        Ok(())
-    }
-
-    fn resolve(&self, r: &Reference) -> Result<Digest> {
-        match (r.digest, &r.tag) {
-            (Some(d), _) => Ok(d),
-            (None, Some(t)) => self
-                .tags
-                .lock()
-                .unwrap()
-                .get(t)
-                .copied()
-                .ok_or_else(|| Error::not_found(format!("tag {t}"))),
-            _ => Err(Error::invalid("no tag or digest")),
-        }
-    }
-
     /// Stores an image whose layers have `layers` (media type, annotations) and returns the
     /// manifest digest and the layer digests.
     fn image(&self, layers: &[(&str, BTreeMap<String, String>)]) -> (Digest, Vec<Digest>) {
@@ -91,10 +37,7 @@ impl MemoryRegistry {
         }))
         .unwrap();
         let config_digest = Digest::of(&config);
-        self.blobs
-            .lock()
-            .unwrap()
-            .insert(config_digest, config.clone());
+        self.blobs.lock().insert(config_digest, config.clone());
         let manifest = serde_json::to_vec(&serde_json::json!({
             "schemaVersion": 2,
             "mediaType": "application/vnd.oci.image.manifest.v1+json",
@@ -107,75 +50,8 @@ impl MemoryRegistry {
         }))
         .unwrap();
         let digest = Digest::of(&manifest);
-        self.manifests.lock().unwrap().insert(digest, manifest);
+        self.manifests.lock().insert(digest, manifest);
         (digest, digests)
-    }
-}
-
-impl Registry for MemoryRegistry {
-    fn get_manifest<'a>(&'a self, r: &'a Reference) -> BoxFuture<'a, Result<FetchedManifest>> {
-        Box::pin(async move {
-            self.check(r)?;
-            let digest = self.resolve(r)?;
-            let bytes = self
-                .manifests
-                .lock()
-                .unwrap()
-                .get(&digest)
-                .cloned()
-                .ok_or_else(|| Error::not_found(format!("manifest {digest}")))?;
-            Ok(FetchedManifest {
-                digest,
-                media_type: crate::oci::OCI_MANIFEST.into(),
-                manifest: crate::oci::parse_manifest(&bytes, Some(crate::oci::OCI_MANIFEST))?,
-                bytes,
-            })
-        })
-    }
-
-    fn get_blob<'a>(
-        &'a self,
-        r: &'a Reference,
-        desc: &'a Descriptor,
-        _limit: u64,
-    ) -> BoxFuture<'a, Result<Vec<u8>>> {
-        Box::pin(async move {
-            self.check(r)?;
-            self.blobs
-                .lock()
-                .unwrap()
-                .get(&desc.digest)
-                .cloned()
-                .ok_or_else(|| Error::not_found(format!("blob {}", desc.digest)))
-        })
-    }
-
-    fn get_blob_range<'a>(
-        &'a self,
-        _r: &'a Reference,
-        digest: &'a Digest,
-        _range: std::ops::Range<u64>,
-    ) -> BoxFuture<'a, Result<bytes::Bytes>> {
-        Box::pin(async move { Err(Error::not_found(format!("no ranges of {digest} here"))) })
-    }
-
-    fn with_grants(self: Arc<Self>, granted: Arc<Granted>) -> Arc<dyn Registry> {
-        Arc::new(MemoryRegistry {
-            images: Arc::clone(&self.images),
-            granted,
-        })
-    }
-
-    fn check_manifest<'a>(&'a self, r: &'a Reference) -> BoxFuture<'a, Result<Digest>> {
-        Box::pin(async move {
-            self.checks.fetch_add(1, Ordering::SeqCst);
-            self.check(r)?;
-            let digest = self.resolve(r)?;
-            if !self.manifests.lock().unwrap().contains_key(&digest) {
-                return Err(Error::not_found(format!("manifest {digest}")));
-            }
-            Ok(digest)
-        })
     }
 }
 
@@ -218,7 +94,7 @@ impl Supervisor for FakeSupervisor {
             }
             let dir = self.mountpoint(layer);
             std::fs::create_dir_all(&dir).unwrap();
-            self.ensured.lock().unwrap().push((
+            self.ensured.lock().push((
                 *layer,
                 reference.to_string(),
                 grants
@@ -232,7 +108,7 @@ impl Supervisor for FakeSupervisor {
 
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
         Box::pin(async move {
-            self.stopped.lock().unwrap().push(*layer);
+            self.stopped.lock().push(*layer);
             Ok(Some(LayerStatus::default()))
         })
     }
@@ -347,7 +223,7 @@ async fn a_disk_layer_is_served_remotely_then_reused() {
         record.labels.get(super::LABEL_REMOTE).map(String::as_str),
         Some("vmdisk")
     );
-    let ensured = f.supervisor.ensured.lock().unwrap().clone();
+    let ensured = f.supervisor.ensured.lock().clone();
     assert_eq!(ensured.len(), 1);
     assert_eq!(
         ensured[0].0, remote.layer,
@@ -377,7 +253,7 @@ async fn a_disk_layer_is_served_remotely_then_reused() {
         .unwrap()
         .expect("a remote layer");
     assert_eq!(f.snapshotter.stop_unused(vec![layer]).await.unwrap(), 1);
-    assert_eq!(*f.supervisor.stopped.lock().unwrap(), [layer]);
+    assert_eq!(*f.supervisor.stopped.lock(), [layer]);
 }
 
 #[tokio::test]
@@ -467,11 +343,11 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
     // from the cache, re-verified, and give the same key.
     registry.down.store(true, Ordering::SeqCst);
     let client = registry.as_ref() as &dyn Registry;
-    let (m, digest, _) = crate::remote::platform_manifest(client, Some(&cache), &reference)
+    let (m, digest, _) = crate::resolve::platform_manifest(client, Some(&cache), &reference)
         .await
         .unwrap();
     assert_eq!(digest, manifest);
-    let (_, meta) = crate::remote::disk_layer_id(client, Some(&cache), &reference, &m, digest)
+    let (_, meta) = crate::resolve::disk_layer_id(client, Some(&cache), &reference, &m, digest)
         .await
         .unwrap();
     assert_eq!(meta.id().key(), layer);
@@ -481,7 +357,7 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
     bytes[0] = b' ';
     std::fs::write(&kept, bytes).unwrap();
     assert!(cache.load_blob(&manifest, 1 << 20).is_none());
-    let err = crate::remote::platform_manifest(client, Some(&cache), &reference)
+    let err = crate::resolve::platform_manifest(client, Some(&cache), &reference)
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Network, "{err}");
@@ -503,12 +379,8 @@ impl Fixture {
     /// A private disk image tagged `1` that only `accepted` read; its manifest digest.
     fn private_image(&self, accepted: &[&str]) -> Digest {
         let (manifest, _) = self.registry.image(&[(ZSTD, chunked())]);
-        self.registry
-            .tags
-            .lock()
-            .unwrap()
-            .insert("1".into(), manifest);
-        *self.registry.private.lock().unwrap() = Some(accepted.iter().map(|u| user(u)).collect());
+        self.registry.tags.lock().insert("1".into(), manifest);
+        *self.registry.private.lock() = Some(accepted.iter().map(|u| user(u)).collect());
         manifest
     }
 
@@ -520,14 +392,7 @@ impl Fixture {
 
     /// The user names of the grants the last server start was handed.
     fn handed(&self) -> Vec<String> {
-        self.supervisor
-            .ensured
-            .lock()
-            .unwrap()
-            .last()
-            .unwrap()
-            .2
-            .clone()
+        self.supervisor.ensured.lock().last().unwrap().2.clone()
     }
 }
 
@@ -604,7 +469,7 @@ async fn what_the_node_holds_is_served_to_a_namespace_as_the_policy_says() {
         // An image the node's own credentials read is anyone's, unless every use is checked
         // (then not while the registry cannot be asked).
         f.registry.down.store(false, Ordering::SeqCst);
-        *f.registry.private.lock().unwrap() = None;
+        *f.registry.private.lock() = None;
         f.ensure(IMAGE, "tenant-c").await.unwrap();
         f.registry.down.store(true, Ordering::SeqCst);
         let c = f.ensure(IMAGE, "tenant-d").await;
@@ -617,7 +482,7 @@ async fn a_pull_in_flight_hands_its_server_only_credentials_that_read_the_image(
     let f = fixture();
     let manifest = f.private_image(&["alice"]);
     let (_, layers) = {
-        let m = f.registry.manifests.lock().unwrap()[&manifest].clone();
+        let m = f.registry.manifests.lock()[&manifest].clone();
         let parsed: serde_json::Value = serde_json::from_slice(&m).unwrap();
         let layer: Digest = parsed["layers"][0]["digest"]
             .as_str()

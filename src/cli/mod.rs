@@ -1,6 +1,8 @@
 //! The `vmdisk` command line: argument parsing and output. Each subcommand is a thin call into
 //! the library; errors come back as [`Error`] and become one line on stderr and exit code 1.
 
+pub mod manpages;
+
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
@@ -11,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
 use crate::oci::{Descriptor, Platform};
 use crate::publish::{self, PublishOptions};
+use crate::ready::Handed;
 use crate::reference::Reference;
 use crate::registry::{RegistryClient, RegistryConfig};
 use crate::serve::{Hydrate, ServeOptions};
@@ -373,11 +376,7 @@ fn publish_options(
 ) -> Result<PublishOptions> {
     let chunk_size =
         crate::format::layout::check_chunk_size(crate::units::parse_size(chunk_size)?)?;
-    let format = match format {
-        Some("raw") => Some(DiskFormat::Raw),
-        Some("qcow2") => Some(DiskFormat::Qcow2),
-        _ => None,
-    };
+    let format = format.map(str::parse::<DiskFormat>).transpose()?;
     Ok(PublishOptions {
         path,
         chunk_size,
@@ -564,13 +563,13 @@ pub async fn run(cli: Cli) -> Result<()> {
             if args.volume {
                 println!(
                     "{}",
-                    volume_path(&disk, &args.reference, args.raw)?.display()
+                    volume_path(&disk, &args.reference, handed(args.raw))?.display()
                 );
             } else if args.raw {
                 let raw = crate::ready::raw_view_path(Path::new(&disk.ready_dir))?;
                 println!("{}", raw.display());
             } else {
-                println!("{}", ready_path(&disk, false));
+                println!("{}", ready_path(&disk, Handed::AsPublished));
             }
         }
         Command::Prefetch(args) => {
@@ -587,7 +586,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             }
             println!(
                 "{}: {} of {} chunks cached{}",
-                ready_path(&disk, false),
+                ready_path(&disk, Handed::AsPublished),
                 disk.chunks_cached,
                 disk.chunks,
                 if args.wait {
@@ -626,7 +625,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         }
         Command::ContainerdConfig(args) => containerd_config(args).await?,
         Command::GenerateMan { dir } => {
-            for page in crate::manpages::write_all(&dir)? {
+            for page in manpages::write_all(&dir)? {
                 println!("{}", page.display());
             }
         }
@@ -794,21 +793,32 @@ async fn list_disks(args: &ManageArgs) -> Result<Vec<crate::api::vmdisk::v1::Dis
     Ok(r.disks)
 }
 
+/// What `vmdisk path --raw` asks for.
+fn handed(raw: bool) -> Handed {
+    match raw {
+        true => Handed::Raw,
+        false => Handed::AsPublished,
+    }
+}
+
 /// The libvirt volume of `reference`'s disk (`vmdisk path --volume`): the qcow2 as published
-/// unless `raw` (or the disk is raw), else the raw view.
-fn volume_path(disk: &crate::api::vmdisk::v1::Disk, reference: &str, raw: bool) -> Result<PathBuf> {
+/// (or the raw disk, when it is raw), or the raw view.
+fn volume_path(
+    disk: &crate::api::vmdisk::v1::Disk,
+    reference: &str,
+    handed: Handed,
+) -> Result<PathBuf> {
     let ready_dir = Path::new(&disk.ready_dir);
     let volumes = ready_dir
         .parent()
         .unwrap_or(ready_dir)
         .join(crate::ready::VOLUMES_DIR);
-    let names = if raw {
-        vec![crate::ready::volume_name(reference, false)]
-    } else {
-        vec![
-            crate::ready::volume_name(reference, true),
-            crate::ready::volume_name(reference, false),
-        ]
+    let names = match handed {
+        Handed::Raw => vec![crate::ready::volume_name(reference, DiskFormat::Raw)],
+        Handed::AsPublished => vec![
+            crate::ready::volume_name(reference, DiskFormat::Qcow2),
+            crate::ready::volume_name(reference, DiskFormat::Raw),
+        ],
     };
     names
         .iter()
@@ -824,12 +834,11 @@ fn volume_path(disk: &crate::api::vmdisk::v1::Disk, reference: &str, raw: bool) 
 }
 
 /// The path `vmdisk path` prints: the disk as published, or its raw view.
-fn ready_path(disk: &crate::api::vmdisk::v1::Disk, raw: bool) -> String {
+fn ready_path(disk: &crate::api::vmdisk::v1::Disk, handed: Handed) -> String {
     let dir = Path::new(&disk.ready_dir);
-    let path = if raw {
-        dir.join(crate::ready::RAW_NAME)
-    } else {
-        crate::ready::published_path(dir, &disk.disk_path)
+    let path = match handed {
+        Handed::Raw => dir.join(crate::ready::RAW_NAME),
+        Handed::AsPublished => crate::ready::published_path(dir, &disk.disk_path),
     };
     path.display().to_string()
 }
@@ -844,7 +853,7 @@ async fn ls(args: LsArgs) -> Result<()> {
                 serde_json::json!({
                     "reference": d.reference, "layer": d.layer_digest, "layer_key": d.layer_key,
                     "integrity": d.integrity,
-                    "path": ready_path(d, false), "raw": ready_path(d, true),
+                    "path": ready_path(d, Handed::AsPublished), "raw": ready_path(d, Handed::Raw),
                     "disk_size": d.disk_size, "last_used": d.last_used,
                     "chunks": d.chunks, "chunks_cached": d.chunks_cached,
                     "registry_bytes": d.registry_bytes, "snapshots": d.snapshots,
@@ -882,7 +891,7 @@ async fn ls(args: LsArgs) -> Result<()> {
             d.disk_size,
             d.registry_bytes,
             d.integrity,
-            ready_path(&d, false),
+            ready_path(&d, Handed::AsPublished),
             if d.serving {
                 String::new()
             } else {
@@ -917,7 +926,14 @@ async fn mount(args: MountArgs) -> Result<()> {
         fetch_deadline: std::time::Duration::from_secs(args.fetch_timeout),
         ..EngineOptions::default()
     };
-    let engine = crate::remote::open_engine(client, &cache, &reference, opts).await?;
+    let engine = crate::serve::open_engine(
+        client,
+        &cache,
+        &reference,
+        opts,
+        crate::serve::Warm::Nothing,
+    )
+    .await?;
     // Evict only now: the layer being mounted holds its lock and cannot be chosen.
     if let Some(limit) = cache_size {
         let freed = cache.evict(limit as u64)?;
@@ -967,11 +983,12 @@ async fn trace_record(args: TraceRecordArgs) -> Result<()> {
     let reference: Reference = args.reference.parse()?;
     let client = std::sync::Arc::new(registry.client()?);
     let cache = crate::cache::CacheRoot::open(&args.cache)?;
-    let engine = crate::remote::open_engine(
+    let engine = crate::serve::open_engine(
         std::sync::Arc::clone(&client) as _,
         &cache,
         &reference,
         Default::default(),
+        crate::serve::Warm::Nothing,
     )
     .await?;
     engine.start_recording();
@@ -1027,7 +1044,7 @@ async fn trace_record(args: TraceRecordArgs) -> Result<()> {
     );
     if args.push {
         let (_, manifest, _) =
-            crate::remote::platform_manifest(client.as_ref(), None, &reference).await?;
+            crate::resolve::platform_manifest(client.as_ref(), None, &reference).await?;
         let fetched = client
             .get_manifest(&reference.with_digest(manifest))
             .await?;

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Raw-view reads of cached data (part of `make bench`): `disk.raw` of a qcow2 whose every chunk
+# is cached, read through the daemon (the raw view is computed per read: no passthrough) after
+# the page cache is dropped: sequentially in 1 MiB reads, and at random in 4 KiB reads with 1
+# and 16 readers. With BASE_BIN=DIR, a directory holding an earlier build's `vmdisk` and
+# `vmdisk-snapshotter`, the same figures for that build in the same run, on the same disk.
+# RAWVIEW_MIB (default 1024) MiB of random data in a 2 GiB qcow2 at 64 KiB clusters.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NEW_BIN=${NEW_BIN:-$PWD/target/release}
+BASE_BIN=${BASE_BIN:-}
+MIB=${RAWVIEW_MIB:-1024}
+mkdir -p scratch/bench
+RESULTS=$PWD/scratch/bench/results.txt
+B=$(mktemp -d "$PWD/scratch/bench-rawview-XXXXXX")
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
+  wait 2>/dev/null || true
+  stop_mount_servers "$B"
+  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
+  rm -rf "$B"
+}
+trap 'status=$?; cleanup || true; exit $status' EXIT
+source integration/containerd.sh
+start_registry "$B"
+
+DISK=$B/disk.qcow2
+qemu-img create -q -f qcow2 "$DISK" 2G
+for i in $(seq 0 $((MIB / 256 - 1))); do
+  head -c 256M /dev/urandom > "$B/piece"
+  qemu-io -c "write -s $B/piece $((i * 256 + 64))M 256M" "$DISK" > /dev/null
+done
+rm -f "$B/piece"
+"$NEW_BIN/vmdisk" push "$DISK" "$REG/vm/rawview:1" > /dev/null
+
+# measure BIN NODE: "seq_MBps rand1_iops rand16_iops" for the build in BIN.
+measure() {
+  local bin=$1 node=$2 raw secs
+  VMDISK=$bin/vmdisk SNAPSHOTTER=$bin/vmdisk-snapshotter start_node "$B" "$node"
+  export VMDISK_MANAGE=$B/$node/manage.sock
+  raw=$("$bin/vmdisk" path --raw "$REG/vm/rawview:1")
+  "$bin/vmdisk" prefetch --wait "$REG/vm/rawview:1" > /dev/null
+  # The whole disk once through the raw view, so its L2 tables are in the view's memory too.
+  dd if="$raw" of=/dev/null bs=1M status=none
+  sync; echo 3 > /proc/sys/vm/drop_caches
+  secs=$( { /usr/bin/time -f %e dd if="$raw" of=/dev/null bs=1M status=none; } 2>&1 )
+  local seq; seq=$(python3 -c "print(f'{2048 * 1.048576 / max($secs, 0.001):.0f}')")
+  local iops=()
+  for jobs in 1 16; do
+    sync; echo 3 > /proc/sys/vm/drop_caches
+    iops+=("$(fio --name=r --filename="$raw" --readonly --rw=randread --bs=4k --ioengine=psync \
+      --numjobs="$jobs" --group_reporting --time_based --runtime=10 --output-format=json |
+      python3 -c 'import json,sys; print(round(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))')")
+  done
+  unset VMDISK_MANAGE
+  kill "${PIDS[-1]}" 2>/dev/null; wait "${PIDS[-1]}" 2>/dev/null || true
+  stop_mount_servers "$B"
+  grep -o " $B/$node[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
+  echo "$seq ${iops[0]} ${iops[1]}"
+}
+
+read -r N_SEQ N_R1 N_R16 < <(measure "$NEW_BIN" new)
+{
+  echo
+  echo "raw view (disk.raw) of a fully cached 2 GiB qcow2 ($MIB MiB of data), read through the daemon, page cache dropped:"
+  printf '  %-34s %14s %16s %17s\n' build "1 MiB seq MB/s" "4 KiB rand IOPS" "16 readers IOPS"
+  printf '  %-34s %14s %16s %17s\n' "this build" "$N_SEQ" "$N_R1" "$N_R16"
+} | tee -a "$RESULTS"
+if [ -n "$BASE_BIN" ]; then
+  read -r O_SEQ O_R1 O_R16 < <(measure "$BASE_BIN" base)
+  printf '  %-34s %14s %16s %17s\n' "base build ($BASE_BIN)" "$O_SEQ" "$O_R1" "$O_R16" | tee -a "$RESULTS"
+fi

@@ -1,0 +1,142 @@
+//! How a layer's blob becomes verified content: one codec per [`LayerKind`], each owning its
+//! decode (the one way registry bytes become chunk content), what one fetch of a chunk is (a
+//! zstd frame, a gzip member, a span of a seekable index with its window) and the regions of
+//! the layer's stream that lie between chunks, which the integrity checks rebuild.
+//!
+//! - [`zstd_chunked`]: each chunk its own zstd frames, checked against its digest.
+//! - [`estargz`]: each chunk a gzip member; a file's tar padding rides in its last one.
+//! - [`indexed`]: an ordinary gzip or uncompressed tar layer, or a disk artifact's disk file,
+//!   read span by span through a seekable index; a span's window is the end of the span before
+//!   it or a frame of the index's windows blob.
+//!
+//! The engine asks the codec of a layer ([`super::Layer::codec`], the [`Codec`] trait) and
+//! never what kind the layer is. A codec fetches nothing itself: what it needs comes through
+//! [`Fetch`].
+
+pub mod estargz;
+pub mod indexed;
+pub mod zstd_chunked;
+
+use super::{Ask, Codec, Fetch, Layer, LayerKind, LayerMeta, Piece, Resolved, Table};
+use super::{MAX_REGION_BYTES, MAX_REGION_DECODED, VERIFY_TRIES};
+use crate::error::{Error, ErrorKind, Result};
+use crate::reference::Reference;
+
+/// Most regions fetched at once.
+const REGION_FETCHES: usize = 8;
+
+/// The layer `meta` records, its chunk table and codec from its verified TOC or index bytes
+/// `toc` (checked against the digest the record pins and validated here): the one place a
+/// layer's kind becomes its codec.
+pub fn open(
+    reference: Reference,
+    meta: LayerMeta,
+    toc: &[u8],
+    resolved: Resolved,
+) -> Result<Layer> {
+    let (table, codec): (Table, Box<dyn Codec>) = match &meta.kind {
+        LayerKind::ZstdChunked => (
+            zstd_chunked::table(&meta, toc)?,
+            Box::new(zstd_chunked::ZstdChunked),
+        ),
+        LayerKind::Estargz => (estargz::table(&meta, toc)?, Box::new(estargz::Estargz)),
+        LayerKind::Indexed(_) => {
+            let (table, codec) = indexed::open(&meta, toc)?;
+            (table, Box::new(codec))
+        }
+    };
+    Layer::new(reference, meta, table, codec, resolved)
+}
+
+/// For each chunk of `run`, its bytes within `bytes` (which start where the run does).
+fn frames<'b>(
+    layer: &'b Layer,
+    run: &'b [usize],
+    bytes: &'b [u8],
+) -> impl Iterator<Item = (usize, &'b [u8])> + 'b {
+    let base = layer.chunks[run[0]].compressed.start;
+    run.iter().map(move |&idx| {
+        let c = &layer.chunks[idx].compressed;
+        (
+            idx,
+            &bytes[(c.start - base) as usize..(c.end - base) as usize],
+        )
+    })
+}
+
+/// What follows a chunk in the blob, for [`blob_pieces`]: the region after chunk `idx` starts
+/// at the returned offset, its first `skip` decoded bytes being the chunk's own.
+type After = fn(&Layer, usize) -> (u64, u64);
+/// Decodes a region of the blob between chunks, dropping its first `skip` bytes.
+type DecodeRegion = fn(&[u8], u64) -> Result<Vec<u8>>;
+
+/// The pieces of a layer with a TOC, up to byte `until` of its blob: every chunk, and the
+/// regions between them fetched and decoded by `decode`. A region carries no digest, but it
+/// must decode (zstd frames, gzip members with their CRC): one that does not came cut or
+/// flipped, or lies, and is fetched once more from the registry itself before it fails.
+async fn blob_pieces(
+    layer: &Layer,
+    until: u64,
+    fetch: &dyn Fetch,
+    ask: Ask,
+    after: After,
+    decode: DecodeRegion,
+) -> Result<Vec<Piece>> {
+    use futures_util::StreamExt;
+    let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
+    order.sort_unstable_by_key(|&i| layer.chunks[i].compressed.start);
+    // (index in `pieces`, blob range, decoded bytes to skip) of each region to fetch.
+    let mut wanted = Vec::new();
+    let mut pieces = Vec::with_capacity(order.len() * 2 + 1);
+    let (mut at, mut skip) = (0u64, 0u64);
+    for next in order.iter().map(|&i| Some(i)).chain([None]) {
+        let end = next.map_or(until, |i| layer.chunks[i].compressed.start);
+        if end > at {
+            if end - at > MAX_REGION_BYTES {
+                return Err(Error::corrupt(format!(
+                    "bytes {at}..{end} of the layer belong to no chunk and are more than the {MAX_REGION_BYTES} a tar header region or the TOC can take"
+                )));
+            }
+            wanted.push((pieces.len(), at..end, skip));
+            pieces.push(Piece::Region(Vec::new()));
+        }
+        if let Some(i) = next {
+            pieces.push(Piece::Chunk(i));
+            (at, skip) = after(layer, i);
+        }
+    }
+    let mut fetched = futures_util::stream::iter(wanted.into_iter().map(|(slot, range, skip)| async move {
+        let what = format!("bytes {}..{} of the layer", range.start, range.end);
+        let mut ask = ask;
+        for tries_left in (0..VERIFY_TRIES).rev() {
+            let decoded = match fetch.blob(range.clone(), ask).await {
+                Ok(bytes) => crate::task::off_the_runtime(|| decode(&bytes, skip)),
+                Err(e) => Err(e),
+            };
+            match decoded {
+                Ok(region) => return Ok::<_, Error>((slot, region)),
+                Err(e) if tries_left == 0 || e.kind() != ErrorKind::Corrupt => {
+                    return Err(e.context(what.as_str()))
+                }
+                Err(e) => {
+                    tracing::warn!(layer = %layer.meta.layer_digest, error = %e.chain(), "{what} do not decode; fetching them again from the registry");
+                    ask = Ask::Registry;
+                }
+            }
+        }
+        unreachable!("the last try returns")
+    }))
+    .buffer_unordered(REGION_FETCHES);
+    let mut decoded = 0u64;
+    while let Some(result) = fetched.next().await {
+        let (slot, region) = result?;
+        decoded += region.len() as u64;
+        if decoded > MAX_REGION_DECODED {
+            return Err(Error::corrupt(format!(
+                "the regions between chunks decode to more than the {MAX_REGION_DECODED} bytes tar headers can take"
+            )));
+        }
+        pieces[slot] = Piece::Region(region);
+    }
+    Ok(pieces)
+}

@@ -1,0 +1,63 @@
+//! The codec of zstd:chunked layers: each chunk is its own regular zstd frames, decoded within
+//! its size and checked against its digest; the regions between chunks (tar headers, padding,
+//! the end of the archive) are zstd frames too, and the stream the checks rebuild ends where
+//! the TOC's skippable frame begins.
+
+use futures_util::future::BoxFuture;
+
+use super::{blob_pieces, frames};
+use crate::error::Result;
+use crate::format::zstd_chunked::{decode_chunk, decode_region, read_toc};
+use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, MAX_REGION_DECODED};
+use crate::layer::{Layer, LayerMeta, Table};
+
+/// The zstd:chunked codec.
+#[derive(Debug)]
+pub struct ZstdChunked;
+
+/// The table of a zstd:chunked layer from its compressed TOC (verified against the digest the
+/// record pins, validated while parsed).
+pub(crate) fn table(meta: &LayerMeta, toc: &[u8]) -> Result<Table> {
+    Table::of_nodes(read_toc(toc, &meta.toc_location())?)
+}
+
+impl Codec for ZstdChunked {
+    fn decode_run(
+        &self,
+        layer: &Layer,
+        run: &[usize],
+        bytes: &[u8],
+        _window: Option<&[u8]>,
+        store: &mut Store<'_>,
+    ) -> Result<()> {
+        for (idx, frame) in frames(layer, run, bytes) {
+            match decode_chunk(frame, &layer.chunks[idx]) {
+                Ok(data) => store(idx, Ok(&data))?,
+                Err(e) => store(idx, Err(e))?,
+            }
+        }
+        Ok(())
+    }
+
+    fn pieces<'a>(
+        &'a self,
+        layer: &'a Layer,
+        extent: Extent,
+        fetch: &'a dyn Fetch,
+        ask: Ask,
+    ) -> BoxFuture<'a, Result<Vec<Piece>>> {
+        // Up to the TOC's skippable frame header, or the whole blob.
+        let until = match extent {
+            Extent::Structure => layer.meta.toc_offset.saturating_sub(8),
+            Extent::Whole => layer.meta.layer_size,
+        };
+        Box::pin(blob_pieces(
+            layer,
+            until,
+            fetch,
+            ask,
+            |layer, idx| (layer.chunks[idx].compressed.end, 0),
+            |bytes, _| decode_region(bytes, MAX_REGION_DECODED),
+        ))
+    }
+}

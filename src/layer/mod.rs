@@ -1,0 +1,310 @@
+//! The layer model, below the engine: a lazily read layer as the tree its TOC or index
+//! describes, its files' content as one flat table of chunks (each a verifiable piece of the
+//! blob), what kind of layer it is and what identifies it ([`record`]), and the [`Codec`] of
+//! its kind, which turns the blob's bytes into verified content ([`codec`] has one per kind
+//! and opens layers: [`codec::open`]).
+//!
+//! Nothing here fetches on its own: the engine fetches what a codec asks for ([`Fetch`]),
+//! resolution (`crate::resolve`) finds the record and the TOC, and both meet in a [`Layer`].
+
+pub mod codec;
+mod record;
+
+use std::ops::Range;
+
+use futures_util::future::BoxFuture;
+
+pub use record::{IndexSource, LayerFormat, LayerId, LayerKind, LayerMeta};
+
+use crate::digest::Digest;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::tree::{Chunk, Node, NodeKind};
+use crate::reference::Reference;
+
+/// A regular file of the layer and its place in the chunk table.
+#[derive(Clone, Debug)]
+pub struct FileChunks {
+    /// Index into [`Layer::nodes`].
+    pub node: usize,
+    /// Its chunks are `chunks[first..first + count]`.
+    pub first: usize,
+    pub count: usize,
+}
+
+/// Where a layer's record and TOC came from when it was opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resolved {
+    /// Resolved from the registry now.
+    Online,
+    /// From the cache's last resolution (the registry could not be reached), or a cached layer
+    /// opened to share its chunks.
+    Offline,
+}
+
+/// A layer and its chunk table.
+#[derive(Debug)]
+pub struct Layer {
+    /// Where chunks are fetched from (registry and repository; the object is the blob).
+    pub reference: Reference,
+    pub meta: LayerMeta,
+    pub nodes: Vec<Node>,
+    /// Regular files with content, in TOC order; "file number" n is `files[n]`.
+    pub files: Vec<FileChunks>,
+    /// Every chunk of every file, file after file ([`Layer::chunk`] gives its file).
+    pub chunks: Vec<Chunk>,
+    /// The file number of the disk (under `disk/` or `image/`, or the annotated path).
+    pub disk: usize,
+    pub resolved: Resolved,
+    codec: Box<dyn Codec>,
+}
+
+/// The files and chunk table a codec built from a TOC or index.
+pub(crate) struct Table {
+    pub nodes: Vec<Node>,
+    pub files: Vec<FileChunks>,
+    pub chunks: Vec<Chunk>,
+}
+
+impl Table {
+    /// The table of validated `nodes` whose regular files carry their chunks: every chunk must
+    /// carry a digest, so each can be verified on its own.
+    pub fn of_nodes(mut nodes: Vec<Node>) -> Result<Self> {
+        let mut files = Vec::new();
+        let mut chunks: Vec<Chunk> = Vec::new();
+        for (i, node) in nodes.iter_mut().enumerate() {
+            if node.kind == NodeKind::Regular && node.size > 0 {
+                if !node.verifiable() {
+                    return Err(Error::unsupported(format!("{}: some chunks have no digest and cannot be verified; republish with `vmdisk convert`", node.path)));
+                }
+                files.push(FileChunks {
+                    node: i,
+                    first: chunks.len(),
+                    count: node.chunks.len(),
+                });
+                // The flat table is the one copy of the chunks from here on (a disk layer's
+                // one file hands over its table without a copy).
+                if chunks.is_empty() {
+                    chunks = std::mem::take(&mut node.chunks);
+                } else {
+                    chunks.append(&mut node.chunks);
+                }
+            }
+        }
+        Ok(Table {
+            nodes,
+            files,
+            chunks,
+        })
+    }
+}
+
+impl Layer {
+    /// The layer `meta` records with the chunk table and codec of its kind ([`codec::open`]);
+    /// its disk is the file under `disk/` or `image/`, or the one the record names.
+    pub(crate) fn new(
+        reference: Reference,
+        meta: LayerMeta,
+        table: Table,
+        codec: Box<dyn Codec>,
+        resolved: Resolved,
+    ) -> Result<Self> {
+        let Table {
+            nodes,
+            files,
+            chunks,
+        } = table;
+        let disk = files
+            .iter()
+            .position(|f| {
+                crate::format::layout::is_disk_path(&nodes[f.node].path, meta.disk_path.as_deref())
+            })
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotFound,
+                    "the layer has no regular file under /disk/ or /image/",
+                )
+            })?;
+        Ok(Layer {
+            reference,
+            meta,
+            nodes,
+            files,
+            chunks,
+            disk,
+            resolved,
+            codec,
+        })
+    }
+
+    /// How the layer's bytes decode.
+    pub fn codec(&self) -> &dyn Codec {
+        self.codec.as_ref()
+    }
+
+    /// Chunk `idx` and the file number it belongs to.
+    pub fn chunk(&self, idx: usize) -> (usize, &Chunk) {
+        let file = self.files.partition_point(|f| f.first + f.count <= idx);
+        (file, &self.chunks[idx])
+    }
+
+    /// The chunks of file `file`, as global indices.
+    pub fn chunks_of(&self, file: usize) -> Range<usize> {
+        let f = &self.files[file];
+        f.first..f.first + f.count
+    }
+
+    /// The chunks of file `file` that overlap `range` (file offsets), as global indices.
+    pub fn chunks_for(&self, file: usize, range: Range<u64>) -> Range<usize> {
+        let f = &self.files[file];
+        let slice = &self.chunks[f.first..f.first + f.count];
+        if range.is_empty() {
+            return f.first..f.first;
+        }
+        let start = slice.partition_point(|c| c.offset + c.size <= range.start);
+        let end = slice.partition_point(|c| c.offset < range.end);
+        f.first + start..f.first + end
+    }
+
+    /// Size of regular file `file`.
+    pub fn file_size(&self, file: usize) -> u64 {
+        self.nodes[self.files[file].node].size
+    }
+
+    /// The path of regular file `file` in the layer.
+    pub fn file_path(&self, file: usize) -> &str {
+        &self.nodes[self.files[file].node].path
+    }
+
+    /// The path of the disk in the layer (`disk/…`, `image/…` or the annotated one).
+    pub fn disk_path(&self) -> &str {
+        self.file_path(self.disk)
+    }
+
+    /// The file number of node `node`, if it is a regular file with content.
+    pub fn file_of_node(&self, node: usize) -> Option<usize> {
+        // Files are in node order.
+        self.files.binary_search_by_key(&node, |f| f.node).ok()
+    }
+
+    /// The layer's identity.
+    pub fn id(&self) -> LayerId {
+        self.meta.id()
+    }
+
+    /// The layer's cache key ([`LayerId::key`]).
+    pub fn key(&self) -> Digest {
+        self.meta.id().key()
+    }
+}
+
+/// Whom a fetch asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ask {
+    /// Any endpoint of the registry (a mirror first, if one is configured).
+    AnyEndpoint,
+    /// The registry itself: for bytes that failed verification once.
+    Registry,
+}
+
+/// Where a codec's bytes come from: the layer's blob and, for a gzip layer read through a
+/// seekable index, the index's windows blob. Answers are exactly the bytes asked for (a short
+/// one is an error). The engine implements it with its counters and deadlines.
+pub trait Fetch: Sync {
+    /// Bytes `range` of the layer's blob.
+    fn blob(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>>;
+    /// Bytes `range` of the windows blob.
+    fn windows(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>>;
+}
+
+/// What a layer's uncompressed stream is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamKind {
+    /// A tar archive whose entries the TOC or index lists.
+    Tar,
+    /// A disk artifact's disk file: no entries, the whole stream is the disk.
+    DiskFile,
+}
+
+/// How much of the layer's stream the integrity checks rebuild.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Extent {
+    /// What the check before anything is served needs: the tar headers and what places the
+    /// chunks (up to the TOC, for a layer that carries one).
+    Structure,
+    /// All of it, once the layer is complete.
+    Whole,
+}
+
+/// A piece of the layer's stream, in stream order.
+pub enum Piece {
+    /// Decoded bytes between chunks: tar headers, padding, the end of the archive.
+    Region(Vec<u8>),
+    /// Chunk `idx` (its content is in the cache, or skipped when only the structure is read).
+    Chunk(usize),
+}
+
+/// How often bytes that fail to decode or verify are fetched before the failure counts (the
+/// tries after the first ask the registry itself): a link that cuts or flips bytes now and
+/// then never fails a check, bytes that are wrong at the source always do.
+pub const VERIFY_TRIES: u32 = 3;
+
+/// Most compressed bytes of one region between chunks (the last one holds the TOC, whose
+/// compressed size is bounded at 64 MiB, and the tar-split).
+pub const MAX_REGION_BYTES: u64 = 160 << 20;
+/// Most decoded bytes of all regions between chunks together: tar headers, padding and the end
+/// of the archive need a few KiB per entry.
+pub const MAX_REGION_DECODED: u64 = 64 << 20;
+/// Hands a chunk's verified content, or why it failed verification, to whoever keeps it.
+pub type Store<'s> = dyn FnMut(usize, Result<&[u8]>) -> Result<()> + 's;
+
+/// The decoding of one kind of layer.
+pub trait Codec: Send + Sync + std::fmt::Debug {
+    /// What the layer's stream is.
+    fn stream(&self) -> StreamKind {
+        StreamKind::Tar
+    }
+
+    /// The bytes of the windows blob chunk `idx` decodes from when it does not follow the
+    /// chunk before it in one fetch; `None` when it needs none.
+    fn window(&self, _idx: usize) -> Option<Range<u64>> {
+        None
+    }
+
+    /// The window of chunk `idx` from its frame ([`Codec::window`]).
+    fn decode_window(&self, idx: usize, _frame: &[u8]) -> Result<Vec<u8>> {
+        Err(Error::corrupt(format!("chunk {idx} has no window")))
+    }
+
+    /// Decodes the blob bytes `bytes` fetched for `run` (chunks of one file, adjacent in the
+    /// blob; `bytes` starts where the first one does) and hands each chunk's verified content,
+    /// or why it failed verification, to `store`. `window` is the first chunk's window
+    /// ([`Codec::window`], decoded; empty when it needs none), `None` if it could not be had.
+    fn decode_run(
+        &self,
+        layer: &Layer,
+        run: &[usize],
+        bytes: &[u8],
+        window: Option<&[u8]>,
+        store: &mut Store<'_>,
+    ) -> Result<()>;
+
+    /// The pieces of `extent` of the layer's stream: every chunk, and the regions between
+    /// them fetched through `fetch` (asking `ask`) and decoded as an ordinary decoder would.
+    fn pieces<'a>(
+        &'a self,
+        layer: &'a Layer,
+        extent: Extent,
+        fetch: &'a dyn Fetch,
+        ask: Ask,
+    ) -> BoxFuture<'a, Result<Vec<Piece>>>;
+
+    /// A second blob the codec reads besides the layer's (a seekable index's windows blob).
+    fn windows_blob(&self) -> Option<crate::digest::Digest> {
+        None
+    }
+
+    /// A tar entry the stream ends with that the TOC does not list (eStargz's TOC).
+    fn trailing_entry(&self) -> Option<&'static str> {
+        None
+    }
+}

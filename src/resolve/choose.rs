@@ -1,0 +1,124 @@
+//! Which layer of an image holds its disk, and what a seekable index of it must describe: the
+//! rules every reader asks (the daemon's classifier, resolution, `vmdisk index`, `inspect`),
+//! next to the image layout they read ([`crate::format::layout`]).
+//!
+//! - The disk layer of an image with a TOC of its own is its topmost zstd:chunked or eStargz
+//!   layer ([`disk_layer`]).
+//! - Else its topmost gzip or uncompressed tar layer, read through a seekable index
+//!   ([`indexable_layer`]); a disk artifact's disk file is chosen by the artifact's own rules
+//!   ([`crate::format::artifact`]). [`index_target`] says which, and what its index must say.
+
+use super::{diff_id_of, image_config};
+use crate::cache::CacheRoot;
+use crate::digest::Digest;
+use crate::error::{Error, Result};
+use crate::format::seekable::{Compression, Expected, Layout};
+use crate::format::zstd_chunked::TocLocation;
+use crate::format::{artifact, estargz};
+use crate::oci::{self, Descriptor};
+use crate::reference::Reference;
+use crate::registry::Registry;
+
+/// Picks the disk layer of a manifest: the topmost layer with a TOC, zstd:chunked or eStargz.
+pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
+    m.layers
+        .iter()
+        .rev()
+        .find(|l| match oci::layer_compression(&l.media_type) {
+            Some(oci::LayerCompression::Zstd) => TocLocation::from_annotations(&l.annotations)
+                .ok()
+                .flatten()
+                .is_some(),
+            Some(oci::LayerCompression::Gzip) => estargz_toc_digest(l).is_some(),
+            _ => false,
+        })
+}
+
+/// The TOC digest an eStargz layer's annotation pins, if it is one.
+pub(super) fn estargz_toc_digest(layer: &Descriptor) -> Option<Digest> {
+    layer.annotations.get(estargz::ANN_TOC_DIGEST)?.parse().ok()
+}
+
+/// The disk's path in `layer`, when its annotation names one.
+pub(super) fn disk_path_of(layer: &Descriptor) -> Result<Option<String>> {
+    layer
+        .annotations
+        .get(crate::format::layout::ANN_PATH)
+        .map(|p| crate::format::tree::clean_path(p))
+        .transpose()
+        .map_err(|e| {
+            e.context(format!(
+                "the {} annotation",
+                crate::format::layout::ANN_PATH
+            ))
+        })
+}
+
+/// The layer of an ordinary image that may hold its disk: the topmost gzip or uncompressed tar
+/// layer, its position and compression.
+pub fn indexable_layer(m: &oci::Manifest) -> Option<(usize, &Descriptor, Compression)> {
+    m.layers.iter().enumerate().rev().find_map(|(i, l)| {
+        match oci::layer_compression(&l.media_type)? {
+            oci::LayerCompression::Gzip => Some((i, l, Compression::Gzip)),
+            oci::LayerCompression::None => Some((i, l, Compression::None)),
+            oci::LayerCompression::Zstd => None,
+        }
+    })
+}
+
+/// The layer of an image with no TOC of its own, or of a disk artifact, that a seekable index
+/// must describe, and what it must say about it.
+pub struct IndexTarget<'m> {
+    pub layer: &'m Descriptor,
+    pub expected: Expected,
+    /// Where a disk artifact's disk appears in the view (part of its identity).
+    pub disk_path: Option<String>,
+}
+
+/// What a seekable index of `manifest` must describe: an image's topmost gzip or uncompressed
+/// tar layer with the diff_id its config claims, or a disk artifact's disk file with the digest
+/// the artifact pins for it. The one place both `vmdisk index` and the readers ask.
+pub async fn index_target<'m>(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &'m oci::Manifest,
+) -> Result<IndexTarget<'m>> {
+    if artifact::is_artifact(manifest) {
+        let disk = artifact::disk_file(manifest).map_err(|e| {
+            e.context(format!(
+                "{reference} is an OCI artifact ({})",
+                manifest
+                    .artifact_type
+                    .as_deref()
+                    .unwrap_or(&manifest.config.media_type)
+            ))
+        })?;
+        return Ok(IndexTarget {
+            layer: disk.layer,
+            expected: Expected {
+                layer: disk.layer.digest,
+                layer_size: disk.layer.size,
+                compression: None,
+                diff_id: disk.digest,
+                layout: Layout::File,
+            },
+            disk_path: Some(disk.path),
+        });
+    }
+    let Some((position, layer, compression)) = indexable_layer(manifest) else {
+        return Err(Error::unsupported(format!("{reference} has no zstd:chunked layer and no gzip or uncompressed tar layer a seekable index could describe; republish it with `vmdisk convert`")));
+    };
+    let config = image_config(client, cache, reference, manifest).await?;
+    Ok(IndexTarget {
+        layer,
+        expected: Expected {
+            layer: layer.digest,
+            layer_size: layer.size,
+            compression: Some(compression),
+            diff_id: Some(diff_id_of(&config, manifest, position, reference)?),
+            layout: Layout::Tar,
+        },
+        disk_path: None,
+    })
+}

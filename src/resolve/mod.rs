@@ -1,0 +1,362 @@
+//! Image resolution: an image reference resolved to the layer that holds its disk — a
+//! zstd:chunked or eStargz layer with its own TOC, an ordinary gzip or tar layer with the
+//! seekable index published for it, or a disk artifact's disk file with its index — and that
+//! layer's record and validated TOC (or index), ready to open as a [`Layer`].
+//!
+//! Resolution prefers the registry (manifest, config, then the TOC by one Range request,
+//! verified against the annotation) and records the outcome in the cache under the layer's
+//! identity ([`disk_layer_id`]: what the manifest and config say, never the blob digest
+//! alone); when the registry cannot be reached, the last recorded resolution and the cached TOC
+//! are used, so a node can re-mount what it has without network.
+//!
+//! - [`choose`]: which layer holds the disk, and what its index must describe.
+//! - [`index`]: finding and checking the seekable index of a layer without a TOC.
+//! - [`toc`]: fetching a TOC or index and checking it against what pins it.
+
+pub mod choose;
+pub mod index;
+#[cfg(test)]
+mod tests;
+pub mod toc;
+
+use self::choose::{disk_path_of, estargz_toc_digest};
+use self::index::seekable_layer_id;
+use self::toc::{fetch_toc, fetch_toc_of};
+use crate::cache::{CacheRoot, RefRecord};
+use crate::digest::Digest;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::zstd_chunked::TocLocation;
+use crate::layer::{Layer, LayerKind, LayerMeta, Resolved};
+use crate::oci::{self, Descriptor, ManifestKind, Platform};
+use crate::reference::Reference;
+use crate::registry::Registry;
+use crate::task::blocking;
+
+pub use self::choose::{disk_layer, index_target, indexable_layer, IndexTarget};
+pub use self::index::seekable_layer;
+pub use self::toc::fetch_estargz_toc;
+
+/// The manifest or index `reference` names, and its digest: when `reference` is by digest
+/// and `cache` keeps that blob, from there (re-verified, no round trip); otherwise from the
+/// registry, and then kept.
+pub(crate) async fn manifest_of(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+) -> Result<(ManifestKind, Digest)> {
+    if let (Some(cache), Some(digest)) = (cache, reference.digest) {
+        let c = cache.clone();
+        let kept = blocking(move || Ok(c.load_blob(&digest, oci::MAX_MANIFEST_SIZE))).await?;
+        if let Some(manifest) = kept.and_then(|bytes| oci::parse_manifest(&bytes, None).ok()) {
+            return Ok((manifest, digest));
+        }
+    }
+    let fetched = client.get_manifest(reference).await?;
+    keep(cache, fetched.digest, fetched.bytes).await;
+    Ok((fetched.manifest, fetched.digest))
+}
+
+/// Keeps verified bytes in the cache's blob store; a failure only costs a round trip later.
+async fn keep(cache: Option<&CacheRoot>, digest: Digest, bytes: Vec<u8>) {
+    let Some(cache) = cache.cloned() else { return };
+    if let Err(e) = blocking(move || cache.save_blob(&digest, &bytes)).await {
+        tracing::debug!(%digest, error = %e.chain(), "keeping a fetched blob failed");
+    }
+}
+
+/// The image manifest of `reference` for the host's platform (through an index if there is
+/// one), with its digest and platform. Manifests kept in `cache` save their round trips.
+pub async fn platform_manifest(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+) -> Result<(oci::Manifest, Digest, Platform)> {
+    match manifest_of(client, cache, reference).await? {
+        (ManifestKind::Image(m), digest) => Ok((m, digest, Platform::host())),
+        (ManifestKind::Index(index), _) => {
+            let host = Platform::host();
+            let desc = index
+                .manifests
+                .iter()
+                .find(|d| {
+                    d.platform
+                        .as_ref()
+                        .is_some_and(|p| p.os == host.os && p.architecture == host.architecture)
+                })
+                .ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::NotFound,
+                        format!("{reference} has no image for {host}"),
+                    )
+                })?;
+            match manifest_of(client, cache, &reference.with_digest(desc.digest)).await? {
+                (ManifestKind::Image(m), _) => Ok((m, desc.digest, host)),
+                (ManifestKind::Index(_), _) => {
+                    Err(Error::unsupported(format!("{reference}: nested index")))
+                }
+            }
+        }
+    }
+}
+
+/// The disk layer of image manifest `manifest_digest` (`manifest`) of `reference`, and what
+/// the cache records about it (its identity: [`LayerMeta::id`]): a zstd:chunked or eStargz
+/// layer with its TOC, else an ordinary layer with a seekable index published for the image.
+/// The config
+/// (fetched by its digest) supplies the diff_id the layer claims.
+pub async fn disk_layer_id(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+    manifest_digest: Digest,
+) -> Result<(Descriptor, LayerMeta)> {
+    let Some(layer) = disk_layer(manifest) else {
+        // TOC annotations that are there but refused say why, not "no lazy layer".
+        if let Some(e) = manifest
+            .layers
+            .iter()
+            .rev()
+            .find_map(|l| TocLocation::from_annotations(&l.annotations).err())
+        {
+            return Err(e.context(reference));
+        }
+        let (layer, meta, index) =
+            seekable_layer_id(client, cache, reference, manifest, manifest_digest).await?;
+        keep_layer(cache, &meta, index).await;
+        return Ok((layer, meta));
+    };
+    if let Some(toc_digest) = estargz_toc_digest(layer) {
+        return estargz_layer_id(client, cache, reference, manifest, layer, toc_digest).await;
+    }
+    let loc = TocLocation::from_annotations(&layer.annotations)?
+        .expect("disk_layer checked the TOC annotations");
+    loc.check_within(layer.size)?;
+    let disk_path = disk_path_of(layer)?;
+    let digest = manifest.config.digest;
+    let kept = match cache.cloned() {
+        Some(c) => blocking(move || Ok(c.load_blob(&digest, oci::MAX_CONFIG_SIZE))).await?,
+        None => None,
+    };
+    let (config, toc) = match kept {
+        Some(config) => (config, None),
+        None => {
+            let fetch_config = async {
+                client
+                    .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
+                    .await
+                    .map_err(|e| e.context(format!("fetching the image config of {reference}")))
+            };
+            // The TOC is what the layer's server needs next: with a cache to keep it in, it
+            // is fetched alongside the config rather than a round trip later. (A failure
+            // here is not this call's: the server fetches it again and says why.)
+            let (config, toc) = match cache {
+                Some(_) => {
+                    let mut config = std::pin::pin!(fetch_config);
+                    let mut toc = std::pin::pin!(fetch_toc(client, reference, &layer.digest, &loc));
+                    let (config, toc) = tokio::select! {
+                        c = &mut config => {
+                            // Waited for at most TOC_GRACE more: a slow TOC never holds up
+                            // the decision (the server then fetches it under its deadlines).
+                            let toc = match c {
+                                Ok(_) => tokio::time::timeout(TOC_GRACE, &mut toc).await.ok(),
+                                Err(_) => None,
+                            };
+                            (c, toc)
+                        }
+                        t = &mut toc => (config.await, Some(t)),
+                    };
+                    (config?, toc.and_then(|t| t.ok()))
+                }
+                None => (fetch_config.await?, None),
+            };
+            keep(cache, digest, config.clone()).await;
+            (config, toc)
+        }
+    };
+    let position = manifest
+        .layers
+        .iter()
+        .rposition(|l| std::ptr::eq(l, layer))
+        .expect("disk_layer returns one of the manifest's layers");
+    let meta = LayerMeta {
+        reference: reference.to_string(),
+        layer_digest: layer.digest,
+        layer_size: layer.size,
+        toc_offset: loc.offset,
+        toc_length: loc.length,
+        toc_uncompressed_length: loc.uncompressed_length,
+        toc_digest: loc.checksum,
+        disk_path,
+        diff_id: diff_id_of(&config, manifest, position, reference)?,
+        kind: LayerKind::ZstdChunked,
+    };
+    if let Some(toc) = toc {
+        keep_layer(cache, &meta, toc).await;
+    }
+    Ok((layer.clone(), meta))
+}
+
+/// Keeps a layer's record and its TOC (or index) in `cache` for the mount server, unless there
+/// already; a failure only costs the server a fetch.
+async fn keep_layer(cache: Option<&CacheRoot>, meta: &LayerMeta, toc: Vec<u8>) {
+    let Some(cache) = cache.cloned() else { return };
+    let meta = meta.clone();
+    let kept = blocking(move || {
+        if !cache.has_layer_meta(&meta.id().key()) {
+            cache.save_layer_meta(&meta, &toc)?;
+        }
+        Ok(())
+    });
+    if let Err(e) = kept.await {
+        tracing::debug!(error = %e.chain(), "keeping a fetched TOC or index failed");
+    }
+}
+
+/// The eStargz disk layer `layer` of `manifest` and its record: its footer and TOC fetched
+/// (the TOC checked against `toc_digest`) and kept in `cache` with the record.
+async fn estargz_layer_id(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+    layer: &Descriptor,
+    toc_digest: Digest,
+) -> Result<(Descriptor, LayerMeta)> {
+    let position = manifest
+        .layers
+        .iter()
+        .rposition(|l| std::ptr::eq(l, layer))
+        .expect("disk_layer returns one of the manifest's layers");
+    let config = image_config(client, cache, reference, manifest).await?;
+    let (toc_offset, json) =
+        fetch_estargz_toc(client, reference, layer.digest, layer.size, toc_digest)
+            .await
+            .map_err(|e| e.context(format!("layer {} of {reference}", layer.digest)))?;
+    let meta = LayerMeta {
+        reference: reference.to_string(),
+        layer_digest: layer.digest,
+        layer_size: layer.size,
+        toc_offset,
+        toc_length: json.len() as u64,
+        toc_uncompressed_length: 0,
+        toc_digest,
+        disk_path: disk_path_of(layer)?,
+        diff_id: diff_id_of(&config, manifest, position, reference)?,
+        kind: LayerKind::Estargz,
+    };
+    keep_layer(cache, &meta, json).await;
+    Ok((layer.clone(), meta))
+}
+
+/// The diff_id the image config (`config`, verified JSON bytes) claims for layer `position`.
+pub(crate) fn diff_id_of(
+    config: &[u8],
+    manifest: &oci::Manifest,
+    position: usize,
+    reference: &Reference,
+) -> Result<Digest> {
+    let config: oci::ImageConfig = serde_json::from_slice(config).map_err(|e| {
+        Error::corrupt(format!("the image config of {reference} is not valid: {e}"))
+    })?;
+    if config.rootfs.diff_ids.len() != manifest.layers.len() {
+        return Err(Error::corrupt(format!(
+            "the image config of {reference} lists {} diff_ids for {} layers",
+            config.rootfs.diff_ids.len(),
+            manifest.layers.len()
+        )));
+    }
+    Ok(config.rootfs.diff_ids[position])
+}
+
+/// The image config of `manifest`: kept in `cache`, else fetched (by digest) and kept.
+pub(crate) async fn image_config(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+) -> Result<Vec<u8>> {
+    let digest = manifest.config.digest;
+    if let Some(c) = cache.cloned() {
+        if let Some(config) =
+            blocking(move || Ok(c.load_blob(&digest, oci::MAX_CONFIG_SIZE))).await?
+        {
+            return Ok(config);
+        }
+    }
+    let config = client
+        .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
+        .await
+        .map_err(|e| e.context(format!("fetching the image config of {reference}")))?;
+    keep(cache, digest, config.clone()).await;
+    Ok(config)
+}
+
+/// How long identifying a layer waits for its TOC once the config is there.
+const TOC_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+async fn resolve_online(
+    client: &dyn Registry,
+    cache: &CacheRoot,
+    reference: &Reference,
+) -> Result<Layer> {
+    let (manifest, manifest_digest, platform) =
+        platform_manifest(client, Some(cache), reference).await?;
+    let (_, meta) =
+        disk_layer_id(client, Some(cache), reference, &manifest, manifest_digest).await?;
+    let key = meta.id().key();
+    let c = cache.clone();
+    // Usually there already: kept by this call's `disk_layer_id` or the snapshotter's.
+    let cached = blocking(move || Ok(c.load_layer_meta(&key).map(|(_, toc)| toc))).await?;
+    let (toc, fetched) = match cached {
+        Some(toc) => (toc, false),
+        None => (fetch_toc_of(client, &meta).await?, true),
+    };
+    // A kept TOC matches its pinned checksum but is parsed and validated on every load:
+    // parsing grows with the chunk count (tens of ms per 8 GiB), so off the async workers.
+    let (cache, reference) = (cache.clone(), reference.clone());
+    blocking(move || {
+        let layer = crate::layer::codec::open(reference.clone(), meta, &toc, Resolved::Online)?;
+        if fetched {
+            cache.save_layer_meta(&layer.meta, &toc)?;
+        }
+        cache.save_ref(&RefRecord {
+            reference: reference.to_string(),
+            manifest_digest,
+            layer_key: key,
+            platform: platform.to_string(),
+        })?;
+        Ok(layer)
+    })
+    .await
+}
+
+/// Resolves `reference` to its disk layer: from the registry, or from the cache when the
+/// registry is unreachable and this reference was resolved before.
+pub async fn resolve(
+    client: &dyn Registry,
+    cache: &CacheRoot,
+    reference: &Reference,
+) -> Result<Layer> {
+    match resolve_online(client, cache, reference).await {
+        Ok(layer) => Ok(layer),
+        Err(e) if e.kind() == ErrorKind::Network => {
+            let (cache, reference) = (cache.clone(), reference.clone());
+            blocking(move || {
+                let record = cache.load_ref(&reference.to_string()).ok_or(e)?;
+                let (meta, toc) = cache.load_layer_meta(&record.layer_key).ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::Network,
+                        format!(
+                            "{reference}: the registry is unreachable and the cache has no TOC for it"
+                        ),
+                    )
+                })?;
+                tracing::warn!(%reference, layer = %meta.layer_digest, "registry unreachable; using the cached resolution");
+                crate::layer::codec::open(reference, meta, &toc, Resolved::Offline)
+            })
+            .await
+        }
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,354 @@
+//! Resolution against an in-memory registry ([`MemoryRegistry`]): which layer holds the disk,
+//! how a record is found, kept and used offline, and which seekable index is trusted. The real
+//! registry, containerd and FUSE are exercised in `integration/`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use super::*;
+use crate::format::seekable::{self, testing, Compression, Expected, Layout};
+use crate::layer::{LayerFormat, Resolved};
+use crate::registry::memory::MemoryRegistry;
+
+const REGISTRY: &str = "127.0.0.1:1";
+
+fn reference(name: &str) -> Reference {
+    format!("{REGISTRY}/{name}").parse().unwrap()
+}
+
+/// A layer of a test image: blob, media type, annotations, diff_id.
+type TestLayer = (Vec<u8>, &'static str, BTreeMap<String, String>, Digest);
+
+/// Stores an image of `layers` tagged `tag`; its manifest digest.
+fn image(registry: &MemoryRegistry, tag: &str, layers: &[TestLayer]) -> Digest {
+    let config = serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64", "os": "linux",
+        "rootfs": {"type": "layers", "diff_ids": layers.iter().map(|l| l.3.to_string()).collect::<Vec<_>>()},
+    }))
+    .unwrap();
+    let config_len = config.len();
+    let config_digest = registry.put_blob(config);
+    let descriptors: Vec<_> = layers
+        .iter()
+        .map(|(blob, media_type, annotations, _)| {
+            let digest = registry.put_blob(blob.clone());
+            serde_json::json!({"mediaType": media_type, "digest": digest.to_string(),
+                "size": blob.len(), "annotations": annotations})
+        })
+        .collect();
+    registry.put_manifest(
+        &serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": oci::OCI_MANIFEST,
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                       "digest": config_digest.to_string(), "size": config_len},
+            "layers": descriptors,
+        }),
+        Some(tag),
+    )
+}
+
+/// A zstd:chunked layer holding `disk/d.raw` = `data`: (blob, media type, annotations, diff_id).
+fn chunked_layer(data: &[u8]) -> TestLayer {
+    let (summary, blob) = crate::format::zstd_chunked::tests::write_layer(data, 64 << 10);
+    (
+        blob,
+        oci::OCI_LAYER_ZSTD,
+        summary.annotations,
+        summary.diff_id,
+    )
+}
+
+/// A gzip containerDisk layer holding `disk/d.raw` = `data`, its tar stream, and its index.
+struct GzipLayer {
+    blob: Vec<u8>,
+    tar: Vec<u8>,
+    index: seekable::SeekIndex,
+    windows: Vec<u8>,
+}
+
+fn gzip_layer(data: &[u8]) -> GzipLayer {
+    let tar = testing::tar_of(&[("disk/d.raw", data.to_vec())]);
+    let blob = testing::gzip(&tar, 6);
+    let expected = Expected {
+        layer: Digest::of(&blob),
+        layer_size: blob.len() as u64,
+        compression: Some(Compression::Gzip),
+        diff_id: Some(Digest::of(&tar)),
+        layout: Layout::Tar,
+    };
+    let (index, windows) = testing::index_of(&blob, &expected, 64 << 10);
+    GzipLayer {
+        blob,
+        tar,
+        index,
+        windows,
+    }
+}
+
+/// Publishes `index` (with its `windows`) as a referrer of `subject`, naming `layer`.
+fn publish_index(
+    registry: &MemoryRegistry,
+    subject: Digest,
+    layer: Digest,
+    index: &seekable::SeekIndex,
+    windows: &[u8],
+) {
+    let bytes = index.encode().unwrap();
+    let size = bytes.len();
+    let digest = registry.put_blob(bytes);
+    let windows_digest = registry.put_blob(windows.to_vec());
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": oci::OCI_MANIFEST,
+        "artifactType": seekable::ARTIFACT_TYPE,
+        "config": {"mediaType": "application/vnd.oci.empty.v1+json",
+                   "digest": Digest::of(b"{}").to_string(), "size": 2},
+        "layers": [
+            {"mediaType": seekable::MEDIA_TYPE, "digest": digest.to_string(), "size": size},
+            {"mediaType": seekable::WINDOWS_MEDIA_TYPE, "digest": windows_digest.to_string(),
+             "size": windows.len()},
+        ],
+        "subject": {"mediaType": oci::OCI_MANIFEST, "digest": subject.to_string(), "size": 1},
+        "annotations": {seekable::ANN_LAYER: layer.to_string()},
+    });
+    registry.put_referrer(subject, seekable::ARTIFACT_TYPE, &manifest);
+}
+
+fn disk(len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i.wrapping_mul(2654435761) >> 9) as u8)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache() {
+    let registry = MemoryRegistry::default();
+    let data = disk(300 << 10);
+    image(&registry, "1", &[chunked_layer(&data)]);
+    let dir = tempfile::tempdir().unwrap();
+    let cache = CacheRoot::open(dir.path()).unwrap();
+    let r = reference("vm:1");
+
+    let online = resolve(&registry, &cache, &r).await.unwrap();
+    assert_eq!(online.resolved, Resolved::Online);
+    assert_eq!(online.disk_path(), "disk/d.raw");
+    assert_eq!(online.file_size(online.disk), data.len() as u64);
+    assert_eq!(online.id().format, LayerFormat::ZstdChunked);
+    let record = cache
+        .load_ref(&r.to_string())
+        .expect("the resolution is recorded");
+    assert_eq!(record.layer_key, online.key());
+    assert!(
+        cache.load_layer_meta(&online.key()).is_some(),
+        "and the TOC kept"
+    );
+
+    // The registry goes away: the same reference resolves from the cache, to the same layer;
+    // one never resolved fails naming the registry as the cause.
+    registry.down.store(true, Ordering::SeqCst);
+    let offline = resolve(&registry, &cache, &r).await.unwrap();
+    assert_eq!(offline.resolved, Resolved::Offline);
+    assert_eq!(offline.key(), online.key());
+    assert_eq!(offline.chunks, online.chunks);
+    let err = resolve(&registry, &cache, &reference("other:1"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Network, "{}", err.chain());
+
+    // A record whose kept TOC no longer matches what it pins is not used.
+    let toc = cache
+        .layer_dir(&online.key())
+        .join(crate::cache::names::TOC);
+    std::fs::write(&toc, b"not the TOC").unwrap();
+    let err = resolve(&registry, &cache, &r).await.unwrap_err();
+    assert!(err.chain().contains("no TOC"), "{}", err.chain());
+}
+
+#[tokio::test]
+async fn the_topmost_layer_with_a_toc_holds_the_disk_and_refused_annotations_say_why() {
+    let registry = MemoryRegistry::default();
+    let (lower, upper) = (
+        chunked_layer(&disk(70 << 10)),
+        chunked_layer(&disk(90 << 10)),
+    );
+    let plain = (
+        b"plain".to_vec(),
+        oci::OCI_LAYER_GZIP,
+        BTreeMap::new(),
+        Digest::of(b"p"),
+    );
+    let upper_digest = Digest::of(&upper.0);
+    let digest = image(&registry, "1", &[lower, upper, plain]);
+    let r = reference("vm:1");
+    let (manifest, found, _) = platform_manifest(&registry, None, &r).await.unwrap();
+    assert_eq!(found, digest);
+    assert_eq!(disk_layer(&manifest).unwrap().digest, upper_digest);
+    // Without a TOC, the topmost gzip or uncompressed tar layer is the one to index.
+    let (position, layer, compression) = indexable_layer(&manifest).unwrap();
+    assert_eq!((position, compression), (2, Compression::Gzip));
+    assert_eq!(layer.digest, Digest::of(b"plain"));
+    let (_, meta) = disk_layer_id(&registry, None, &r, &manifest, digest)
+        .await
+        .unwrap();
+    assert_eq!(meta.layer_digest, upper_digest);
+    assert_eq!(meta.kind, LayerKind::ZstdChunked);
+
+    // A TOC annotation that is there but malformed is the reason given, not "no lazy layer".
+    let mut bad = chunked_layer(&disk(10 << 10));
+    for value in bad.2.values_mut() {
+        if value.contains(':') && !value.starts_with("sha256:") {
+            *value = "1:2".into();
+        }
+    }
+    let digest = image(&registry, "bad", &[bad]);
+    let r = reference("vm:bad");
+    let (manifest, _, _) = platform_manifest(&registry, None, &r).await.unwrap();
+    let err = disk_layer_id(&registry, None, &r, &manifest, digest)
+        .await
+        .unwrap_err();
+    assert!(
+        err.chain().contains("position") || err.chain().contains("annotation"),
+        "{}",
+        err.chain()
+    );
+    assert!(!err.chain().contains("seekable index"), "{}", err.chain());
+}
+
+#[tokio::test]
+async fn a_config_that_does_not_list_a_diff_id_per_layer_is_refused() {
+    let registry = MemoryRegistry::default();
+    let layer = chunked_layer(&disk(20 << 10));
+    let digest = image(&registry, "1", &[layer]);
+    let r = reference("vm:1");
+    let (manifest, _, _) = platform_manifest(&registry, None, &r).await.unwrap();
+    let config =
+        br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#;
+    let err = diff_id_of(config, &manifest, 0, &r).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt);
+    assert!(
+        err.chain().contains("0 diff_ids for 1 layers"),
+        "{}",
+        err.chain()
+    );
+    assert!(disk_layer_id(&registry, None, &r, &manifest, digest)
+        .await
+        .is_ok());
+}
+
+#[tokio::test]
+async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_one_wins() {
+    let registry = MemoryRegistry::default();
+    let data = disk(400 << 10);
+    let layer = gzip_layer(&data);
+    let layer_digest = Digest::of(&layer.blob);
+    let tar_digest = Digest::of(&layer.tar);
+    let subject = image(
+        &registry,
+        "1",
+        &[(
+            layer.blob.clone(),
+            oci::OCI_LAYER_GZIP,
+            BTreeMap::new(),
+            tar_digest,
+        )],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cache = CacheRoot::open(dir.path()).unwrap();
+    let r = reference("vm:1");
+
+    // No index yet: the error says what was searched and what to do.
+    let err = resolve(&registry, &cache, &r).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{}", err.chain());
+    assert!(err.chain().contains("vmdisk index"), "{}", err.chain());
+    assert!(
+        err.chain().contains(&format!("{REGISTRY}/vm")),
+        "{}",
+        err.chain()
+    );
+
+    // The valid index, then a newer one that names another layer: the newer is refused, the
+    // valid one used.
+    publish_index(
+        &registry,
+        subject,
+        layer_digest,
+        &layer.index,
+        &layer.windows,
+    );
+    let other = gzip_layer(&disk(100 << 10));
+    publish_index(
+        &registry,
+        subject,
+        Digest::of(&other.blob),
+        &other.index,
+        &other.windows,
+    );
+    let resolved = resolve(&registry, &cache, &r).await.unwrap();
+    let Some(source) = resolved.meta.index_source() else {
+        panic!("read through an index: {:?}", resolved.meta.kind);
+    };
+    assert_eq!(source.repository, format!("{REGISTRY}/vm"));
+    assert_eq!(
+        resolved.meta.toc_digest,
+        Digest::of(&layer.index.encode().unwrap())
+    );
+    assert_eq!(resolved.disk_path(), "disk/d.raw");
+    assert_eq!(resolved.file_size(resolved.disk), data.len() as u64);
+    assert!(resolved.codec().windows_blob().is_some());
+
+    // Only lies: every refusal is named.
+    let lying = MemoryRegistry::default();
+    let subject = image(
+        &lying,
+        "1",
+        &[(
+            layer.blob.clone(),
+            oci::OCI_LAYER_GZIP,
+            BTreeMap::new(),
+            tar_digest,
+        )],
+    );
+    publish_index(
+        &lying,
+        subject,
+        Digest::of(&other.blob),
+        &other.index,
+        &other.windows,
+    );
+    publish_index(
+        &lying,
+        Digest::of(b"another image"),
+        layer_digest,
+        &layer.index,
+        &layer.windows,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cache = CacheRoot::open(dir.path()).unwrap();
+    let err = resolve(&lying, &cache, &r).await.unwrap_err();
+    assert!(
+        err.chain().contains("no usable seekable index"),
+        "{}",
+        err.chain()
+    );
+    assert!(err.chain().contains("indexes layer"), "{}", err.chain());
+}
+
+#[tokio::test]
+async fn a_kept_manifest_by_digest_saves_its_round_trip_and_a_changed_one_is_not_used() {
+    let registry = MemoryRegistry::default();
+    let digest = image(&registry, "1", &[chunked_layer(&disk(10 << 10))]);
+    let dir = tempfile::tempdir().unwrap();
+    let cache = CacheRoot::open(dir.path()).unwrap();
+    let pinned = reference("vm:1").with_digest(digest);
+    manifest_of(&registry, Some(&cache), &pinned).await.unwrap();
+    registry.down.store(true, Ordering::SeqCst);
+    let (_, kept) = manifest_of(&registry, Some(&cache), &pinned).await.unwrap();
+    assert_eq!(kept, digest, "answered from the cache, not the registry");
+    // A kept blob that no longer hashes to its digest is fetched again (and here fails).
+    std::fs::write(dir.path().join("blobs").join(digest.hex()), b"{}").unwrap();
+    let err = manifest_of(&registry, Some(&cache), &pinned)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Network);
+}

@@ -1,0 +1,12 @@
+//! Test writers for vmdisk's unit and integration tests: layers in formats no tool packaged for
+//! these machines writes. Written apart from vmdisk's readers (they share no code), so a test
+//! checks the reader against the format, not against itself. Test code: it panics on what it
+//! cannot write.
+
+pub mod estargz;
+
+/// `sha256:<hex>` of `data`, as OCI spells digests.
+pub fn sha256(data: &[u8]) -> String {
+    use sha2::Digest as _;
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(data)))
+}
