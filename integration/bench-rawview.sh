@@ -44,12 +44,12 @@ measure() {
   # The whole disk once through the raw view, so its L2 tables are in the view's memory too.
   dd if="$raw" of=/dev/null bs=1M status=none
   sync; echo 3 > /proc/sys/vm/drop_caches
-  secs=$( { /usr/bin/time -f %e dd if="$raw" of=/dev/null bs=1M status=none; } 2>&1 )
+  secs=$( { /usr/bin/time -f %e dd if="$raw" of=/dev/null bs=1M iflag=direct status=none; } 2>&1 )
   local seq; seq=$(python3 -c "print(f'{2048 * 1.048576 / max($secs, 0.001):.0f}')")
   local iops=()
   for jobs in 1 16; do
     sync; echo 3 > /proc/sys/vm/drop_caches
-    iops+=("$(fio --name=r --filename="$raw" --readonly --rw=randread --bs=4k --ioengine=psync \
+    iops+=("$(fio --name=r --filename="$raw" --readonly --direct=1 --rw=randread --bs=4k --ioengine=psync \
       --numjobs="$jobs" --group_reporting --time_based --runtime=10 --output-format=json |
       python3 -c 'import json,sys; print(round(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))')")
   done
@@ -60,7 +60,8 @@ measure() {
   echo "$seq ${iops[0]} ${iops[1]}"
 }
 
-read -r N_SEQ N_R1 N_R16 < <(measure "$NEW_BIN" new)
+NEW=$(measure "$NEW_BIN" new)
+read -r N_SEQ N_R1 N_R16 <<< "$NEW"
 {
   echo
   echo "raw view (disk.raw) of a fully cached 2 GiB qcow2 ($MIB MiB of data), read through the daemon, page cache dropped:"
@@ -68,6 +69,7 @@ read -r N_SEQ N_R1 N_R16 < <(measure "$NEW_BIN" new)
   printf '  %-34s %14s %16s %17s\n' "this build" "$N_SEQ" "$N_R1" "$N_R16"
 } | tee -a "$RESULTS"
 if [ -n "$BASE_BIN" ]; then
-  read -r O_SEQ O_R1 O_R16 < <(measure "$BASE_BIN" base)
+  BASE=$(measure "$BASE_BIN" base)
+  read -r O_SEQ O_R1 O_R16 <<< "$BASE"
   printf '  %-34s %14s %16s %17s\n' "base build ($BASE_BIN)" "$O_SEQ" "$O_R1" "$O_R16" | tee -a "$RESULTS"
 fi

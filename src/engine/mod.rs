@@ -561,19 +561,38 @@ impl Engine {
 
     /// Reads from the cache only; `None` if any needed chunk is missing.
     pub fn read_cached(&self, file: usize, offset: u64, size: u64) -> Option<Result<Vec<u8>>> {
+        let mut buf = Vec::new();
+        self.read_cached_into(file, offset, size, &mut buf)
+            .map(|r| r.map(|()| buf))
+    }
+
+    /// [`Engine::read_cached`] appending to `out` (untouched when `None`): a view assembling
+    /// one read from several pieces copies each once.
+    pub fn read_cached_into(
+        &self,
+        file: usize,
+        offset: u64,
+        size: u64,
+        out: &mut Vec<u8>,
+    ) -> Option<Result<()>> {
         if let Err(e) = self.usable() {
             return Some(Err(e));
         }
         let end = (offset + size).min(self.layer.file_size(file));
         if offset >= end {
-            return Some(Ok(Vec::new()));
+            return Some(Ok(()));
         }
         if !self.all_present(self.layer.chunks_for(file, offset..end)) {
             return None;
         }
         self.note_read(file, offset..end);
-        let mut buf = vec![0u8; (end - offset) as usize];
-        Some(self.cache.read_at(file, &mut buf, offset).map(|()| buf))
+        let start = out.len();
+        out.resize(start + (end - offset) as usize, 0);
+        let read = self.cache.read_at(file, &mut out[start..], offset);
+        if read.is_err() {
+            out.truncate(start);
+        }
+        Some(read)
     }
 
     /// Starts recording which chunks of the disk readers touch, in order (a boot trace).

@@ -55,6 +55,10 @@ impl DiskView for LayerFile {
         self.engine.read_cached(self.file, offset, len)
     }
 
+    fn read_cached_into(&self, offset: u64, len: u64, out: &mut Vec<u8>) -> Option<Result<()>> {
+        self.engine.read_cached_into(self.file, offset, len, out)
+    }
+
     fn read(&self, offset: u64, len: u64) -> BoxFuture<'_, Result<Vec<u8>>> {
         Box::pin(self.engine.read(self.file, offset, len))
     }

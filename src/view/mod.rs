@@ -24,6 +24,13 @@ pub trait DiskView: Send + Sync {
     /// if something must be fetched. Never blocks on the network.
     fn read_cached(&self, offset: u64, len: u64) -> Option<Result<Vec<u8>>>;
 
+    /// [`DiskView::read_cached`] appending to `out` (as it was when `None`): a view that
+    /// assembles a read from pieces of another copies each piece once.
+    fn read_cached_into(&self, offset: u64, len: u64, out: &mut Vec<u8>) -> Option<Result<()>> {
+        let bytes = self.read_cached(offset, len)?;
+        Some(bytes.map(|b| out.extend_from_slice(&b)))
+    }
+
     /// `len` bytes at `offset` (fewer at the end), fetching what is missing.
     fn read(&self, offset: u64, len: u64) -> BoxFuture<'_, Result<Vec<u8>>>;
 

@@ -223,14 +223,26 @@ impl<V: DiskView> DiskView for Qcow2View<V> {
         };
         let mut out = Vec::with_capacity((range.end - range.start) as usize);
         for piece in &pieces {
-            let bytes = match self.map.image_range(&piece.source) {
-                Some(r) => match self.inner.read_cached(r.start, r.end - r.start)? {
-                    Ok(b) => Some(b),
-                    Err(e) => return Some(Err(e)),
+            let result = match (&piece.source, self.map.image_range(&piece.source)) {
+                // Data straight into the answer: one copy from the cache.
+                (Source::Data(r), _) => {
+                    let start = out.len();
+                    match self
+                        .inner
+                        .read_cached_into(r.start, r.end - r.start, &mut out)?
+                    {
+                        Ok(()) if (out.len() - start) as u64 == piece.len => Ok(()),
+                        Ok(()) => Err(self.beyond(r, "a data cluster")),
+                        Err(e) => Err(e),
+                    }
+                }
+                (_, Some(r)) => match self.inner.read_cached(r.start, r.end - r.start)? {
+                    Ok(b) => self.fill(piece, Some(b), &mut out),
+                    Err(e) => Err(e),
                 },
-                None => None,
+                (_, None) => self.fill(piece, None, &mut out),
             };
-            if let Err(e) = self.fill(piece, bytes, &mut out) {
+            if let Err(e) = result {
                 return Some(Err(e));
             }
         }
