@@ -5,7 +5,7 @@
 
 use futures_util::future::BoxFuture;
 
-use super::{blob_pieces, frames};
+use super::{blob_pieces, decode_each};
 use crate::error::{Error, Result};
 use crate::format::estargz::{self, decode_chunk, inflate_members};
 use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, MAX_REGION_DECODED};
@@ -38,14 +38,9 @@ impl Codec for Estargz {
         _window: Option<&[u8]>,
         store: &mut Store<'_>,
     ) -> Result<()> {
-        for (idx, members) in frames(layer, run, bytes) {
-            let chunk = &layer.chunks[idx];
-            match decode_chunk(members, chunk, last_of_file(layer, idx)) {
-                Ok(data) => store(idx, Ok(&data))?,
-                Err(e) => store(idx, Err(e))?,
-            }
-        }
-        Ok(())
+        decode_each(layer, run, bytes, store, |idx, members| {
+            decode_chunk(members, &layer.chunks[idx], last_of_file(layer, idx))
+        })
     }
 
     fn pieces<'a>(

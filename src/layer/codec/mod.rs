@@ -17,7 +17,7 @@ pub mod estargz;
 pub mod indexed;
 pub mod zstd_chunked;
 
-use super::{Ask, Codec, Fetch, Layer, LayerKind, LayerMeta, Piece, Resolved, Table};
+use super::{Ask, Codec, Fetch, Layer, LayerKind, LayerMeta, Piece, Resolved, Store, Table};
 use super::{MAX_REGION_BYTES, MAX_REGION_DECODED, VERIFY_TRIES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::Reference;
@@ -48,20 +48,26 @@ pub fn open(
     Layer::new(reference, meta, table, codec, resolved)
 }
 
-/// For each chunk of `run`, its bytes within `bytes` (which start where the run does).
-fn frames<'b>(
-    layer: &'b Layer,
-    run: &'b [usize],
-    bytes: &'b [u8],
-) -> impl Iterator<Item = (usize, &'b [u8])> + 'b {
+/// Decodes each chunk of `run` from its own bytes within `bytes` (which start where the run
+/// does) with `decode`, and hands the content, or why it failed, to `store`: the
+/// [`Codec::decode_run`] of codecs whose chunks decode alone.
+fn decode_each(
+    layer: &Layer,
+    run: &[usize],
+    bytes: &[u8],
+    store: &mut Store<'_>,
+    decode: impl Fn(usize, &[u8]) -> Result<Vec<u8>>,
+) -> Result<()> {
     let base = layer.chunks[run[0]].compressed.start;
-    run.iter().map(move |&idx| {
+    for &idx in run {
         let c = &layer.chunks[idx].compressed;
-        (
-            idx,
-            &bytes[(c.start - base) as usize..(c.end - base) as usize],
-        )
-    })
+        let frame = &bytes[(c.start - base) as usize..(c.end - base) as usize];
+        match decode(idx, frame) {
+            Ok(data) => store(idx, Ok(&data))?,
+            Err(e) => store(idx, Err(e))?,
+        }
+    }
+    Ok(())
 }
 
 /// What follows a chunk in the blob, for [`blob_pieces`]: the region after chunk `idx` starts

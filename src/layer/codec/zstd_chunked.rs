@@ -5,7 +5,7 @@
 
 use futures_util::future::BoxFuture;
 
-use super::{blob_pieces, frames};
+use super::{blob_pieces, decode_each};
 use crate::error::Result;
 use crate::format::zstd_chunked::{decode_chunk, decode_region, read_toc};
 use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, MAX_REGION_DECODED};
@@ -30,13 +30,9 @@ impl Codec for ZstdChunked {
         _window: Option<&[u8]>,
         store: &mut Store<'_>,
     ) -> Result<()> {
-        for (idx, frame) in frames(layer, run, bytes) {
-            match decode_chunk(frame, &layer.chunks[idx]) {
-                Ok(data) => store(idx, Ok(&data))?,
-                Err(e) => store(idx, Err(e))?,
-            }
-        }
-        Ok(())
+        decode_each(layer, run, bytes, store, |idx, frame| {
+            decode_chunk(frame, &layer.chunks[idx])
+        })
     }
 
     fn pieces<'a>(
