@@ -342,7 +342,7 @@ fn a_plain_qcow2_artifact_loads_lazily_and_lying_ones_are_refused() {
             .referrers(
                 &idx_ref,
                 &a_manifest.digest,
-                vmdisk::format::seekable::ARTIFACT_TYPE,
+                &[vmdisk::format::seekable::ARTIFACT_TYPE],
             )
             .await
             .unwrap();

@@ -319,7 +319,7 @@ fn corrupted_or_mismatched_indexes_never_serve_wrong_bytes() {
         )
     });
     let found = s
-        .block_on(c.referrers(&a_ref, &a_manifest.digest, seekable::ARTIFACT_TYPE))
+        .block_on(c.referrers(&a_ref, &a_manifest.digest, &[seekable::ARTIFACT_TYPE]))
         .unwrap();
     assert_eq!(found.len(), 1);
     let artifact = s

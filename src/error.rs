@@ -31,6 +31,8 @@ pub enum ErrorKind {
     /// The request is valid but the state forbids it (a snapshot with children, a parent that is
     /// not committed).
     FailedPrecondition,
+    /// A signature policy refused the image or index ([`crate::policy`]).
+    Refused,
 }
 
 impl fmt::Display for ErrorKind {
@@ -46,6 +48,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Timeout => "timed out",
             ErrorKind::AlreadyExists => "already exists",
             ErrorKind::FailedPrecondition => "failed precondition",
+            ErrorKind::Refused => "refused by the signature policy",
         })
     }
 }

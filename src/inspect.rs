@@ -21,6 +21,7 @@ use crate::format::{artifact, seekable};
 use crate::oci::{
     self, Descriptor, ImageConfig, LayerCompression, Manifest, ManifestKind, Platform,
 };
+use crate::policy::Verifier;
 use crate::reference::Reference;
 use crate::registry::RegistryClient;
 
@@ -120,8 +121,9 @@ pub const MAX_PLATFORMS: usize = 64;
 /// Layers inspected at once.
 const LAYER_CONCURRENCY: usize = 4;
 
-/// Inspects every platform of `r`.
-pub async fn inspect(client: &RegistryClient, r: &Reference) -> Result<Report> {
+/// Inspects every platform of `r` that `trust` accepts (nothing of a platform's layers is
+/// read before).
+pub async fn inspect(client: &RegistryClient, trust: &Verifier, r: &Reference) -> Result<Report> {
     let fetched = client.get_manifest(r).await?;
     let mut platforms = Vec::new();
     match &fetched.manifest {
@@ -143,8 +145,9 @@ pub async fn inspect(client: &RegistryClient, r: &Reference) -> Result<Report> {
                     variant: cfg.variant,
                 }
             };
-            platforms
-                .push(inspect_image(client, r, m, &platform, fetched.digest.to_string()).await?);
+            platforms.push(
+                inspect_image(client, trust, r, m, &platform, fetched.digest.to_string()).await?,
+            );
         }
         ManifestKind::Index(index) => {
             if index.manifests.len() > MAX_PLATFORMS {
@@ -160,7 +163,8 @@ pub async fn inspect(client: &RegistryClient, r: &Reference) -> Result<Report> {
                 let child = client.get_manifest(&r.with_digest(desc.digest)).await?;
                 match child.manifest {
                     ManifestKind::Image(m) => platforms.push(
-                        inspect_image(client, r, &m, &platform, desc.digest.to_string()).await?,
+                        inspect_image(client, trust, r, &m, &platform, desc.digest.to_string())
+                            .await?,
                     ),
                     ManifestKind::Index(_) => {
                         return Err(Error::unsupported(format!(
@@ -182,14 +186,16 @@ pub async fn inspect(client: &RegistryClient, r: &Reference) -> Result<Report> {
 
 async fn inspect_image(
     client: &RegistryClient,
+    trust: &Verifier,
     r: &Reference,
     m: &Manifest,
     platform: &Platform,
     digest: String,
 ) -> Result<PlatformReport> {
     use futures_util::StreamExt;
+    trust.check_image(client, None, r, digest.parse()?).await?;
     if artifact::is_artifact(m) {
-        return inspect_artifact(client, r, m, platform, digest).await;
+        return inspect_artifact(client, trust, r, m, platform, digest).await;
     }
     if m.layers.len() > MAX_LAYERS {
         return Err(Error::unsupported(format!(
@@ -221,7 +227,7 @@ async fn inspect_image(
                 .iter()
                 .position(|d| d.digest == layer.digest)
                 .expect("the layer is among the unique ones");
-            seekable_index(client, r, m, digest.parse()?, &mut reports[at]).await?;
+            seekable_index(client, trust, r, m, digest.parse()?, &mut reports[at]).await?;
         }
     }
     let layers = m
@@ -247,6 +253,7 @@ async fn inspect_image(
 /// the index).
 async fn inspect_artifact(
     client: &RegistryClient,
+    trust: &Verifier,
     r: &Reference,
     m: &Manifest,
     platform: &Platform,
@@ -290,7 +297,7 @@ async fn inspect_artifact(
     let rep = &mut layers[disk.position];
     let manifest_digest: crate::digest::Digest = digest.parse()?;
     let pinned = r.with_digest(manifest_digest);
-    match crate::resolve::seekable_layer(client, &pinned, m, manifest_digest).await {
+    match crate::resolve::seekable_layer(client, trust, &pinned, m, manifest_digest).await {
         Ok((meta, index)) => {
             let source = meta.index_source().expect("read through an index");
             rep.layout = format!("disk file ({})", source.compression.name());
@@ -350,13 +357,14 @@ async fn read_stream(
 /// layer is lazily loadable through it.
 async fn seekable_index(
     client: &RegistryClient,
+    trust: &Verifier,
     r: &Reference,
     m: &Manifest,
     manifest_digest: crate::digest::Digest,
     rep: &mut LayerReport,
 ) -> Result<()> {
     let pinned = r.with_digest(manifest_digest);
-    match crate::resolve::disk_layer_id(client, None, &pinned, m, manifest_digest).await {
+    match crate::resolve::disk_layer_id(client, None, trust, &pinned, m, manifest_digest).await {
         Ok((_, meta)) => {
             let source = meta
                 .index_source()

@@ -25,6 +25,7 @@ pub mod inspect;
 pub mod layer;
 pub mod logging;
 pub mod oci;
+pub mod policy;
 pub mod publish;
 pub mod ready;
 pub mod reference;

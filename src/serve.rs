@@ -20,6 +20,7 @@ use crate::engine::source::Sources;
 use crate::engine::stats::StatsSnapshot;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
+use crate::policy::Verifier;
 use crate::ready::{ReadyDir, ReadyMetadata};
 use crate::reference::Reference;
 use crate::registry::Registry;
@@ -39,16 +40,18 @@ pub enum Warm {
 }
 
 /// The one composition of a lazily loaded layer, for `vmdisk mount` and the mount servers:
-/// resolves `reference` to its disk layer, starts an engine over its cache and its blobs in
-/// the registry, and checks the layer's structure before anything is served.
+/// resolves `reference` to its disk layer (once `trust` accepts the image and its index),
+/// starts an engine over its cache and its blobs in the registry, and checks the layer's
+/// structure before anything is served.
 pub async fn open_engine(
     client: Arc<dyn Registry>,
     cache: &CacheRoot,
+    trust: &Verifier,
     reference: &Reference,
     opts: EngineOptions,
     warm: Warm,
 ) -> Result<Arc<Engine>> {
-    let layer = crate::resolve::resolve(client.as_ref(), cache, reference).await?;
+    let layer = crate::resolve::resolve(client.as_ref(), cache, trust, reference).await?;
     // A gzip layer's windows blob sits beside its index.
     let windows = match (layer.codec().windows_blob(), layer.meta.index_source()) {
         (Some(digest), Some(source)) => Some((source.repository.parse()?, digest)),

@@ -140,7 +140,7 @@ pub async fn find(
     manifest: &Digest,
     engine: &Engine,
 ) -> Result<Option<BootTrace>> {
-    let referrers = client.referrers(reference, manifest, MEDIA_TYPE).await?;
+    let referrers = client.referrers(reference, manifest, &[MEDIA_TYPE]).await?;
     let Some(desc) = referrers.last() else {
         return Ok(None);
     };

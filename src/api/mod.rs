@@ -35,7 +35,7 @@ pub mod vmdisk {
 
 /// Each error kind and its gRPC code, with the codes containerd's `errdefs` turns back into
 /// its own errors. The one table both conversions read.
-const CODES: [(ErrorKind, tonic::Code); 10] = [
+const CODES: [(ErrorKind, tonic::Code); 11] = [
     (ErrorKind::NotFound, tonic::Code::NotFound),
     (ErrorKind::AlreadyExists, tonic::Code::AlreadyExists),
     (
@@ -49,6 +49,7 @@ const CODES: [(ErrorKind, tonic::Code); 10] = [
     (ErrorKind::Corrupt, tonic::Code::DataLoss),
     (ErrorKind::Timeout, tonic::Code::DeadlineExceeded),
     (ErrorKind::Io, tonic::Code::Internal),
+    (ErrorKind::Refused, tonic::Code::PermissionDenied),
 ];
 
 /// The gRPC code of an error kind.

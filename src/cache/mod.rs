@@ -112,7 +112,7 @@ fn write_atomically(path: &Path, data: &[u8]) -> Result<()> {
 impl CacheRoot {
     /// Opens (creating if needed) the cache at `root`, mode 0700.
     pub fn open(root: &Path) -> Result<Self> {
-        for sub in ["layers", "refs", "blobs"] {
+        for sub in ["layers", "refs", "blobs", "verified"] {
             std::fs::create_dir_all(root.join(sub)).map_err(|e| {
                 Error::io(format!("creating cache directory {}", root.display()), e)
             })?;
@@ -164,6 +164,21 @@ impl CacheRoot {
         let mut bytes = Vec::new();
         file.take(max + 1).read_to_end(&mut bytes).ok()?;
         (bytes.len() as u64 <= max && digest.verify(&bytes, "kept blob").is_ok()).then_some(bytes)
+    }
+
+    /// Records that a signature policy accepted what `key` names (policy, repository and
+    /// digest: [`crate::policy`]) until `until` (seconds since the epoch).
+    pub fn save_verdict(&self, key: &Digest, until: u64) -> Result<()> {
+        write_atomically(
+            &self.root.join("verified").join(key.hex()),
+            until.to_string().as_bytes(),
+        )
+    }
+
+    /// Until when a signature policy accepted what `key` names, if it did.
+    pub fn verdict(&self, key: &Digest) -> Option<u64> {
+        let text = std::fs::read_to_string(self.root.join("verified").join(key.hex())).ok()?;
+        text.trim().parse().ok()
     }
 
     /// Stores a verified TOC and the layer's metadata (the TOC first, so `meta.json` only ever

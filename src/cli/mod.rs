@@ -72,6 +72,29 @@ impl RegistryArgs {
     }
 }
 
+/// A signature policy the command enforces (beside the daemon's, for `path`).
+#[derive(Args, Debug, Clone, Default)]
+pub struct PolicyArgs {
+    /// A containers-policy.json (as /etc/containers/policy.json): the image, and the seekable
+    /// index it is read through, must satisfy it before anything of the disk is read.
+    #[arg(long, value_name = "FILE")]
+    pub policy: Option<PathBuf>,
+}
+
+impl PolicyArgs {
+    /// The verifier of `--policy` (none: everything is accepted).
+    pub fn verifier(&self) -> Result<crate::policy::Verifier> {
+        match &self.policy {
+            Some(path) => crate::policy::Verifier::load(&crate::policy::PolicyFiles {
+                policy: path.clone(),
+                ..Default::default()
+            })
+            .map_err(|e| e.context("--policy")),
+            None => Ok(crate::policy::Verifier::none()),
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Publish VM disks (qcow2, raw; vmdk, vhdx, ova converted) as a lazily loadable containerDisk.
@@ -227,6 +250,8 @@ pub struct PathArgs {
     /// namespace may pull the image (docs/threat-model.md). Default: the node's own credentials.
     #[arg(long, value_name = "NS")]
     pub namespace: Option<String>,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// An image reference (tag or digest).
     pub reference: String,
 }
@@ -284,6 +309,8 @@ pub struct MountArgs {
     /// Print the counters as JSON on unmount.
     #[arg(long)]
     pub stats: bool,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// An image reference (tag or digest).
     pub reference: String,
     /// An existing directory to mount the image's disk layer on.
@@ -340,6 +367,8 @@ pub struct InspectArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// An image reference (tag or digest).
     pub reference: String,
 }
@@ -523,6 +552,8 @@ pub async fn run(cli: Cli) -> Result<()> {
                 images.push((published, bytes));
             }
             let digest: Digest = publish::tag_images(&client, &target, &images).await?;
+            let pinned = target.with_digest(digest);
+            eprintln!("to sign it: cosign sign --key KEY {pinned} (or notation sign {pinned})");
             println!("{digest}");
         }
         Command::Convert(args) => {
@@ -545,6 +576,10 @@ pub async fn run(cli: Cli) -> Result<()> {
             };
             let client = args.registry.client()?;
             let digest = publish::convert(&client, &source, &target, &opts, &platform).await?;
+            let pinned = target.with_digest(digest);
+            eprintln!(
+                "the converted image is new content: signatures of {source} do not cover it; sign it: cosign sign --key KEY {pinned} (or notation sign {pinned})"
+            );
             println!("{digest}");
         }
         Command::Mount(args) => mount(args).await?,
@@ -552,7 +587,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Ls(args) => ls(args).await?,
         Command::Path(args) => {
             let request = DiskRequest {
-                reference: args.reference.clone(),
+                reference: checked_reference(&args).await?,
                 namespace: args.namespace.clone().unwrap_or_default(),
             };
             let disk = manage(
@@ -673,12 +708,19 @@ pub async fn run(cli: Cli) -> Result<()> {
                     r.repository,
                     r.manifest
                 );
+                // The image is unchanged (its signatures stay valid); the index is new, and a
+                // policy that requires signatures in its repository requires it signed.
+                println!(
+                    "to sign the index: cosign sign --key KEY {}@{} (or notation sign)",
+                    r.repository, r.artifact
+                );
             }
         }
         Command::Inspect(args) => {
             let reference: Reference = args.reference.parse()?;
             let client = args.registry.client()?;
-            let report = crate::inspect::inspect(&client, &reference).await?;
+            let trust = args.policy.verifier()?;
+            let report = crate::inspect::inspect(&client, &trust, &reference).await?;
             if args.json {
                 println!(
                     "{}",
@@ -690,6 +732,31 @@ pub async fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The reference `vmdisk path` asks the daemon for: as given, or with `--policy` pinned to the
+/// manifest digest the policy accepted (checked here with this user's registry credentials,
+/// the node's hosts.toml and the command's deadline), so the disk printed is the one checked.
+async fn checked_reference(args: &PathArgs) -> Result<String> {
+    let trust = args.policy.verifier()?;
+    if !trust.is_set() {
+        return Ok(args.reference.clone());
+    }
+    let reference: Reference = args.reference.parse()?;
+    let hosts = std::env::var_os("VMDISK_HOSTS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/etc/containerd/certs.d"));
+    let client = RegistryClient::new(RegistryConfig {
+        hosts_dir: Some(hosts).filter(|d| d.is_dir()),
+        retry: crate::retry::RetryPolicy {
+            deadline: std::time::Duration::from_secs(args.daemon.timeout),
+            ..Default::default()
+        },
+        ..RegistryConfig::default()
+    })?;
+    let (_, digest, _) = crate::resolve::platform_manifest(&client, None, &reference).await?;
+    trust.check_image(&client, None, &reference, digest).await?;
+    Ok(reference.with_digest(digest).to_string())
 }
 
 /// `prefetch --wait`: polls the daemon until every chunk of `disk` is cached and the complete
@@ -920,6 +987,7 @@ async fn mount(args: MountArgs) -> Result<()> {
         .map(crate::units::parse_size)
         .transpose()
         .map_err(|e| e.context("--cache-size"))?;
+    let trust = args.policy.verifier()?;
     let client = std::sync::Arc::new(registry.client()?);
     let cache = crate::cache::CacheRoot::open(&args.cache)?;
     let opts = EngineOptions {
@@ -929,6 +997,7 @@ async fn mount(args: MountArgs) -> Result<()> {
     let engine = crate::serve::open_engine(
         client,
         &cache,
+        &trust,
         &reference,
         opts,
         crate::serve::Warm::Nothing,
@@ -986,6 +1055,7 @@ async fn trace_record(args: TraceRecordArgs) -> Result<()> {
     let engine = crate::serve::open_engine(
         std::sync::Arc::clone(&client) as _,
         &cache,
+        &crate::policy::Verifier::none(),
         &reference,
         Default::default(),
         crate::serve::Warm::Nothing,

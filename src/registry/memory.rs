@@ -166,7 +166,7 @@ impl Registry for MemoryRegistry {
         &'a self,
         r: &'a Reference,
         digest: &'a Digest,
-        artifact_type: &'a str,
+        artifact_types: &'a [&'a str],
     ) -> BoxFuture<'a, Result<Vec<Descriptor>>> {
         Box::pin(async move {
             self.check(r)?;
@@ -176,7 +176,7 @@ impl Registry for MemoryRegistry {
                 .get(digest)
                 .into_iter()
                 .flatten()
-                .filter(|(t, _)| t == artifact_type)
+                .filter(|(t, _)| artifact_types.contains(&t.as_str()))
                 .map(|(_, d)| d.clone())
                 .collect())
         })

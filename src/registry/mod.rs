@@ -302,13 +302,13 @@ pub trait Registry: Send + Sync {
     fn endpoint_counters(&self) -> Vec<(String, health::EndpointCounters)> {
         Vec::new()
     }
-    /// The referrers of manifest `digest` in `r`'s repository with `artifact_type` (see
-    /// [`RegistryClient::referrers`]); none where the store has no referrers.
+    /// The referrers of manifest `digest` in `r`'s repository with one of `artifact_types`
+    /// (see [`RegistryClient::referrers`]); none where the store has no referrers.
     fn referrers<'a>(
         &'a self,
         _r: &'a Reference,
         _digest: &'a Digest,
-        _artifact_type: &'a str,
+        _artifact_types: &'a [&'a str],
     ) -> futures_util::future::BoxFuture<'a, Result<Vec<Descriptor>>> {
         Box::pin(async { Ok(Vec::new()) })
     }
@@ -380,9 +380,9 @@ impl Registry for RegistryClient {
         &'a self,
         r: &'a Reference,
         digest: &'a Digest,
-        artifact_type: &'a str,
+        artifact_types: &'a [&'a str],
     ) -> futures_util::future::BoxFuture<'a, Result<Vec<Descriptor>>> {
-        Box::pin(RegistryClient::referrers(self, r, digest, artifact_type))
+        Box::pin(RegistryClient::referrers(self, r, digest, artifact_types))
     }
 
     fn index_repositories(&self) -> &[Reference] {
@@ -1062,13 +1062,13 @@ impl RegistryClient {
     }
 
     /// The referrers (OCI 1.1) of manifest `digest` in `r`'s repository whose artifact type is
-    /// `artifact_type`: from the referrers API, or where the registry has none from the
+    /// one of `artifact_types`: from the referrers API, or where the registry has none from the
     /// fallback tag `sha256-<hex>`; empty if there are none.
     pub async fn referrers(
         &self,
         r: &Reference,
         digest: &Digest,
-        artifact_type: &str,
+        artifact_types: &[&str],
     ) -> Result<Vec<Descriptor>> {
         let what = &format!("referrers of {digest}");
         let api = self
@@ -1100,7 +1100,11 @@ impl RegistryClient {
         };
         Ok(manifests
             .into_iter()
-            .filter(|d| d.artifact_type.as_deref() == Some(artifact_type))
+            .filter(|d| {
+                d.artifact_type
+                    .as_deref()
+                    .is_some_and(|t| artifact_types.contains(&t))
+            })
             .collect())
     }
 

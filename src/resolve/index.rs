@@ -9,6 +9,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::seekable::{self, Compression, Expected, Layout, SeekIndex};
 use crate::layer::{IndexSource, LayerFormat, LayerId, LayerKind, LayerMeta};
 use crate::oci::{self, Descriptor, ManifestKind};
+use crate::policy::Verifier;
 use crate::reference::Reference;
 use crate::registry::Registry;
 use crate::task::blocking;
@@ -20,6 +21,7 @@ use crate::task::blocking;
 pub(super) async fn seekable_layer_id(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
+    trust: &Verifier,
     reference: &Reference,
     manifest: &oci::Manifest,
     manifest_digest: Digest,
@@ -28,6 +30,7 @@ pub(super) async fn seekable_layer_id(
     let found = find_index(
         client,
         cache,
+        trust,
         reference,
         manifest_digest,
         &target.expected,
@@ -43,12 +46,13 @@ pub(super) async fn seekable_layer_id(
 /// reports.
 pub async fn seekable_layer(
     client: &dyn Registry,
+    trust: &Verifier,
     reference: &Reference,
     manifest: &oci::Manifest,
     manifest_digest: Digest,
 ) -> Result<(LayerMeta, SeekIndex)> {
     let (_, meta, bytes) =
-        seekable_layer_id(client, None, reference, manifest, manifest_digest).await?;
+        seekable_layer_id(client, None, trust, reference, manifest, manifest_digest).await?;
     let source = meta
         .index_source()
         .expect("an indexed layer's record names its index");
@@ -100,12 +104,13 @@ const MAX_INDEX_CANDIDATES: usize = 4;
 
 /// The seekable index of layer `expected` of image manifest `manifest_digest`: among its
 /// referrers in the image's repository, then in each configured index repository, the
-/// newest whose manifest names that subject and whose index validates against the layer.
-/// `disk_path` is where a disk artifact's disk appears (part of its identity). NotFound
-/// (saying what was tried) when there is none.
+/// newest that the signature policy accepts, whose manifest names that subject and whose
+/// index validates against the layer. `disk_path` is where a disk artifact's disk appears
+/// (part of its identity). NotFound (saying what was tried) when there is none.
 async fn find_index(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
+    trust: &Verifier,
     reference: &Reference,
     manifest_digest: Digest,
     expected: &Expected,
@@ -119,10 +124,25 @@ async fn find_index(
     let mut refused = Vec::new();
     for repo in std::iter::once(&own).chain(client.index_repositories()) {
         let candidates = client
-            .referrers(repo, &manifest_digest, seekable::ARTIFACT_TYPE)
+            .referrers(repo, &manifest_digest, &[seekable::ARTIFACT_TYPE])
             .await
             .map_err(|e| e.context(format!("looking up seekable indexes in {repo}")))?;
         for desc in candidates.iter().rev().take(MAX_INDEX_CANDIDATES) {
+            // Nothing of an index is read before the policy accepts it.
+            match trust.check_index(client, cache, repo, desc.digest).await {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::Refused => {
+                    tracing::warn!(repository = %repo, index = %desc.digest, error = %e.chain(), "refusing a seekable index");
+                    refused.push(e.chain());
+                    continue;
+                }
+                Err(e) => {
+                    return Err(e.context(format!(
+                        "checking the signatures of index {}@{}",
+                        repo, desc.digest
+                    )))
+                }
+            }
             let found = index_from(
                 client,
                 cache,

@@ -28,6 +28,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::TocLocation;
 use crate::layer::{Layer, LayerKind, LayerMeta, Resolved};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
+use crate::policy::Verifier;
 use crate::reference::Reference;
 use crate::registry::Registry;
 use crate::task::blocking;
@@ -107,6 +108,7 @@ pub async fn platform_manifest(
 pub async fn disk_layer_id(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
+    trust: &Verifier,
     reference: &Reference,
     manifest: &oci::Manifest,
     manifest_digest: Digest,
@@ -122,7 +124,7 @@ pub async fn disk_layer_id(
             return Err(e.context(reference));
         }
         let (layer, meta, index) =
-            seekable_layer_id(client, cache, reference, manifest, manifest_digest).await?;
+            seekable_layer_id(client, cache, trust, reference, manifest, manifest_digest).await?;
         keep_layer(cache, &meta, index).await;
         return Ok((layer, meta));
     };
@@ -298,12 +300,23 @@ const TOC_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 async fn resolve_online(
     client: &dyn Registry,
     cache: &CacheRoot,
+    trust: &Verifier,
     reference: &Reference,
 ) -> Result<Layer> {
     let (manifest, manifest_digest, platform) =
         platform_manifest(client, Some(cache), reference).await?;
-    let (_, meta) =
-        disk_layer_id(client, Some(cache), reference, &manifest, manifest_digest).await?;
+    trust
+        .check_image(client, Some(cache), reference, manifest_digest)
+        .await?;
+    let (_, meta) = disk_layer_id(
+        client,
+        Some(cache),
+        trust,
+        reference,
+        &manifest,
+        manifest_digest,
+    )
+    .await?;
     let key = meta.id().key();
     let c = cache.clone();
     // Usually there already: kept by this call's `disk_layer_id` or the snapshotter's.
@@ -331,19 +344,29 @@ async fn resolve_online(
     .await
 }
 
-/// Resolves `reference` to its disk layer: from the registry, or from the cache when the
-/// registry is unreachable and this reference was resolved before.
+/// Resolves `reference` to its disk layer, once `trust` accepts the image (and the index it
+/// is read through): from the registry, or from the cache when the registry is unreachable
+/// and this reference was resolved (and so accepted) before.
 pub async fn resolve(
     client: &dyn Registry,
     cache: &CacheRoot,
+    trust: &Verifier,
     reference: &Reference,
 ) -> Result<Layer> {
-    match resolve_online(client, cache, reference).await {
+    match resolve_online(client, cache, trust, reference).await {
         Ok(layer) => Ok(layer),
         Err(e) if e.kind() == ErrorKind::Network => {
             let (cache, reference) = (cache.clone(), reference.clone());
+            let policy_set = trust.is_set();
+            let accepted = trust.accepted_offline();
             blocking(move || {
                 let record = cache.load_ref(&reference.to_string()).ok_or(e)?;
+                if policy_set && !accepted(&cache, &reference, &record.manifest_digest) {
+                    return Err(Error::new(
+                        ErrorKind::Refused,
+                        format!("{reference}: the registry is unreachable and the signature policy has not accepted {} on this node", record.manifest_digest),
+                    ));
+                }
                 let (meta, toc) = cache.load_layer_meta(&record.layer_key).ok_or_else(|| {
                     Error::new(
                         ErrorKind::Network,

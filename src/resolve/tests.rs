@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use super::*;
 use crate::format::seekable::{self, testing, Compression, Expected, Layout};
 use crate::layer::{LayerFormat, Resolved};
+use crate::policy::Verifier;
 use crate::registry::memory::MemoryRegistry;
 
 const REGISTRY: &str = "127.0.0.1:1";
@@ -130,7 +131,9 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
     let cache = CacheRoot::open(dir.path()).unwrap();
     let r = reference("vm:1");
 
-    let online = resolve(&registry, &cache, &r).await.unwrap();
+    let online = resolve(&registry, &cache, &Verifier::none(), &r)
+        .await
+        .unwrap();
     assert_eq!(online.resolved, Resolved::Online);
     assert_eq!(online.disk_path(), "disk/d.raw");
     assert_eq!(online.file_size(online.disk), data.len() as u64);
@@ -147,11 +150,13 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
     // The registry goes away: the same reference resolves from the cache, to the same layer;
     // one never resolved fails naming the registry as the cause.
     registry.down.store(true, Ordering::SeqCst);
-    let offline = resolve(&registry, &cache, &r).await.unwrap();
+    let offline = resolve(&registry, &cache, &Verifier::none(), &r)
+        .await
+        .unwrap();
     assert_eq!(offline.resolved, Resolved::Offline);
     assert_eq!(offline.key(), online.key());
     assert_eq!(offline.chunks, online.chunks);
-    let err = resolve(&registry, &cache, &reference("other:1"))
+    let err = resolve(&registry, &cache, &Verifier::none(), &reference("other:1"))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Network, "{}", err.chain());
@@ -161,7 +166,9 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
         .layer_dir(&online.key())
         .join(crate::cache::names::TOC);
     std::fs::write(&toc, b"not the TOC").unwrap();
-    let err = resolve(&registry, &cache, &r).await.unwrap_err();
+    let err = resolve(&registry, &cache, &Verifier::none(), &r)
+        .await
+        .unwrap_err();
     assert!(err.chain().contains("no TOC"), "{}", err.chain());
 }
 
@@ -188,7 +195,7 @@ async fn the_topmost_layer_with_a_toc_holds_the_disk_and_refused_annotations_say
     let (position, layer, compression) = indexable_layer(&manifest).unwrap();
     assert_eq!((position, compression), (2, Compression::Gzip));
     assert_eq!(layer.digest, Digest::of(b"plain"));
-    let (_, meta) = disk_layer_id(&registry, None, &r, &manifest, digest)
+    let (_, meta) = disk_layer_id(&registry, None, &Verifier::none(), &r, &manifest, digest)
         .await
         .unwrap();
     assert_eq!(meta.layer_digest, upper_digest);
@@ -204,7 +211,7 @@ async fn the_topmost_layer_with_a_toc_holds_the_disk_and_refused_annotations_say
     let digest = image(&registry, "bad", &[bad]);
     let r = reference("vm:bad");
     let (manifest, _, _) = platform_manifest(&registry, None, &r).await.unwrap();
-    let err = disk_layer_id(&registry, None, &r, &manifest, digest)
+    let err = disk_layer_id(&registry, None, &Verifier::none(), &r, &manifest, digest)
         .await
         .unwrap_err();
     assert!(
@@ -231,9 +238,11 @@ async fn a_config_that_does_not_list_a_diff_id_per_layer_is_refused() {
         "{}",
         err.chain()
     );
-    assert!(disk_layer_id(&registry, None, &r, &manifest, digest)
-        .await
-        .is_ok());
+    assert!(
+        disk_layer_id(&registry, None, &Verifier::none(), &r, &manifest, digest)
+            .await
+            .is_ok()
+    );
 }
 
 #[tokio::test]
@@ -258,7 +267,9 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
     let r = reference("vm:1");
 
     // No index yet: the error says what was searched and what to do.
-    let err = resolve(&registry, &cache, &r).await.unwrap_err();
+    let err = resolve(&registry, &cache, &Verifier::none(), &r)
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotFound, "{}", err.chain());
     assert!(err.chain().contains("vmdisk index"), "{}", err.chain());
     assert!(
@@ -284,7 +295,9 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
         &other.index,
         &other.windows,
     );
-    let resolved = resolve(&registry, &cache, &r).await.unwrap();
+    let resolved = resolve(&registry, &cache, &Verifier::none(), &r)
+        .await
+        .unwrap();
     let Some(source) = resolved.meta.index_source() else {
         panic!("read through an index: {:?}", resolved.meta.kind);
     };
@@ -325,7 +338,9 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
     );
     let dir = tempfile::tempdir().unwrap();
     let cache = CacheRoot::open(dir.path()).unwrap();
-    let err = resolve(&lying, &cache, &r).await.unwrap_err();
+    let err = resolve(&lying, &cache, &Verifier::none(), &r)
+        .await
+        .unwrap_err();
     assert!(
         err.chain().contains("no usable seekable index"),
         "{}",

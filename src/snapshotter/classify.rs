@@ -16,6 +16,7 @@ use crate::cache::CacheRoot;
 use crate::digest::Digest;
 use crate::error::{ErrorKind, Result};
 use crate::oci::{self, ManifestKind};
+use crate::policy::Verifier;
 use crate::reference::Reference;
 use crate::registry::Registry;
 
@@ -49,16 +50,24 @@ pub struct Classifier {
     client: Arc<dyn Registry>,
     /// Where verified manifests and configs are kept for the mount servers.
     cache: Option<CacheRoot>,
+    /// The node's signature policy.
+    trust: Arc<Verifier>,
     manifests: Mutex<HashMap<String, Arc<oci::Manifest>>>,
 }
 
 impl Classifier {
-    pub fn new(client: Arc<dyn Registry>, cache: Option<CacheRoot>) -> Self {
+    pub fn new(client: Arc<dyn Registry>, cache: Option<CacheRoot>, trust: Arc<Verifier>) -> Self {
         Classifier {
             client,
             cache,
+            trust,
             manifests: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The node's signature policy.
+    pub fn trust(&self) -> &Verifier {
+        &self.trust
     }
 
     /// The registry client, with the node's own credentials.
@@ -165,6 +174,7 @@ impl Classifier {
         match crate::resolve::disk_layer_id(
             client,
             self.cache(),
+            &self.trust,
             &reference,
             &manifest,
             manifest_digest,

@@ -33,6 +33,9 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub cri: CriConfig,
     pub containerd: ContainerdConfig,
+    /// Signature policies every image (and seekable index) must satisfy before it is served
+    /// ([`crate::policy`]); none by default.
+    pub signatures: crate::policy::PolicyFiles,
 }
 
 /// The containerd this daemon serves.
@@ -146,6 +149,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             cri: CriConfig::default(),
             containerd: ContainerdConfig::default(),
+            signatures: crate::policy::PolicyFiles::default(),
         }
     }
 }

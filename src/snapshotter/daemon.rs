@@ -107,15 +107,21 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
             limit: config.cache_limit()?,
         },
     );
+    let signatures = config.signatures.clone();
     let snapshotter = Arc::new(
         super::blocking(move || {
+            let trust = crate::policy::Verifier::load(&signatures)
+                .map_err(|e| e.context("configuration [signatures]"))?;
+            if trust.is_set() {
+                tracing::info!(?trust, "signature policy in force");
+            }
             // The classifier keeps the manifests and configs it verifies in the cache, where the
             // mount servers find them instead of fetching them again.
             let kept = crate::cache::CacheRoot::open(&cache.dir)?;
             Snapshotter::open(
                 &root,
                 Box::new(servers),
-                Classifier::new(client, Some(kept)),
+                Classifier::new(client, Some(kept), Arc::new(trust)),
                 cache,
                 tenants,
             )

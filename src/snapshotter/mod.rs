@@ -422,7 +422,7 @@ impl Snapshotter {
             if self
                 .try_remote(&target, parent, &labels)
                 .instrument(span)
-                .await
+                .await?
             {
                 return Ok(None);
             }
@@ -434,20 +434,27 @@ impl Snapshotter {
             .map(Some)
     }
 
-    /// Classifies the layer and, if it is a disk, serves it remotely; whether the target
-    /// snapshot now exists. Every outcome is counted and logged. The classification may use
-    /// the credentials of the CRI pulls of this image in flight (containerd is pulling it with
-    /// them: that is why it asks).
+    /// Checks the image against the signature policy, classifies the layer and, if it is a
+    /// disk, serves it remotely; whether the target snapshot now exists. An image the policy
+    /// refuses fails the Prepare (and so containerd's pull), whatever the layer: an ordinary
+    /// pull of it would unpack the same unverified bytes. Every outcome is counted and
+    /// logged. The classification may use the credentials of the CRI pulls of this image in
+    /// flight (containerd is pulling it with them: that is why it asks).
     async fn try_remote(
         self: &Arc<Self>,
         target: &str,
         parent: &str,
         labels: &BTreeMap<String, String>,
-    ) -> bool {
+    ) -> Result<bool> {
         let started = std::time::Instant::now();
         let image = labels.get(classify::LABEL_IMAGE_REF);
         let pending = image.map_or_else(Vec::new, |i| self.tenants.pending_for(i));
         let client = self.client_with(image.and_then(|i| i.parse().ok()), &pending);
+        if let Err(e) = self.check_policy(labels, client.as_ref()).await {
+            self.counters.add("decision/refused:policy", 1);
+            tracing::warn!(error = %e.chain(), "the signature policy refuses the image; the pull fails");
+            return Err(e);
+        }
         match self.classifier.classify(labels, client.as_ref()).await {
             Decision::Remote { reference, layer } => {
                 if let (Some(image), Some(digest)) = (image, reference.digest) {
@@ -461,7 +468,7 @@ impl Snapshotter {
                         self.counters.add(&format!("decision/{outcome}"), 1);
                         let ms = started.elapsed().as_millis() as u64;
                         tracing::info!(%layer, %reference, outcome, ms, "layer is served lazily");
-                        return true;
+                        return Ok(true);
                     }
                     Err(e) => {
                         self.counters.add("decision/fallback:mount_failed", 1);
@@ -487,7 +494,32 @@ impl Snapshotter {
                 }
             }
         }
-        false
+        Ok(false)
+    }
+
+    /// Whether the signature policy accepts the image a Prepare with `labels` unpacks (its
+    /// CRI labels name it: the reference as pulled and the platform manifest digest). Without
+    /// those labels containerd pulls outside CRI (`ctr`), and nothing is checked here.
+    async fn check_policy(
+        &self,
+        labels: &BTreeMap<String, String>,
+        client: &dyn crate::registry::Registry,
+    ) -> Result<()> {
+        let trust = self.classifier.trust();
+        if !trust.is_set() {
+            return Ok(());
+        }
+        let (Some(image), Some(manifest)) = (
+            labels.get(classify::LABEL_IMAGE_REF),
+            labels.get(classify::LABEL_MANIFEST),
+        ) else {
+            return Ok(());
+        };
+        let image: Reference = image.parse()?;
+        let digest: crate::digest::Digest = manifest.parse()?;
+        trust
+            .check_image(client, self.classifier.cache(), &image, digest)
+            .await
     }
 
     /// The registry client acting with the node's credentials and `credentials` for the
@@ -716,14 +748,22 @@ impl Snapshotter {
     ) -> Result<crate::digest::Digest> {
         let parsed: Reference = reference.parse()?;
         let cache = self.classifier.cache();
-        let (remote, grants) = match self.authorize(reference, &parsed, requester).await? {
+        let (remote, grants, checked_now) = match self
+            .authorize(reference, &parsed, requester)
+            .await?
+        {
             Access::Fetch { client, grant } => {
                 match crate::resolve::platform_manifest(client.as_ref(), cache, &parsed).await {
                     Ok((manifest, digest, _)) => {
+                        let trust = self.classifier.trust();
+                        trust
+                            .check_image(client.as_ref(), cache, &parsed, digest)
+                            .await?;
                         let pinned = parsed.with_digest(digest);
                         let (_, meta) = crate::resolve::disk_layer_id(
                             client.as_ref(),
                             cache,
+                            trust,
                             &pinned,
                             &manifest,
                             digest,
@@ -749,6 +789,7 @@ impl Snapshotter {
                                 alias: Some(reference.to_string()),
                             },
                             grants,
+                            true,
                         )
                     }
                     Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::Timeout) => {
@@ -762,7 +803,7 @@ impl Snapshotter {
                         match known.filter(|_| allowed) {
                             Some(r) => {
                                 tracing::warn!(reference, error = %e.chain(), "registry unreachable; serving the disk kept before");
-                                (r, Vec::new())
+                                (r, Vec::new(), false)
                             }
                             None => return Err(e),
                         }
@@ -770,8 +811,13 @@ impl Snapshotter {
                     Err(e) => return Err(e),
                 }
             }
-            Access::Held(r) => (r, Vec::new()),
+            Access::Held(r) => (r, Vec::new(), false),
         };
+        if !checked_now {
+            // Served from what the node holds: it must have been accepted under the policy in
+            // force.
+            self.held_accepted(&remote).await?;
+        }
         let layer = remote.layer;
         let lock = self.layer_locks.lock(&layer).await;
         self.servers
@@ -781,6 +827,44 @@ impl Snapshotter {
         blocking(move || me.store.pin(&name, &remote)).await?;
         drop(lock);
         Ok(layer)
+    }
+
+    /// Refuses a disk the node holds unless the signature policy in force accepted it (as its
+    /// pinned reference or the name it was pulled as) on this node.
+    async fn held_accepted(&self, remote: &RemoteLayerRef) -> Result<()> {
+        let trust = self.classifier.trust();
+        if !trust.is_set() {
+            return Ok(());
+        }
+        let accepted = trust.accepted_offline();
+        let (cache, held) = (self.classifier.cache().cloned(), remote.clone());
+        let ok = blocking(move || {
+            let remote = held;
+            let Some(cache) = cache else { return Ok(false) };
+            let pinned: Reference = remote.reference.parse()?;
+            let Some(digest) = pinned.digest else {
+                return Ok(false);
+            };
+            let names = std::iter::once(pinned.clone()).chain(
+                remote
+                    .alias
+                    .as_deref()
+                    .and_then(|a| a.parse::<Reference>().ok()),
+            );
+            Ok(names.into_iter().any(|n| accepted(&cache, &n, &digest)))
+        })
+        .await?;
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::new(
+                ErrorKind::Refused,
+                format!(
+                    "{}: the registry was not asked and the signature policy in force has not accepted this image on this node",
+                    remote.reference
+                ),
+            ))
+        }
     }
 
     /// Whether `requester` may have `reference`'s disk, and how to read it. The node's

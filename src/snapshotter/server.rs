@@ -385,14 +385,25 @@ async fn start(
     let client = Arc::new(
         crate::registry::RegistryClient::new(config.registry_config())?.with_grants(granted),
     );
+    let signatures = config.signatures.clone();
+    let trust = crate::task::blocking(move || crate::policy::Verifier::load(&signatures))
+        .await
+        .map_err(|e| e.context("configuration [signatures]"))?;
     let opts = crate::engine::EngineOptions {
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
         ..Default::default()
     };
     // The ready directory is described before serving, head first.
     let warm = crate::serve::Warm::DiskHead;
-    let engine =
-        crate::serve::open_engine(Arc::clone(&client) as _, &cache, &reference, opts, warm).await?;
+    let engine = crate::serve::open_engine(
+        Arc::clone(&client) as _,
+        &cache,
+        &trust,
+        &reference,
+        opts,
+        warm,
+    )
+    .await?;
     let key = engine.layer.key();
     if key != *layer {
         return Err(Error::corrupt(format!(

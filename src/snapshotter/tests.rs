@@ -137,7 +137,11 @@ fn fixture_with(policy: super::tenants::Verification) -> Fixture {
     let snapshotter = Snapshotter::open(
         &dir.path().join("root"),
         Box::new(Arc::clone(&supervisor)),
-        Classifier::new(Arc::clone(&registry) as Arc<dyn Registry>, None),
+        Classifier::new(
+            Arc::clone(&registry) as Arc<dyn Registry>,
+            None,
+            Default::default(),
+        ),
         CacheSettings {
             dir: dir.path().join("cache"),
             limit: None,
@@ -329,6 +333,7 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
     let classifier = Classifier::new(
         Arc::clone(&registry) as Arc<dyn Registry>,
         Some(cache.clone()),
+        Default::default(),
     );
     let decision = classifier
         .classify(
@@ -347,9 +352,16 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
         .await
         .unwrap();
     assert_eq!(digest, manifest);
-    let (_, meta) = crate::resolve::disk_layer_id(client, Some(&cache), &reference, &m, digest)
-        .await
-        .unwrap();
+    let (_, meta) = crate::resolve::disk_layer_id(
+        client,
+        Some(&cache),
+        &crate::policy::Verifier::none(),
+        &reference,
+        &m,
+        digest,
+    )
+    .await
+    .unwrap();
     assert_eq!(meta.id().key(), layer);
     // A kept blob that no longer hashes to its name is not used.
     let kept = dir.path().join("blobs").join(manifest.hex());
