@@ -28,6 +28,9 @@ APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu
 DEPS_DIR := $(CURDIR)/target/deps
 CONTAINERD_17 := containerd=1.7.24~ds1-6+deb13u1
 CONTAINERD_2 := containerd=2.1.9+ds1-5
+# The signing tools of the signature-policy test (Debian unstable's cosign and notation, Go
+# programs that need only libc6 >= 2.34), unpacked the same way.
+SIGNERS := cosign/sid notation/sid
 
 .PHONY: all deps build demo test unit integration lint bench fuzz clean deb image
 
@@ -50,6 +53,8 @@ deps:
 	@[ -x $(DEPS_DIR)/containerd-2/usr/bin/containerd ] || \
 		integration/debs.sh $(DEPS_DIR)/containerd-2 $(CONTAINERD_2) || \
 		integration/debs.sh $(DEPS_DIR)/containerd-2 containerd/sid
+	@[ -x $(DEPS_DIR)/signers/usr/bin/cosign ] && [ -x $(DEPS_DIR)/signers/usr/bin/notation ] || \
+		integration/debs.sh $(DEPS_DIR)/signers $(SIGNERS)
 	@[ -d $(DEPS_DIR)/suite-1.7/usr/share/gocode ] || \
 		integration/debs.sh --go-sources trixie $(DEPS_DIR)/suite-1.7 golang-github-containerd-containerd-dev golang-go
 	@[ -d $(DEPS_DIR)/suite-2/usr/share/gocode ] || \

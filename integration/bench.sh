@@ -82,3 +82,4 @@ integration/bench-boot.sh
 integration/bench-link.sh
 integration/bench-index.sh
 integration/bench-rawview.sh
+integration/bench-signatures.sh

@@ -17,6 +17,7 @@ mod mount;
 mod packages;
 mod publish;
 mod rawview;
+mod signatures;
 mod snapshotter;
 mod tenants;
 mod token;

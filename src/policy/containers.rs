@@ -27,6 +27,8 @@ pub const MAX_POLICY_FILE: u64 = 1 << 20;
 #[derive(Debug)]
 pub struct Policy {
     pub path: PathBuf,
+    /// The file as read.
+    text: Vec<u8>,
     default: Vec<Requirement>,
     /// The `docker` transport's scopes.
     docker: BTreeMap<String, Vec<Requirement>>,
@@ -115,9 +117,26 @@ impl Policy {
         }
         Ok(Policy {
             path: path.to_path_buf(),
+            text: bytes.to_vec(),
             default,
             docker,
         })
+    }
+
+    /// What its decisions depend on: the file and every key it names, as read.
+    pub fn material(&self) -> Vec<&[u8]> {
+        let keys = self
+            .docker
+            .values()
+            .chain(std::iter::once(&self.default))
+            .flatten()
+            .filter_map(|r| match r {
+                Requirement::Sigstore { keys, .. } => Some(keys),
+                _ => None,
+            })
+            .flatten()
+            .map(|k| k.der());
+        std::iter::once(self.text.as_slice()).chain(keys).collect()
     }
 
     /// The requirements for `reference` (as named: tag or digest) and the entry they are.

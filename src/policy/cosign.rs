@@ -55,10 +55,18 @@ pub async fn signatures(
     digest: &Digest,
 ) -> Result<Vec<Found>> {
     let mut found = Vec::new();
-    // cosign lists its bundles in the referrers fallback index with the empty config's type.
-    let referrers = client
-        .referrers(repo, digest, &[BUNDLE_TYPE, oci::OCI_EMPTY])
-        .await?;
+    let tag = Reference {
+        tag: Some(format!("sha256-{}.sig", digest.hex())),
+        digest: None,
+        ..repo.clone()
+    };
+    // Both formats are looked up at once: one round trip, not two. cosign lists its bundles in
+    // the referrers fallback index with the empty config's type.
+    let (referrers, image) = tokio::join!(
+        client.referrers(repo, digest, &[BUNDLE_TYPE, oci::OCI_EMPTY]),
+        client.get_manifest(&tag)
+    );
+    let referrers = referrers?;
     for desc in referrers.iter().rev().take(super::MAX_SIGNATURES) {
         let Some((manifest, layer)) = artifact_layer(client, repo, desc, BUNDLE_TYPE).await? else {
             continue;
@@ -75,12 +83,7 @@ pub async fn signatures(
             Err(why) => tracing::warn!(%origin, why, "ignoring a malformed cosign bundle"),
         }
     }
-    let tag = Reference {
-        tag: Some(format!("sha256-{}.sig", digest.hex())),
-        digest: None,
-        ..repo.clone()
-    };
-    let image = match client.get_manifest(&tag).await {
+    let image = match image {
         Ok(m) => Some(m.manifest),
         Err(e) if e.kind() == ErrorKind::NotFound => None,
         Err(e) => return Err(e.context(format!("reading cosign's signature image {tag}"))),

@@ -49,6 +49,11 @@ impl PublicKey {
         })
     }
 
+    /// The key (SubjectPublicKeyInfo DER).
+    pub fn der(&self) -> &[u8] {
+        self.spki.as_ref()
+    }
+
     /// Whether `signature` (DER for ECDSA, as cosign writes it) signs `message` with this key.
     pub fn verifies(&self, message: &[u8], signature: &[u8]) -> bool {
         let Ok(entity) = webpki::RawPublicKeyEntity::try_from(&self.spki) else {

@@ -121,22 +121,6 @@ fn decision_key(fingerprint: &Digest, reference: &Reference, digest: &Digest) ->
     h.finish()
 }
 
-/// Every regular file under `dir` (sorted), for the fingerprint of a trust store.
-fn files_under(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    let mut paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
-    paths.sort();
-    for p in paths {
-        if p.is_dir() {
-            files_under(&p, out);
-        } else if p.is_file() {
-            out.push(p);
-        }
-    }
-}
-
 impl Default for Verifier {
     fn default() -> Self {
         Verifier::none()
@@ -168,23 +152,16 @@ impl Verifier {
             }
             None => None,
         };
-        // What the decisions depend on: the policy files, the keys they name (read from the
-        // policies' directories) and the trust store.
-        let mut read = Vec::new();
-        if let Some(p) = &containers {
-            read.push(p.path.clone());
-            if let Some(dir) = p.path.parent() {
-                files_under(dir, &mut read);
-            }
-        }
-        if let Some((p, store)) = &notation {
-            read.push(p.path.clone());
-            files_under(store, &mut read);
-        }
+        // What the decisions depend on: the policy files and the keys and certificates they
+        // name, as read.
         let mut hasher = Hasher::new();
-        for path in &read {
-            hasher.update(path.as_os_str().as_encoded_bytes());
-            hasher.update(&std::fs::read(path).unwrap_or_default());
+        for part in containers
+            .iter()
+            .flat_map(|p| p.material())
+            .chain(notation.iter().flat_map(|(p, _)| p.material()))
+        {
+            hasher.update(&(part.len() as u64).to_le_bytes());
+            hasher.update(part);
         }
         Ok(Verifier {
             containers,

@@ -54,6 +54,8 @@ pub enum Level {
 #[derive(Debug)]
 pub struct TrustPolicy {
     pub path: PathBuf,
+    /// The file as read.
+    text: Vec<u8>,
     policies: Vec<Entry>,
 }
 
@@ -168,8 +170,20 @@ impl TrustPolicy {
         }
         Ok(TrustPolicy {
             path: path.to_path_buf(),
+            text: bytes,
             policies,
         })
+    }
+
+    /// What its decisions depend on: the file and every trust store certificate, as read.
+    pub fn material(&self) -> Vec<&[u8]> {
+        std::iter::once(self.text.as_slice())
+            .chain(
+                self.policies
+                    .iter()
+                    .flat_map(|p| p.anchors.iter().map(|c| c.as_ref())),
+            )
+            .collect()
     }
 
     /// The policy for `repo` (`host/repository`): the one whose scopes name it, else `"*"`'s.

@@ -1071,15 +1071,18 @@ impl RegistryClient {
         artifact_types: &[&str],
     ) -> Result<Vec<Descriptor>> {
         let what = &format!("referrers of {digest}");
-        let api = self
-            .pull(
+        // The API and the fallback tag are asked at once: a registry without the API costs no
+        // second round trip (the tag's answer is used only where the API has none).
+        let (api, fallback) = tokio::join!(
+            self.pull(
                 r,
                 what,
                 true,
                 |ep| Req::get(ep, r, &format!("referrers/{digest}")).header(ACCEPT, oci::OCI_INDEX),
                 |resp, ep| async move { self.body(&ep, resp, oci::MAX_MANIFEST_SIZE, what).await },
-            )
-            .await;
+            ),
+            self.fallback_referrers(r, digest)
+        );
         let index = match api {
             Ok(bytes) => match oci::parse_manifest(&bytes, Some(oci::OCI_INDEX))? {
                 ManifestKind::Index(index) => Some(index),
@@ -1096,7 +1099,7 @@ impl RegistryClient {
         };
         let manifests = match index {
             Some(index) if !index.manifests.is_empty() => index.manifests,
-            _ => self.fallback_referrers(r, digest).await?.1,
+            _ => fallback?.1,
         };
         Ok(manifests
             .into_iter()

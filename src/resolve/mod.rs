@@ -305,18 +305,21 @@ async fn resolve_online(
 ) -> Result<Layer> {
     let (manifest, manifest_digest, platform) =
         platform_manifest(client, Some(cache), reference).await?;
-    trust
-        .check_image(client, Some(cache), reference, manifest_digest)
-        .await?;
-    let (_, meta) = disk_layer_id(
-        client,
-        Some(cache),
-        trust,
-        reference,
-        &manifest,
-        manifest_digest,
-    )
-    .await?;
+    // The signatures are fetched alongside the TOC (nothing of the disk); the layer opens
+    // only if both hold.
+    let (checked, layer) = tokio::join!(
+        trust.check_image(client, Some(cache), reference, manifest_digest),
+        disk_layer_id(
+            client,
+            Some(cache),
+            trust,
+            reference,
+            &manifest,
+            manifest_digest,
+        )
+    );
+    checked?;
+    let (_, meta) = layer?;
     let key = meta.id().key();
     let c = cache.clone();
     // Usually there already: kept by this call's `disk_layer_id` or the snapshotter's.

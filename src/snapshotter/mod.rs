@@ -450,12 +450,18 @@ impl Snapshotter {
         let image = labels.get(classify::LABEL_IMAGE_REF);
         let pending = image.map_or_else(Vec::new, |i| self.tenants.pending_for(i));
         let client = self.client_with(image.and_then(|i| i.parse().ok()), &pending);
-        if let Err(e) = self.check_policy(labels, client.as_ref()).await {
+        // The signatures are fetched while the layer is classified (manifest, config, TOC:
+        // nothing of the disk), and nothing is served before both are done.
+        let (checked, decision) = tokio::join!(
+            self.check_policy(labels, client.as_ref()),
+            self.classifier.classify(labels, client.as_ref())
+        );
+        if let Err(e) = checked {
             self.counters.add("decision/refused:policy", 1);
             tracing::warn!(error = %e.chain(), "the signature policy refuses the image; the pull fails");
             return Err(e);
         }
-        match self.classifier.classify(labels, client.as_ref()).await {
+        match decision {
             Decision::Remote { reference, layer } => {
                 if let (Some(image), Some(digest)) = (image, reference.digest) {
                     self.tenants.note_classified(image, digest);
@@ -756,19 +762,21 @@ impl Snapshotter {
                 match crate::resolve::platform_manifest(client.as_ref(), cache, &parsed).await {
                     Ok((manifest, digest, _)) => {
                         let trust = self.classifier.trust();
-                        trust
-                            .check_image(client.as_ref(), cache, &parsed, digest)
-                            .await?;
                         let pinned = parsed.with_digest(digest);
-                        let (_, meta) = crate::resolve::disk_layer_id(
-                            client.as_ref(),
-                            cache,
-                            trust,
-                            &pinned,
-                            &manifest,
-                            digest,
-                        )
-                        .await?;
+                        // Signatures and the layer's TOC at once; the disk only if both hold.
+                        let (checked, layer) = tokio::join!(
+                            trust.check_image(client.as_ref(), cache, &parsed, digest),
+                            crate::resolve::disk_layer_id(
+                                client.as_ref(),
+                                cache,
+                                trust,
+                                &pinned,
+                                &manifest,
+                                digest,
+                            )
+                        );
+                        checked?;
+                        let (_, meta) = layer?;
                         let mut grants = self.tenants.covering(&parsed, &digest);
                         match (&grant, requester) {
                             (Some(g), Requester::Namespace(ns)) => {
