@@ -77,11 +77,8 @@ impl Engine {
                 let cache = cache.clone();
                 let pieces = engine.pieces(Extent::Structure, ask).await?;
                 blocking(move || {
-                    let dbg: Vec<String> = pieces.iter().map(|p| match p { Piece::Region(b) => format!("R{}:{}:{}", b.len(), crate::digest::Digest::of(b), String::from_utf8_lossy(&b[..b.len().min(1024)]).replace('\0', ".")), Piece::Chunk(i) => format!("C{i}") }).filter(|s| s.starts_with('R')).collect();
                     let mut stream = Stream::new(&engine, pieces, false);
-                    let entries = read_entries(&mut stream).inspect_err(|_| eprintln!("DEBUG structure attempt failed: {dbg:?}"));
-                    if entries.is_ok() { eprintln!("DEBUG structure ok: {dbg:?}"); }
-                    let entries = entries?;
+                    let entries = read_entries(&mut stream)?;
                     compare(&engine.layer, &entries, &stream.chunk_starts)?;
                     if let Some(cache) = cache {
                         if let Err(e) = cache.save_structure_checked(&key) {
@@ -196,9 +193,12 @@ impl Engine {
 
     /// How the checks of a layer against its tar stream are made again: a few times, each
     /// within the fetch deadline.
+    /// How a check is made again. The regions between chunks carry no digest, so bytes flipped
+    /// on the way fail a try as a lie would; a fault is random and a lie is the same every
+    /// time, so a check fails only after six tries (from the registry itself after the first).
     fn check_policy(&self) -> crate::retry::RetryPolicy {
         crate::retry::RetryPolicy {
-            attempts: 3,
+            attempts: 6,
             base_delay: std::time::Duration::from_millis(100),
             max_delay: std::time::Duration::from_secs(1),
             deadline: self.opts.fetch_deadline * 3,
