@@ -240,6 +240,13 @@ fn signed_disks_are_served_and_everything_else_is_refused_before_a_byte() {
     let ready = daemon.vmdisk_ok(&["path", &signed]);
     assert!(files_identical(Path::new(ready.trim()), &signed_disk));
     daemon.vmdisk_ok(&["path", &legacy]);
+    // The mount servers take the daemon's decisions from the cache: no signature fetched twice.
+    assert!(
+        !daemon
+            .servers_log_text()
+            .contains("accepted by the signature policy"),
+        "a mount server checked signatures again"
+    );
     ctd.pull(&notary)
         .unwrap_or_else(|e| panic!("PullImage {notary}: {e}\n{}", daemon.log_text()));
     let ready = daemon.vmdisk_ok(&["path", &notary]);

@@ -999,6 +999,7 @@ async fn mount(args: MountArgs) -> Result<()> {
         &cache,
         &trust,
         &reference,
+        &reference,
         opts,
         crate::serve::Warm::Nothing,
     )
@@ -1056,6 +1057,7 @@ async fn trace_record(args: TraceRecordArgs) -> Result<()> {
         std::sync::Arc::clone(&client) as _,
         &cache,
         &crate::policy::Verifier::none(),
+        &reference,
         &reference,
         Default::default(),
         crate::serve::Warm::Nothing,

@@ -307,14 +307,6 @@ impl Identity {
                 .is_ok_and(|w| repo_of(&w) == repo_of(&claimed)),
         }
     }
-
-    /// Whether a claim-less signature can satisfy it (for messages).
-    pub fn needs_claim(&self) -> bool {
-        !matches!(
-            self,
-            Identity::MatchRepository | Identity::MatchRepoDigestOrExact
-        )
-    }
 }
 
 #[cfg(test)]

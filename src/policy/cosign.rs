@@ -18,7 +18,7 @@ use super::containers::Identity;
 use super::keys::PublicKey;
 use crate::digest::Digest;
 use crate::error::{ErrorKind, Result};
-use crate::oci::{self, Descriptor, ManifestKind};
+use crate::oci::{self, ManifestKind};
 use crate::reference::Reference;
 use crate::registry::Registry;
 
@@ -68,12 +68,13 @@ pub async fn signatures(
     );
     let referrers = referrers?;
     for desc in referrers.iter().rev().take(super::MAX_SIGNATURES) {
-        let Some((manifest, layer)) = artifact_layer(client, repo, desc, BUNDLE_TYPE).await? else {
+        let layers = super::artifact_layers(client, repo, desc).await?;
+        let Some(layer) = layers.into_iter().find(|l| l.media_type == BUNDLE_TYPE) else {
             continue;
         };
         let origin = format!(
-            "cosign bundle {}/{}@{manifest}",
-            repo.registry, repo.repository
+            "cosign bundle {}/{}@{}",
+            repo.registry, repo.repository, desc.digest
         );
         let bytes = client
             .get_blob(repo, &layer, super::MAX_SIGNATURE_BLOB)
@@ -114,23 +115,6 @@ pub async fn signatures(
         }
     }
     Ok(found)
-}
-
-/// The manifest digest and the layer of `want` type of referrer `desc`, if it is one.
-pub(super) async fn artifact_layer(
-    client: &dyn Registry,
-    repo: &Reference,
-    desc: &Descriptor,
-    want: &str,
-) -> Result<Option<(Digest, Descriptor)>> {
-    let manifest = client.get_manifest(&repo.with_digest(desc.digest)).await?;
-    let ManifestKind::Image(m) = manifest.manifest else {
-        return Ok(None);
-    };
-    Ok(m.layers
-        .into_iter()
-        .find(|l| l.media_type == want)
-        .map(|l| (desc.digest, l)))
 }
 
 #[derive(Deserialize)]
@@ -195,8 +179,6 @@ fn dsse_pae(payload_type: &str, payload: &[u8]) -> Vec<u8> {
 
 #[derive(Deserialize)]
 struct Statement {
-    #[serde(rename = "_type")]
-    _type: String,
     subject: Vec<StatementSubject>,
     #[serde(rename = "predicateType")]
     predicate_type: String,

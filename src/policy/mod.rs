@@ -104,6 +104,23 @@ pub(crate) fn read_bounded(path: &Path, max: u64, what: &str) -> Result<Vec<u8>>
     Ok(bytes)
 }
 
+/// The layers of referrer `desc` in `repo` (none if it is not an image manifest): where a
+/// signature artifact keeps its envelope.
+async fn artifact_layers(
+    client: &dyn Registry,
+    repo: &Reference,
+    desc: &crate::oci::Descriptor,
+) -> Result<Vec<crate::oci::Descriptor>> {
+    match client
+        .get_manifest(&repo.with_digest(desc.digest))
+        .await?
+        .manifest
+    {
+        ManifestKind::Image(m) => Ok(m.layers),
+        ManifestKind::Index(_) => Ok(Vec::new()),
+    }
+}
+
 fn now_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

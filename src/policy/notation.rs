@@ -222,21 +222,20 @@ impl TrustPolicy {
             .await?;
         let mut reasons = Vec::new();
         for desc in referrers.iter().rev().take(super::MAX_SIGNATURES) {
-            let layer = match super::cosign::artifact_layer(client, reference, desc, JWS).await? {
-                Some((_, layer)) => layer,
-                None => {
-                    match super::cosign::artifact_layer(client, reference, desc, COSE).await? {
-                        Some(_) => reasons.push(format!(
-                            "{}: a COSE envelope, which vmdisk does not read (sign with --signature-format jws)",
-                            desc.digest
-                        )),
-                        None => reasons.push(format!("{}: no JWS envelope", desc.digest)),
-                    }
-                    continue;
-                }
+            let layers = super::artifact_layers(client, reference, desc).await?;
+            let Some(layer) = layers.iter().find(|l| l.media_type == JWS) else {
+                reasons.push(if layers.iter().any(|l| l.media_type == COSE) {
+                    format!(
+                        "{}: a COSE envelope, which vmdisk does not read (sign with --signature-format jws)",
+                        desc.digest
+                    )
+                } else {
+                    format!("{}: no JWS envelope", desc.digest)
+                });
+                continue;
             };
             let envelope = client
-                .get_blob(reference, &layer, super::MAX_SIGNATURE_BLOB)
+                .get_blob(reference, layer, super::MAX_SIGNATURE_BLOB)
                 .await?;
             match verify_jws(&envelope, digest, policy) {
                 Ok(until) => return Ok(Ok(until)),
@@ -294,12 +293,10 @@ fn parse_dn(text: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The subject attributes of certificate `der` as notation names them.
-fn subject_of(der: &[u8]) -> std::result::Result<Vec<(String, String)>, String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| e.to_string())?;
+/// The subject attributes of certificate `cert` as notation names them.
+fn subject_of(cert: &x509_parser::certificate::X509Certificate<'_>) -> Vec<(String, String)> {
     let reg = x509_parser::objects::oid_registry();
-    Ok(cert
-        .subject()
+    cert.subject()
         .iter_attributes()
         .filter_map(|a| {
             let name = reg.get(a.attr_type())?.sn().to_string();
@@ -315,7 +312,7 @@ fn subject_of(der: &[u8]) -> std::result::Result<Vec<(String, String)>, String> 
             .to_ascii_uppercase();
             Some((name, a.as_str().ok()?.to_string()))
         })
-        .collect())
+        .collect()
 }
 
 #[derive(Deserialize)]
@@ -464,8 +461,9 @@ fn verify_jws(bytes: &[u8], digest: &Digest, policy: &Entry) -> std::result::Res
     .map_err(|e| {
         format!("its certificate chain does not lead to the policy's trust stores: {e}")
     })?;
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf_der).map_err(|e| e.to_string())?;
     if let Some(identities) = &policy.identities {
-        let subject = subject_of(leaf_der)?;
+        let subject = subject_of(&cert);
         let matches = identities
             .iter()
             .any(|want| want.iter().all(|attr| subject.contains(attr)));
@@ -476,7 +474,6 @@ fn verify_jws(bytes: &[u8], digest: &Digest, policy: &Entry) -> std::result::Res
             ));
         }
     }
-    let (_, cert) = x509_parser::parse_x509_certificate(leaf_der).map_err(|e| e.to_string())?;
     Ok(cert.validity().not_after.timestamp().max(0) as u64)
 }
 

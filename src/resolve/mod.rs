@@ -301,6 +301,7 @@ async fn resolve_online(
     client: &dyn Registry,
     cache: &CacheRoot,
     trust: &Verifier,
+    named: &Reference,
     reference: &Reference,
 ) -> Result<Layer> {
     let (manifest, manifest_digest, platform) =
@@ -308,7 +309,7 @@ async fn resolve_online(
     // The signatures are fetched alongside the TOC (nothing of the disk); the layer opens
     // only if both hold.
     let (checked, layer) = tokio::join!(
-        trust.check_image(client, Some(cache), reference, manifest_digest),
+        trust.check_image(client, Some(cache), named, manifest_digest),
         disk_layer_id(
             client,
             Some(cache),
@@ -347,24 +348,27 @@ async fn resolve_online(
     .await
 }
 
-/// Resolves `reference` to its disk layer, once `trust` accepts the image (and the index it
-/// is read through): from the registry, or from the cache when the registry is unreachable
-/// and this reference was resolved (and so accepted) before.
+/// Resolves `reference` to its disk layer, once `trust` accepts the image as `named` (the name
+/// it was asked for by: a policy's scopes and identities are about it; the daemon's mount
+/// servers get the name the daemon checked) and the index it is read through: from the
+/// registry, or from the cache when the registry is unreachable and the policy in force
+/// accepted it before.
 pub async fn resolve(
     client: &dyn Registry,
     cache: &CacheRoot,
     trust: &Verifier,
+    named: &Reference,
     reference: &Reference,
 ) -> Result<Layer> {
-    match resolve_online(client, cache, trust, reference).await {
+    match resolve_online(client, cache, trust, named, reference).await {
         Ok(layer) => Ok(layer),
         Err(e) if e.kind() == ErrorKind::Network => {
-            let (cache, reference) = (cache.clone(), reference.clone());
+            let (cache, reference, named) = (cache.clone(), reference.clone(), named.clone());
             let policy_set = trust.is_set();
             let accepted = trust.accepted_offline();
             blocking(move || {
                 let record = cache.load_ref(&reference.to_string()).ok_or(e)?;
-                if policy_set && !accepted(&cache, &reference, &record.manifest_digest) {
+                if policy_set && !accepted(&cache, &named, &record.manifest_digest) {
                     return Err(Error::new(
                         ErrorKind::Refused,
                         format!("{reference}: the registry is unreachable and the signature policy has not accepted {} on this node", record.manifest_digest),

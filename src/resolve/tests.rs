@@ -131,7 +131,7 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
     let cache = CacheRoot::open(dir.path()).unwrap();
     let r = reference("vm:1");
 
-    let online = resolve(&registry, &cache, &Verifier::none(), &r)
+    let online = resolve(&registry, &cache, &Verifier::none(), &r, &r)
         .await
         .unwrap();
     assert_eq!(online.resolved, Resolved::Online);
@@ -150,15 +150,21 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
     // The registry goes away: the same reference resolves from the cache, to the same layer;
     // one never resolved fails naming the registry as the cause.
     registry.down.store(true, Ordering::SeqCst);
-    let offline = resolve(&registry, &cache, &Verifier::none(), &r)
+    let offline = resolve(&registry, &cache, &Verifier::none(), &r, &r)
         .await
         .unwrap();
     assert_eq!(offline.resolved, Resolved::Offline);
     assert_eq!(offline.key(), online.key());
     assert_eq!(offline.chunks, online.chunks);
-    let err = resolve(&registry, &cache, &Verifier::none(), &reference("other:1"))
-        .await
-        .unwrap_err();
+    let err = resolve(
+        &registry,
+        &cache,
+        &Verifier::none(),
+        &reference("other:1"),
+        &reference("other:1"),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Network, "{}", err.chain());
 
     // A record whose kept TOC no longer matches what it pins is not used.
@@ -166,7 +172,7 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
         .layer_dir(&online.key())
         .join(crate::cache::names::TOC);
     std::fs::write(&toc, b"not the TOC").unwrap();
-    let err = resolve(&registry, &cache, &Verifier::none(), &r)
+    let err = resolve(&registry, &cache, &Verifier::none(), &r, &r)
         .await
         .unwrap_err();
     assert!(err.chain().contains("no TOC"), "{}", err.chain());
@@ -267,7 +273,7 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
     let r = reference("vm:1");
 
     // No index yet: the error says what was searched and what to do.
-    let err = resolve(&registry, &cache, &Verifier::none(), &r)
+    let err = resolve(&registry, &cache, &Verifier::none(), &r, &r)
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotFound, "{}", err.chain());
@@ -295,7 +301,7 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
         &other.index,
         &other.windows,
     );
-    let resolved = resolve(&registry, &cache, &Verifier::none(), &r)
+    let resolved = resolve(&registry, &cache, &Verifier::none(), &r, &r)
         .await
         .unwrap();
     let Some(source) = resolved.meta.index_source() else {
@@ -338,7 +344,7 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
     );
     let dir = tempfile::tempdir().unwrap();
     let cache = CacheRoot::open(dir.path()).unwrap();
-    let err = resolve(&lying, &cache, &Verifier::none(), &r)
+    let err = resolve(&lying, &cache, &Verifier::none(), &r, &r)
         .await
         .unwrap_err();
     assert!(

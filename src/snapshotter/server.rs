@@ -395,10 +395,16 @@ async fn start(
     };
     // The ready directory is described before serving, head first.
     let warm = crate::serve::Warm::DiskHead;
+    // The policy is asked about the name the daemon checked (its decision is in the cache).
+    let named = match alias.map(str::parse::<Reference>) {
+        Some(Ok(alias)) => alias,
+        _ => reference.clone(),
+    };
     let engine = crate::serve::open_engine(
         Arc::clone(&client) as _,
         &cache,
         &trust,
+        &named,
         &reference,
         opts,
         warm,
