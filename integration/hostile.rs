@@ -764,8 +764,8 @@ fn crafted_sizes_and_counts_stay_within_memory_and_time() {
     eprintln!("TOC of 5000 directories: refused in {:?}", run.took);
 
     // A 1.5 GiB disk, nearly all zeros, whose qcow2 header claims a 2 GiB L1 table and a huge
-    // refcount table: the metadata prefetch must refuse the claim, not allocate it (as much of
-    // it as the file holds, before).
+    // refcount table: describing it for its ready directory must refuse the claim, not
+    // allocate it (as much of it as the file holds, before), and serve the disk as published.
     let mut header = vec![0u8; CHUNK];
     header[..4].copy_from_slice(b"QFI\xfb");
     header[4..8].copy_from_slice(&3u32.to_be_bytes());
@@ -783,51 +783,30 @@ fn crafted_sizes_and_counts_stay_within_memory_and_time() {
     drop(disk);
     eprintln!("built the 1.5 GiB layer in {:?}", started.elapsed());
     let r = reg.publish("bomb/qcow2", "1", &qcow, Claim::default());
-    let out = scratch.path("qcow2-mnt");
-    std::fs::create_dir_all(&out).unwrap();
-    let mut child = Command::new("/usr/bin/time")
-        .args(["-f", "%M", "-o"])
-        .arg(scratch.path("rss"))
-        .arg(env!("CARGO_BIN_EXE_vmdisk"))
-        .args(["mount", "--cache"])
-        .arg(scratch.path("cache"))
-        .arg(&r)
-        .arg(&out)
-        .env("VMDISK_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
-    assert!(lines.next().unwrap().unwrap().starts_with("ready: "));
-    // The background prefetch has run (and refused) by the time chunk 0 reads back.
-    std::thread::sleep(Duration::from_secs(2));
-    let (head, _) = direct_read(&out.join("disk/disk.qcow2"), 0, 4096);
+    let daemon = crate::cri::Daemon::start(&scratch, "");
+    let served = std::path::PathBuf::from(daemon.vmdisk_ok(&["path", &r]).trim());
+    let (head, _) = direct_read(&served, 0, 4096);
     assert_eq!(head.unwrap(), header[..4096]);
-    // GNU time ignores SIGINT while it waits: signal vmdisk, its child.
-    let _ = Command::new("pkill")
-        .args(["-INT", "-P"])
-        .arg(child.id().to_string())
-        .status();
-    let status = child.wait().unwrap();
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
-    assert!(status.success(), "{stderr}");
+    let metadata: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(served.parent().unwrap().join("metadata.json")).unwrap(),
+    )
+    .unwrap();
     assert!(
-        stderr.contains("L1 table size"),
-        "the prefetch names the bad claim: {stderr}"
+        metadata["raw_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("L1 table size")),
+        "the ready directory names the bad claim: {metadata}"
     );
-    let rss: u64 = std::fs::read_to_string(scratch.path("rss"))
-        .unwrap()
+    let servers = daemon.server_pids();
+    assert_eq!(servers.len(), 1, "one mount server");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", servers[0])).unwrap();
+    let rss: u64 = status
         .lines()
-        .last()
-        .unwrap()
-        .trim()
-        .parse()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
         .unwrap();
     eprintln!(
-        "qcow2 claiming a 2 GiB L1 table: peak RSS {} MiB",
+        "qcow2 claiming a 2 GiB L1 table: mount server peak RSS {} MiB",
         rss >> 10
     );
     assert!(rss << 10 < 1 << 30, "peak RSS {rss} KiB");

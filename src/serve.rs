@@ -4,7 +4,7 @@
 //!
 //! Besides the FUSE session it runs the layer's background work, in order and off the start-up
 //! path: flushing the presence bitmap every second, checking the layer once it is complete,
-//! indexing other cached layers for dedup, fetching qcow2 metadata, then hydrating if asked
+//! indexing other cached layers for dedup, then hydrating if asked
 //! (or later, when [`Serving::hydrate`] is called). It never unmounts a busy mount: an unmount
 //! while files are open is refused and the layer keeps serving.
 
@@ -80,7 +80,7 @@ pub async fn open_engine(
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Hydrate {
-    /// Only what is read (plus read-ahead and qcow2 metadata).
+    /// Only what is read (plus read-ahead).
     Off,
     /// Everything, in the background, at most the hydration rate.
     Background,
@@ -221,13 +221,7 @@ pub async fn start(
         serving.hydrator(limit)
     });
     serving.tasks.push(tokio::spawn(async move {
-        let indexer = Arc::clone(&e);
-        let _ = tokio::task::spawn_blocking(move || indexer.index_other_layers(&index_cache)).await;
-        let in_flight = e.options().max_concurrent_fetches;
-        let disk = LayerFile::disk(e);
-        if let Err(err) = crate::view::qcow2::prefetch_metadata(&disk, in_flight).await {
-            tracing::warn!(error = %err.chain(), "qcow2 metadata prefetch failed");
-        }
+        let _ = tokio::task::spawn_blocking(move || e.index_other_layers(&index_cache)).await;
         if let Some(hydrate) = hydrate {
             hydrate();
         }

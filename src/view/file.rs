@@ -37,13 +37,6 @@ impl LayerFile {
     pub async fn read_unrecorded(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
         self.engine.read_unrecorded(self.file, offset, len).await
     }
-
-    /// Fetches the chunks `ranges` of the file cover, `in_flight` requests at a time.
-    pub async fn prefetch_ranges(&self, ranges: &[Range<u64>], in_flight: usize) -> Result<usize> {
-        self.engine
-            .ensure_ranges(self.file, ranges, in_flight)
-            .await
-    }
 }
 
 impl DiskView for LayerFile {

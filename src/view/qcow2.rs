@@ -19,7 +19,7 @@ use super::file::LayerFile;
 use super::{clipped, DiskView};
 use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
-use crate::format::qcow2::{self, Header};
+use crate::format::qcow2;
 use crate::format::qcow2_raw::{Piece, Qcow2Map, Source, HEADER_BYTES};
 
 /// L2 tables a view keeps (each one cluster): 64 GiB of guest at 64 KiB clusters.
@@ -343,12 +343,13 @@ pub async fn describe(disk: LayerFile) -> Result<Described> {
 }
 
 /// Reads the disk's qcow2 header, then its L1 and refcount tables together (two round trips):
-/// what qemu and [`describe`] read first. The header and the L1 table, or `None` if the disk
-/// is not qcow2. Not recorded in boot traces.
-pub async fn read_head(disk: &LayerFile) -> Result<Option<(Header, Vec<u8>)>> {
+/// what qemu and [`describe`] read first. Nothing more for a raw disk. Not recorded in boot
+/// traces. L2 tables are left to the reads that need them: each costs a whole chunk or span,
+/// most of it guest data nobody asked for.
+pub async fn read_head(disk: &LayerFile) -> Result<()> {
     let head = disk.read_unrecorded(0, HEADER_BYTES).await?;
     if !qcow2::is_qcow2(&head) {
-        return Ok(None);
+        return Ok(());
     }
     let header = Qcow2Map::header(&head)?;
     let tables = header.tables(disk.size())?;
@@ -360,25 +361,6 @@ pub async fn read_head(disk: &LayerFile) -> Result<Option<(Header, Vec<u8>)>> {
         ),
     )
     .await;
-    Ok(Some((header, l1?)))
-}
-
-/// Fetches what qemu reads first from a qcow2 disk: header, L1 table, refcount table and
-/// every L2 table, `in_flight` requests at a time. Does nothing for raw disks. What the header
-/// claims is bounded as qemu bounds it ([`Header::tables`]), and each chunk is fetched once
-/// however many tables share it.
-pub async fn prefetch_metadata(disk: &LayerFile, in_flight: usize) -> Result<()> {
-    let Some((header, l1)) = read_head(disk).await? else {
-        return Ok(());
-    };
-    let cluster = header.cluster_size();
-    let mut tables: Vec<u64> = qcow2::l2_offsets(&l1).collect();
-    tables.sort_unstable();
-    tables.dedup();
-    let ranges: Vec<Range<u64>> = tables
-        .into_iter()
-        .map(|t| t..t.saturating_add(cluster))
-        .collect();
-    disk.prefetch_ranges(&ranges, in_flight).await?;
+    l1?;
     Ok(())
 }
