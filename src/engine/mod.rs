@@ -80,6 +80,9 @@ struct DedupSource {
     size: u64,
 }
 
+/// The answer of a blob range's fetch others wait for (unset until it came).
+type SharedFetch = watch::Sender<Option<bytes::Bytes>>;
+
 /// A lazily loaded layer: its chunk index, its cache and the fetch machinery.
 pub struct Engine {
     pub layer: Layer,
@@ -87,6 +90,9 @@ pub struct Engine {
     pub stats: Stats,
     sources: Sources,
     inflight: Mutex<HashMap<usize, watch::Sender<Option<bool>>>>,
+    /// Blob ranges being fetched, by range: whoever asks for the same bytes meanwhile waits
+    /// for that answer instead of asking again ([`Engine::fetch_range`]).
+    shared_fetches: Mutex<HashMap<(u64, u64), SharedFetch>>,
     fetch_slots: Semaphore,
     /// Chunks of other cached layers by digest; built after the mount is ready
     /// ([`Engine::index_other_layers`]), empty until then.
@@ -233,6 +239,7 @@ impl Engine {
             stats: Stats::default(),
             sources,
             inflight: Mutex::new(HashMap::new()),
+            shared_fetches: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             dedup: std::sync::OnceLock::new(),
             integrity: std::sync::OnceLock::new(),
@@ -493,7 +500,53 @@ impl Engine {
     /// One Range request of the layer's blob, which must answer exactly the bytes asked for,
     /// retried on network errors until the deadline; `ask`: whom (the registry itself, for
     /// bytes that failed verification once).
+    /// Concurrent asks of any endpoint for the same bytes share one request (a gzip layer's
+    /// first span is wanted by the structure check, for the tar header, and by the disk's
+    /// head at once); a waiter whose sharer failed or was dropped asks on its own.
     async fn fetch_range(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {
+        if ask != Ask::AnyEndpoint {
+            return self.fetch_range_alone(range, ask).await;
+        }
+        let key = (range.start, range.end);
+        let waiting = {
+            let mut shared = self.shared_fetches.lock();
+            match shared.get(&key) {
+                Some(tx) => Some(tx.subscribe()),
+                None => {
+                    shared.insert(key, watch::channel(None).0);
+                    None
+                }
+            }
+        };
+        if let Some(mut rx) = waiting {
+            if let Ok(answer) = rx.wait_for(|v| v.is_some()).await {
+                if let Some(bytes) = answer.clone() {
+                    return Ok(bytes);
+                }
+            }
+            return self.fetch_range_alone(range, ask).await;
+        }
+        // Dropped with the fetch (cancelled or failed): the entry goes, waiters see the sender
+        // gone and ask on their own.
+        struct Sharing<'a>(&'a Engine, (u64, u64));
+        impl Drop for Sharing<'_> {
+            fn drop(&mut self) {
+                self.0.shared_fetches.lock().remove(&self.1);
+            }
+        }
+        let sharing = Sharing(self, key);
+        let result = self.fetch_range_alone(range, ask).await;
+        if let Ok(bytes) = &result {
+            if let Some(tx) = self.shared_fetches.lock().get(&key) {
+                tx.send_replace(Some(bytes.clone()));
+            }
+        }
+        drop(sharing);
+        result
+    }
+
+    /// [`Engine::fetch_range`] without sharing.
+    async fn fetch_range_alone(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {
         let what = format!("layer {}", self.layer.meta.layer_digest);
         let fetched = self.fetch_from(self.sources.blob.as_ref(), &what, range.clone(), ask);
         source::exact(fetched, range).await
@@ -754,6 +807,8 @@ mod tests {
         calls: Mutex<Vec<Range<u64>>>,
         failures: Mutex<u32>,
         corruptions: Mutex<u32>,
+        /// How long each answer takes.
+        delay: Mutex<Duration>,
     }
 
     impl BlobSource for Arc<FakeBlob> {
@@ -776,7 +831,11 @@ mod tests {
                 let mid = bytes.len() / 2;
                 bytes[mid] ^= 0x40;
             }
-            Box::pin(async move { Ok(bytes::Bytes::from(bytes)) })
+            let delay = *self.delay.lock();
+            Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                Ok(bytes::Bytes::from(bytes))
+            })
         }
     }
 
@@ -949,6 +1008,47 @@ mod tests {
     /// A disk artifact's layer, the gzip-compressed disk file itself, read through its index
     /// as `disk/d.raw`; checked whole against the disk's digest once complete, and a lie
     /// caught there.
+    #[tokio::test]
+    async fn concurrent_asks_for_the_same_bytes_share_one_request() {
+        let data = content(8);
+        let (engine, source, _dir) = engine(&data, EngineOptions::default());
+        *source.delay.lock() = Duration::from_millis(50);
+        let range = engine.layer.chunks[1].compressed.clone();
+        let asked = || source.calls.lock().iter().filter(|r| **r == range).count();
+        let (a, b) = tokio::join!(
+            engine.fetch_range(range.clone(), Ask::AnyEndpoint),
+            engine.fetch_range(range.clone(), Ask::AnyEndpoint)
+        );
+        assert_eq!(a.unwrap(), b.unwrap());
+        assert_eq!(asked(), 1, "two concurrent asks, one request");
+        // Nothing is kept once answered, and the registry itself is always asked on its own.
+        engine
+            .fetch_range(range.clone(), Ask::AnyEndpoint)
+            .await
+            .unwrap();
+        let (a, b) = tokio::join!(
+            engine.fetch_range(range.clone(), Ask::Registry),
+            engine.fetch_range(range.clone(), Ask::AnyEndpoint)
+        );
+        assert_eq!(a.unwrap(), b.unwrap());
+        assert_eq!(asked(), 4);
+        // A sharer dropped before its answer came leaves its waiter to ask on its own.
+        *source.delay.lock() = Duration::from_millis(300);
+        let sharer = tokio::time::timeout(
+            Duration::from_millis(50),
+            engine.fetch_range(range.clone(), Ask::AnyEndpoint),
+        );
+        let waiter = async {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            engine.fetch_range(range.clone(), Ask::AnyEndpoint).await
+        };
+        let (gone, answer) = tokio::join!(sharer, waiter);
+        assert!(gone.is_err(), "the sharer was dropped");
+        assert_eq!(answer.unwrap().len() as u64, range.end - range.start);
+        assert_eq!(asked(), 6);
+        assert!(engine.shared_fetches.lock().is_empty());
+    }
+
     #[tokio::test]
     async fn a_disk_file_layer_reads_by_span_and_is_verified_once_complete() {
         use crate::format::seekable::testing;
