@@ -83,3 +83,4 @@ integration/bench-link.sh
 integration/bench-index.sh
 integration/bench-rawview.sh
 integration/bench-signatures.sh
+integration/bench-peers.sh

@@ -101,9 +101,9 @@ registry_bytes_since() {
     { grep -o 'http.response.written=[0-9]*' || true; } | cut -d= -f2 | awk '{s+=$1} END {printf "%.0f\n", s}'
 }
 
-# start_node DIR NAME: vmdisk-snapshotter with its own root DIR/NAME (a node with a cold cache):
+# start_node DIR NAME [EXTRA]: vmdisk-snapshotter with its own root DIR/NAME (a node with a cold cache):
 # snapshots socket DIR/NAME/vmdisk.sock, management socket DIR/NAME/manage.sock, log
-# DIR/NAME/vmdisk.log (info). Needs $SNAPSHOTTER.
+# DIR/NAME/vmdisk.log (info); EXTRA (TOML) is appended to its configuration. Needs $SNAPSHOTTER.
 start_node() {
   local dir=$1/$2
   mkdir -p "$dir"
@@ -117,6 +117,7 @@ log_level = "info"
 hosts_dir = "$dir/no-hosts.d"
 [containerd]
 root = "$dir/no-containerd"
+${3:-}
 TOML
   "$SNAPSHOTTER" --config "$dir/vmdisk.toml" 2> "$dir/vmdisk.log" &
   PIDS+=($!)

@@ -1,0 +1,332 @@
+#!/usr/bin/env bash
+# `make bench`, the peers: vmdisk beside the other lazy-pulling snapshotters on the same disk,
+# the same images where the formats allow, the same shaped "cluster" link (20 ms round trip,
+# 200 Mbit/s), the same containerd 1.6 (CRI PullImage, as kubelet pulls), in the same run:
+# - SOCI 0.4.1 (Debian 13's soci-snapshotter, unpacked by integration/debs.sh) on the gzip
+#   containerDisk it indexes (`soci create`, 4 MiB spans, pushed as a referrer), behind a TLS
+#   front (its index fetcher speaks only https);
+# - stargz-snapshotter 0.12 on an eStargz image of the same disk (4 MiB chunks, as its writer
+#   writes them), when ../shared/peers/stargz can build it (it says so when not);
+# - vmdisk on the gzip image through `vmdisk index`, on the eStargz image, and on its own
+#   layout (`vmdisk push`);
+# - containerd's overlayfs full pull of the gzip image: the floor for bytes moved at the pull.
+# Every row: a fresh node (containerd and snapshotter state, empty caches, page cache dropped)
+# per measurement, PEERS_BENCH_RUNS runs (default 3, medians printed with the range), bytes and
+# requests counted at the registry. Background fetch off (SOCI `[background_fetch] disable`,
+# stargz `no_background_fetch`, vmdisk `hydrate = "off"`) except in the row that says "on".
+# Runs in a private mount namespace (SOCI's tools keep state in /var/lib/soci-snapshotter-grpc,
+# bound to a scratch directory there). Appends to scratch/bench/results.txt. Needs root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${VMDISK_PEERS_NS:-}" ]; then
+  mkdir -p /var/lib/soci-snapshotter-grpc
+  exec env VMDISK_PEERS_NS=1 unshare --mount --propagation private "$0" "$@"
+fi
+VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
+SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
+CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
+RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
+ESTARGZ_LAYOUT=${ESTARGZ_LAYOUT:-$PWD/target/release/examples/estargz-layout}
+DEPS=$PWD/target/deps
+GIB=${PEERS_BENCH_GIB:-2}
+RUNS=${PEERS_BENCH_RUNS:-3}
+mkdir -p scratch/bench
+RESULTS=$PWD/scratch/bench/results.txt
+B=$(mktemp -d "$PWD/scratch/bench-peers-XXXXXX")
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  stop_mount_servers "$B"
+  wait 2>/dev/null || true
+  while mountpoint -q /var/lib/soci-snapshotter-grpc; do umount -l /var/lib/soci-snapshotter-grpc; done
+  umount -l /etc/hosts 2> /dev/null || true
+  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
+  rm -rf "$B"
+}
+trap 'status=$?; cleanup || true; exit $status' EXIT
+source integration/containerd.sh
+
+# The peers' binaries.
+[ -x "$DEPS/soci/usr/bin/soci-snapshotter-grpc" ] || integration/debs.sh "$DEPS/soci" soci-snapshotter
+SOCI=$DEPS/soci/usr/bin
+STARGZ=$DEPS/stargz/containerd-stargz-grpc
+if [ ! -x "$STARGZ" ] && [ -x ../shared/peers/stargz/build.sh ]; then
+  ../shared/peers/stargz/build.sh "$DEPS/stargz" > "$B/stargz-build.log" 2>&1 || { cat "$B/stargz-build.log"; exit 1; }
+fi
+[ -x "$STARGZ" ] || { echo "stargz-snapshotter: no ../shared/peers/stargz to build it from; its rows are left out"; STARGZ=; }
+
+# One registry storage, served in plain http and behind TLS (a local CA), each behind its own
+# shaped link. The TLS front has a name (in this namespace's /etc/hosts): the peers' resolvers
+# speak plain http to any loopback address.
+start_registry "$B"
+TLS_NAME=peers-registry.test
+{ cat /etc/hosts; echo "127.0.0.1 $TLS_NAME"; } > "$B/hosts"
+mount --bind "$B/hosts" /etc/hosts
+mkdir -p "$B/tls"
+openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=bench-ca -keyout "$B/tls/ca.key" -out "$B/tls/ca.pem" 2> /dev/null
+openssl req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout "$B/tls/key.pem" -out "$B/tls/req.pem" 2> /dev/null
+printf 'subjectAltName=DNS:%s\n' "$TLS_NAME" > "$B/tls/ext"
+openssl x509 -req -in "$B/tls/req.pem" -CA "$B/tls/ca.pem" -CAkey "$B/tls/ca.key" -CAcreateserial -days 2 -extfile "$B/tls/ext" -out "$B/tls/cert.pem" 2> /dev/null
+REGS=127.0.0.1:$(free_port)
+printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: %s, tls: { certificate: %s, key: %s } }\n' \
+  "$B/registry" "$REGS" "$B/tls/cert.pem" "$B/tls/key.pem" > "$B/tls/registry.yml"
+docker-registry serve "$B/tls/registry.yml" > "$B/tls/registry.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 100); do curl -sf --cacert "$B/tls/ca.pem" "https://$TLS_NAME:${REGS##*:}/v2/" > /dev/null && break; sleep 0.1; done
+start_cluster_link "$B" "$REG"
+PLAIN=$CLUSTER
+start_cluster_link "$B/tls" "$REGS"
+SECURE=$TLS_NAME:${CLUSTER##*:}
+# Registry bytes (GET bodies) and GET requests of blobs since a mark, on both fronts.
+mark() { echo "$(registry_mark "$B"):$(registry_mark "$B/tls")"; }
+served_since() { echo $(($(registry_bytes_since "$B" "${1%%:*}") + $(registry_bytes_since "$B/tls" "${1##*:}"))); }
+blob_gets_since() {
+  { tail -c +"$((${1%%:*} + 1))" "$B/registry.log"; tail -c +"$((${1##*:} + 1))" "$B/tls/registry.log"; } |
+    grep 'http.request.method=GET' | grep -c '/blobs/sha256:' || true
+}
+
+# The disk: 2 GiB virtual qcow2, half of it random data in 64 MiB pieces at every other
+# 128 MiB, published as a gzip containerDisk (skopeo), vmdisk's own layout and eStargz.
+DISK=$B/disk.qcow2
+qemu-img create -q -f qcow2 "$DISK" "${GIB}G"
+for i in $(seq 0 $((GIB * 8 - 1))); do
+  head -c 64M /dev/urandom > "$B/piece"
+  qemu-io -c "write -s $B/piece $((i * 128))M 64M" "$DISK" > /dev/null
+done
+rm "$B/piece"
+DSIZE=$(stat -c %s "$DISK")
+publish_lazy_and_gzip "$DISK" "$REG/peers/disk:lazy" "$REG/peers/disk:gzip"
+"$ESTARGZ_LAYOUT" "$B/estargz" "$DISK" disk/disk.qcow2
+skopeo copy --quiet --dest-tls-verify=false "oci:$B/estargz:latest" "docker://$REG/peers/disk:estargz"
+rm -rf "$B/estargz"
+diff_id() { curl -sf "http://$REG/v2/peers/disk/blobs/$(curl -sf -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$REG/v2/peers/disk/manifests/$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["config"]["digest"])')" | python3 -c 'import json,sys; print(json.load(sys.stdin)["rootfs"]["diff_ids"][0])'; }
+
+now() { date +%s.%N; }
+secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
+timed() { /usr/bin/time -f '%e %M' -o "$B/time" "$@" > "$B/out" 2> "$B/err" || { cat "$B/out" "$B/err"; exit 1; }; cat "$B/time"; }
+
+# The indexes, each built as its users build it. SOCI: the image pulled into a containerd,
+# `soci create` (4 MiB spans, its default), `soci push`; then `vmdisk index` (straight from the
+# registry), which adds its referrer to the fallback tag SOCI wrote.
+mkdir -p "$B/soci-lib"
+mount --bind "$B/soci-lib" /var/lib/soci-snapshotter-grpc
+start_containerd "$B/indexer" "$REG" ""
+t0=$(now)
+ctr -a "$B/indexer/containerd.sock" images pull --plain-http "$REG/peers/disk:gzip" > /dev/null
+"$SOCI/soci" -a "$B/indexer/containerd.sock" create "$REG/peers/disk:gzip" > "$B/soci-create.out"
+"$SOCI/soci" -a "$B/indexer/containerd.sock" push --plain-http --quiet "$REG/peers/disk:gzip" > /dev/null
+SOCI_INDEX_S=$(secs "$t0" "$(now)")
+read -r VI_S VI_RSS < <(timed "$VMDISK" index "$REG/peers/disk:gzip")
+GZ_DIGEST=$(skopeo inspect --raw --tls-verify=false "docker://$REG/peers/disk:gzip" | sha256sum | cut -d' ' -f1)
+referrers=$(curl -sf -H 'Accept: application/vnd.oci.image.index.v1+json' "http://$REG/v2/peers/disk/manifests/sha256-$GZ_DIGEST" |
+  python3 -c 'import json,sys; print(" ".join(sorted(m.get("artifactType", "?") for m in json.load(sys.stdin)["manifests"])))')
+echo "referrers of the gzip image: $referrers" >&2
+case "$referrers" in *soci*vmdisk*|*vmdisk*soci*) ;; *) echo "SOCI's and vmdisk's indexes should both be referrers"; exit 1 ;; esac
+
+# A fresh node: containerd 1.6 pulling through SNAPSHOTTER (soci, stargz, vmdisk or overlayfs)
+# into DIR, background fetch BACKGROUND (off or on), both links configured (plain http; TLS
+# with the bench CA).
+node() {  # node DIR SNAPSHOTTER BACKGROUND
+  local dir=$1 kind=$2 bg=$3 sock="" name=$2
+  mkdir -p "$dir"
+  case "$kind" in
+    soci)
+      mkdir -p "$dir/soci-lib"
+      mount --bind "$dir/soci-lib" /var/lib/soci-snapshotter-grpc
+      [ "$bg" = on ] && : > "$dir/soci.toml" || printf '[background_fetch]\ndisable = true\n' > "$dir/soci.toml"
+      SSL_CERT_FILE=$B/tls/ca.pem "$SOCI/soci-snapshotter-grpc" --address "$dir/sn.sock" --root "$dir/soci" \
+        --config "$dir/soci.toml" --log-level warn > "$dir/sn.log" 2>&1 &
+      PIDS+=($!); sock=$dir/sn.sock ;;
+    stargz)
+      printf 'no_background_fetch = %s\n[[resolver.host."%s".mirrors]]\nhost = "%s"\ninsecure = true\n' \
+        "$([ "$bg" = on ] && echo false || echo true)" "$PLAIN" "$PLAIN" > "$dir/stargz.toml"
+      "$STARGZ" --address "$dir/sn.sock" --root "$dir/stargz" --config "$dir/stargz.toml" --log-level warn > "$dir/sn.log" 2>&1 &
+      PIDS+=($!); sock=$dir/sn.sock ;;
+    vmdisk)
+      local extra=""
+      [ "$bg" = on ] && extra=$'[cache]\nhydrate = "background"'
+      start_node "$dir" vmdisk "$extra"
+      sock=$dir/vmdisk/vmdisk.sock ;;
+    overlayfs) ;;
+  esac
+  [ -z "$sock" ] || for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
+  local proxy=""
+  [ -z "$sock" ] || proxy=$(printf '[proxy_plugins.%s]\n  type = "snapshot"\n  address = "%s"\n' "$name" "$sock")
+  cat > "$dir/containerd.toml" <<TOML
+version = 2
+root = "$dir/root"
+state = "$dir/state"
+[grpc]
+  address = "$dir/containerd.sock"
+$proxy
+[plugins."io.containerd.grpc.v1.cri"]
+  restrict_oom_score_adj = true
+  disable_cgroup = true
+[plugins."io.containerd.grpc.v1.cri".containerd]
+  snapshotter = "$name"
+  disable_snapshot_annotations = false
+[plugins."io.containerd.grpc.v1.cri".registry.mirrors."$PLAIN"]
+  endpoint = ["http://$PLAIN"]
+[plugins."io.containerd.grpc.v1.cri".registry.mirrors."$SECURE"]
+  endpoint = ["https://$SECURE"]
+[plugins."io.containerd.grpc.v1.cri".registry.configs."$SECURE".tls]
+  ca_file = "$B/tls/ca.pem"
+TOML
+  containerd --config "$dir/containerd.toml" 2> "$dir/containerd.log" &
+  PIDS+=($!)
+  for _ in $(seq 200); do [ -S "$dir/containerd.sock" ] && break; sleep 0.05; done
+  sleep 0.5
+  NODE_SNAPSHOTTER=$name
+}
+
+# Pulls IMAGE on the node in DIR and mounts the image's one layer read-only at DIR/mnt; sets
+# PULL_S (PullImage seconds), MARK (the registry's mark before the pull), PULL_T0, FILE.
+pull_and_mount() {  # pull_and_mount DIR IMAGE DIFF_ID
+  local dir=$1 out
+  sync; echo 3 > /proc/sys/vm/drop_caches
+  MARK=$(mark); PULL_T0=$(now)
+  out=$("$CRI_PULL" --address "$dir/containerd.sock" "$2")
+  PULL_S=$(echo "$out" | sed -E 's/.* in ([0-9.]+) s$/\1/')
+  mkdir -p "$dir/mnt"
+  ctr -a "$dir/containerd.sock" -n k8s.io snapshots --snapshotter "$NODE_SNAPSHOTTER" view --mounts bench-view "$3" |
+    python3 -c '
+import json, subprocess, sys
+for m in json.load(sys.stdin):
+    m = {k.lower(): v for k, v in m.items()}
+    opts = ",".join(m.get("options") or [])
+    subprocess.run(["mount", "-t", m["type"], "-o", opts, m["source"], sys.argv[1]], check=True)
+' "$dir/mnt"
+  FILE=$dir/mnt/disk/disk.qcow2
+  [ -f "$FILE" ] || { echo "no disk in the $NODE_SNAPSHOTTER view"; ls -la "$dir/mnt"; tail "$dir"/*.log; exit 1; }
+}
+lazy_check() {  # lazy_check DIR KIND: the layer is served by a FUSE mount under the node
+  mountpoint -q "$1/mnt" || { echo "$2: nothing mounted"; exit 1; }
+  if [ "$2" != overlayfs ] && ! grep -q " fuse" <(grep -F "$1" /proc/self/mounts); then
+    echo "$2: the layer is not served lazily (no FUSE mount under the node): a full pull"; tail -n 20 "$1"/*.log; exit 1
+  fi
+}
+stop_node() {  # stop_node DIR
+  grep -o " $1[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" 2> /dev/null || true; done
+  stop_mount_servers "$1"
+  for p in "${PIDS[@]}"; do
+    if { tr '\0' ' ' < "/proc/$p/cmdline"; } 2> /dev/null | grep -qF -- "$1/"; then kill "$p" 2> /dev/null || true; fi
+  done
+  sleep 0.5
+  if [ -d "$1/soci-lib" ]; then umount -l /var/lib/soci-snapshotter-grpc; fi
+}
+until_10s() { python3 -c "import time; time.sleep(max(0.0, 10 - (time.time() - $PULL_T0)))"; }
+
+# measure LABEL KIND IMAGE DIFF_ID RUN: appends one line of figures for LABEL (KIND on IMAGE)
+# to $B/figures: label ready_s bytes_10s bytes_10s_bg r64_s r64_gets r4_s r4_bytes full_MBps
+# warm_s warm_bytes.
+measure() {
+  local label=$1 kind=$2 image=$3 diff=$4 run=$5 d m t0
+  local ready bytes10 bg r64 r64g r4 r4b full warm warmb
+  d=$B/run$run-$label-pull; node "$d" "$kind" off; pull_and_mount "$d" "$image" "$diff"; lazy_check "$d" "$kind"
+  ready=$PULL_S; until_10s; bytes10=$(served_since "$MARK")
+  # 1% of the file in random 64 KiB reads, one reader: seconds and blob requests.
+  m=$(mark); t0=$(now)
+  fio --name=r64 --filename="$FILE" --readonly --direct=1 --rw=randread --bs=64k --ioengine=psync \
+    --io_size=$((DSIZE / 100 / 65536 * 65536)) --randseed=11 --output-format=terse > /dev/null
+  r64=$(secs "$t0" "$(now)"); r64g=$(blob_gets_since "$m")
+  stop_node "$d"
+  # Background fetch on: bytes within 10 s of the pull.
+  if [ "$kind" = overlayfs ]; then
+    bg=$bytes10
+  else
+    d=$B/run$run-$label-bg; node "$d" "$kind" on; pull_and_mount "$d" "$image" "$diff"
+    until_10s; bg=$(served_since "$MARK")
+    stop_node "$d"
+  fi
+  # 1% of the file in random 4 KiB reads, 16 readers (a guest with queue depth).
+  d=$B/run$run-$label-r4; node "$d" "$kind" off; pull_and_mount "$d" "$image" "$diff"; until_10s
+  m=$(mark); t0=$(now)
+  fio --name=r4 --filename="$FILE" --readonly --direct=1 --rw=randread --bs=4k --ioengine=psync --numjobs=16 \
+    --io_size=$((DSIZE / 100 / 16 / 4096 * 4096)) --group_reporting --output-format=terse > /dev/null
+  r4=$(secs "$t0" "$(now)"); r4b=$(served_since "$m")
+  stop_node "$d"
+  # The whole file read in order (the KubeVirt checksum), then again warm (page cache dropped).
+  d=$B/run$run-$label-full; node "$d" "$kind" off; pull_and_mount "$d" "$image" "$diff"; until_10s
+  # (a full pull's time to the whole disk includes its pull)
+  t0=$(now); dd if="$FILE" of=/dev/null bs=4M status=none
+  local took; took=$(secs "$t0" "$(now)")
+  [ "$kind" != overlayfs ] || took=$(python3 -c "print($took + $PULL_S)")
+  full=$(python3 -c "print(f'{$DSIZE / 1e6 / $took:.1f}')")
+  # What a complete layer sets off (vmdisk checks it against its diff_id, then hands the file
+  # to the kernel) settles first.
+  sleep 5
+  sync; echo 3 > /proc/sys/vm/drop_caches
+  m=$(mark); t0=$(now); dd if="$FILE" of=/dev/null bs=4M status=none
+  warm=$(secs "$t0" "$(now)"); warmb=$(served_since "$m")
+  stop_node "$d"
+  echo "$label $ready $bytes10 $bg $r64 $r64g $r4 $r4b $full $warm $warmb" >> "$B/figures"
+  echo "run $run: $label $ready $bytes10 $bg $r64 $r64g $r4 $r4b $full $warm $warmb" >&2
+}
+
+GZ_DIFF=$(diff_id gzip)
+ES_DIFF=$(diff_id estargz)
+OWN_DIFF=$(diff_id lazy)
+for run in $(seq "$RUNS"); do
+  measure soci soci "$SECURE/peers/disk:gzip" "$GZ_DIFF" "$run"
+  [ -z "$STARGZ" ] || measure stargz stargz "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
+  measure vmdisk-index vmdisk "$PLAIN/peers/disk:gzip" "$GZ_DIFF" "$run"
+  measure vmdisk-estargz vmdisk "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
+  measure vmdisk-own vmdisk "$PLAIN/peers/disk:lazy" "$OWN_DIFF" "$run"
+  measure full-pull overlayfs "$PLAIN/peers/disk:gzip" "$GZ_DIFF" "$run"
+done
+
+{
+  echo
+  echo "Peers ($GIB GiB-virtual qcow2, file $DSIZE bytes; cluster link 20 ms / 200 Mbit/s; containerd 1.6 CRI;"
+  echo "medians of $RUNS fresh-node runs, [min-max]; bytes and requests at the registry):"
+  echo "  index build from the registry: soci (ctr pull + soci create + soci push) $SOCI_INDEX_S s; vmdisk index $VI_S s, peak RSS $((VI_RSS / 1024)) MiB"
+  python3 - "$B/figures" <<'PY'
+import statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    f = line.split()
+    rows.setdefault(f[0], []).append([float(x) for x in f[1:]])
+MB = 1e6
+# (heading, column, scale, format, better): "low" time/bytes/requests, "high" throughput
+cols = [("ready s", 0, 1, "{:.2f}", "low"), ("MB ≤10 s", 1, MB, "{:.2f}", "low"),
+        ("bg on", 2, MB, "{:.0f}", None), ("64K s", 3, 1, "{:.1f}", "low"),
+        ("64K GETs", 4, 1, "{:.0f}", "low"), ("4K×16 s", 5, 1, "{:.1f}", "low"),
+        ("4K MB", 6, MB, "{:.0f}", "low"), ("full MB/s", 7, 1, "{:.1f}", "high"),
+        ("warm s", 8, 1, "{:.2f}", "low"), ("warm MB", 9, MB, "{:.2f}", "low")]
+med = {k: [statistics.median(r[i] for r in v) for i in range(len(v[0]))] for k, v in rows.items()}
+def cell(k, c):
+    return c[3].format(med[k][c[1]] / c[2])
+def span(k, c):
+    vals = [r[c[1]] / c[2] for r in rows[k]]
+    return c[3].format(min(vals)) + "-" + c[3].format(max(vals))
+print("  " + f"{'':26}" + "".join(f"{c[0]:>11}" for c in cols))
+for k in rows:
+    print("  " + f"{k:26}" + "".join(f"{cell(k, c):>11}" for c in cols))
+if len(next(iter(rows.values()))) > 1:
+    print("  ranges:")
+    for k in rows:
+        print("  " + f"{k:26}" + "  ".join(f"{c[0]} {span(k, c)}" for c in cols))
+# Each vmdisk row against the peer on the same image and against the best peer of all;
+# below 1 is ahead (for throughput: the peer's over vmdisk's).
+same = {"vmdisk-index": "soci", "vmdisk-estargz": "stargz"}
+peers = [k for k in ("soci", "stargz") if k in med]
+def ratio(k, p, c):
+    a, b = med[k][c[1]], med[p][c[1]]
+    if c[4] is None or a == 0 and b == 0:
+        return "-"
+    if c[4] == "high":
+        return f"{b / a:.2f}" if a else "-"
+    return f"{a / b:.2f}" if b else ("0 B" if a == 0 else "inf")
+for k in (k for k in med if k.startswith("vmdisk")):
+    if same.get(k) in med:
+        print("  " + f"{k + ' / ' + same[k]:26}" + "".join(f"{ratio(k, same[k], c):>11}" for c in cols))
+    best = []
+    for c in cols:
+        if c[4] is None or not peers:
+            best.append("-")
+            continue
+        pick = (max if c[4] == "high" else min)(peers, key=lambda p: med[p][c[1]])
+        best.append(ratio(k, pick, c))
+    print("  " + f"{k + ' / best peer':26}" + "".join(f"{r:>11}" for r in best))
+PY
+} | tee -a "$RESULTS"
