@@ -170,8 +170,8 @@ fn a_vm_boots_from_the_lazily_loaded_raw_view() {
     );
     assert!(cold < size / 2, "the boot fetched {cold} of {size} bytes");
 
-    // A warm boot on the same node reads only local data. Read-ahead and the qcow2 metadata
-    // prefetch started by the cold boot may still be in flight on a busy machine.
+    // A warm boot on the same node reads only local data. Read-ahead started by the cold boot
+    // may still be in flight on a busy machine.
     wait_until_quiet(bytes);
     let before = bytes();
     assert!(boot(&raw).contains("BOOT-MARKER"));

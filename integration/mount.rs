@@ -476,8 +476,7 @@ fn concurrent_reads_of_a_missing_chunk_fetch_it_once() {
         &scratch.path("mnt"),
         &[],
     );
-    // Chunk 0 first (the mount's background prefetch reads it too; do it now so the count
-    // below does not depend on when that happens).
+    // Chunk 0 first, so that the count below is of the concurrent readers' chunks alone.
     assert!(direct_read_page(&mount.disk, 0).wait().unwrap().success());
     // 32 readers, 8 different pages in each of chunks 4..8 (1 MiB..2 MiB), all at once.
     let readers: Vec<_> = (0..32u64)
@@ -551,8 +550,7 @@ fn zero_chunks_are_verified_from_their_tiny_frames_and_never_written() {
         &scratch.path("mnt"),
         &[],
     );
-    // Chunk 0 first (the mount's background prefetch reads it too; do it now so the counts
-    // below do not depend on when that happens).
+    // Chunk 0 first, so that the counts below are of the scattered reads alone.
     assert!(direct_read_page(&mount.disk, 0).wait().unwrap().success());
     // Scattered single pages inside the zero region, O_DIRECT: no read-ahead pulls in the
     // random data around it.
