@@ -83,4 +83,5 @@ integration/bench-link.sh
 integration/bench-index.sh
 integration/bench-rawview.sh
 integration/bench-signatures.sh
+integration/bench-spans.sh
 integration/bench-peers.sh
