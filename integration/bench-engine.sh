@@ -4,26 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
-mkdir -p scratch/bench
-B=$(mktemp -d "$PWD/scratch/bench-engine-XXXXXX")
-RESULTS=$PWD/scratch/bench/results.txt
-PIDS=()
-cleanup() {
-  for m in "$B"/mnt*; do mountpoint -q "$m" 2>/dev/null && umount -l "$m"; done
-  [ -d "$B/ctd" ] && grep -o " $B/ctd[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount -l
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$B"
-}
-trap 'status=$?; cleanup || true; exit $status' EXIT
-
 source integration/containerd.sh
+bench_scratch engine
+
 start_registry "$B"
-# Registry-side byte count: sum of response bodies of GETs logged since a mark.
-mark() { registry_mark "$B"; }
-served_since() { registry_bytes_since "$B" "$1"; }
-now() { date +%s.%N; }
-secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
 
 # ---------------------------------------------------------------------------------------
 # Cold boot-like access on a 2 GiB disk: qemu-img info, then 5% of the guest's clusters read

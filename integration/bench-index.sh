@@ -16,28 +16,11 @@ SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 GIB=${BOOT_BENCH_GIB:-2}
-mkdir -p scratch/bench
-RESULTS=$PWD/scratch/bench/results.txt
-B=$(mktemp -d "$PWD/scratch/bench-index-XXXXXX")
-PIDS=()
-cleanup() {
-  pkill -f "qemu-system-x86_64 .*$B" 2>/dev/null || true
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
-  wait 2>/dev/null || true
-  stop_mount_servers "$B"
-  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
-  rm -rf "$B"
-}
-trap 'status=$?; cleanup || true; exit $status' EXIT
 source integration/containerd.sh
+bench_scratch index
 source integration/guest.sh
-now() { date +%s.%N; }
-secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
-json() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
 start_registry "$B"
 start_cluster_link "$B" "$REG"
-mark() { registry_mark "$B"; }
-served_since() { registry_bytes_since "$B" "$1"; }
 
 make_guest_disk "$B" "$GIB"
 SIZE=$(stat -c %s "$B/guest.qcow2")

@@ -16,24 +16,11 @@ VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 SIZE_MIB=${LINK_BENCH_MIB:-4096}
-mkdir -p scratch/bench
-B=$(mktemp -d "$PWD/scratch/bench-link-XXXXXX")
-RESULTS=$PWD/scratch/bench/results.txt
-PIDS=()
-cleanup() {
-  for m in "$B"/mnt*; do mountpoint -q "$m" 2>/dev/null && umount -l "$m"; done
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
-  rm -rf "$B"
-}
-trap 'status=$?; cleanup || true; exit $status' EXIT
 source integration/containerd.sh
+bench_scratch link
 
 start_registry "$B"
 start_cluster_link "$B" "$REG"
-mark() { registry_mark "$B"; }
-served_since() { registry_bytes_since "$B" "$1"; }
 
 # The disk: a qcow2 fully written with random data (file = virtual size), lazy and gzip.
 DISK=$B/disk.qcow2
@@ -42,8 +29,6 @@ DSIZE=$(stat -c %s "$DISK")
 publish_lazy_and_gzip "$DISK" "$REG/bench/disk:lazy" "$REG/bench/disk:gzip"
 LAYER=$(curl -s -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$REG/v2/bench/disk/manifests/lazy" | python3 -c 'import json,sys; print(json.load(sys.stdin)["layers"][0]["digest"])')
 LSIZE=$(stat -c %s "$B/registry/docker/registry/v2/blobs/sha256/${LAYER:7:2}/${LAYER:7}/data")
-now() { date +%s.%N; }
-secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
 mbs() { python3 -c "print(f'{$1 / 1e6 / max($2, 0.001):.1f}')"; }
 
 # The link itself: median round trip of a small request, throughput of one download.

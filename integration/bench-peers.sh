@@ -34,21 +34,13 @@ ESTARGZ_LAYOUT=${ESTARGZ_LAYOUT:-$PWD/target/release/examples/estargz-layout}
 DEPS=$PWD/target/deps
 GIB=${PEERS_BENCH_GIB:-2}
 RUNS=${PEERS_BENCH_RUNS:-3}
-mkdir -p scratch/bench
-RESULTS=$PWD/scratch/bench/results.txt
-B=$(mktemp -d "$PWD/scratch/bench-peers-XXXXXX")
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  stop_mount_servers "$B"
-  wait 2>/dev/null || true
+source integration/containerd.sh
+bench_scratch peers
+# SOCI's state directory and the TLS front's name are bound over system paths in this namespace.
+bench_cleanup_first() {
   while mountpoint -q /var/lib/soci-snapshotter-grpc; do umount -l /var/lib/soci-snapshotter-grpc; done
   umount -l /etc/hosts 2> /dev/null || true
-  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
-  rm -rf "$B"
 }
-trap 'status=$?; cleanup || true; exit $status' EXIT
-source integration/containerd.sh
 
 # The peers' binaries.
 [ -x "$DEPS/soci/usr/bin/soci-snapshotter-grpc" ] || integration/debs.sh "$DEPS/soci" soci-snapshotter
@@ -81,6 +73,13 @@ start_cluster_link "$B" "$REG"
 PLAIN=$CLUSTER
 start_cluster_link "$B/tls" "$REGS"
 SECURE=$TLS_NAME:${CLUSTER##*:}
+SECURE_TOML=$(cat <<TOML
+[plugins."io.containerd.grpc.v1.cri".registry.mirrors."$SECURE"]
+  endpoint = ["https://$SECURE"]
+[plugins."io.containerd.grpc.v1.cri".registry.configs."$SECURE".tls]
+  ca_file = "$B/tls/ca.pem"
+TOML
+)
 # Registry bytes (GET bodies) and GET requests of blobs since a mark, on both fronts.
 mark() { echo "$(registry_mark "$B"):$(registry_mark "$B/tls")"; }
 served_since() { echo $(($(registry_bytes_since "$B" "${1%%:*}") + $(registry_bytes_since "$B/tls" "${1##*:}"))); }
@@ -105,8 +104,6 @@ skopeo copy --quiet --dest-tls-verify=false "oci:$B/estargz:latest" "docker://$R
 rm -rf "$B/estargz"
 diff_id() { curl -sf "http://$REG/v2/peers/disk/blobs/$(curl -sf -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$REG/v2/peers/disk/manifests/$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["config"]["digest"])')" | python3 -c 'import json,sys; print(json.load(sys.stdin)["rootfs"]["diff_ids"][0])'; }
 
-now() { date +%s.%N; }
-secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
 timed() { /usr/bin/time -f '%e %M' -o "$B/time" "$@" > "$B/out" 2> "$B/err" || { cat "$B/out" "$B/err"; exit 1; }; cat "$B/time"; }
 
 # The indexes, each built as its users build it. SOCI: the image pulled into a containerd,
@@ -154,32 +151,7 @@ node() {  # node DIR SNAPSHOTTER BACKGROUND
     overlayfs) ;;
   esac
   [ -z "$sock" ] || for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
-  local proxy=""
-  [ -z "$sock" ] || proxy=$(printf '[proxy_plugins.%s]\n  type = "snapshot"\n  address = "%s"\n' "$name" "$sock")
-  cat > "$dir/containerd.toml" <<TOML
-version = 2
-root = "$dir/root"
-state = "$dir/state"
-[grpc]
-  address = "$dir/containerd.sock"
-$proxy
-[plugins."io.containerd.grpc.v1.cri"]
-  restrict_oom_score_adj = true
-  disable_cgroup = true
-[plugins."io.containerd.grpc.v1.cri".containerd]
-  snapshotter = "$name"
-  disable_snapshot_annotations = false
-[plugins."io.containerd.grpc.v1.cri".registry.mirrors."$PLAIN"]
-  endpoint = ["http://$PLAIN"]
-[plugins."io.containerd.grpc.v1.cri".registry.mirrors."$SECURE"]
-  endpoint = ["https://$SECURE"]
-[plugins."io.containerd.grpc.v1.cri".registry.configs."$SECURE".tls]
-  ca_file = "$B/tls/ca.pem"
-TOML
-  containerd --config "$dir/containerd.toml" 2> "$dir/containerd.log" &
-  PIDS+=($!)
-  for _ in $(seq 200); do [ -S "$dir/containerd.sock" ] && break; sleep 0.05; done
-  sleep 0.5
+  start_containerd "$dir" "$PLAIN" "$sock" "$name" "$SECURE_TOML"
   NODE_SNAPSHOTTER=$name
 }
 

@@ -16,23 +16,10 @@ SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 SIZES=${BENCH_PULL_GIB:-1 8}
-mkdir -p scratch/bench
-RESULTS=$PWD/scratch/bench/results.txt
-B=$(mktemp -d "$PWD/scratch/bench-pull-XXXXXX")
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
-  wait 2>/dev/null || true
-  stop_mount_servers "$B"
-  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
-  [ -n "${BENCH_KEEP:-}" ] || rm -rf "$B"
-}
-trap 'status=$?; cleanup || true; exit $status' EXIT
-
 source integration/containerd.sh
+bench_scratch pull
+
 start_registry "$B"
-mark() { registry_mark "$B"; }
-served_since() { registry_bytes_since "$B" "$1"; }
 
 start_cluster_link "$B" "$REG"
 start_node "$B" lazy

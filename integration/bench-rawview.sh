@@ -10,19 +10,8 @@ cd "$(dirname "$0")/.."
 NEW_BIN=${NEW_BIN:-$PWD/target/release}
 BASE_BIN=${BASE_BIN:-}
 MIB=${RAWVIEW_MIB:-1024}
-mkdir -p scratch/bench
-RESULTS=$PWD/scratch/bench/results.txt
-B=$(mktemp -d "$PWD/scratch/bench-rawview-XXXXXX")
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
-  wait 2>/dev/null || true
-  stop_mount_servers "$B"
-  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
-  rm -rf "$B"
-}
-trap 'status=$?; cleanup || true; exit $status' EXIT
 source integration/containerd.sh
+bench_scratch rawview
 start_registry "$B"
 
 DISK=$B/disk.qcow2

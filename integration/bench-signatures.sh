@@ -10,19 +10,9 @@ cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 RELAY=$PWD/target/release/examples/shaped-link
 COSIGN=$PWD/target/deps/signers/usr/bin/cosign
-RESULTS=$PWD/scratch/bench/results.txt
 [ -x "$COSIGN" ] || { echo "bench-signatures: $COSIGN is missing (make deps)" >&2; exit 1; }
-mkdir -p scratch "$(dirname "$RESULTS")"
-B=$(mktemp -d "$PWD/scratch/bench-sig-XXXXXX")
-PIDS=()
-cleanup() {
-  mountpoint -q "$B/mnt" 2>/dev/null && umount -l "$B/mnt"
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$B"
-}
-trap 'status=$?; cleanup || true; exit $status' EXIT
 source integration/containerd.sh
+bench_scratch sig
 start_registry "$B"
 start_cluster_link "$B" "$REG"
 

@@ -16,24 +16,9 @@ SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 GIB=${BOOT_BENCH_GIB:-2}
 SPANS=${SPANS:-256K 512K 1M 2M 4M}
-mkdir -p scratch/bench
-RESULTS=$PWD/scratch/bench/results.txt
-B=$(mktemp -d "$PWD/scratch/bench-spans-XXXXXX")
-PIDS=()
-cleanup() {
-  pkill -f "qemu-system-x86_64 .*$B" 2>/dev/null || true
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
-  wait 2>/dev/null || true
-  stop_mount_servers "$B"
-  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
-  rm -rf "$B"
-}
-trap 'status=$?; cleanup || true; exit $status' EXIT
 source integration/containerd.sh
+bench_scratch spans
 source integration/guest.sh
-now() { date +%s.%N; }
-secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
-json() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
 start_registry "$B"
 start_cluster_link "$B" "$REG"
 blob_gets_since() {

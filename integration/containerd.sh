@@ -1,15 +1,47 @@
 # Sourced by demo.sh and the bench scripts (which keep started pids in the PIDS array): containerd,
 # stopping mount servers, and the test disks they publish.
-# start_containerd DIR REGISTRY SNAPSHOTTER_SOCK|"": containerd 1.6 with its CRI plugin in DIR
-# (socket DIR/containerd.sock), plain HTTP to the loopback REGISTRY, and vmdisk-snapshotter at
-# SNAPSHOTTER_SOCK as the CRI snapshotter (containerd's overlayfs when empty). Returns when the
-# socket is up.
+
+# bench_scratch NAME: what every bench script starts with: its scratch directory B
+# (scratch/bench-NAME-XXXXXX), the pids it starts (PIDS), the results file (RESULTS), and at
+# exit bench_cleanup.
+bench_scratch() {
+  mkdir -p scratch/bench
+  RESULTS=$PWD/scratch/bench/results.txt
+  B=$(mktemp -d "$PWD/scratch/bench-$1-XXXXXX")
+  PIDS=()
+  trap 'status=$?; bench_cleanup || true; exit $status' EXIT
+}
+# bench_cleanup: the script's own bench_cleanup_first (if it defines one), then stops what runs
+# under $B (qemu, PIDS, mount servers), unmounts everything below it and removes it (kept with
+# BENCH_KEEP set).
+bench_cleanup() {
+  ! declare -F bench_cleanup_first > /dev/null || bench_cleanup_first
+  pkill -f "qemu-system-x86_64 .*$B" 2>/dev/null || true
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  stop_mount_servers "$B"
+  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
+  [ -n "${BENCH_KEEP:-}" ] || rm -rf "$B"
+}
+now() { date +%s.%N; }
+secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }
+# json FILE KEY: KEY's value in the JSON object in FILE.
+json() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
+# mark, served_since MARK: the registry of $B's log position, and the GET body bytes it served
+# since (registry_mark, registry_bytes_since).
+mark() { registry_mark "$B"; }
+served_since() { registry_bytes_since "$B" "$1"; }
+# start_containerd DIR REGISTRY SNAPSHOTTER_SOCK|"" [NAME] [EXTRA_TOML]: containerd 1.6 with its
+# CRI plugin in DIR (socket DIR/containerd.sock), plain HTTP to the loopback REGISTRY, and the
+# proxy snapshotter at SNAPSHOTTER_SOCK (called NAME, vmdisk by default) as the CRI snapshotter
+# (containerd's overlayfs when empty); EXTRA_TOML is appended to the configuration. Returns when
+# the socket is up.
 start_containerd() {
   local dir=$1 reg=$2 proxy="" snapshotter=overlayfs
   mkdir -p "$dir"
   if [ -n "$3" ]; then
-    snapshotter=vmdisk
-    proxy=$(printf '[proxy_plugins.vmdisk]\n  type = "snapshot"\n  address = "%s"\n' "$3")
+    snapshotter=${4:-vmdisk}
+    proxy=$(printf '[proxy_plugins.%s]\n  type = "snapshot"\n  address = "%s"\n' "$snapshotter" "$3")
   fi
   cat > "$dir/containerd.toml" <<TOML
 version = 2
@@ -26,6 +58,7 @@ $proxy
   disable_snapshot_annotations = false
 [plugins."io.containerd.grpc.v1.cri".registry.mirrors."$reg"]
   endpoint = ["http://$reg"]
+${5:-}
 TOML
   containerd --config "$dir/containerd.toml" 2> "$dir/containerd.log" &
   PIDS+=($!)
