@@ -8,14 +8,15 @@
 # - stargz-snapshotter 0.12 on an eStargz image of the same disk (4 MiB chunks, as its writer
 #   writes them), when ../shared/peers/stargz can build it (it says so when not);
 # - vmdisk on the gzip image through `vmdisk index`, on the eStargz image, and on its own
-#   layout (`vmdisk push`);
+#   layout (`vmdisk push`, 256 KiB chunks, and 128 KiB chunks for disks read at random);
 # - containerd's overlayfs full pull of the gzip image: the floor for bytes moved at the pull.
 # Rows: PullImage → ready; registry bytes within 10 s of the pull's start (background fetch off,
 # then on); 1% of the disk file in random 64 KiB reads (one reader: seconds, blob GETs); one
 # cold 4 KiB read (median of 40, ms); 1% in random 4 KiB reads by 16 readers (seconds, bytes);
 # the whole file in order (dd bs=4M, MB/s; a full pull's includes its pull); a warm re-read.
 # Every row: a fresh node (containerd and snapshotter state, empty caches, page cache dropped)
-# per measurement, PEERS_BENCH_RUNS runs (default 3, medians printed with the range), bytes and
+# per measurement, PEERS_BENCH_RUNS runs (default 3, medians printed with the range;
+# PEERS_BENCH_ONLY="label ..." measures only those rows), bytes and
 # requests counted at the registry. Background fetch off (SOCI `[background_fetch] disable`,
 # stargz `no_background_fetch`, vmdisk `hydrate = "off"`) except in the row that says "on".
 # Runs in a private mount namespace (SOCI's tools keep state in /var/lib/soci-snapshotter-grpc,
@@ -34,6 +35,7 @@ ESTARGZ_LAYOUT=${ESTARGZ_LAYOUT:-$PWD/target/release/examples/estargz-layout}
 DEPS=$PWD/target/deps
 GIB=${PEERS_BENCH_GIB:-2}
 RUNS=${PEERS_BENCH_RUNS:-3}
+ONLY=${PEERS_BENCH_ONLY:-}
 source integration/containerd.sh
 bench_scratch peers
 # SOCI's state directory and the TLS front's name are bound over system paths in this namespace.
@@ -99,6 +101,9 @@ done
 rm "$B/piece"
 DSIZE=$(stat -c %s "$DISK")
 publish_lazy_and_gzip "$DISK" "$REG/peers/disk:lazy" "$REG/peers/disk:gzip"
+# The own layout again with 128 KiB chunks: what a disk read at random in small blocks is
+# published with (each cold read fetches a chunk).
+"$VMDISK" push --chunk-size 128K "$DISK" "$REG/peers/disk:lazy128k" > /dev/null
 "$ESTARGZ_LAYOUT" "$B/estargz" "$DISK" disk/disk.qcow2
 skopeo copy --quiet --dest-tls-verify=false "oci:$B/estargz:latest" "docker://$REG/peers/disk:estargz"
 rm -rf "$B/estargz"
@@ -184,11 +189,14 @@ lazy_check() {  # lazy_check DIR KIND: the layer is served by a FUSE mount under
 stop_node() {  # stop_node DIR
   grep -o " $1[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" 2> /dev/null || true; done
   stop_mount_servers "$1"
+  local p mine=()
   for p in "${PIDS[@]}"; do
-    if { tr '\0' ' ' < "/proc/$p/cmdline"; } 2> /dev/null | grep -qF -- "$1/"; then kill "$p" 2> /dev/null || true; fi
+    if { tr '\0' ' ' < "/proc/$p/cmdline"; } 2> /dev/null | grep -qF -- "$1/"; then mine+=("$p"); fi
   done
-  sleep 0.5
+  for p in "${mine[@]}"; do kill "$p" 2> /dev/null || true; done
+  for p in "${mine[@]}"; do wait "$p" 2> /dev/null || true; done
   if [ -d "$1/soci-lib" ]; then umount -l /var/lib/soci-snapshotter-grpc; fi
+  rm -rf "$1"  # each node holds up to two copies of the disk: a whole run's would not fit
 }
 until_10s() { python3 -c "import time; time.sleep(max(0.0, 10 - (time.time() - $PULL_T0)))"; }
 
@@ -198,6 +206,7 @@ until_10s() { python3 -c "import time; time.sleep(max(0.0, 10 - (time.time() - $
 measure() {
   local label=$1 kind=$2 image=$3 diff=$4 run=$5 d m t0
   local ready bytes10 bg r64 r64g miss r4 r4b full warm warmb
+  [ -z "$ONLY" ] || [[ " $ONLY " == *" $label "* ]] || return 0
   d=$B/run$run-$label-pull; node "$d" "$kind" off; pull_and_mount "$d" "$image" "$diff"; lazy_check "$d" "$kind"
   ready=$PULL_S; until_10s; bytes10=$(served_since "$MARK")
   # 1% of the file in random 64 KiB reads, one reader: seconds and blob requests.
@@ -258,12 +267,14 @@ PY
 GZ_DIFF=$(diff_id gzip)
 ES_DIFF=$(diff_id estargz)
 OWN_DIFF=$(diff_id lazy)
+OWN128_DIFF=$(diff_id lazy128k)
 for run in $(seq "$RUNS"); do
   measure soci soci "$SECURE/peers/disk:gzip" "$GZ_DIFF" "$run"
   [ -z "$STARGZ" ] || measure stargz stargz "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
   measure vmdisk-index vmdisk "$PLAIN/peers/disk:gzip" "$GZ_DIFF" "$run"
   measure vmdisk-estargz vmdisk "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
   measure vmdisk-own vmdisk "$PLAIN/peers/disk:lazy" "$OWN_DIFF" "$run"
+  measure vmdisk-own-128k vmdisk "$PLAIN/peers/disk:lazy128k" "$OWN128_DIFF" "$run"
   measure full-pull overlayfs "$PLAIN/peers/disk:gzip" "$GZ_DIFF" "$run"
 done
 

@@ -748,6 +748,10 @@ struct IndexingReader<R, W> {
     /// Blob bytes consumed by the inflater (its total_in).
     consumed: u64,
     member_done: bool,
+    /// A block boundary where the next span starts once output follows it: a stream may end
+    /// in empty blocks (a sync flush, then an empty final block), which must not make an
+    /// empty last span.
+    cut: Option<Cut>,
     spans: Vec<Span>,
     span_hasher: Hasher,
     stream_hasher: Hasher,
@@ -755,6 +759,15 @@ struct IndexingReader<R, W> {
     ring: Vec<u8>,
     ring_at: usize,
     produced: u64,
+}
+
+/// Where a span may start: blob byte `input` (bit `bits` of it), after `consumed` blob bytes
+/// were inflated.
+#[derive(Clone, Copy)]
+struct Cut {
+    input: u64,
+    bits: u8,
+    consumed: u64,
 }
 
 impl<R: Read, W: std::io::Write> IndexingReader<R, W> {
@@ -775,6 +788,7 @@ impl<R: Read, W: std::io::Write> IndexingReader<R, W> {
             blob_done: false,
             consumed: 0,
             member_done: false,
+            cut: None,
             spans: Vec::new(),
             span_hasher: Hasher::new(),
             stream_hasher: Hasher::new(),
@@ -784,11 +798,11 @@ impl<R: Read, W: std::io::Write> IndexingReader<R, W> {
         })
     }
 
-    /// Starts a span at the current output position.
-    fn checkpoint(&mut self, input: u64, bits: u8) -> std::io::Result<()> {
+    /// Starts a span at the current output position, at `cut` of the blob.
+    fn checkpoint(&mut self, cut: Cut) -> std::io::Result<()> {
         if let Some(last) = self.spans.last_mut() {
             last.digest = std::mem::take(&mut self.span_hasher).finish();
-            last.input_end = self.consumed;
+            last.input_end = cut.consumed;
         }
         if self.spans.len() == MAX_SPANS {
             return Err(std::io::Error::other(format!(
@@ -806,9 +820,9 @@ impl<R: Read, W: std::io::Write> IndexingReader<R, W> {
         }
         self.spans.push(Span {
             offset: self.produced,
-            input,
-            input_end: input,
-            bits,
+            input: cut.input,
+            input_end: cut.input,
+            bits: cut.bits,
             window_end: self.windows_size,
             digest: Digest::of(b""),
         });
@@ -896,7 +910,11 @@ impl<R: Read, W: std::io::Write> IndexingReader<R, W> {
             return Ok(0);
         }
         if self.spans.is_empty() || self.produced.is_multiple_of(self.span_size) {
-            self.checkpoint(self.produced, 0)?;
+            self.checkpoint(Cut {
+                input: self.produced,
+                bits: 0,
+                consumed: self.consumed,
+            })?;
         }
         self.emit(&buf[..n]);
         // For an uncompressed layer a span's blob bytes are its own.
@@ -932,6 +950,11 @@ impl<R: Read, W: std::io::Write> Read for IndexingReader<R, W> {
                 .inflate(&self.input[self.input_at..], buf)
                 .map_err(|e| std::io::Error::other(e.chain()))?;
             self.input_at += step.consumed;
+            if step.produced > 0 {
+                if let Some(cut) = self.cut.take() {
+                    self.checkpoint(cut)?;
+                }
+            }
             self.consumed += step.consumed as u64;
             let since = self.spans.last().map_or(u64::MAX, |s| {
                 self.produced + step.produced as u64 - s.offset
@@ -940,8 +963,11 @@ impl<R: Read, W: std::io::Write> Read for IndexingReader<R, W> {
             if step.end {
                 self.member_done = true;
             } else if step.at_boundary && (self.spans.is_empty() || since >= self.span_size) {
-                let input = self.consumed - u64::from(step.pending_bits > 0);
-                self.checkpoint(input, step.pending_bits)?;
+                self.cut = Some(Cut {
+                    input: self.consumed - u64::from(step.pending_bits > 0),
+                    bits: step.pending_bits,
+                    consumed: self.consumed,
+                });
             }
             if step.produced > 0 {
                 return Ok(step.produced);
@@ -1111,6 +1137,33 @@ mod tests {
             assert_eq!(again, index);
             check_all_spans(&index, &windows, &blob, &tar);
         }
+    }
+
+    /// Writers that sync-flush (Go's parallel gzip, pigz) end a stream in empty blocks: a span
+    /// boundary right before them must not leave an empty last span (`vmdisk index` refused
+    /// such a layer: "span N is 0 bytes long").
+    #[test]
+    fn a_stream_ending_in_empty_blocks_has_no_empty_span() {
+        use std::io::Write;
+        let span = 64 << 10;
+        // A tar of exactly four spans (header, data, two end blocks), flushed at every span.
+        let tar = tar_of(&[("disk/d.raw", disk(4 * span - 1536))]);
+        assert_eq!(tar.len() % span, 0);
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(6));
+        for piece in tar.chunks(span) {
+            e.write_all(piece).unwrap();
+            e.flush().unwrap();
+        }
+        let blob = e.finish().unwrap();
+        let exp = expected(&blob, &tar, Compression::Gzip);
+        let (index, windows) = index_of(&blob, &exp, span as u64);
+        assert_eq!(index.span_end(index.spans.len() - 1), tar.len() as u64);
+        assert!(index
+            .spans
+            .iter()
+            .enumerate()
+            .all(|(i, s)| index.span_end(i) > s.offset));
+        check_all_spans(&index, &windows, &blob, &tar);
     }
 
     /// GNU gzip (an essential Debian package, and what many image builders run), whose
