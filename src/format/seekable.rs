@@ -749,8 +749,8 @@ struct IndexingReader<R, W> {
     consumed: u64,
     member_done: bool,
     /// A block boundary where the next span starts once output follows it: a stream may end
-    /// in empty blocks (a sync flush, then an empty final block), which must not make an
-    /// empty last span.
+    /// in empty blocks (Go's gzip writers close with an empty final block, sync-flushing ones
+    /// add empty blocks before it), which must not make an empty last span.
     cut: Option<Cut>,
     spans: Vec<Span>,
     span_hasher: Hasher,
@@ -1139,9 +1139,10 @@ mod tests {
         }
     }
 
-    /// Writers that sync-flush (Go's parallel gzip, pigz) end a stream in empty blocks: a span
-    /// boundary right before them must not leave an empty last span (`vmdisk index` refused
-    /// such a layer: "span N is 0 bytes long").
+    /// Go's gzip writers (skopeo's, containerd's) end a stream in an empty final block, after
+    /// empty sync-flush blocks where they flush: a span boundary right before them must not
+    /// leave an empty last span (`vmdisk index` refused such a layer: "span N is 0 bytes
+    /// long").
     #[test]
     fn a_stream_ending_in_empty_blocks_has_no_empty_span() {
         use std::io::Write;
