@@ -759,6 +759,16 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     )
     .unwrap_err();
     assert_eq!(err.code(), Code::AlreadyExists, "{err}");
+    // The pull fetched no chunk of the disk (the structure check reads the tar headers the
+    // TOC names, a few hundred bytes) and mounted no ready-disk directory: that is for a
+    // runtime that asks (`vmdisk path`).
+    let pulled = &daemon.disks()[0];
+    assert_eq!(
+        (pulled.ready_dir.as_str(), pulled.chunks_cached),
+        ("", 0),
+        "{pulled:?}"
+    );
+    assert!(pulled.registry_bytes < 4096, "{pulled:?}");
     let target = format!("chain-{layer}");
     let found = s
         .list(&[&format!(
@@ -792,8 +802,13 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     let servers = daemon.server_pids();
     assert_eq!(servers.len(), 1);
     // The ready-disk directory: the disk as published, its raw view, its metadata, an alias.
+    let image = format!("{}/small:1", reg.host());
+    let handed = PathBuf::from(daemon.vmdisk_ok(&["path", &image]).trim());
     let disks = daemon.disks();
+    assert_eq!(disks[0].snapshots.len(), 2, "{:?}", disks[0]);
     let ready = PathBuf::from(&disks[0].ready_dir);
+    assert_eq!(handed, ready.join("small.qcow2"));
+    assert_eq!(daemon.server_pids(), servers, "the pull's server made it");
     assert!(files_identical(&ready.join("small.qcow2"), &disk));
     let raw = scratch.path("small.raw");
     qemu_img_raw(&disk, &raw);
@@ -882,7 +897,9 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
         );
     }
 
-    // Removing the remote snapshot stops its server and unmounts the layer.
+    // Removing the remote snapshot and the disk kept by `vmdisk path` stops its server and
+    // unmounts the layer.
+    daemon.vmdisk_ok(&["rm", &image]);
     s.drop_views();
     s.remove(&target).unwrap();
     assert!(daemon.disks().is_empty());

@@ -33,9 +33,10 @@ pub enum Warm {
     /// Nothing beyond the check.
     Nothing,
     /// The disk's head (qcow2 header, L1 and refcount tables), a round trip sooner, for a
-    /// mount that describes its disk before it serves (ready directories). Those chunks are
-    /// then fetched before other cached layers are indexed for dedup, so a mount without a
-    /// ready directory leaves it off.
+    /// mount whose ready-disk directory is wanted at once (EnsureDisk), which describing the
+    /// disk reads. Those chunks are then fetched before other cached layers are indexed for
+    /// dedup, and a pull that only needs the layer would fetch them for nobody: it leaves it
+    /// off.
     DiskHead,
 }
 
@@ -98,7 +99,7 @@ pub struct ServeOptions {
     pub passthrough: bool,
     /// Print `hydrated: …` on stdout when hydration completes (the interactive mount does).
     pub announce: bool,
-    /// Also mount the layer's ready-disk directory.
+    /// The layer's ready-disk directory, mounted when asked ([`Serving::mount_ready`]).
     pub ready: Option<ReadyDir>,
 }
 
@@ -143,16 +144,36 @@ async fn describe(engine: &Arc<Engine>, ready: &ReadyDir) -> Result<(RawDisk, Re
     Ok((described.raw, metadata))
 }
 
-/// A mounted ready-disk directory: its session, where it is, and the links (link, target)
-/// pointing into it.
-type ReadyMount = (fuser::BackgroundSession, ReadyDir, Vec<(PathBuf, PathBuf)>);
+/// A mounted ready-disk directory: its session and the links (link, target) pointing into it.
+struct ReadyMount {
+    session: fuser::BackgroundSession,
+    links: Vec<(PathBuf, PathBuf)>,
+}
+
+/// A layer's ready-disk directory, mounted when first asked for: describing the disk reads its
+/// head, which a pull that only needs the layer's files never asks for.
+struct ReadyDisk {
+    dir: ReadyDir,
+    passthrough: bool,
+    state: Mutex<ReadyState>,
+    /// Mounts unmounted by [`Serving::unmount`], their sessions ended by [`Serving::finish`].
+    ended: Mutex<Vec<ReadyMount>>,
+}
+
+enum ReadyState {
+    /// Not mounted: nobody asked for it yet (or the layer stayed busy when it was stopped).
+    Unmounted,
+    Mounted(ReadyMount),
+    /// Unmounted while the server stops: not mounted again.
+    Closed,
+}
 
 /// A layer being served.
 pub struct Serving {
     engine: Arc<Engine>,
     cache: CacheRoot,
     session: fuser::BackgroundSession,
-    ready: Option<ReadyMount>,
+    ready: Option<Arc<ReadyDisk>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     dir: PathBuf,
     hydration: Arc<Mutex<HydrationState>>,
@@ -173,13 +194,14 @@ pub async fn start(
         opts.passthrough,
     );
     let session = crate::fuse::mount(fs, dir)?;
-    let ready = match &opts.ready {
-        Some(r) => {
-            let (session, links) = mount_ready(&engine, r, opts.passthrough).await?;
-            Some((session, r.clone(), links))
-        }
-        None => None,
-    };
+    let ready = opts.ready.as_ref().map(|dir| {
+        Arc::new(ReadyDisk {
+            dir: dir.clone(),
+            passthrough: opts.passthrough,
+            state: Mutex::new(ReadyState::Unmounted),
+            ended: Mutex::new(Vec::new()),
+        })
+    });
     let mut serving = Serving {
         engine: Arc::clone(&engine),
         cache: cache.clone(),
@@ -229,32 +251,38 @@ pub async fn start(
     Ok(serving)
 }
 
-/// Mounts the ready-disk directory and points its alias at it.
-async fn mount_ready(
-    engine: &Arc<Engine>,
-    ready: &ReadyDir,
-    passthrough: bool,
-) -> Result<(fuser::BackgroundSession, Vec<(PathBuf, PathBuf)>)> {
-    let runtime = tokio::runtime::Handle::current();
-    let (raw, metadata) = describe(engine, ready).await?;
+/// Mounts `ready`'s directory for `engine`'s disk, described as (`raw`, `metadata`), and points
+/// its links at it, unless it is mounted or closed. Blocking (directories, mounts, links).
+fn mount_ready(
+    engine: Arc<Engine>,
+    ready: &ReadyDisk,
+    runtime: tokio::runtime::Handle,
+    (raw, metadata): (RawDisk, ReadyMetadata),
+) -> Result<()> {
+    let mut state = ready.state.lock();
+    match &*state {
+        ReadyState::Mounted(_) => return Ok(()),
+        ReadyState::Closed => {
+            return Err(Error::new(
+                ErrorKind::FailedPrecondition,
+                "the layer's server is stopping; ask again once the layer is served",
+            ))
+        }
+        ReadyState::Unmounted => {}
+    }
+    let dir = &ready.dir;
     let json = serde_json::to_vec_pretty(&metadata).expect("metadata serialises");
-    let links = ready.links(&metadata);
-    let fs = crate::fuse::LayerFs::ready(
-        Arc::clone(engine),
-        runtime,
-        passthrough,
-        raw,
-        json,
-        ready.group,
-    );
-    let _ = nix::mount::umount2(&ready.dir, nix::mount::MntFlags::MNT_DETACH);
-    crate::ready::prepare_root(&ready.root, ready.group)?;
-    crate::dirs::shared(&ready.dir, ready.group)?;
-    let session = crate::fuse::mount(fs, &ready.dir)?;
+    let links = dir.links(&metadata);
+    let fs = crate::fuse::LayerFs::ready(engine, runtime, ready.passthrough, raw, json, dir.group);
+    let _ = nix::mount::umount2(&dir.dir, nix::mount::MntFlags::MNT_DETACH);
+    crate::ready::prepare_root(&dir.root, dir.group)?;
+    crate::dirs::shared(&dir.dir, dir.group)?;
+    let session = crate::fuse::mount(fs, &dir.dir)?;
     for (link, target) in &links {
         crate::ready::replace_symlink(link, target)?;
     }
-    Ok((session, links))
+    *state = ReadyState::Mounted(ReadyMount { session, links });
+    Ok(())
 }
 
 impl Serving {
@@ -266,6 +294,32 @@ impl Serving {
     /// The path of the layer's disk file on the mount.
     pub fn disk_path(&self) -> PathBuf {
         self.dir.join(self.engine.layer.disk_path())
+    }
+
+    /// Describes the disk and mounts its ready-disk directory unless it is mounted; where it
+    /// is. Concurrent callers each describe (their fetches are shared) and the first to finish
+    /// mounts; no lock is held while describing.
+    pub async fn mount_ready(&self) -> Result<PathBuf> {
+        let ready = self.ready.as_ref().ok_or_else(|| {
+            Error::new(
+                ErrorKind::FailedPrecondition,
+                "this mount has no ready-disk directory",
+            )
+        })?;
+        if !matches!(*ready.state.lock(), ReadyState::Mounted(_)) {
+            let described = describe(&self.engine, &ready.dir).await?;
+            let (engine, ready) = (Arc::clone(&self.engine), Arc::clone(ready));
+            let runtime = tokio::runtime::Handle::current();
+            crate::task::blocking(move || mount_ready(engine, &ready, runtime, described)).await?;
+        }
+        Ok(ready.dir.dir.clone())
+    }
+
+    /// Whether the ready-disk directory is mounted.
+    pub fn ready_mounted(&self) -> bool {
+        self.ready
+            .as_ref()
+            .is_some_and(|r| matches!(*r.state.lock(), ReadyState::Mounted(_)))
     }
 
     /// Where hydration stands.
@@ -324,33 +378,51 @@ impl Serving {
                 format!("{} is busy; {hint}", dir.display()),
             )
         };
-        if let Some((_, ready, _)) = &self.ready {
-            match nix::mount::umount2(&ready.dir, nix::mount::MntFlags::empty()) {
-                Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
-                Err(nix::errno::Errno::EBUSY) => {
-                    return Err(busy(&ready.dir, "a VM uses the disk; stop it first"))
-                }
-                Err(e) => {
-                    return Err(Error::io(
-                        format!("unmounting {}", ready.dir.display()),
-                        e.into(),
-                    ))
+        if let Some(ready) = &self.ready {
+            let mut state = ready.state.lock();
+            if let ReadyState::Mounted(_) = &*state {
+                match nix::mount::umount2(&ready.dir.dir, nix::mount::MntFlags::empty()) {
+                    Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
+                    Err(nix::errno::Errno::EBUSY) => {
+                        return Err(busy(&ready.dir.dir, "a VM uses the disk; stop it first"))
+                    }
+                    Err(e) => {
+                        return Err(Error::io(
+                            format!("unmounting {}", ready.dir.dir.display()),
+                            e.into(),
+                        ))
+                    }
                 }
             }
+            if let ReadyState::Mounted(mount) = std::mem::replace(&mut *state, ReadyState::Closed) {
+                ready.ended.lock().push(mount);
+            }
         }
+        let reopen = || {
+            // The layer keeps serving: its ready-disk directory may be asked for again.
+            if let Some(ready) = &self.ready {
+                *ready.state.lock() = ReadyState::Unmounted;
+            }
+        };
         match nix::mount::umount2(&self.dir, nix::mount::MntFlags::empty()) {
             Ok(()) => Ok(()),
-            Err(nix::errno::Errno::EBUSY) => Err(busy(
-                &self.dir,
-                &format!(
-                    "close the files using it (`fuser -vm {}`) first",
-                    self.dir.display()
-                ),
-            )),
-            Err(e) => Err(Error::io(
-                format!("unmounting {}", self.dir.display()),
-                e.into(),
-            )),
+            Err(nix::errno::Errno::EBUSY) => {
+                reopen();
+                Err(busy(
+                    &self.dir,
+                    &format!(
+                        "close the files using it (`fuser -vm {}`) first",
+                        self.dir.display()
+                    ),
+                ))
+            }
+            Err(e) => {
+                reopen();
+                Err(Error::io(
+                    format!("unmounting {}", self.dir.display()),
+                    e.into(),
+                ))
+            }
         }
     }
 
@@ -375,15 +447,33 @@ impl Serving {
             task.abort();
         }
         let dir = self.dir.clone();
-        if let Some((session, ready, links)) = self.ready {
-            // Remove the links still pointing at us (another server may have taken a name).
-            for (link, target) in links {
-                if std::fs::read_link(&link).is_ok_and(|t| t == target) {
-                    let _ = std::fs::remove_file(&link);
-                }
+        if let Some(ready) = self.ready {
+            let mut mounts = std::mem::take(&mut *ready.ended.lock());
+            // Still mounted when the server ends without a successful `unmount`: detach it.
+            if let ReadyState::Mounted(mount) =
+                std::mem::replace(&mut *ready.state.lock(), ReadyState::Closed)
+            {
+                let _ = nix::mount::umount2(&ready.dir.dir, nix::mount::MntFlags::MNT_DETACH);
+                mounts.push(mount);
             }
-            let _ = tokio::task::spawn_blocking(move || session.join()).await;
-            let _ = std::fs::remove_dir(&ready.dir);
+            let dir = ready.dir.dir.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                if mounts.is_empty() {
+                    return;
+                }
+                for ReadyMount { session, links } in mounts {
+                    // Remove the links still pointing at us (another server may have taken a
+                    // name).
+                    for (link, target) in links {
+                        if std::fs::read_link(&link).is_ok_and(|t| t == target) {
+                            let _ = std::fs::remove_file(&link);
+                        }
+                    }
+                    let _ = session.join();
+                }
+                let _ = std::fs::remove_dir(&dir);
+            })
+            .await;
         }
         tokio::task::spawn_blocking(move || self.session.join())
             .await

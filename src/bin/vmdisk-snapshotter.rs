@@ -43,17 +43,16 @@ fn main() -> std::process::ExitCode {
                 reference,
                 layer,
                 alias,
+                need,
                 credentials_on_stdin,
             }) => {
-                let layer = layer.parse()?;
-                vmdisk::snapshotter::server::serve_layer(
-                    &config,
-                    &reference,
-                    &layer,
-                    alias.as_deref(),
-                    credentials_on_stdin,
-                )
-                .await
+                let job = vmdisk::snapshotter::server::Assignment {
+                    reference,
+                    layer: layer.parse()?,
+                    alias,
+                    need,
+                };
+                vmdisk::snapshotter::server::serve_layer(&config, &job, credentials_on_stdin).await
             }
         }
     })

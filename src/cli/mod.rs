@@ -111,7 +111,8 @@ pub enum Command {
     Mount(MountArgs),
     /// List the disks vmdisk-snapshotter serves lazily on this node.
     Ls(LsArgs),
-    /// Make an image's disk ready on this node (manifest and TOC only) and print its path.
+    /// Make an image's disk ready on this node (manifest, TOC and the disk's head) and print
+    /// its path.
     Path(PathArgs),
     /// Make an image's disk ready and fetch all of it in the background.
     Prefetch(PrefetchArgs),

@@ -44,6 +44,10 @@ pub enum Internal {
         /// A readable name for the ready-disk directory (the image reference pulled).
         #[arg(long)]
         alias: Option<String>,
+        /// What the server is started for: the layer's files (a pull), or also its ready-disk
+        /// directory (EnsureDisk), whose disk head it then fetches while it starts.
+        #[arg(long, value_enum, default_value = "layer")]
+        need: super::control::Need,
         /// Read registry credentials (kubelet's) from stdin first.
         #[arg(long)]
         credentials_on_stdin: bool,

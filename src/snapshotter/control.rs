@@ -16,8 +16,31 @@ use crate::engine::stats::StatsSnapshot;
 use crate::error::{Error, ErrorKind, Result};
 
 pub use pb::{
-    Credentials, EndpointCounters, Grants, HydrationState, LayerCounters, LayerStatus, ServerState,
+    Credentials, EndpointCounters, Grants, HydrationState, LayerCounters, LayerStatus,
+    ReadyDirState, ServerState,
 };
+
+/// What a caller needs of a layer's server.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    /// The layer's files (a snapshot of a pull): nothing of the disk is read.
+    Layer,
+    /// Also its ready-disk directory (EnsureDisk: `vmdisk path`, the shim), which describing
+    /// the disk reads the head of.
+    ReadyDisk,
+}
+
+impl Need {
+    /// The need of the users of a layer the store records: pins (EnsureDisk's, named
+    /// `pin:<reference>` by [`super::Snapshotter::remote_layers`]) want the ready disk.
+    pub fn of_users(users: &[String]) -> Self {
+        if users.iter().any(|u| u.starts_with("pin:")) {
+            Need::ReadyDisk
+        } else {
+            Need::Layer
+        }
+    }
+}
 
 type Client = pb::layer_server_client::LayerServerClient<tonic::transport::Channel>;
 
@@ -108,6 +131,27 @@ pub async fn wait_started(socket: &Path, wait: Duration) -> Result<LayerStatus> 
         c.status(pb::LayerStatusRequest { wait_started_ms }).await
     })
     .await
+}
+
+/// Asks the server at `socket` to mount its ready-disk directory (describing the disk first,
+/// which may fetch its head: within `deadline`); where it is. A server from before the call
+/// existed mounted it when it started.
+pub async fn mount_ready_dir(socket: &Path, deadline: Duration) -> Result<Option<PathBuf>> {
+    let answer = call(
+        socket,
+        deadline,
+        "mount the ready-disk directory",
+        |mut c| async move {
+            match c.mount_ready_dir(pb::MountReadyDirRequest {}).await {
+                Err(s) if s.code() == tonic::Code::Unimplemented => {
+                    Ok(tonic::Response::new(pb::MountReadyDirResponse::default()))
+                }
+                answer => answer,
+            }
+        },
+    )
+    .await?;
+    Ok((!answer.ready_dir.is_empty()).then(|| PathBuf::from(answer.ready_dir)))
 }
 
 /// Asks the server at `socket` to fetch its whole disk; whether a new hydration started.

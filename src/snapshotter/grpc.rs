@@ -328,9 +328,16 @@ pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>>
             Some(st) => st.state().as_str_name()["SERVER_STATE_".len()..].to_lowercase(),
         };
         let st = status.unwrap_or_default();
+        // Mounted when asked (EnsureDisk); a server from before that asked mounted it at start.
+        let ready_mounted = serving
+            && matches!(
+                st.ready_dir_state(),
+                control::ReadyDirState::Mounted | control::ReadyDirState::Unspecified
+            );
         let ready_dir = s
             .servers
             .ready_dir(&remote.reference)
+            .filter(|_| ready_mounted)
             .map(|d| d.display().to_string())
             .unwrap_or_default();
         out.push(mpb::Disk {

@@ -615,7 +615,13 @@ impl Snapshotter {
         let grants = self.grants_for_server(reference, pending).await;
         let lock = self.layer_locks.lock(&layer).await;
         self.servers
-            .ensure(&layer, &reference.to_string(), alias.as_deref(), &grants)
+            .ensure(
+                &layer,
+                &reference.to_string(),
+                alias.as_deref(),
+                &grants,
+                control::Need::Layer,
+            )
             .await?;
         let mut labels = labels.clone();
         labels.insert(LABEL_REMOTE.to_string(), "vmdisk".to_string());
@@ -829,7 +835,13 @@ impl Snapshotter {
         let layer = remote.layer;
         let lock = self.layer_locks.lock(&layer).await;
         self.servers
-            .ensure(&layer, &remote.reference, remote.alias.as_deref(), &grants)
+            .ensure(
+                &layer,
+                &remote.reference,
+                remote.alias.as_deref(),
+                &grants,
+                control::Need::ReadyDisk,
+            )
             .await?;
         let (me, name) = (Arc::clone(self), reference.to_string());
         blocking(move || me.store.pin(&name, &remote)).await?;
@@ -1107,7 +1119,13 @@ impl Snapshotter {
             let _lock = self.layer_locks.lock(layer).await;
             match self
                 .servers
-                .ensure(layer, &remote.reference, remote.alias.as_deref(), &[])
+                .ensure(
+                    layer,
+                    &remote.reference,
+                    remote.alias.as_deref(),
+                    &[],
+                    control::Need::of_users(snapshots),
+                )
                 .await
             {
                 Ok(mnt) => {

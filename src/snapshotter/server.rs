@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
 
 use super::config::Config;
-use super::control::{HydrationState, LayerPaths, ServerState};
+use super::control::{HydrationState, LayerPaths, Need, ReadyDirState, ServerState};
 use crate::api::vmdisk::v1 as pb;
 use crate::cache::CacheRoot;
 use crate::digest::Digest;
@@ -124,6 +124,11 @@ impl Shared {
         status.chunks_cached = engine.cache.present_count() as u64;
         status.integrity = engine.integrity().to_string();
         status.counters = Some(super::control::layer_counters(engine));
+        status.set_ready_dir_state(if serving.ready_mounted() {
+            ReadyDirState::Mounted
+        } else {
+            ReadyDirState::Unmounted
+        });
         match serving.hydration() {
             crate::serve::HydrationState::Idle => status.set_hydration(HydrationState::Idle),
             crate::serve::HydrationState::Running => status.set_hydration(HydrationState::Running),
@@ -159,6 +164,22 @@ impl pb::layer_server_server::LayerServer for ControlService {
         })?;
         Ok(Response::new(pb::HydrateResponse {
             started: serving.hydrate(),
+        }))
+    }
+
+    async fn mount_ready_dir(
+        &self,
+        _request: Request<pb::MountReadyDirRequest>,
+    ) -> Result<Response<pb::MountReadyDirResponse>, Status> {
+        let serving = self.0.serving().ok_or_else(|| {
+            Status::failed_precondition("the layer is not mounted yet; ask again once it serves")
+        })?;
+        // Its own task: a caller that gives up does not cut a description short.
+        let ready_dir = tokio::spawn(async move { serving.mount_ready().await })
+            .await
+            .map_err(|e| Status::internal(format!("mounting the ready-disk directory: {e}")))??;
+        Ok(Response::new(pb::MountReadyDirResponse {
+            ready_dir: ready_dir.display().to_string(),
         }))
     }
 
@@ -211,16 +232,27 @@ async fn credentials_from_stdin() -> Result<pb::Grants> {
         .map_err(|e| Error::invalid(format!("the credentials on stdin are malformed: {e}")))
 }
 
-/// Runs the mount server of `layer` (the key the daemon expects) for `reference` until stopped;
-/// `credentials_on_stdin`: the daemon hands it the credentials of pulls of the image there
-/// first.
+/// What a mount server is started to serve (`serve-layer`'s arguments).
+#[derive(Debug, Clone)]
+pub struct Assignment {
+    /// The image, by digest.
+    pub reference: String,
+    /// The layer key the daemon expects it to resolve to.
+    pub layer: Digest,
+    /// A readable name for the ready-disk directory (the image reference pulled).
+    pub alias: Option<String>,
+    /// What its first caller needs.
+    pub need: Need,
+}
+
+/// Runs the mount server of `job` until stopped; `credentials_on_stdin`: the daemon hands it
+/// the credentials of pulls of the image there first.
 pub async fn serve_layer(
     config: &Config,
-    reference: &str,
-    layer: &Digest,
-    alias: Option<&str>,
+    job: &Assignment,
     credentials_on_stdin: bool,
 ) -> Result<()> {
+    let (reference, layer) = (job.reference.as_str(), &job.layer);
     let granted = Arc::new(Granted::default());
     if credentials_on_stdin {
         for message in credentials_from_stdin().await?.credentials {
@@ -264,16 +296,7 @@ pub async fn serve_layer(
                 },
             ),
     );
-    let outcome = run(
-        config,
-        reference,
-        layer,
-        alias,
-        &paths,
-        &shared,
-        &mut stop_requests,
-    )
-    .await;
+    let outcome = run(config, job, &paths, &shared, &mut stop_requests).await;
     let _ = done.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(2), control_task).await;
     let _ = std::fs::remove_file(&paths.control);
@@ -283,15 +306,14 @@ pub async fn serve_layer(
 /// Starts serving (unless stopped first), then answers stop requests and signals.
 async fn run(
     config: &Config,
-    reference: &str,
-    layer: &Digest,
-    alias: Option<&str>,
+    job: &Assignment,
     paths: &LayerPaths,
     shared: &Shared,
     stop_requests: &mut mpsc::Receiver<oneshot::Sender<Result<pb::LayerCounters>>>,
 ) -> Result<()> {
+    let (reference, layer) = (&job.reference, &job.layer);
     let started = tokio::select! {
-        r = start(config, reference, layer, alias, paths, Arc::clone(&shared.granted)) => r,
+        r = start(config, job, paths, Arc::clone(&shared.granted)) => r,
         Some(reply) = stop_requests.recv() => {
             let _ = reply.send(Ok(pb::LayerCounters::default()));
             tracing::info!(%layer, "stopped while starting");
@@ -360,17 +382,16 @@ async fn run(
     Ok(())
 }
 
-/// Resolves `reference`, checks that its disk layer has the key `layer`, and mounts it with its
-/// ready-disk directory.
+/// Resolves the job's reference, checks that its disk layer has the key expected, and mounts
+/// it (its ready-disk directory when asked: `MountReadyDir`).
 async fn start(
     config: &Config,
-    reference: &str,
-    layer: &Digest,
-    alias: Option<&str>,
+    job: &Assignment,
     paths: &LayerPaths,
     granted: Arc<Granted>,
 ) -> Result<Serving> {
-    let reference: Reference = reference.parse()?;
+    let (layer, alias) = (&job.layer, job.alias.as_deref());
+    let reference: Reference = job.reference.parse()?;
     let digest = reference.digest.ok_or_else(|| {
         Error::invalid(format!(
             "{reference}: serve-layer needs a reference by digest"
@@ -393,8 +414,12 @@ async fn start(
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
         ..Default::default()
     };
-    // The ready directory is described before serving, head first.
-    let warm = crate::serve::Warm::DiskHead;
+    // The ready directory, when wanted at once, is described right after serving: its head
+    // comes with the structure check.
+    let warm = match job.need {
+        Need::Layer => crate::serve::Warm::Nothing,
+        Need::ReadyDisk => crate::serve::Warm::DiskHead,
+    };
     // The policy is asked about the name the daemon checked (its decision is in the cache).
     let named = match alias.map(str::parse::<Reference>) {
         Some(Ok(alias)) => alias,

@@ -22,7 +22,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 
-use super::control::{self, LayerPaths, LayerStatus, ServerState};
+use super::control::{self, LayerPaths, LayerStatus, Need, ServerState};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::registry::granted::Grant;
@@ -53,15 +53,16 @@ pub trait Supervisor: Send + Sync {
     fn status<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Option<LayerStatus>>;
     /// Asks `layer`'s server to fetch its whole disk; whether a new hydration started.
     fn hydrate<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<bool>>;
-    /// Makes sure a server serves `layer` (of `reference`), adopting a running one or starting
-    /// one, and that it holds `grants` (credentials of pulls of that image that succeeded);
-    /// returns the mount point. The caller holds the layer's lock.
+    /// Makes sure a server serves `layer` (of `reference`) as `need`s, adopting a running one
+    /// or starting one, and that it holds `grants` (credentials of pulls of that image that
+    /// succeeded); returns the mount point. The caller holds the layer's lock.
     fn ensure<'a>(
         &'a self,
         layer: &'a Digest,
         reference: &'a str,
         alias: Option<&'a str>,
         grants: &'a [Grant],
+        need: Need,
     ) -> BoxFuture<'a, Result<PathBuf>>;
     /// Stops `layer`'s server; its last status with its final counters, or `None` if no server
     /// answered. A busy mount refuses (`FailedPrecondition`). The caller holds the layer's lock.
@@ -96,8 +97,9 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
         reference: &'a str,
         alias: Option<&'a str>,
         grants: &'a [Grant],
+        need: Need,
     ) -> BoxFuture<'a, Result<PathBuf>> {
-        (**self).ensure(layer, reference, alias, grants)
+        (**self).ensure(layer, reference, alias, grants, need)
     }
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
         (**self).stop(layer)
@@ -203,8 +205,17 @@ impl Supervisor for LayerServers {
         reference: &'a str,
         alias: Option<&'a str>,
         grants: &'a [Grant],
+        need: Need,
     ) -> BoxFuture<'a, Result<PathBuf>> {
-        Box::pin(self.ensure_server(layer, reference, alias, grants))
+        Box::pin(async move {
+            let mountpoint = self
+                .ensure_server(layer, reference, alias, grants, need)
+                .await?;
+            if need == Need::ReadyDisk {
+                self.mount_ready_dir(layer, reference).await?;
+            }
+            Ok(mountpoint)
+        })
     }
 
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
@@ -219,6 +230,7 @@ impl LayerServers {
         reference: &str,
         alias: Option<&str>,
         grants: &[Grant],
+        need: Need,
     ) -> Result<PathBuf> {
         let paths = self.paths(layer);
         if let Some(status) = self.server_status(layer).await {
@@ -243,7 +255,23 @@ impl LayerServers {
                 }
             }
         }
-        self.start(layer, reference, alias, grants).await
+        self.start(layer, reference, alias, grants, need).await
+    }
+
+    /// Has `layer`'s serving server mount its ready-disk directory (describing the disk may
+    /// fetch its head: within the mount timeout). A failure leaves the server serving the
+    /// layer: snapshots may use it.
+    async fn mount_ready_dir(&self, layer: &Digest, reference: &str) -> Result<()> {
+        let paths = self.paths(layer);
+        control::mount_ready_dir(&paths.control, self.command.mount_timeout)
+            .await
+            .map_err(|e| {
+                e.context(format!(
+                    "making the ready-disk directory of {reference} (layer {layer}; log: {})",
+                    paths.log.display()
+                ))
+            })?;
+        Ok(())
     }
 
     /// Hands `layer`'s running server `grants` (it adds them to those it holds).
@@ -261,6 +289,7 @@ impl LayerServers {
         reference: &str,
         alias: Option<&str>,
         grants: &[Grant],
+        need: Need,
     ) -> Result<PathBuf> {
         let command = &self.command;
         let paths = self.paths(layer);
@@ -285,7 +314,13 @@ impl LayerServers {
             .arg("--reference")
             .arg(reference)
             .arg("--layer")
-            .arg(layer.to_string());
+            .arg(layer.to_string())
+            .arg("--need")
+            .arg(
+                clap::ValueEnum::to_possible_value(&need)
+                    .expect("named")
+                    .get_name(),
+            );
         if let Some(alias) = alias {
             cmd.arg("--alias").arg(alias);
         }

@@ -87,6 +87,7 @@ impl Supervisor for FakeSupervisor {
         reference: &'a str,
         _alias: Option<&'a str>,
         grants: &'a [Grant],
+        _need: super::control::Need,
     ) -> BoxFuture<'a, Result<PathBuf>> {
         Box::pin(async move {
             if self.fail.load(Ordering::SeqCst) {
