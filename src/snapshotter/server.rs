@@ -81,10 +81,13 @@ impl Shared {
         .await;
     }
 
-    fn serving(&self) -> Option<Arc<Serving>> {
+    /// The layer being served, or the answer to a call that needs one before it is.
+    fn serving(&self) -> Result<Arc<Serving>, Status> {
         match &*self.phase.lock() {
-            Phase::Serving(s) => Some(Arc::clone(s)),
-            _ => None,
+            Phase::Serving(s) => Ok(Arc::clone(s)),
+            _ => Err(Status::failed_precondition(
+                "the layer is not mounted yet; ask again once it serves",
+            )),
         }
     }
 
@@ -159,9 +162,7 @@ impl pb::layer_server_server::LayerServer for ControlService {
         &self,
         _request: Request<pb::HydrateRequest>,
     ) -> Result<Response<pb::HydrateResponse>, Status> {
-        let serving = self.0.serving().ok_or_else(|| {
-            Status::failed_precondition("the layer is not mounted yet; ask again once it serves")
-        })?;
+        let serving = self.0.serving()?;
         Ok(Response::new(pb::HydrateResponse {
             started: serving.hydrate(),
         }))
@@ -171,9 +172,7 @@ impl pb::layer_server_server::LayerServer for ControlService {
         &self,
         _request: Request<pb::MountReadyDirRequest>,
     ) -> Result<Response<pb::MountReadyDirResponse>, Status> {
-        let serving = self.0.serving().ok_or_else(|| {
-            Status::failed_precondition("the layer is not mounted yet; ask again once it serves")
-        })?;
+        let serving = self.0.serving()?;
         // Its own task: a caller that gives up does not cut a description short.
         let ready_dir = tokio::spawn(async move { serving.mount_ready().await })
             .await
