@@ -134,10 +134,10 @@ pub async fn wait_started(socket: &Path, wait: Duration) -> Result<LayerStatus> 
 }
 
 /// Asks the server at `socket` to mount its ready-disk directory (describing the disk first,
-/// which may fetch its head: within `deadline`); where it is. A server from before the call
-/// existed mounted it when it started.
-pub async fn mount_ready_dir(socket: &Path, deadline: Duration) -> Result<Option<PathBuf>> {
-    let answer = call(
+/// which may fetch its head: within `deadline`). A server from before the call existed answers
+/// `Unimplemented`: it mounted the directory when it started.
+pub async fn mount_ready_dir(socket: &Path, deadline: Duration) -> Result<()> {
+    call(
         socket,
         deadline,
         "mount the ready-disk directory",
@@ -150,8 +150,8 @@ pub async fn mount_ready_dir(socket: &Path, deadline: Duration) -> Result<Option
             }
         },
     )
-    .await?;
-    Ok((!answer.ready_dir.is_empty()).then(|| PathBuf::from(answer.ready_dir)))
+    .await
+    .map(|_| ())
 }
 
 /// Asks the server at `socket` to fetch its whole disk; whether a new hydration started.

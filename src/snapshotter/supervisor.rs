@@ -270,8 +270,7 @@ impl LayerServers {
                     "making the ready-disk directory of {reference} (layer {layer}; log: {})",
                     paths.log.display()
                 ))
-            })?;
-        Ok(())
+            })
     }
 
     /// Hands `layer`'s running server `grants` (it adds them to those it holds).
