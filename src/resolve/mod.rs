@@ -230,11 +230,14 @@ async fn estargz_layer_id(
         .iter()
         .rposition(|l| std::ptr::eq(l, layer))
         .expect("disk_layer returns one of the manifest's layers");
-    let config = image_config(client, cache, reference, manifest).await?;
-    let (toc_offset, json) =
+    // The config (for the diff_id) and the footer and TOC at once: neither needs the other.
+    let (config, toc) = tokio::join!(
+        image_config(client, cache, reference, manifest),
         fetch_estargz_toc(client, reference, layer.digest, layer.size, toc_digest)
-            .await
-            .map_err(|e| e.context(format!("layer {} of {reference}", layer.digest)))?;
+    );
+    let config = config?;
+    let (toc_offset, json) =
+        toc.map_err(|e| e.context(format!("layer {} of {reference}", layer.digest)))?;
     let meta = LayerMeta {
         reference: reference.to_string(),
         layer_digest: layer.digest,
