@@ -30,18 +30,6 @@ pub enum Need {
     ReadyDisk,
 }
 
-impl Need {
-    /// The need of the users of a layer the store records: pins (EnsureDisk's, named
-    /// `pin:<reference>` by [`super::Snapshotter::remote_layers`]) want the ready disk.
-    pub fn of_users(users: &[String]) -> Self {
-        if users.iter().any(|u| u.starts_with("pin:")) {
-            Need::ReadyDisk
-        } else {
-            Need::Layer
-        }
-    }
-}
-
 type Client = pb::layer_server_client::LayerServerClient<tonic::transport::Channel>;
 
 /// How long a status or hydrate call may take: a server answers from memory.

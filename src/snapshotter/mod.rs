@@ -47,6 +47,9 @@ use crate::reference::Reference;
 use crate::registry::granted::{Grant, Granted};
 use crate::registry::Registry;
 
+/// How [`Snapshotter::remote_layers`] names a disk kept by EnsureDisk among a layer's users.
+const PIN_USER: &str = "pin:";
+
 /// A mount for containerd to perform (`containerd.types.Mount`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
@@ -383,7 +386,7 @@ impl Snapshotter {
     }
 
     /// The remote layers recorded in the store (each with the first record's reference and
-    /// alias) and the snapshots using them.
+    /// alias) and the snapshots using them (a disk kept by EnsureDisk as `pin:<reference>`).
     pub fn remote_layers(
         &self,
     ) -> Result<BTreeMap<crate::digest::Digest, (RemoteLayerRef, Vec<String>)>> {
@@ -393,7 +396,7 @@ impl Snapshotter {
             .store
             .pins()?
             .into_iter()
-            .map(|(name, r)| (format!("pin:{name}"), r));
+            .map(|(name, r)| (format!("{PIN_USER}{name}"), r));
         let snapshots = self
             .store
             .list()?
@@ -1124,7 +1127,11 @@ impl Snapshotter {
                     &remote.reference,
                     remote.alias.as_deref(),
                     &[],
-                    control::Need::of_users(snapshots),
+                    // A disk kept by EnsureDisk wants its ready-disk directory back.
+                    match snapshots.iter().any(|u| u.starts_with(PIN_USER)) {
+                        true => control::Need::ReadyDisk,
+                        false => control::Need::Layer,
+                    },
                 )
                 .await
             {
