@@ -364,7 +364,9 @@ async fn seekable_index(
     rep: &mut LayerReport,
 ) -> Result<()> {
     let pinned = r.with_digest(manifest_digest);
-    match crate::resolve::disk_layer_id(client, None, trust, &pinned, m, manifest_digest).await {
+    match crate::resolve::disk_layer_id(client, None, trust, &pinned, m, manifest_digest, None)
+        .await
+    {
         Ok((_, meta)) => {
             let source = meta
                 .index_source()

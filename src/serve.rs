@@ -22,8 +22,8 @@ use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::policy::Verifier;
 use crate::ready::{ReadyDir, ReadyMetadata};
-use crate::reference::Reference;
 use crate::registry::Registry;
+use crate::resolve::Wanted;
 use crate::view::file::LayerFile;
 use crate::view::qcow2::RawDisk;
 
@@ -41,20 +41,19 @@ pub enum Warm {
 }
 
 /// The one composition of a lazily loaded layer, for `vmdisk mount` and the mount servers:
-/// resolves `reference` to its disk layer (once `trust` accepts the image as `named` and its
-/// index: [`crate::resolve::resolve`]),
+/// resolves the image `wanted` to its disk layer (once `trust` accepts it and its index:
+/// [`crate::resolve::resolve`]),
 /// starts an engine over its cache and its blobs in the registry, and checks the layer's
 /// structure before anything is served.
 pub async fn open_engine(
     client: Arc<dyn Registry>,
     cache: &CacheRoot,
     trust: &Verifier,
-    named: &Reference,
-    reference: &Reference,
+    wanted: Wanted<'_>,
     opts: EngineOptions,
     warm: Warm,
 ) -> Result<Arc<Engine>> {
-    let layer = crate::resolve::resolve(client.as_ref(), cache, trust, named, reference).await?;
+    let layer = crate::resolve::resolve(client.as_ref(), cache, trust, wanted).await?;
     // A gzip layer's windows blob sits beside its index.
     let windows = match (layer.codec().windows_blob(), layer.meta.index_source()) {
         (Some(digest), Some(source)) => Some((source.repository.parse()?, digest)),

@@ -1000,8 +1000,7 @@ async fn mount(args: MountArgs) -> Result<()> {
         client,
         &cache,
         &trust,
-        &reference,
-        &reference,
+        crate::resolve::Wanted::image(&reference),
         opts,
         crate::serve::Warm::Nothing,
     )
@@ -1059,8 +1058,7 @@ async fn trace_record(args: TraceRecordArgs) -> Result<()> {
         std::sync::Arc::clone(&client) as _,
         &cache,
         &crate::policy::Verifier::none(),
-        &reference,
-        &reference,
+        crate::resolve::Wanted::image(&reference),
         Default::default(),
         crate::serve::Warm::Nothing,
     )

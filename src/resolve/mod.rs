@@ -104,7 +104,9 @@ pub async fn platform_manifest(
 /// the cache records about it (its identity: [`LayerMeta::id`]): a zstd:chunked or eStargz
 /// layer with its TOC, else an ordinary layer with a seekable index published for the image.
 /// The config
-/// (fetched by its digest) supplies the diff_id the layer claims.
+/// (fetched by its digest) supplies the diff_id the layer claims. `expected`: the key the
+/// caller expects the layer to have, whose kept record may save fetching an eStargz TOC
+/// ([`kept_estargz_meta`]).
 pub async fn disk_layer_id(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
@@ -112,6 +114,7 @@ pub async fn disk_layer_id(
     reference: &Reference,
     manifest: &oci::Manifest,
     manifest_digest: Digest,
+    expected: Option<Digest>,
 ) -> Result<(Descriptor, LayerMeta)> {
     let Some(layer) = disk_layer(manifest) else {
         // TOC annotations that are there but refused say why, not "no lazy layer".
@@ -129,7 +132,18 @@ pub async fn disk_layer_id(
         return Ok((layer, meta));
     };
     if let Some(toc_digest) = estargz_toc_digest(layer) {
-        return estargz_layer_id(client, cache, reference, manifest, layer, toc_digest).await;
+        let estargz = EstargzLayer {
+            reference,
+            manifest,
+            layer,
+            toc_digest,
+        };
+        if let (Some(cache), Some(expected)) = (cache, expected) {
+            if let Some(meta) = kept_estargz_meta(client, cache, &estargz, expected).await? {
+                return Ok((layer.clone(), meta));
+            }
+        }
+        return estargz_layer_id(client, cache, &estargz).await;
     }
     let loc = TocLocation::from_annotations(&layer.annotations)?
         .expect("disk_layer checked the TOC annotations");
@@ -215,21 +229,76 @@ async fn keep_layer(cache: Option<&CacheRoot>, meta: &LayerMeta, toc: Vec<u8>) {
     }
 }
 
-/// The eStargz disk layer `layer` of `manifest` and its record: its footer and TOC fetched
-/// (the TOC checked against `toc_digest`) and kept in `cache` with the record.
+/// An eStargz disk layer `layer` of `manifest` (of `reference`), whose TOC has digest
+/// `toc_digest` (its annotation).
+struct EstargzLayer<'a> {
+    reference: &'a Reference,
+    manifest: &'a oci::Manifest,
+    layer: &'a Descriptor,
+    toc_digest: Digest,
+}
+
+impl EstargzLayer<'_> {
+    /// The layer's record, from its verified image `config` and where its footer puts the TOC
+    /// member (`toc_offset`, `toc_length` bytes of JSON): the one part of its identity the
+    /// manifest and config do not give.
+    fn meta(&self, config: &[u8], toc_offset: u64, toc_length: u64) -> Result<LayerMeta> {
+        let position = self
+            .manifest
+            .layers
+            .iter()
+            .rposition(|l| std::ptr::eq(l, self.layer))
+            .expect("disk_layer returns one of the manifest's layers");
+        Ok(LayerMeta {
+            reference: self.reference.to_string(),
+            layer_digest: self.layer.digest,
+            layer_size: self.layer.size,
+            toc_offset,
+            toc_length,
+            toc_uncompressed_length: 0,
+            toc_digest: self.toc_digest,
+            disk_path: disk_path_of(self.layer)?,
+            diff_id: diff_id_of(config, self.manifest, position, self.reference)?,
+            kind: LayerKind::Estargz,
+        })
+    }
+}
+
+/// The eStargz layer's record kept in `cache` under `expected` (by whoever classified the
+/// layer: the snapshotter, for its mount servers), if the manifest and config still give that
+/// key with the TOC offset the record holds; `None` when there is no such record or it is
+/// another layer's. Its TOC was checked against the pinned digest when kept and is again when
+/// loaded, so only the footer's word is taken from the record, and the key names it.
+async fn kept_estargz_meta(
+    client: &dyn Registry,
+    cache: &CacheRoot,
+    estargz: &EstargzLayer<'_>,
+    expected: Digest,
+) -> Result<Option<LayerMeta>> {
+    let c = cache.clone();
+    let Some(kept) =
+        blocking(move || Ok(c.load_layer_meta(&expected).map(|(meta, _)| meta))).await?
+    else {
+        return Ok(None);
+    };
+    let config = image_config(client, Some(cache), estargz.reference, estargz.manifest).await?;
+    let meta = estargz.meta(&config, kept.toc_offset, kept.toc_length)?;
+    Ok((meta.id().key() == expected).then_some(meta))
+}
+
+/// The eStargz disk layer's record: its footer and TOC fetched (the TOC checked against its
+/// digest) and kept in `cache` with the record.
 async fn estargz_layer_id(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
-    reference: &Reference,
-    manifest: &oci::Manifest,
-    layer: &Descriptor,
-    toc_digest: Digest,
+    estargz: &EstargzLayer<'_>,
 ) -> Result<(Descriptor, LayerMeta)> {
-    let position = manifest
-        .layers
-        .iter()
-        .rposition(|l| std::ptr::eq(l, layer))
-        .expect("disk_layer returns one of the manifest's layers");
+    let EstargzLayer {
+        reference,
+        manifest,
+        layer,
+        toc_digest,
+    } = *estargz;
     // The config (for the diff_id) and the footer and TOC at once: neither needs the other.
     let (config, toc) = tokio::join!(
         image_config(client, cache, reference, manifest),
@@ -238,18 +307,7 @@ async fn estargz_layer_id(
     let config = config?;
     let (toc_offset, json) =
         toc.map_err(|e| e.context(format!("layer {} of {reference}", layer.digest)))?;
-    let meta = LayerMeta {
-        reference: reference.to_string(),
-        layer_digest: layer.digest,
-        layer_size: layer.size,
-        toc_offset,
-        toc_length: json.len() as u64,
-        toc_uncompressed_length: 0,
-        toc_digest,
-        disk_path: disk_path_of(layer)?,
-        diff_id: diff_id_of(&config, manifest, position, reference)?,
-        kind: LayerKind::Estargz,
-    };
+    let meta = estargz.meta(&config, toc_offset, json.len() as u64)?;
     keep_layer(cache, &meta, json).await;
     Ok((layer.clone(), meta))
 }
@@ -300,13 +358,41 @@ pub(crate) async fn image_config(
 /// How long identifying a layer waits for its TOC once the config is there.
 const TOC_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// What [`resolve`] is asked for.
+#[derive(Clone, Copy, Debug)]
+pub struct Wanted<'a> {
+    /// The name a signature policy judges: what the image was asked for by (the daemon's mount
+    /// servers get the name the daemon checked).
+    pub named: &'a Reference,
+    /// Where the image is read from.
+    pub reference: &'a Reference,
+    /// The layer key the caller expects (a mount server: the one the daemon classified), whose
+    /// kept record saves fetching an eStargz TOC again ([`kept_estargz_meta`]).
+    pub expected: Option<Digest>,
+}
+
+impl<'a> Wanted<'a> {
+    /// `reference`, judged by its own name, with no key expected.
+    pub fn image(reference: &'a Reference) -> Self {
+        Wanted {
+            named: reference,
+            reference,
+            expected: None,
+        }
+    }
+}
+
 async fn resolve_online(
     client: &dyn Registry,
     cache: &CacheRoot,
     trust: &Verifier,
-    named: &Reference,
-    reference: &Reference,
+    wanted: Wanted<'_>,
 ) -> Result<Layer> {
+    let Wanted {
+        named,
+        reference,
+        expected,
+    } = wanted;
     let (manifest, manifest_digest, platform) =
         platform_manifest(client, Some(cache), reference).await?;
     // The signatures are fetched alongside the TOC (nothing of the disk); the layer opens
@@ -320,6 +406,7 @@ async fn resolve_online(
             reference,
             &manifest,
             manifest_digest,
+            expected,
         )
     );
     checked?;
@@ -351,22 +438,24 @@ async fn resolve_online(
     .await
 }
 
-/// Resolves `reference` to its disk layer, once `trust` accepts the image as `named` (the name
-/// it was asked for by: a policy's scopes and identities are about it; the daemon's mount
-/// servers get the name the daemon checked) and the index it is read through: from the
-/// registry, or from the cache when the registry is unreachable and the policy in force
-/// accepted it before.
+/// Resolves the image `wanted` to its disk layer, once `trust` accepts it as `wanted.named`
+/// (a policy's scopes and identities are about that name) and the index it is read through:
+/// from the registry, or from the cache when the registry is unreachable and the policy in
+/// force accepted it before.
 pub async fn resolve(
     client: &dyn Registry,
     cache: &CacheRoot,
     trust: &Verifier,
-    named: &Reference,
-    reference: &Reference,
+    wanted: Wanted<'_>,
 ) -> Result<Layer> {
-    match resolve_online(client, cache, trust, named, reference).await {
+    match resolve_online(client, cache, trust, wanted).await {
         Ok(layer) => Ok(layer),
         Err(e) if e.kind() == ErrorKind::Network => {
-            let (cache, reference, named) = (cache.clone(), reference.clone(), named.clone());
+            let (cache, reference, named) = (
+                cache.clone(),
+                wanted.reference.clone(),
+                wanted.named.clone(),
+            );
             let policy_set = trust.is_set();
             let accepted = trust.accepted_offline();
             blocking(move || {

@@ -131,7 +131,7 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
     let cache = CacheRoot::open(dir.path()).unwrap();
     let r = reference("vm:1");
 
-    let online = resolve(&registry, &cache, &Verifier::none(), &r, &r)
+    let online = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
         .await
         .unwrap();
     assert_eq!(online.resolved, Resolved::Online);
@@ -150,7 +150,7 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
     // The registry goes away: the same reference resolves from the cache, to the same layer;
     // one never resolved fails naming the registry as the cause.
     registry.down.store(true, Ordering::SeqCst);
-    let offline = resolve(&registry, &cache, &Verifier::none(), &r, &r)
+    let offline = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
         .await
         .unwrap();
     assert_eq!(offline.resolved, Resolved::Offline);
@@ -160,8 +160,7 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
         &registry,
         &cache,
         &Verifier::none(),
-        &reference("other:1"),
-        &reference("other:1"),
+        Wanted::image(&reference("other:1")),
     )
     .await
     .unwrap_err();
@@ -172,7 +171,7 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
         .layer_dir(&online.key())
         .join(crate::cache::names::TOC);
     std::fs::write(&toc, b"not the TOC").unwrap();
-    let err = resolve(&registry, &cache, &Verifier::none(), &r, &r)
+    let err = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
         .await
         .unwrap_err();
     assert!(err.chain().contains("no TOC"), "{}", err.chain());
@@ -201,9 +200,17 @@ async fn the_topmost_layer_with_a_toc_holds_the_disk_and_refused_annotations_say
     let (position, layer, compression) = indexable_layer(&manifest).unwrap();
     assert_eq!((position, compression), (2, Compression::Gzip));
     assert_eq!(layer.digest, Digest::of(b"plain"));
-    let (_, meta) = disk_layer_id(&registry, None, &Verifier::none(), &r, &manifest, digest)
-        .await
-        .unwrap();
+    let (_, meta) = disk_layer_id(
+        &registry,
+        None,
+        &Verifier::none(),
+        &r,
+        &manifest,
+        digest,
+        None,
+    )
+    .await
+    .unwrap();
     assert_eq!(meta.layer_digest, upper_digest);
     assert_eq!(meta.kind, LayerKind::ZstdChunked);
 
@@ -217,15 +224,130 @@ async fn the_topmost_layer_with_a_toc_holds_the_disk_and_refused_annotations_say
     let digest = image(&registry, "bad", &[bad]);
     let r = reference("vm:bad");
     let (manifest, _, _) = platform_manifest(&registry, None, &r).await.unwrap();
-    let err = disk_layer_id(&registry, None, &Verifier::none(), &r, &manifest, digest)
-        .await
-        .unwrap_err();
+    let err = disk_layer_id(
+        &registry,
+        None,
+        &Verifier::none(),
+        &r,
+        &manifest,
+        digest,
+        None,
+    )
+    .await
+    .unwrap_err();
     assert!(
         err.chain().contains("position") || err.chain().contains("annotation"),
         "{}",
         err.chain()
     );
     assert!(!err.chain().contains("seekable index"), "{}", err.chain());
+}
+
+/// An eStargz layer holding `disk/d.raw` = `data` in chunks of `chunk` bytes.
+fn estargz_layer(data: &[u8], chunk: usize) -> TestLayer {
+    let written = vmdisk_testing::estargz::layer(&[("disk/d.raw", data.to_vec())], chunk);
+    let annotations = BTreeMap::from([(
+        crate::format::estargz::ANN_TOC_DIGEST.to_string(),
+        written.toc_digest,
+    )]);
+    (
+        written.blob,
+        oci::OCI_LAYER_GZIP,
+        annotations,
+        written.diff_id.parse().unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn an_estargz_toc_that_fits_the_tail_costs_one_request_and_a_larger_one_two() {
+    let registry = MemoryRegistry::default();
+    for (chunk, requests) in [(64 << 10, 1), (256, 2)] {
+        let (blob, _, annotations, _) = estargz_layer(&disk(1 << 20), chunk);
+        let toc: Digest = annotations.values().next().unwrap().parse().unwrap();
+        let digest = registry.put_blob(blob.clone());
+        let before = registry.ranges.load(Ordering::SeqCst);
+        let (offset, json) = fetch_estargz_toc(
+            &registry,
+            &reference("vm:t"),
+            digest,
+            blob.len() as u64,
+            toc,
+        )
+        .await
+        .unwrap();
+        toc.verify(&json, "TOC").unwrap();
+        let footer_at = blob.len() as u64 - crate::format::estargz::FOOTER_SIZE;
+        assert_eq!(
+            footer_at - offset > toc::ESTARGZ_TAIL,
+            requests == 2,
+            "the TOC member's size decides, {chunk}-byte chunks"
+        );
+        assert_eq!(
+            registry.ranges.load(Ordering::SeqCst) - before,
+            requests,
+            "{chunk}-byte chunks"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_mount_server_takes_the_estargz_record_the_daemon_kept_and_only_that() {
+    let registry = MemoryRegistry::default();
+    image(&registry, "1", &[estargz_layer(&disk(300 << 10), 64 << 10)]);
+    let dir = tempfile::tempdir().unwrap();
+    let cache = CacheRoot::open(dir.path()).unwrap();
+    let r = reference("vm:1");
+    // The daemon classifies the layer: footer and TOC fetched, the record kept.
+    let (manifest, digest, _) = platform_manifest(&registry, Some(&cache), &r)
+        .await
+        .unwrap();
+    let pinned = r.with_digest(digest);
+    let (_, meta) = disk_layer_id(
+        &registry,
+        Some(&cache),
+        &Verifier::none(),
+        &pinned,
+        &manifest,
+        digest,
+        None,
+    )
+    .await
+    .unwrap();
+    let key = meta.id().key();
+    assert!(cache.has_layer_meta(&key));
+
+    // Its mount server, told the key: not one Range request of the blob.
+    let before = registry.ranges.load(Ordering::SeqCst);
+    let wanted = Wanted {
+        expected: Some(key),
+        ..Wanted::image(&pinned)
+    };
+    let layer = resolve(&registry, &cache, &Verifier::none(), wanted)
+        .await
+        .unwrap();
+    assert_eq!(layer.key(), key);
+    assert_eq!(layer.resolved, Resolved::Online);
+    assert_eq!(registry.ranges.load(Ordering::SeqCst), before);
+
+    // A key the manifest and config do not give (a kept record of the same blob whose
+    // diff_id is another, or a key with no record) is not taken: the footer and TOC are
+    // fetched and decide.
+    let mut other = meta.clone();
+    other.diff_id = Digest::of(b"another tar stream");
+    let toc = std::fs::read(cache.layer_dir(&key).join(crate::cache::names::TOC)).unwrap();
+    cache.save_layer_meta(&other, &toc).unwrap();
+    for expected in [other.id().key(), Digest::of(b"another layer")] {
+        let before = registry.ranges.load(Ordering::SeqCst);
+        let wanted = Wanted {
+            expected: Some(expected),
+            ..Wanted::image(&pinned)
+        };
+        let layer = resolve(&registry, &cache, &Verifier::none(), wanted)
+            .await
+            .unwrap();
+        assert_eq!(layer.key(), key, "the layer the footer says");
+        assert_eq!(registry.ranges.load(Ordering::SeqCst), before + 1);
+    }
 }
 
 #[tokio::test]
@@ -244,11 +366,17 @@ async fn a_config_that_does_not_list_a_diff_id_per_layer_is_refused() {
         "{}",
         err.chain()
     );
-    assert!(
-        disk_layer_id(&registry, None, &Verifier::none(), &r, &manifest, digest)
-            .await
-            .is_ok()
-    );
+    assert!(disk_layer_id(
+        &registry,
+        None,
+        &Verifier::none(),
+        &r,
+        &manifest,
+        digest,
+        None
+    )
+    .await
+    .is_ok());
 }
 
 #[tokio::test]
@@ -273,7 +401,7 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
     let r = reference("vm:1");
 
     // No index yet: the error says what was searched and what to do.
-    let err = resolve(&registry, &cache, &Verifier::none(), &r, &r)
+    let err = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotFound, "{}", err.chain());
@@ -301,7 +429,7 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
         &other.index,
         &other.windows,
     );
-    let resolved = resolve(&registry, &cache, &Verifier::none(), &r, &r)
+    let resolved = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
         .await
         .unwrap();
     let Some(source) = resolved.meta.index_source() else {
@@ -344,7 +472,7 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
     );
     let dir = tempfile::tempdir().unwrap();
     let cache = CacheRoot::open(dir.path()).unwrap();
-    let err = resolve(&lying, &cache, &Verifier::none(), &r, &r)
+    let err = resolve(&lying, &cache, &Verifier::none(), Wanted::image(&r))
         .await
         .unwrap_err();
     assert!(

@@ -14,6 +14,11 @@ use crate::reference::Reference;
 use crate::registry::Registry;
 use crate::task::blocking;
 
+/// How much of an eStargz blob's end one request fetches: the footer and, when it fits, the
+/// TOC member before it (a disk's TOC is tens of KiB: one entry per chunk), so the TOC usually
+/// costs one round trip; a larger member's head is fetched by a second request.
+pub const ESTARGZ_TAIL: u64 = 64 << 10;
+
 /// An eStargz layer's TOC offset (from its footer) and TOC JSON (checked against `digest`).
 pub async fn fetch_estargz_toc(
     client: &dyn Registry,
@@ -28,15 +33,24 @@ pub async fn fetch_estargz_toc(
         ));
     }
     let footer_at = size - estargz::FOOTER_SIZE;
+    let tail_at = size.saturating_sub(ESTARGZ_TAIL);
     // Footer and TOC member are fetched and checked again if what came does not hold up (cut,
     // flipped): the TOC's digest is pinned, so only the published TOC passes.
     client
         .retry_policy()
         .run(&format!("the eStargz TOC of layer {layer}"), || async {
-            let footer = client
-                .get_blob_range(reference, &layer, footer_at..size)
+            let tail = client
+                .get_blob_range(reference, &layer, tail_at..size)
                 .await?;
-            let offset = estargz::toc_offset(&footer, size)?;
+            if tail.len() as u64 != size - tail_at {
+                return Err(Error::corrupt(format!(
+                    "the registry sent {} bytes of the layer's last {}",
+                    tail.len(),
+                    size - tail_at
+                )));
+            }
+            let footer = &tail[(footer_at - tail_at) as usize..];
+            let offset = estargz::toc_offset(footer, size)?;
             if footer_at - offset > estargz::MAX_TOC_MEMBER {
                 return Err(Error::corrupt(format!(
                     "the eStargz footer puts a {}-byte TOC member before it, more than the {} accepted",
@@ -44,9 +58,17 @@ pub async fn fetch_estargz_toc(
                     estargz::MAX_TOC_MEMBER
                 )));
             }
-            let member = client
-                .get_blob_range(reference, &layer, offset..footer_at)
-                .await?;
+            let in_tail = &tail[(offset.max(tail_at) - tail_at) as usize..(footer_at - tail_at) as usize];
+            let member = if offset >= tail_at {
+                in_tail.to_vec()
+            } else {
+                let mut head = client
+                    .get_blob_range(reference, &layer, offset..tail_at)
+                    .await?
+                    .to_vec();
+                head.extend_from_slice(in_tail);
+                head
+            };
             let json = blocking(move || estargz::toc_json(&member, &digest)).await?;
             Ok((offset, json))
         })

@@ -178,6 +178,7 @@ impl Classifier {
             &reference,
             &manifest,
             manifest_digest,
+            None,
         )
         .await
         {

@@ -782,6 +782,7 @@ impl Snapshotter {
                                 &pinned,
                                 &manifest,
                                 digest,
+                                None,
                             )
                         );
                         checked?;

@@ -428,8 +428,12 @@ async fn start(
         Arc::clone(&client) as _,
         &cache,
         &trust,
-        &named,
-        &reference,
+        crate::resolve::Wanted {
+            named: &named,
+            reference: &reference,
+            // Its record, kept when the daemon classified the layer, saves fetching its TOC.
+            expected: Some(*layer),
+        },
         opts,
         warm,
     )

@@ -360,6 +360,7 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
         &reference,
         &m,
         digest,
+        None,
     )
     .await
     .unwrap();
