@@ -47,7 +47,7 @@ t1=$(now)
 GUNZIP_S=$(secs "$t0" "$t1")
 
 # CRI PullImage over the cluster link: through the index on a fresh node, and the full pull.
-start_node "$B" pull
+start_node "$B" pull "" "$B/pull-ctd/root"
 start_containerd "$B/pull-ctd" "$CLUSTER" "$B/pull/vmdisk.sock"
 start_containerd "$B/full-ctd" "$CLUSTER" ""
 sync; echo 3 > /proc/sys/vm/drop_caches

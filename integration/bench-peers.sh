@@ -152,7 +152,7 @@ node() {  # node DIR SNAPSHOTTER BACKGROUND
     vmdisk)
       local extra=""
       [ "$bg" = on ] && extra=$'[cache]\nhydrate = "background"'
-      start_node "$dir" vmdisk "$extra"
+      start_node "$dir" vmdisk "$extra" "$dir/root"
       sock=$dir/vmdisk/vmdisk.sock ;;
     overlayfs) ;;
   esac

@@ -22,10 +22,10 @@ bench_scratch pull
 start_registry "$B"
 
 start_cluster_link "$B" "$REG"
-start_node "$B" lazy
+start_node "$B" lazy "" "$B/lazy-ctd/root"
 start_containerd "$B/lazy-ctd" "$REG" "$B/lazy/vmdisk.sock"
 start_containerd "$B/full-ctd" "$REG" ""
-start_node "$B" clusterlazy
+start_node "$B" clusterlazy "" "$B/clusterlazy-ctd/root"
 start_containerd "$B/clusterlazy-ctd" "$CLUSTER" "$B/clusterlazy/vmdisk.sock"
 start_containerd "$B/clusterfull-ctd" "$CLUSTER" ""
 

@@ -134,11 +134,13 @@ registry_bytes_since() {
     { grep -o 'http.response.written=[0-9]*' || true; } | cut -d= -f2 | awk '{s+=$1} END {printf "%.0f\n", s}'
 }
 
-# start_node DIR NAME [EXTRA]: vmdisk-snapshotter with its own root DIR/NAME (a node with a cold cache):
-# snapshots socket DIR/NAME/vmdisk.sock, management socket DIR/NAME/manage.sock, log
-# DIR/NAME/vmdisk.log (info); EXTRA (TOML) is appended to its configuration. Needs $SNAPSHOTTER.
+# start_node DIR NAME [EXTRA] [CONTAINERD_ROOT]: vmdisk-snapshotter with its own root DIR/NAME (a
+# node with a cold cache): snapshots socket DIR/NAME/vmdisk.sock, management socket
+# DIR/NAME/manage.sock, log DIR/NAME/vmdisk.log (info); EXTRA (TOML) is appended to its
+# configuration; CONTAINERD_ROOT is the root of the containerd that pulls through it (whose
+# content store it reads manifests from, as on a node). Needs $SNAPSHOTTER.
 start_node() {
-  local dir=$1/$2
+  local dir=$1/$2 ctd_root=${4:-$1/$2/no-containerd}
   mkdir -p "$dir"
   cat > "$dir/vmdisk.toml" <<TOML
 root = "$dir/vmdisk"
@@ -149,7 +151,7 @@ log_level = "info"
 [registry]
 hosts_dir = "$dir/no-hosts.d"
 [containerd]
-root = "$dir/no-containerd"
+root = "$ctd_root"
 ${3:-}
 TOML
   "$SNAPSHOTTER" --config "$dir/vmdisk.toml" 2> "$dir/vmdisk.log" &

@@ -65,7 +65,7 @@ echo "== publishing it lazily (vmdisk push) and as a gzip containerDisk (skopeo)
 publish_lazy_and_gzip "$S/guest.qcow2" "$REG/vm/guest:lazy" "$REG/vm/guest:gzip"
 
 echo "== node 1: containerd 1.6 + vmdisk-snapshotter; CRI PullImage $CLUSTER/vm/guest:lazy"
-start_node "$S" node1
+start_node "$S" node1 "" "$S/node1-ctd/root"
 start_containerd "$S/node1-ctd" "$CLUSTER" "$S/node1/vmdisk.sock"
 export VMDISK_MANAGE=$S/node1/manage.sock
 sync; echo 3 > /proc/sys/vm/drop_caches

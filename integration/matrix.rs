@@ -71,6 +71,8 @@ fn matrix(release: Release) {
     let want = sha256_file(&disk);
 
     // A CRI pull as kubelet makes it for any pod: lazy.
+    let registry_log = reg.root.join("registry.log");
+    let logged = std::fs::read_to_string(&registry_log).unwrap().len();
     let before = proxy.bytes_to_client();
     ctd.pull(&image).unwrap_or_else(|e| {
         panic!(
@@ -90,6 +92,19 @@ fn matrix(release: Release) {
         Some(&1),
         "{:?}",
         daemon.decisions()
+    );
+    // The manifest came from containerd's content store (it holds it before it unpacks):
+    // vmdisk did not ask the registry for it again.
+    let log = std::fs::read_to_string(&registry_log).unwrap();
+    let asked: Vec<&str> = log[logged..]
+        .lines()
+        .filter(|l| {
+            l.contains("\"GET /v2/") && l.contains("/manifests/sha256:") && l.contains("\"vmdisk/")
+        })
+        .collect();
+    assert!(
+        asked.is_empty(),
+        "{release:?}: vmdisk fetched the manifest containerd holds: {asked:?}"
     );
 
     // KubeVirt's pattern: the containerDisk as the container's image, read whole.

@@ -100,6 +100,20 @@ pub fn data_file(layer_dir: &Path, n: usize) -> PathBuf {
     layer_dir.join(names::DATA).join(n.to_string())
 }
 
+/// The regular file at `path` if it is at most `max` bytes and hashes to `digest` (a blob
+/// kept by digest, here or in containerd's content store).
+pub fn read_verified(path: &Path, digest: &Digest, max: u64) -> Option<Vec<u8>> {
+    use std::io::Read;
+    // Not a FIFO or device somebody put there: opening one could wait forever.
+    if !std::fs::symlink_metadata(path).ok()?.is_file() {
+        return None;
+    }
+    let file = std::fs::File::open(path).ok()?;
+    let mut bytes = Vec::new();
+    file.take(max + 1).read_to_end(&mut bytes).ok()?;
+    (bytes.len() as u64 <= max && digest.verify(&bytes, "kept blob").is_ok()).then_some(bytes)
+}
+
 /// Replaces `path` with `data` at once (written aside, then renamed). Not synced: everything
 /// written this way is checked when read back (against a digest or a key, or parsed), so a
 /// file a crash left torn is fetched or checked again, and the ready path waits on no flush.
@@ -159,11 +173,7 @@ impl CacheRoot {
     /// A kept manifest or config, if it is there, at most `max` bytes and still hashes to
     /// `digest`.
     pub fn load_blob(&self, digest: &Digest, max: u64) -> Option<Vec<u8>> {
-        use std::io::Read;
-        let file = std::fs::File::open(self.root.join("blobs").join(digest.hex())).ok()?;
-        let mut bytes = Vec::new();
-        file.take(max + 1).read_to_end(&mut bytes).ok()?;
-        (bytes.len() as u64 <= max && digest.verify(&bytes, "kept blob").is_ok()).then_some(bytes)
+        read_verified(&self.root.join("blobs").join(digest.hex()), digest, max)
     }
 
     /// Records that a signature policy accepted what `key` names (policy, repository and

@@ -8,6 +8,7 @@
 //! never decide alone, because they are caller-supplied text.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -19,6 +20,7 @@ use crate::oci::{self, ManifestKind};
 use crate::policy::Verifier;
 use crate::reference::Reference;
 use crate::registry::Registry;
+use crate::task::blocking;
 
 pub const LABEL_TARGET: &str = "containerd.io/snapshot.ref";
 pub const LABEL_IMAGE_REF: &str = "containerd.io/snapshot/cri.image-ref";
@@ -45,11 +47,55 @@ pub enum Decision {
 /// Manifests kept in memory, by reference; bounded because the labels come from outside.
 const MANIFEST_CACHE: usize = 64;
 
+/// containerd's content store, read only: before containerd unpacks a layer it holds the
+/// image's manifest and config, by digest, under `blobs/sha256/`. What is read there is
+/// verified like anything a registry sends.
+#[derive(Clone, Debug)]
+pub struct ContentStore {
+    blobs: PathBuf,
+}
+
+impl ContentStore {
+    /// The content store of the containerd whose root is `root`.
+    pub fn of_root(root: &Path) -> Self {
+        ContentStore {
+            blobs: root.join("io.containerd.content.v1.content/blobs/sha256"),
+        }
+    }
+
+    /// Blob `digest`, if containerd holds it whole, at most `max` bytes.
+    fn blob(&self, digest: &Digest, max: u64) -> Option<Vec<u8>> {
+        crate::cache::read_verified(&self.blobs.join(digest.hex()), digest, max)
+    }
+
+    /// Copies image manifest `digest` and its config from here into `cache` (where resolution
+    /// looks before asking the registry), unless `cache` has the manifest already; what
+    /// containerd does not hold (yet) is left to the registry.
+    fn import_image(&self, cache: &CacheRoot, digest: &Digest) -> Result<()> {
+        if cache.load_blob(digest, oci::MAX_MANIFEST_SIZE).is_some() {
+            return Ok(());
+        }
+        let Some(bytes) = self.blob(digest, oci::MAX_MANIFEST_SIZE) else {
+            return Ok(());
+        };
+        if let Ok(ManifestKind::Image(m)) = oci::parse_manifest(&bytes, None) {
+            // The config first: a kept manifest says its config is kept too, if it can be.
+            if let Some(config) = self.blob(&m.config.digest, oci::MAX_CONFIG_SIZE) {
+                cache.save_blob(&m.config.digest, &config)?;
+            }
+        }
+        cache.save_blob(digest, &bytes)
+    }
+}
+
 /// Fetches manifests (once per digest) and classifies layers.
 pub struct Classifier {
     client: Arc<dyn Registry>,
     /// Where verified manifests and configs are kept for the mount servers.
     cache: Option<CacheRoot>,
+    /// containerd's content store, where the manifest and config of the image being pulled
+    /// are found without a round trip.
+    content: Option<ContentStore>,
     /// The node's signature policy.
     trust: Arc<Verifier>,
     manifests: Mutex<HashMap<String, Arc<oci::Manifest>>>,
@@ -60,9 +106,17 @@ impl Classifier {
         Classifier {
             client,
             cache,
+            content: None,
             trust,
             manifests: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Reads manifests and configs from containerd's `content` store when it has them (used
+    /// with a cache to keep them in).
+    pub fn with_content_store(mut self, content: ContentStore) -> Self {
+        self.content = Some(content);
+        self
     }
 
     /// The node's signature policy.
@@ -88,6 +142,14 @@ impl Classifier {
         let key = reference.to_string();
         if let Some(m) = self.manifests.lock().get(&key) {
             return Ok(Arc::clone(m));
+        }
+        if let (Some(content), Some(cache), Some(digest)) =
+            (self.content.clone(), self.cache.clone(), reference.digest)
+        {
+            let imported = blocking(move || content.import_image(&cache, &digest)).await;
+            if let Err(e) = imported {
+                tracing::debug!(%digest, error = %e.chain(), "keeping a manifest from containerd's content store failed");
+            }
         }
         let manifest = match crate::resolve::manifest_of(client, self.cache(), reference)
             .await?

@@ -44,7 +44,8 @@ pub struct Config {
 pub struct ContainerdConfig {
     /// containerd's `root`. Its CRI plugin reports `<root>/io.containerd.snapshotter.v1.<plugin>`
     /// as the image filesystem of a proxy snapshotter and kubelet stats that path: the daemon
-    /// links it to its own root. Skipped when the directory does not exist.
+    /// links it to its own root. Skipped when the directory does not exist. Its content store
+    /// holds the manifest and config of an image being pulled ([`super::classify::ContentStore`]).
     pub root: PathBuf,
     /// The name of the proxy plugin in containerd's configuration (`[proxy_plugins.<name>]`).
     pub plugin: String,

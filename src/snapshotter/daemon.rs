@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::classify::Classifier;
+use super::classify::{Classifier, ContentStore};
 use super::config::Config;
 use super::grpc::{ManageService, SnapshotsService};
 use super::supervisor::{LayerServers, ServerCommand};
@@ -108,6 +108,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
         },
     );
     let signatures = config.signatures.clone();
+    let containerd_root = config.containerd.root.clone();
     let snapshotter = Arc::new(
         super::blocking(move || {
             let trust = crate::policy::Verifier::load(&signatures)
@@ -116,15 +117,12 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
                 tracing::info!(?trust, "signature policy in force");
             }
             // The classifier keeps the manifests and configs it verifies in the cache, where the
-            // mount servers find them instead of fetching them again.
+            // mount servers find them instead of fetching them again; those of an image
+            // containerd is pulling it takes from containerd's content store.
             let kept = crate::cache::CacheRoot::open(&cache.dir)?;
-            Snapshotter::open(
-                &root,
-                Box::new(servers),
-                Classifier::new(client, Some(kept), Arc::new(trust)),
-                cache,
-                tenants,
-            )
+            let classifier = Classifier::new(client, Some(kept), Arc::new(trust))
+                .with_content_store(ContentStore::of_root(&containerd_root));
+            Snapshotter::open(&root, Box::new(servers), classifier, cache, tenants)
         })
         .await?,
     );

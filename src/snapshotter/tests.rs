@@ -326,6 +326,64 @@ async fn every_other_outcome_is_an_ordinary_snapshot_with_its_reason() {
 }
 
 #[tokio::test]
+async fn the_manifest_and_config_containerd_holds_are_taken_from_its_content_store_verified() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Arc::new(MemoryRegistry::default());
+    let (manifest, layers) = registry.image(&[(ZSTD, chunked())]);
+    // containerd holds them while it pulls; the registry serves them no more (any fetch of
+    // them fails the classification).
+    let root = dir.path().join("containerd");
+    let blobs = root.join("io.containerd.content.v1.content/blobs/sha256");
+    std::fs::create_dir_all(&blobs).unwrap();
+    let manifest_bytes = registry.manifests.lock().remove(&manifest).unwrap();
+    let crate::oci::ManifestKind::Image(m) =
+        crate::oci::parse_manifest(&manifest_bytes, None).unwrap()
+    else {
+        panic!("an image manifest");
+    };
+    let config = registry.blobs.lock().remove(&m.config.digest).unwrap();
+    std::fs::write(blobs.join(manifest.hex()), &manifest_bytes).unwrap();
+    std::fs::write(blobs.join(m.config.digest.hex()), &config).unwrap();
+    let classify = |cache: &str| {
+        let cache = crate::cache::CacheRoot::open(&dir.path().join(cache)).unwrap();
+        let classifier = Classifier::new(
+            Arc::clone(&registry) as Arc<dyn Registry>,
+            Some(cache.clone()),
+            Default::default(),
+        )
+        .with_content_store(super::classify::ContentStore::of_root(&root));
+        let labels = cri_labels("disk", &manifest, &layers[0]);
+        let registry = Arc::clone(&registry);
+        async move { (classifier.classify(&labels, registry.as_ref()).await, cache) }
+    };
+    let (decision, cache) = classify("cache").await;
+    assert!(
+        matches!(decision, super::classify::Decision::Remote { .. }),
+        "{decision:?}"
+    );
+    // Kept for the mount server, as if fetched.
+    assert!(cache.load_blob(&manifest, 1 << 20).is_some());
+    assert!(cache.load_blob(&m.config.digest, 1 << 20).is_some());
+
+    // A blob there that does not hash to its name is not taken (nor kept).
+    let mut changed = manifest_bytes.clone();
+    changed[0] = b' ';
+    std::fs::write(blobs.join(manifest.hex()), &changed).unwrap();
+    let (decision, cache) = classify("cache2").await;
+    assert!(
+        matches!(
+            decision,
+            super::classify::Decision::Ordinary {
+                reason: "registry_error",
+                ..
+            }
+        ),
+        "{decision:?}"
+    );
+    assert!(cache.load_blob(&manifest, 1 << 20).is_none());
+}
+
+#[tokio::test]
 async fn what_classification_verified_is_kept_for_the_mount_server() {
     let dir = tempfile::tempdir().unwrap();
     let cache = crate::cache::CacheRoot::open(dir.path()).unwrap();
