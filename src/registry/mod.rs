@@ -459,10 +459,24 @@ impl RegistryClient {
 
     fn http(&self, ep: &Endpoint) -> Result<reqwest::Client> {
         let key = (ep.skip_verify, ep.ca.clone(), ep.client_cert.clone());
-        let mut clients = self.shared.clients.lock();
-        if let Some(c) = clients.get(&key) {
+        if let Some(c) = self.shared.clients.lock().get(&key) {
             return Ok(c.clone());
         }
+        // Once per TLS settings: reading the CA files and the system's roots is blocking work,
+        // done off the async workers and with no lock held (two first uses at once may both
+        // build one; the first kept is used).
+        let client = crate::task::off_the_runtime(|| Self::build_http(ep))?;
+        Ok(self
+            .shared
+            .clients
+            .lock()
+            .entry(key)
+            .or_insert(client)
+            .clone())
+    }
+
+    /// A new HTTP client for endpoint `ep`'s TLS settings.
+    fn build_http(ep: &Endpoint) -> Result<reqwest::Client> {
         let mut builder = reqwest::Client::builder()
             .user_agent(concat!("vmdisk/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(Duration::from_secs(10))
@@ -476,11 +490,9 @@ impl RegistryClient {
             })?;
             builder = builder.add_root_certificate(cert);
         }
-        let client = builder
+        builder
             .build()
-            .map_err(|e| Error::new(ErrorKind::Io, "building the HTTP client").with_source(e))?;
-        clients.insert(key, client.clone());
-        Ok(client)
+            .map_err(|e| Error::new(ErrorKind::Io, "building the HTTP client").with_source(e))
     }
 
     fn plain_http(&self, host: &str) -> bool {
