@@ -17,6 +17,27 @@ fn reference(name: &str) -> Reference {
     format!("{REGISTRY}/{name}").parse().unwrap()
 }
 
+/// The disk layer of image manifest `digest` (`manifest`) of `r` and its record, with no
+/// signature policy and no key expected ([`disk_layer_id`] as classification calls it).
+async fn layer_id(
+    registry: &MemoryRegistry,
+    cache: Option<&CacheRoot>,
+    r: &Reference,
+    manifest: &oci::Manifest,
+    digest: Digest,
+) -> Result<(Descriptor, LayerMeta)> {
+    disk_layer_id(
+        registry,
+        cache,
+        &Verifier::none(),
+        r,
+        manifest,
+        digest,
+        None,
+    )
+    .await
+}
+
 /// A layer of a test image: blob, media type, annotations, diff_id.
 type TestLayer = (Vec<u8>, &'static str, BTreeMap<String, String>, Digest);
 
@@ -200,17 +221,9 @@ async fn the_topmost_layer_with_a_toc_holds_the_disk_and_refused_annotations_say
     let (position, layer, compression) = indexable_layer(&manifest).unwrap();
     assert_eq!((position, compression), (2, Compression::Gzip));
     assert_eq!(layer.digest, Digest::of(b"plain"));
-    let (_, meta) = disk_layer_id(
-        &registry,
-        None,
-        &Verifier::none(),
-        &r,
-        &manifest,
-        digest,
-        None,
-    )
-    .await
-    .unwrap();
+    let (_, meta) = layer_id(&registry, None, &r, &manifest, digest)
+        .await
+        .unwrap();
     assert_eq!(meta.layer_digest, upper_digest);
     assert_eq!(meta.kind, LayerKind::ZstdChunked);
 
@@ -224,17 +237,9 @@ async fn the_topmost_layer_with_a_toc_holds_the_disk_and_refused_annotations_say
     let digest = image(&registry, "bad", &[bad]);
     let r = reference("vm:bad");
     let (manifest, _, _) = platform_manifest(&registry, None, &r).await.unwrap();
-    let err = disk_layer_id(
-        &registry,
-        None,
-        &Verifier::none(),
-        &r,
-        &manifest,
-        digest,
-        None,
-    )
-    .await
-    .unwrap_err();
+    let err = layer_id(&registry, None, &r, &manifest, digest)
+        .await
+        .unwrap_err();
     assert!(
         err.chain().contains("position") || err.chain().contains("annotation"),
         "{}",
@@ -302,17 +307,9 @@ async fn a_mount_server_takes_the_estargz_record_the_daemon_kept_and_only_that()
         .await
         .unwrap();
     let pinned = r.with_digest(digest);
-    let (_, meta) = disk_layer_id(
-        &registry,
-        Some(&cache),
-        &Verifier::none(),
-        &pinned,
-        &manifest,
-        digest,
-        None,
-    )
-    .await
-    .unwrap();
+    let (_, meta) = layer_id(&registry, Some(&cache), &pinned, &manifest, digest)
+        .await
+        .unwrap();
     let key = meta.id().key();
     assert!(cache.has_layer_meta(&key));
 
@@ -366,17 +363,9 @@ async fn a_config_that_does_not_list_a_diff_id_per_layer_is_refused() {
         "{}",
         err.chain()
     );
-    assert!(disk_layer_id(
-        &registry,
-        None,
-        &Verifier::none(),
-        &r,
-        &manifest,
-        digest,
-        None
-    )
-    .await
-    .is_ok());
+    assert!(layer_id(&registry, None, &r, &manifest, digest)
+        .await
+        .is_ok());
 }
 
 #[tokio::test]

@@ -58,16 +58,18 @@ pub async fn fetch_estargz_toc(
                     estargz::MAX_TOC_MEMBER
                 )));
             }
-            let in_tail = &tail[(offset.max(tail_at) - tail_at) as usize..(footer_at - tail_at) as usize];
-            let member = if offset >= tail_at {
-                in_tail.to_vec()
-            } else {
-                let mut head = client
-                    .get_blob_range(reference, &layer, offset..tail_at)
-                    .await?
-                    .to_vec();
-                head.extend_from_slice(in_tail);
-                head
+            let before_footer = &tail[..(footer_at - tail_at) as usize];
+            let member = match offset.checked_sub(tail_at) {
+                Some(start) => before_footer[start as usize..].to_vec(),
+                // The member begins before the tail: its head is fetched, the rest is here.
+                None => {
+                    let mut head = client
+                        .get_blob_range(reference, &layer, offset..tail_at)
+                        .await?
+                        .to_vec();
+                    head.extend_from_slice(before_footer);
+                    head
+                }
             };
             let json = blocking(move || estargz::toc_json(&member, &digest)).await?;
             Ok((offset, json))
