@@ -12,12 +12,12 @@ CARGO ?= cargo
 # golang-github-containerd-containerd-dev: containerd's snapshotter conformance suite, built
 # offline from Debian's packaged source (integration/conformance/). lintian: the package test
 # checks the Debian package with it.
-APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
+APT_PACKAGES := containerd docker-registry skopeo openssl qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
 	python3 fuse3 nbdkit fio tar ca-certificates busybox-static protobuf-compiler linux-image-amd64 \
 	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients python3-yaml xz-utils gzip \
 	golang-go golang-github-containerd-containerd-dev lintian
 # Commands those packages provide, to skip apt when all are present.
-APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
+APT_COMMANDS := containerd ctr runc docker-registry skopeo openssl qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
 	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip go lintian
 
 # containerd 1.7 (Debian 13) and 2.x (Debian unstable), unpacked beside Debian 12's 1.6 without

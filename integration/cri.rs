@@ -33,6 +33,8 @@ pub struct Daemon {
     pub ready: PathBuf,
     /// Its containerd `hosts.toml` directory (`<registry>/hosts.toml`; empty at first).
     pub hosts: PathBuf,
+    /// Environment variables it runs with besides the test's.
+    env: Vec<(String, String)>,
 }
 
 impl Daemon {
@@ -43,6 +45,11 @@ impl Daemon {
 
     /// [`Daemon::start`] with its files under `scratch/<name>`: one of several daemons.
     pub fn start_in(scratch: &Scratch, name: &str, extra: &str) -> Self {
+        Self::start_in_env(scratch, name, extra, &[])
+    }
+
+    /// [`Daemon::start_in`] with environment variables `env` set.
+    pub fn start_in_env(scratch: &Scratch, name: &str, extra: &str, env: &[(&str, &str)]) -> Self {
         let root = scratch.path(name);
         std::fs::create_dir_all(&root).unwrap();
         // The root of the containerd of this scratch directory ([`CriContainerd`]), made now so
@@ -72,6 +79,10 @@ impl Daemon {
             log: root.join("daemon.log"),
             ready: root.join("run/disks"),
             hosts: root.join("hosts"),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         d.restart();
         d
@@ -91,6 +102,7 @@ impl Daemon {
             .env("HOME", "/nonexistent")
             .env_remove("DOCKER_CONFIG")
             .env_remove("REGISTRY_AUTH_FILE")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

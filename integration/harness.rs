@@ -81,16 +81,49 @@ impl Registry {
 
     /// With `auth` YAML inserted (e.g. an htpasswd block).
     pub fn start_with(scratch: &Scratch, auth: &str) -> Self {
-        require("docker-registry");
         let port = free_port();
         let root = scratch.path(&format!("registry-{port}"));
         std::fs::create_dir_all(root.join("data")).unwrap();
+        Self::spawn(port, root.clone(), &root.join("data"), "", auth)
+    }
+
+    /// A second registry serving this one's storage over HTTPS, for 127.0.0.1, with the
+    /// certificate of a CA made for it; returns it and the CA certificate's PEM file.
+    pub fn tls_front(&self, scratch: &Scratch) -> (Self, PathBuf) {
+        let port = free_port();
+        let root = scratch.path(&format!("registry-{port}"));
+        std::fs::create_dir_all(&root).unwrap();
+        let file = |name: &str| root.join(name).display().to_string();
+        let (ca, ca_key, key, req, cert, ext) = (
+            file("ca.pem"),
+            file("ca.key"),
+            file("key.pem"),
+            file("req.pem"),
+            file("cert.pem"),
+            file("ext"),
+        );
+        #[rustfmt::skip]
+        run("openssl", &["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=vmdisk-test-ca", "-keyout", &ca_key, "-out", &ca]);
+        #[rustfmt::skip]
+        run("openssl", &["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", &key, "-out", &req]);
+        std::fs::write(&ext, "subjectAltName=IP:127.0.0.1\n").unwrap();
+        #[rustfmt::skip]
+        run("openssl", &["x509", "-req", "-in", &req, "-CA", &ca, "-CAkey", &ca_key, "-CAcreateserial", "-days", "2", "-extfile", &ext, "-out", &cert]);
+        let tls = format!(", tls: {{ certificate: {cert}, key: {key} }}");
+        let front = Self::spawn(port, root.clone(), &self.root.join("data"), &tls, "");
+        (front, root.join("ca.pem"))
+    }
+
+    /// A docker-registry on `port` serving `data`, its files in `root`; `http` is added to
+    /// its `http` settings, `auth` YAML to its configuration.
+    fn spawn(port: u16, root: PathBuf, data: &Path, http: &str, auth: &str) -> Self {
+        require("docker-registry");
         let config = root.join("config.yml");
         std::fs::write(
             &config,
             format!(
-                "version: 0.1\nlog: {{ level: warn }}\nstorage: {{ filesystem: {{ rootdirectory: {} }}, delete: {{ enabled: true }} }}\nhttp: {{ addr: 127.0.0.1:{port} }}\n{auth}",
-                root.join("data").display()
+                "version: 0.1\nlog: {{ level: warn }}\nstorage: {{ filesystem: {{ rootdirectory: {} }}, delete: {{ enabled: true }} }}\nhttp: {{ addr: 127.0.0.1:{port}{http} }}\n{auth}",
+                data.display()
             ),
         )
         .unwrap();

@@ -914,6 +914,53 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     );
 }
 
+/// A registry over HTTPS whose CA the node trusts (here the daemon's `SSL_CERT_FILE`): the
+/// daemon reads the TLS roots once, at start, and hands them to each mount server it starts,
+/// which checks the registry against them instead of reading the system's again. The roots file
+/// is gone by the time the disk is asked for: both the daemon's own fetches and its server's
+/// can only have used what the daemon read at start (as containerd does, a changed CA bundle
+/// needs a restart).
+#[test]
+fn an_https_registry_is_checked_against_the_roots_the_daemon_read_at_start() {
+    use crate::harness::*;
+    let scratch = Scratch::new();
+    let (reg, disk) = small_images(&scratch, "tls", "64M", 4);
+    let (front, ca) = reg.tls_front(&scratch);
+    let roots = scratch.path("roots.pem");
+    std::fs::copy(&ca, &roots).unwrap();
+    // HTTPS for this loopback registry (plain HTTP is the default for loopback).
+    let hosts = scratch.path(&format!("vmdisk/hosts/{}", front.host()));
+    std::fs::create_dir_all(&hosts).unwrap();
+    let https = format!("https://{}", front.host());
+    std::fs::write(
+        hosts.join("hosts.toml"),
+        format!(
+            "server = \"{https}\"\n[host.\"{https}\"]\ncapabilities = [\"pull\", \"resolve\"]\n"
+        ),
+    )
+    .unwrap();
+    let daemon = Daemon::start_in_env(
+        &scratch,
+        "vmdisk",
+        "",
+        &[("SSL_CERT_FILE", roots.to_str().unwrap())],
+    );
+    std::fs::remove_file(&roots).unwrap();
+    let image = format!("{}/tls:1", front.host());
+    let out = daemon.vmdisk(&["path", &image]);
+    assert!(
+        out.status.success(),
+        "vmdisk path: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        daemon.servers_log_text()
+    );
+    let path = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    assert!(files_identical(&path, &disk));
+    // Every byte came from the HTTPS front (the image names no other registry).
+    let d = &daemon.disks()[0];
+    assert!(d.registry_bytes > 4 << 20, "{d:?}");
+}
+
 /// The node commands over the management API: `path` makes a disk ready without fetching it,
 /// `path --raw` is qemu-img's raw conversion, `ls` shows it, `prefetch --wait` caches all of
 /// it, `rm` unmounts it, `gc` evicts it, `stats` answers; a non-lazy image is a clear error.

@@ -44,7 +44,7 @@ fn main() -> std::process::ExitCode {
                 layer,
                 alias,
                 need,
-                credentials_on_stdin,
+                handover,
             }) => {
                 let job = vmdisk::snapshotter::server::Assignment {
                     reference,
@@ -52,7 +52,7 @@ fn main() -> std::process::ExitCode {
                     alias,
                     need,
                 };
-                vmdisk::snapshotter::server::serve_layer(&config, &job, credentials_on_stdin).await
+                vmdisk::snapshotter::server::serve_layer(&config, &job, handover).await
             }
         }
     })

@@ -14,6 +14,7 @@ pub mod health;
 pub mod hosts;
 #[cfg(test)]
 pub mod memory;
+pub mod roots;
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -51,6 +52,8 @@ pub struct RegistryConfig {
     pub retry: RetryPolicy,
     /// Repositories searched for seekable indexes after the image's own (`vmdisk index --to`).
     pub index_repositories: Vec<Reference>,
+    /// The CAs registries' certificates are checked against (beside an endpoint's own).
+    pub roots: roots::Roots,
 }
 
 impl RegistryClient {
@@ -465,7 +468,8 @@ impl RegistryClient {
         // Once per TLS settings: reading the CA files and the system's roots is blocking work,
         // done off the async workers and with no lock held (two first uses at once may both
         // build one; the first kept is used).
-        let client = crate::task::off_the_runtime(|| Self::build_http(ep))?;
+        let roots = &self.shared.config.roots;
+        let client = crate::task::off_the_runtime(|| Self::build_http(ep, roots))?;
         Ok(self
             .shared
             .clients
@@ -475,13 +479,20 @@ impl RegistryClient {
             .clone())
     }
 
-    /// A new HTTP client for endpoint `ep`'s TLS settings.
-    fn build_http(ep: &Endpoint) -> Result<reqwest::Client> {
+    /// A new HTTP client for endpoint `ep`'s TLS settings, trusting `roots` and the endpoint's
+    /// CAs.
+    fn build_http(ep: &Endpoint, roots: &roots::Roots) -> Result<reqwest::Client> {
         let mut builder = reqwest::Client::builder()
+            .tls_built_in_root_certs(false)
             .user_agent(concat!("vmdisk/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(Duration::from_secs(10))
             .read_timeout(Duration::from_secs(60))
             .danger_accept_invalid_certs(ep.skip_verify);
+        for root in roots.certificates().iter() {
+            let cert = reqwest::Certificate::from_der(root)
+                .map_err(|e| Error::invalid(format!("a TLS root certificate: {e}")))?;
+            builder = builder.add_root_certificate(cert);
+        }
         for path in &ep.ca {
             let pem = std::fs::read(path)
                 .map_err(|e| Error::io(format!("reading CA certificate {}", path.display()), e))?;

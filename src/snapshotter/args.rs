@@ -48,8 +48,9 @@ pub enum Internal {
         /// directory (EnsureDisk), whose disk head it then fetches while it starts.
         #[arg(long, value_enum, default_value = "layer")]
         need: super::control::Need,
-        /// Read registry credentials (kubelet's) from stdin first.
+        /// Read the daemon's handover from stdin first: its TLS roots and registry credentials
+        /// (kubelet's).
         #[arg(long)]
-        credentials_on_stdin: bool,
+        handover: bool,
     },
 }

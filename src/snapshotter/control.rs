@@ -16,7 +16,7 @@ use crate::engine::stats::StatsSnapshot;
 use crate::error::{Error, ErrorKind, Result};
 
 pub use pb::{
-    Credentials, EndpointCounters, Grants, HydrationState, LayerCounters, LayerStatus,
+    Credentials, EndpointCounters, Handover, HydrationState, LayerCounters, LayerStatus,
     ReadyDirState, ServerState,
 };
 

@@ -99,6 +99,9 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
         root: config.root.clone(),
         ready_dir: config.ready_dir.clone(),
         mount_timeout: Duration::from_secs(config.registry.mount_timeout),
+        // Read once here, for the daemon's clients and every server it starts.
+        tls_roots: super::blocking(|| Ok(crate::registry::roots::Roots::default().certificates()))
+            .await?,
     });
     let (root, cache) = (
         config.root.clone(),

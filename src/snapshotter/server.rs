@@ -24,6 +24,7 @@ use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::reference::Reference;
 use crate::registry::granted::Granted;
+use crate::registry::roots::Roots;
 use crate::serve::Serving;
 
 /// How long a server that failed to start waits for the daemon to collect the reason.
@@ -211,24 +212,25 @@ impl pb::layer_server_server::LayerServer for ControlService {
     }
 }
 
-/// Most bytes of credentials read from stdin.
-const MAX_CREDENTIALS: u64 = 64 << 10;
+/// Most bytes of a handover read from stdin (a system's TLS roots are a few hundred KiB).
+const MAX_HANDOVER: u64 = 8 << 20;
 
-/// The credentials the daemon writes to a server's stdin when it starts it (then closes it).
-async fn credentials_from_stdin() -> Result<pb::Grants> {
+/// What the daemon writes to a server's stdin when it starts it (then closes it): credentials
+/// and its TLS roots.
+async fn handover_from_stdin() -> Result<pb::Handover> {
     use tokio::io::AsyncReadExt as _;
     let mut bytes = Vec::new();
     tokio::time::timeout(
         Duration::from_secs(5),
         tokio::io::stdin()
-            .take(MAX_CREDENTIALS)
+            .take(MAX_HANDOVER)
             .read_to_end(&mut bytes),
     )
     .await
-    .map_err(|_| Error::invalid("no credentials on stdin within 5 s"))?
-    .map_err(|e| Error::io("reading credentials from stdin", e))?;
+    .map_err(|_| Error::invalid("no handover from the daemon on stdin within 5 s"))?
+    .map_err(|e| Error::io("reading the daemon's handover from stdin", e))?;
     prost::Message::decode(bytes.as_slice())
-        .map_err(|e| Error::invalid(format!("the credentials on stdin are malformed: {e}")))
+        .map_err(|e| Error::invalid(format!("the daemon's handover on stdin is malformed: {e}")))
 }
 
 /// What a mount server is started to serve (`serve-layer`'s arguments).
@@ -244,20 +246,21 @@ pub struct Assignment {
     pub need: Need,
 }
 
-/// Runs the mount server of `job` until stopped; `credentials_on_stdin`: the daemon hands it
-/// the credentials of pulls of the image there first.
-pub async fn serve_layer(
-    config: &Config,
-    job: &Assignment,
-    credentials_on_stdin: bool,
-) -> Result<()> {
+/// Runs the mount server of `job` until stopped; `handover`: the daemon hands it its TLS roots
+/// and the credentials of pulls of the image on stdin first (else the server reads the
+/// system's roots and has only the node's credentials).
+pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> Result<()> {
     let (reference, layer) = (job.reference.as_str(), &job.layer);
     let granted = Arc::new(Granted::default());
-    if credentials_on_stdin {
-        for message in credentials_from_stdin().await?.credentials {
+    let roots = if handover {
+        let handed = handover_from_stdin().await?;
+        for message in handed.credentials {
             granted.add(super::control::grant_of(message));
         }
-    }
+        Roots::handed(handed.tls_roots)?
+    } else {
+        Roots::default()
+    };
     let paths = LayerPaths::new(&config.root, layer);
     let listener = crate::api::unix::bind(&paths.control, 0o600)?;
     let (stops, mut stop_requests) = mpsc::channel(4);
@@ -295,7 +298,7 @@ pub async fn serve_layer(
                 },
             ),
     );
-    let outcome = run(config, job, &paths, &shared, &mut stop_requests).await;
+    let outcome = run(config, job, &roots, &paths, &shared, &mut stop_requests).await;
     let _ = done.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(2), control_task).await;
     let _ = std::fs::remove_file(&paths.control);
@@ -306,13 +309,14 @@ pub async fn serve_layer(
 async fn run(
     config: &Config,
     job: &Assignment,
+    roots: &Roots,
     paths: &LayerPaths,
     shared: &Shared,
     stop_requests: &mut mpsc::Receiver<oneshot::Sender<Result<pb::LayerCounters>>>,
 ) -> Result<()> {
     let (reference, layer) = (&job.reference, &job.layer);
     let started = tokio::select! {
-        r = start(config, job, paths, Arc::clone(&shared.granted)) => r,
+        r = start(config, job, roots, paths, Arc::clone(&shared.granted)) => r,
         Some(reply) = stop_requests.recv() => {
             let _ = reply.send(Ok(pb::LayerCounters::default()));
             tracing::info!(%layer, "stopped while starting");
@@ -386,6 +390,7 @@ async fn run(
 async fn start(
     config: &Config,
     job: &Assignment,
+    roots: &Roots,
     paths: &LayerPaths,
     granted: Arc<Granted>,
 ) -> Result<Serving> {
@@ -402,9 +407,11 @@ async fn start(
         .map_err(|e| {
             Error::new(crate::error::ErrorKind::Io, "opening the cache").with_source(e)
         })??;
-    let client = Arc::new(
-        crate::registry::RegistryClient::new(config.registry_config())?.with_grants(granted),
-    );
+    let registry = crate::registry::RegistryConfig {
+        roots: roots.clone(),
+        ..config.registry_config()
+    };
+    let client = Arc::new(crate::registry::RegistryClient::new(registry)?.with_grants(granted));
     let signatures = config.signatures.clone();
     let trust = crate::task::blocking(move || crate::policy::Verifier::load(&signatures))
         .await

@@ -41,6 +41,8 @@ pub struct ServerCommand {
     /// Where servers mount ready-disk directories (`ready_dir` of the configuration).
     pub ready_dir: PathBuf,
     pub mount_timeout: Duration,
+    /// The TLS roots the daemon read, handed to every server it starts.
+    pub tls_roots: Arc<[rustls_pki_types::CertificateDer<'static>]>,
 }
 
 /// What the snapshotter asks of whoever runs the mount servers.
@@ -323,17 +325,13 @@ impl LayerServers {
         if let Some(alias) = alias {
             cmd.arg("--alias").arg(alias);
         }
-        // Credentials of pulls of this image go to the server over a pipe, never in its
-        // arguments or environment (both readable in /proc).
-        let handed = (!grants.is_empty()).then(|| control::Grants {
+        // The daemon's TLS roots and the credentials of pulls of this image go to the server
+        // over a pipe, never in its arguments or environment (both readable in /proc).
+        cmd.arg("--handover").stdin(std::process::Stdio::piped());
+        let handover = control::Handover {
             credentials: grants.iter().map(control::credentials_message).collect(),
-        });
-        if handed.is_some() {
-            cmd.arg("--credentials-on-stdin")
-                .stdin(std::process::Stdio::piped());
-        } else {
-            cmd.stdin(std::process::Stdio::null());
-        }
+            tls_roots: command.tls_roots.iter().map(|c| c.to_vec()).collect(),
+        };
         cmd.stdout(std::process::Stdio::null())
             .stderr(log)
             // systemd's notification socket is the daemon's to use, not its servers'.
@@ -344,13 +342,18 @@ impl LayerServers {
         let mut child = cmd
             .spawn()
             .map_err(|e| Error::io(format!("starting {}", command.exe.display()), e))?;
-        if let (Some(message), Some(mut stdin)) = (handed, child.stdin.take()) {
-            use tokio::io::AsyncWriteExt as _;
-            let bytes = prost::Message::encode_to_vec(&message);
-            // Far less than a pipe's buffer: the write does not wait for the reader.
-            if let Err(e) = stdin.write_all(&bytes).await {
-                tracing::warn!(%layer, error = %e, "handing credentials to the mount server failed");
-            }
+        if let Some(mut stdin) = child.stdin.take() {
+            let bytes = prost::Message::encode_to_vec(&handover);
+            let layer = *layer;
+            // More than a pipe holds (the roots: a few hundred KiB): written while the server
+            // reads it, apart from waiting for it to serve; a server that exits or is stopped
+            // without reading ends the write.
+            tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt as _;
+                if let Err(e) = stdin.write_all(&bytes).await {
+                    tracing::warn!(%layer, error = %e, "handing credentials and TLS roots to the mount server failed");
+                }
+            });
         }
         self.wait_serving(layer, reference, Some(child)).await
     }
