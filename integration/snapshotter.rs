@@ -939,11 +939,17 @@ fn an_https_registry_is_checked_against_the_roots_the_daemon_read_at_start() {
         ),
     )
     .unwrap();
+    // Those roots alone (a directory of none beside them).
+    let no_dir = scratch.path("no-roots");
+    std::fs::create_dir_all(&no_dir).unwrap();
     let daemon = Daemon::start_in_env(
         &scratch,
         "vmdisk",
         "",
-        &[("SSL_CERT_FILE", roots.to_str().unwrap())],
+        &[
+            ("SSL_CERT_FILE", roots.to_str().unwrap()),
+            ("SSL_CERT_DIR", no_dir.to_str().unwrap()),
+        ],
     );
     std::fs::remove_file(&roots).unwrap();
     let image = format!("{}/tls:1", front.host());

@@ -53,13 +53,14 @@ pub async fn open_engine(
     opts: EngineOptions,
     warm: Warm,
 ) -> Result<Arc<Engine>> {
-    let layer = crate::resolve::resolve(client.as_ref(), cache, trust, wanted).await?;
+    let (layer, held) = crate::resolve::resolve(client.as_ref(), cache, trust, wanted).await?;
     // A gzip layer's windows blob sits beside its index.
     let windows = match (layer.codec().windows_blob(), layer.meta.index_source()) {
         (Some(digest), Some(source)) => Some((source.repository.parse()?, digest)),
         _ => None,
     };
-    let sources = Sources::in_registry(client, &layer.reference, layer.meta.layer_digest, windows);
+    let sources = Sources::in_registry(client, &layer.reference, layer.meta.layer_digest, windows)
+        .holding(held);
     let engine = Engine::open(layer, cache, sources, opts).await?;
     match warm {
         // Verified as always; nothing is served before the check passes.

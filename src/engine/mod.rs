@@ -547,6 +547,12 @@ impl Engine {
 
     /// [`Engine::fetch_range`] without sharing.
     async fn fetch_range_alone(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {
+        if let Some(bytes) = self.sources.held(&range, ask) {
+            // Fetched from the registry with the TOC, for this: counted as fetched, but no
+            // request of the engine's.
+            Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
+            return Ok(bytes);
+        }
         let what = format!("layer {}", self.layer.meta.layer_digest);
         let fetched = self.fetch_from(self.sources.blob.as_ref(), &what, range.clone(), ask);
         source::exact(fetched, range).await
@@ -920,6 +926,7 @@ mod tests {
         let sources = Sources {
             blob: Box::new(Arc::clone(&source)),
             windows: windows.map(|_| Box::new(Arc::clone(&windows_source)) as Box<dyn BlobSource>),
+            held: Default::default(),
         };
         let engine = Engine::with_source(layer, cache, sources, opts);
         (engine, source, windows_source, dir)
@@ -1419,6 +1426,49 @@ mod tests {
     }
 
     /// A layer of one file `disk/d.raw` holding `data` in `CHUNK`-byte chunks.
+    /// Bytes held from the TOC's fetch answer the structure check's first try; when they fail
+    /// it (garbled on the way), the check asks the registry itself, never the held bytes again.
+    #[tokio::test]
+    async fn held_bytes_that_fail_the_structure_check_are_asked_of_the_registry() {
+        let (blob, summary) = honest(&content(2));
+        // An engine whose sources hold `head` as the blob's first bytes; its blob's source.
+        let holding = |head: Vec<u8>| {
+            let (engine, source, dir) =
+                engine_of_blob(blob.clone(), &summary, EngineOptions::default());
+            let engine = Arc::try_unwrap(engine).ok().unwrap();
+            let mut held = crate::layer::Held::default();
+            held.add(0, head.into());
+            let sources = Sources {
+                blob: Box::new(Arc::clone(&source)),
+                windows: None,
+                held,
+            };
+            let engine = Engine::with_source(
+                engine.layer,
+                engine.cache,
+                sources,
+                EngineOptions::default(),
+            );
+            (engine, source, dir)
+        };
+        let (engine, _, _dir) = engine_of_blob(blob.clone(), &summary, EngineOptions::default());
+        let head_end = engine.layer.chunks.iter().map(|c| c.compressed.start).min();
+        let head = blob[..head_end.unwrap() as usize].to_vec();
+        // Held as fetched: the head is not asked for.
+        let (engine, source, _dir) = holding(head.clone());
+        engine.check_structure(None).await.unwrap();
+        let calls = source.calls.lock().clone();
+        assert!(calls.iter().all(|r| r.start > 0), "{calls:?}");
+        // Garbled: the check fails on them once, then reads the registry's.
+        let mut garbled = head;
+        let mid = garbled.len() / 2;
+        garbled[mid] ^= 0x40;
+        let (engine, source, _dir) = holding(garbled);
+        engine.check_structure(None).await.unwrap();
+        let calls = source.calls.lock().clone();
+        assert!(calls.iter().any(|r| r.start == 0), "{calls:?}");
+    }
+
     fn honest(data: &[u8]) -> (Vec<u8>, crate::format::zstd_chunked::LayerSummary) {
         let (summary, blob) = crate::format::zstd_chunked::tests::write_layer(data, CHUNK);
         (blob, summary)
@@ -1639,6 +1689,7 @@ mod tests {
             Sources {
                 blob: Box::new(Stalled),
                 windows: None,
+                held: Default::default(),
             },
             EngineOptions {
                 fetch_deadline: Duration::from_secs(5),

@@ -197,6 +197,43 @@ impl Layer {
     }
 }
 
+/// Bytes of a layer's blob fetched while it was resolved, next to its TOC and in the same
+/// round trip: the blob's head and the bytes just before the TOC, where the tar headers and
+/// the end of the archive of a one-file layer sit. The structure check, which must read them
+/// before anything is served, then costs no round trip of its own. They are unverified, as
+/// every region between chunks is until the check has read them; a range is answered from
+/// here only when these bytes hold all of it, and bytes asked of the registry itself
+/// ([`Ask::Registry`]: they failed once) never are. At most [`Held::MAX_BYTES`] are kept.
+#[derive(Clone, Debug, Default)]
+pub struct Held {
+    /// (first byte's offset in the blob, the bytes)
+    pieces: Vec<(u64, bytes::Bytes)>,
+}
+
+impl Held {
+    /// Most bytes held.
+    pub const MAX_BYTES: usize = 64 << 10;
+
+    /// Adds `bytes` fetched from blob offset `at`, unless that would hold more than
+    /// [`Held::MAX_BYTES`].
+    pub fn add(&mut self, at: u64, bytes: bytes::Bytes) {
+        let held: usize = self.pieces.iter().map(|(_, b)| b.len()).sum();
+        if !bytes.is_empty() && held + bytes.len() <= Self::MAX_BYTES {
+            self.pieces.push((at, bytes));
+        }
+    }
+
+    /// The bytes of `range` when one piece holds all of them.
+    pub fn get(&self, range: &Range<u64>) -> Option<bytes::Bytes> {
+        self.pieces.iter().find_map(|(at, bytes)| {
+            let start = range.start.checked_sub(*at)?;
+            let end = range.end.checked_sub(*at)?;
+            (start <= end && end <= bytes.len() as u64)
+                .then(|| bytes.slice(start as usize..end as usize))
+        })
+    }
+}
+
 /// Whom a fetch asks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ask {
@@ -306,5 +343,26 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     /// A tar entry the stream ends with that the TOC does not list (eStargz's TOC).
     fn trailing_entry(&self) -> Option<&'static str> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_bytes_answer_only_ranges_one_piece_holds_whole() {
+        let mut held = Held::default();
+        held.add(100, bytes::Bytes::from_static(b"abcdef"));
+        held.add(0, bytes::Bytes::from(vec![7; 10]));
+        assert_eq!(held.get(&(101..104)).as_deref(), Some(&b"bcd"[..]));
+        assert_eq!(held.get(&(100..106)).as_deref(), Some(&b"abcdef"[..]));
+        assert_eq!(held.get(&(2..4)).as_deref(), Some(&[7, 7][..]));
+        for outside in [99..101, 104..107, 8..12, 10..100, 200..201] {
+            assert_eq!(held.get(&outside), None, "{outside:?}");
+        }
+        // Bounded: a piece that would hold more than the bound is not kept.
+        held.add(1000, bytes::Bytes::from(vec![0; Held::MAX_BYTES]));
+        assert_eq!(held.get(&(1000..1001)), None);
     }
 }

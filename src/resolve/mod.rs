@@ -26,7 +26,7 @@ use crate::cache::{CacheRoot, RefRecord};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::TocLocation;
-use crate::layer::{Layer, LayerKind, LayerMeta, Resolved};
+use crate::layer::{Held, Layer, LayerKind, LayerMeta, Resolved};
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
 use crate::policy::Verifier;
 use crate::reference::Reference;
@@ -387,7 +387,7 @@ async fn resolve_online(
     cache: &CacheRoot,
     trust: &Verifier,
     wanted: Wanted<'_>,
-) -> Result<Layer> {
+) -> Result<(Layer, Held)> {
     let Wanted {
         named,
         reference,
@@ -415,9 +415,12 @@ async fn resolve_online(
     let c = cache.clone();
     // Usually there already: kept by this call's `disk_layer_id` or the snapshotter's.
     let cached = blocking(move || Ok(c.load_layer_meta(&key).map(|(_, toc)| toc))).await?;
-    let (toc, fetched) = match cached {
-        Some(toc) => (toc, false),
-        None => (fetch_toc_of(client, &meta).await?, true),
+    let (toc, held, fetched) = match cached {
+        Some(toc) => (toc, Held::default(), false),
+        None => {
+            let (toc, held) = fetch_toc_of(client, &meta).await?;
+            (toc, held, true)
+        }
     };
     // A kept TOC matches its pinned checksum but is parsed and validated on every load:
     // parsing grows with the chunk count (tens of ms per 8 GiB), so off the async workers.
@@ -433,7 +436,7 @@ async fn resolve_online(
             layer_key: key,
             platform: platform.to_string(),
         })?;
-        Ok(layer)
+        Ok((layer, held))
     })
     .await
 }
@@ -441,15 +444,15 @@ async fn resolve_online(
 /// Resolves the image `wanted` to its disk layer, once `trust` accepts it as `wanted.named`
 /// (a policy's scopes and identities are about that name) and the index it is read through:
 /// from the registry, or from the cache when the registry is unreachable and the policy in
-/// force accepted it before.
+/// force accepted it before. With it, the blob's bytes fetched alongside its TOC ([`Held`]).
 pub async fn resolve(
     client: &dyn Registry,
     cache: &CacheRoot,
     trust: &Verifier,
     wanted: Wanted<'_>,
-) -> Result<Layer> {
+) -> Result<(Layer, Held)> {
     match resolve_online(client, cache, trust, wanted).await {
-        Ok(layer) => Ok(layer),
+        Ok(resolved) => Ok(resolved),
         Err(e) if e.kind() == ErrorKind::Network => {
             let (cache, reference, named) = (
                 cache.clone(),
@@ -475,7 +478,8 @@ pub async fn resolve(
                     )
                 })?;
                 tracing::warn!(%reference, layer = %meta.layer_digest, "registry unreachable; using the cached resolution");
-                crate::layer::codec::open(reference, meta, &toc, Resolved::Offline)
+                let layer = crate::layer::codec::open(reference, meta, &toc, Resolved::Offline)?;
+                Ok((layer, Held::default()))
             })
             .await
         }

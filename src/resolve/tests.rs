@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use super::*;
 use crate::format::seekable::{self, testing, Compression, Expected, Layout};
@@ -152,7 +153,7 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
     let cache = CacheRoot::open(dir.path()).unwrap();
     let r = reference("vm:1");
 
-    let online = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
+    let (online, _) = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
         .await
         .unwrap();
     assert_eq!(online.resolved, Resolved::Online);
@@ -171,7 +172,7 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
     // The registry goes away: the same reference resolves from the cache, to the same layer;
     // one never resolved fails naming the registry as the cause.
     registry.down.store(true, Ordering::SeqCst);
-    let offline = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
+    let (offline, _) = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
         .await
         .unwrap();
     assert_eq!(offline.resolved, Resolved::Offline);
@@ -319,7 +320,7 @@ async fn a_mount_server_takes_the_estargz_record_the_daemon_kept_and_only_that()
         expected: Some(key),
         ..Wanted::image(&pinned)
     };
-    let layer = resolve(&registry, &cache, &Verifier::none(), wanted)
+    let (layer, _) = resolve(&registry, &cache, &Verifier::none(), wanted)
         .await
         .unwrap();
     assert_eq!(layer.key(), key);
@@ -339,7 +340,7 @@ async fn a_mount_server_takes_the_estargz_record_the_daemon_kept_and_only_that()
             expected: Some(expected),
             ..Wanted::image(&pinned)
         };
-        let layer = resolve(&registry, &cache, &Verifier::none(), wanted)
+        let (layer, _) = resolve(&registry, &cache, &Verifier::none(), wanted)
             .await
             .unwrap();
         assert_eq!(layer.key(), key, "the layer the footer says");
@@ -418,7 +419,7 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
         &other.index,
         &other.windows,
     );
-    let resolved = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
+    let (resolved, _) = resolve(&registry, &cache, &Verifier::none(), Wanted::image(&r))
         .await
         .unwrap();
     let Some(source) = resolved.meta.index_source() else {
@@ -489,4 +490,42 @@ async fn a_kept_manifest_by_digest_saves_its_round_trip_and_a_changed_one_is_not
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Network);
+}
+
+/// A mount server whose daemon kept the image's config but not its TOC (the config came from
+/// containerd's content store) fetches the TOC with the blob's head and the bytes before it,
+/// in one round trip: the structure check then asks the registry for nothing more.
+#[tokio::test]
+async fn a_one_file_layers_structure_check_reads_the_bytes_fetched_with_its_toc() {
+    let registry = Arc::new(MemoryRegistry::default());
+    image(&registry, "1", &[chunked_layer(&disk(300 << 10))]);
+    let dir = tempfile::tempdir().unwrap();
+    let cache = CacheRoot::open(dir.path()).unwrap();
+    let r = reference("vm:1");
+    let (manifest, digest, _) = platform_manifest(registry.as_ref(), Some(&cache), &r)
+        .await
+        .unwrap();
+    let config = registry
+        .get_blob(&r, &manifest.config, oci::MAX_CONFIG_SIZE)
+        .await
+        .unwrap();
+    cache.save_blob(&manifest.config.digest, &config).unwrap();
+    let pinned = r.with_digest(digest);
+
+    let before = registry.ranges.load(Ordering::SeqCst);
+    let client: Arc<dyn Registry> = registry.clone();
+    let engine = crate::serve::open_engine(
+        client,
+        &cache,
+        &Verifier::none(),
+        Wanted::image(&pinned),
+        crate::engine::EngineOptions::default(),
+        crate::serve::Warm::Nothing,
+    )
+    .await
+    .unwrap();
+    // The TOC with the bytes before it, and the blob's head: two requests at once, and the
+    // check (done by open_engine) none of its own.
+    assert_eq!(registry.ranges.load(Ordering::SeqCst) - before, 2);
+    assert!(cache.structure_checked(&engine.layer.key()));
 }

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::format::estargz;
 use crate::format::seekable;
 use crate::format::zstd_chunked::TocLocation;
-use crate::layer::{LayerKind, LayerMeta};
+use crate::layer::{Held, LayerKind, LayerMeta};
 use crate::oci::Descriptor;
 use crate::reference::Reference;
 use crate::registry::Registry;
@@ -77,8 +77,12 @@ pub async fn fetch_estargz_toc(
         .await
 }
 
-/// The TOC (or seekable index) `meta` pins, verified against its digest.
-pub(super) async fn fetch_toc_of(client: &dyn Registry, meta: &LayerMeta) -> Result<Vec<u8>> {
+/// The TOC (or seekable index) `meta` pins, verified against its digest, and the blob's bytes
+/// fetched with it ([`fetch_toc_and_neighbours`]).
+pub(super) async fn fetch_toc_of(
+    client: &dyn Registry,
+    meta: &LayerMeta,
+) -> Result<(Vec<u8>, Held)> {
     match &meta.kind {
         LayerKind::Indexed(source) => {
             let repo: Reference = source.repository.parse()?;
@@ -88,9 +92,10 @@ pub(super) async fn fetch_toc_of(client: &dyn Registry, meta: &LayerMeta) -> Res
                 size: meta.toc_length,
                 ..Descriptor::of(seekable::MEDIA_TYPE, b"")
             };
-            client
+            let index = client
                 .get_blob(&repo, &desc, seekable::MAX_INDEX_BYTES)
-                .await
+                .await?;
+            Ok((index, Held::default()))
         }
         LayerKind::Estargz => {
             let reference: Reference = meta.reference.parse()?;
@@ -108,11 +113,12 @@ pub(super) async fn fetch_toc_of(client: &dyn Registry, meta: &LayerMeta) -> Res
                     meta.layer_digest, meta.toc_offset
                 )));
             }
-            Ok(json)
+            Ok((json, Held::default()))
         }
         LayerKind::ZstdChunked => {
             let reference: Reference = meta.reference.parse()?;
-            fetch_toc(client, &reference, &meta.layer_digest, &meta.toc_location()).await
+            fetch_toc_and_neighbours(client, &reference, &meta.layer_digest, &meta.toc_location())
+                .await
         }
     }
 }
@@ -124,17 +130,79 @@ pub(super) async fn fetch_toc(
     layer: &Digest,
     loc: &TocLocation,
 ) -> Result<Vec<u8>> {
+    let (toc, _) = fetch_toc_from(client, reference, layer, loc, loc.offset).await?;
+    Ok(toc)
+}
+
+/// How many bytes of a zstd:chunked blob's head, and of what precedes its TOC, come with the
+/// TOC: a one-file layer's tar headers, its padding and the end of the archive take a few
+/// hundred bytes of zstd frames.
+pub const NEIGHBOURS: u64 = 4 << 10;
+
+/// The TOC that `loc` places in blob `layer` (as [`fetch_toc`]) and, in the same round trip,
+/// the [`NEIGHBOURS`] bytes before it (its request starts there) and the blob's first
+/// [`NEIGHBOURS`] (a second request at the same time; left out if it fails): what the
+/// structure check of a one-file layer reads, held for it.
+pub(super) async fn fetch_toc_and_neighbours(
+    client: &dyn Registry,
+    reference: &Reference,
+    layer: &Digest,
+    loc: &TocLocation,
+) -> Result<(Vec<u8>, Held)> {
+    let from = loc.offset.saturating_sub(NEIGHBOURS);
+    let head = 0..NEIGHBOURS.min(from);
+    let head_bytes = async {
+        match head.is_empty() {
+            true => None,
+            false => client
+                .get_blob_range(reference, layer, head.clone())
+                .await
+                .ok(),
+        }
+    };
+    let (toc, head_bytes) = tokio::join!(
+        fetch_toc_from(client, reference, layer, loc, from),
+        head_bytes
+    );
+    let (toc, before) = toc?;
+    let mut held = Held::default();
+    held.add(from, before);
+    if let Some(bytes) = head_bytes.filter(|b| b.len() as u64 == head.end) {
+        held.add(0, bytes);
+    }
+    Ok((toc, held))
+}
+
+/// The TOC `loc` places in blob `layer`, fetched by one request from byte `from` (at most its
+/// offset), verified against its pinned checksum; with the bytes before it.
+async fn fetch_toc_from(
+    client: &dyn Registry,
+    reference: &Reference,
+    layer: &Digest,
+    loc: &TocLocation,
+    from: u64,
+) -> Result<(Vec<u8>, bytes::Bytes)> {
+    let range = from..loc.range().end;
+    let before = (loc.offset - from) as usize;
     client
         .retry_policy()
         .run(
             &format!("the zstd:chunked TOC of layer {layer}"),
             || async {
-                let toc = client
-                    .get_blob_range(reference, layer, loc.range())
-                    .await?
-                    .to_vec();
-                loc.checksum.verify(&toc, "zstd:chunked TOC")?;
-                Ok(toc)
+                let bytes = client
+                    .get_blob_range(reference, layer, range.clone())
+                    .await?;
+                if bytes.len() as u64 != range.end - range.start {
+                    return Err(Error::corrupt(format!(
+                        "the registry sent {} bytes of the layer's {}..{}",
+                        bytes.len(),
+                        range.start,
+                        range.end
+                    )));
+                }
+                let toc = &bytes[before..];
+                loc.checksum.verify(toc, "zstd:chunked TOC")?;
+                Ok((toc.to_vec(), bytes.slice(..before)))
             },
         )
         .await
