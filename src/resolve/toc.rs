@@ -139,10 +139,13 @@ pub(super) async fn fetch_toc(
 /// hundred bytes of zstd frames.
 pub const NEIGHBOURS: u64 = 4 << 10;
 
+/// How long the blob's head fetched with the TOC is waited for at most.
+const NEIGHBOURS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The TOC that `loc` places in blob `layer` (as [`fetch_toc`]) and, in the same round trip,
 /// the [`NEIGHBOURS`] bytes before it (its request starts there) and the blob's first
-/// [`NEIGHBOURS`] (a second request at the same time; left out if it fails): what the
-/// structure check of a one-file layer reads, held for it.
+/// [`NEIGHBOURS`] (a second request at the same time; left out if it fails or takes longer
+/// than [`NEIGHBOURS_WAIT`]): what the structure check of a one-file layer reads, held for it.
 pub(super) async fn fetch_toc_and_neighbours(
     client: &dyn Registry,
     reference: &Reference,
@@ -160,11 +163,14 @@ pub(super) async fn fetch_toc_and_neighbours(
                 .ok(),
         }
     };
+    // Only a guess: never waited for long (the check fetches what is missing under the
+    // engine's deadlines).
     let (toc, head_bytes) = tokio::join!(
         fetch_toc_from(client, reference, layer, loc, from),
-        head_bytes
+        tokio::time::timeout(NEIGHBOURS_WAIT, head_bytes)
     );
     let (toc, before) = toc?;
+    let head_bytes = head_bytes.ok().flatten();
     let mut held = Held::default();
     held.add(from, before);
     if let Some(bytes) = head_bytes.filter(|b| b.len() as u64 == head.end) {
