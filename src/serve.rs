@@ -59,20 +59,19 @@ pub async fn open_engine(
         (Some(digest), Some(source)) => Some((source.repository.parse()?, digest)),
         _ => None,
     };
-    let sources = Sources::in_registry(client, &layer.reference, layer.meta.layer_digest, windows)
-        .holding(held);
+    let sources = Sources::in_registry(client, &layer.reference, layer.meta.layer_digest, windows);
     let engine = Engine::open(layer, cache, sources, opts).await?;
     match warm {
         // Verified as always; nothing is served before the check passes.
         Warm::DiskHead => {
             let disk = LayerFile::disk(Arc::clone(&engine));
             let (checked, _) = tokio::join!(
-                engine.check_structure(Some(cache)),
+                engine.check_structure(Some(cache), &held),
                 crate::view::qcow2::read_head(&disk)
             );
             checked?;
         }
-        Warm::Nothing => engine.check_structure(Some(cache)).await?,
+        Warm::Nothing => engine.check_structure(Some(cache), &held).await?,
     }
     Ok(engine)
 }

@@ -35,7 +35,7 @@ use crate::digest::Hasher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::tree::{clean_path, NodeKind};
 use crate::layer::Layer;
-use crate::layer::{Ask, Extent, Piece, StreamKind};
+use crate::layer::{Ask, Extent, Held, Piece, StreamKind};
 use crate::task::blocking;
 
 /// What a tar entry of the rebuilt stream says.
@@ -53,9 +53,13 @@ struct TarEntry {
 impl Engine {
     /// Checks, before the layer serves anything, that the tar stream's headers agree with the
     /// TOC and place every chunk where the tar holds that file's content (see the module
-    /// docs). Fetches only the regions between chunks, up to the TOC. Done once per layer key;
-    /// the cache remembers it.
-    pub async fn check_structure(self: &Arc<Self>, cache: Option<&CacheRoot>) -> Result<()> {
+    /// docs). Fetches only the regions between chunks, up to the TOC, that `held` does not
+    /// hold (bytes fetched with the TOC). Done once per layer key; the cache remembers it.
+    pub async fn check_structure(
+        self: &Arc<Self>,
+        cache: Option<&CacheRoot>,
+        held: &Held,
+    ) -> Result<()> {
         if self.layer.codec().stream() == StreamKind::DiskFile {
             // No tar headers: the view is the one file the manifest names, the whole stream.
             return Ok(());
@@ -75,7 +79,7 @@ impl Engine {
                 let ask = ask_on(tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
                 let engine = Arc::clone(self);
                 let cache = cache.clone();
-                let pieces = engine.pieces(Extent::Structure, ask).await?;
+                let pieces = engine.pieces(Extent::Structure, ask, held).await?;
                 blocking(move || {
                     let mut stream = Stream::new(&engine, pieces, false);
                     let entries = read_entries(&mut stream)?;
@@ -146,7 +150,7 @@ impl Engine {
     /// Rebuilds the whole stream (regions fetched, chunks from the cache) and compares it with
     /// the diff_id and the TOC, off the async workers.
     async fn rebuild_and_compare(self: &Arc<Self>, ask: Ask) -> Result<()> {
-        let pieces = self.pieces(Extent::Whole, ask).await?;
+        let pieces = self.pieces(Extent::Whole, ask, &Held::default()).await?;
         let engine = Arc::clone(self);
         blocking(move || {
             let layer = &engine.layer;
@@ -183,11 +187,11 @@ impl Engine {
     }
 
     /// The pieces of `extent` of the layer's stream, as its codec rebuilds them (`ask`: whom
-    /// the regions between chunks are asked of).
-    async fn pieces(&self, extent: Extent, ask: Ask) -> Result<Vec<Piece>> {
+    /// the regions between chunks are asked of, unless `held` holds them).
+    async fn pieces(&self, extent: Extent, ask: Ask, held: &Held) -> Result<Vec<Piece>> {
         self.layer
             .codec()
-            .pieces(&self.layer, extent, self, ask)
+            .pieces(&self.layer, extent, &held.before(self), ask)
             .await
     }
 

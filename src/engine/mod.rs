@@ -547,12 +547,6 @@ impl Engine {
 
     /// [`Engine::fetch_range`] without sharing.
     async fn fetch_range_alone(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {
-        if let Some(bytes) = self.sources.held(&range, ask) {
-            // Fetched from the registry with the TOC, for this: counted as fetched, but no
-            // request of the engine's.
-            Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
-            return Ok(bytes);
-        }
         let what = format!("layer {}", self.layer.meta.layer_digest);
         let fetched = self.fetch_from(self.sources.blob.as_ref(), &what, range.clone(), ask);
         source::exact(fetched, range).await
@@ -804,7 +798,7 @@ mod tests {
     use super::*;
     use crate::format::toc::Toc;
     use crate::format::zstd_chunked::{decode_chunk, decode_toc, TocLocation};
-    use crate::layer::{IndexSource, LayerKind, LayerMeta};
+    use crate::layer::{Held, IndexSource, LayerKind, LayerMeta};
 
     /// A blob in memory that records requests and can fail or corrupt the next answers.
     #[derive(Default)]
@@ -926,7 +920,6 @@ mod tests {
         let sources = Sources {
             blob: Box::new(Arc::clone(&source)),
             windows: windows.map(|_| Box::new(Arc::clone(&windows_source)) as Box<dyn BlobSource>),
-            held: Default::default(),
         };
         let engine = Engine::with_source(layer, cache, sources, opts);
         (engine, source, windows_source, dir)
@@ -1074,7 +1067,10 @@ mod tests {
         assert_eq!(paths, ["disk", "disk/d.raw"]);
         assert_eq!(layer.files.len(), 1);
         assert_eq!(layer.chunks.len(), index.spans.len());
-        engine.check_structure(None).await.unwrap();
+        engine
+            .check_structure(None, &Held::default())
+            .await
+            .unwrap();
         assert!(source.calls.lock().is_empty(), "nothing to check");
         assert_eq!(
             engine.read(0, 2 << 20, 4096).await.unwrap(),
@@ -1126,7 +1122,10 @@ mod tests {
             engine.layer.nodes[engine.layer.files[disk].node].path,
             "disk/d.raw"
         );
-        engine.check_structure(None).await.unwrap();
+        engine
+            .check_structure(None, &Held::default())
+            .await
+            .unwrap();
         let before = fetched_bytes(&source);
         assert_eq!(
             engine.read(disk, 1 << 20, 4096).await.unwrap(),
@@ -1267,7 +1266,10 @@ mod tests {
             kind: LayerKind::Estargz,
         };
         let (engine, _, _dir) = engine_of_layer(blob, meta, &json, EngineOptions::default());
-        engine.check_structure(None).await.unwrap();
+        engine
+            .check_structure(None, &Held::default())
+            .await
+            .unwrap();
         assert_eq!(
             engine.read(engine.layer.disk, 100, 10).await.unwrap(),
             data[100..110]
@@ -1431,40 +1433,33 @@ mod tests {
     #[tokio::test]
     async fn held_bytes_that_fail_the_structure_check_are_asked_of_the_registry() {
         let (blob, summary) = honest(&content(2));
-        // An engine whose sources hold `head` as the blob's first bytes; its blob's source.
+        // `head` held as the blob's first bytes.
         let holding = |head: Vec<u8>| {
-            let (engine, source, dir) =
-                engine_of_blob(blob.clone(), &summary, EngineOptions::default());
-            let engine = Arc::try_unwrap(engine).ok().unwrap();
-            let mut held = crate::layer::Held::default();
+            let mut held = Held::default();
             held.add(0, head.into());
-            let sources = Sources {
-                blob: Box::new(Arc::clone(&source)),
-                windows: None,
-                held,
-            };
-            let engine = Engine::with_source(
-                engine.layer,
-                engine.cache,
-                sources,
-                EngineOptions::default(),
-            );
-            (engine, source, dir)
+            held
         };
-        let (engine, _, _dir) = engine_of_blob(blob.clone(), &summary, EngineOptions::default());
+        let (engine, source, _dir) =
+            engine_of_blob(blob.clone(), &summary, EngineOptions::default());
         let head_end = engine.layer.chunks.iter().map(|c| c.compressed.start).min();
         let head = blob[..head_end.unwrap() as usize].to_vec();
         // Held as fetched: the head is not asked for.
-        let (engine, source, _dir) = holding(head.clone());
-        engine.check_structure(None).await.unwrap();
+        engine
+            .check_structure(None, &holding(head.clone()))
+            .await
+            .unwrap();
         let calls = source.calls.lock().clone();
         assert!(calls.iter().all(|r| r.start > 0), "{calls:?}");
         // Garbled: the check fails on them once, then reads the registry's.
         let mut garbled = head;
         let mid = garbled.len() / 2;
         garbled[mid] ^= 0x40;
-        let (engine, source, _dir) = holding(garbled);
-        engine.check_structure(None).await.unwrap();
+        let (engine, source, _dir) =
+            engine_of_blob(blob.clone(), &summary, EngineOptions::default());
+        engine
+            .check_structure(None, &holding(garbled))
+            .await
+            .unwrap();
         let calls = source.calls.lock().clone();
         assert!(calls.iter().any(|r| r.start == 0), "{calls:?}");
     }
@@ -1528,7 +1523,10 @@ mod tests {
         let data = content(6);
         let (blob, summary) = honest(&data);
         let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
-        engine.check_structure(None).await.unwrap();
+        engine
+            .check_structure(None, &Held::default())
+            .await
+            .unwrap();
         let cache_dir = tempfile::tempdir().unwrap();
         let cache = CacheRoot::open(cache_dir.path()).unwrap();
         assert_eq!(
@@ -1547,7 +1545,10 @@ mod tests {
         let (blob, mut summary) = honest(&data);
         summary.diff_id = Digest::of(b"another layer");
         let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
-        engine.check_structure(None).await.unwrap();
+        engine
+            .check_structure(None, &Held::default())
+            .await
+            .unwrap();
         assert_eq!(read_all(&engine).await.unwrap(), data);
         let cache_dir = tempfile::tempdir().unwrap();
         let cache = CacheRoot::open(cache_dir.path()).unwrap();
@@ -1585,7 +1586,10 @@ mod tests {
         let data_end = (summary.toc_location.offset - 8) as usize;
         let (blob, summary) = with_toc(blob[..data_end].to_vec(), &toc, summary.diff_id);
         let (engine, source, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
-        let err = engine.check_structure(None).await.unwrap_err();
+        let err = engine
+            .check_structure(None, &Held::default())
+            .await
+            .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt);
         assert!(
             err.chain()
@@ -1636,7 +1640,10 @@ mod tests {
     #[tokio::test]
     async fn a_chunk_inside_a_skippable_frame_is_refused() {
         let (engine, _dir) = fake_first_chunk(true);
-        let err = engine.check_structure(None).await.unwrap_err();
+        let err = engine
+            .check_structure(None, &Held::default())
+            .await
+            .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt);
         assert!(
             err.chain().contains("no whole zstd frame"),
@@ -1648,7 +1655,10 @@ mod tests {
     #[tokio::test]
     async fn a_fake_chunk_followed_by_the_real_content_is_refused() {
         let (engine, _dir) = fake_first_chunk(false);
-        let err = engine.check_structure(None).await.unwrap_err();
+        let err = engine
+            .check_structure(None, &Held::default())
+            .await
+            .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt, "{}", err.chain());
         assert!(err.chain().contains("not a valid tar"), "{}", err.chain());
     }
@@ -1689,7 +1699,6 @@ mod tests {
             Sources {
                 blob: Box::new(Stalled),
                 windows: None,
-                held: Default::default(),
             },
             EngineOptions {
                 fetch_deadline: Duration::from_secs(5),

@@ -10,7 +10,7 @@ use futures_util::future::BoxFuture;
 
 use crate::digest::Digest;
 use crate::error::{Error, Result};
-use crate::layer::{Ask, Fetch, Held};
+use crate::layer::{Ask, Fetch};
 use crate::reference::Reference;
 use crate::registry::health::EndpointCounters;
 use crate::registry::Registry;
@@ -47,8 +47,6 @@ pub fn ask(
 pub struct Sources {
     pub blob: Box<dyn BlobSource>,
     pub windows: Option<Box<dyn BlobSource>>,
-    /// Bytes of the blob fetched before (with its TOC), answered instead of asking again.
-    pub held: Held,
 }
 
 impl Sources {
@@ -74,21 +72,6 @@ impl Sources {
                 blob,
             }),
             windows,
-            held: Held::default(),
-        }
-    }
-
-    /// The same, answering from `held` what it holds.
-    pub fn holding(self, held: Held) -> Self {
-        Sources { held, ..self }
-    }
-
-    /// The held bytes of `range` of the blob, when `ask` may take them: not for bytes that
-    /// failed once and are asked of the registry itself.
-    pub fn held(&self, range: &Range<u64>, ask: Ask) -> Option<bytes::Bytes> {
-        match ask {
-            Ask::AnyEndpoint => self.held.get(range),
-            Ask::Registry => None,
         }
     }
 
@@ -104,9 +87,6 @@ impl Sources {
 /// what reading an index's stream outside a mount uses.
 impl Fetch for Sources {
     fn blob(&self, range: Range<u64>, how: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
-        if let Some(bytes) = self.held(&range, how) {
-            return Box::pin(std::future::ready(Ok(bytes)));
-        }
         Box::pin(exact(ask(self.blob.as_ref(), range.clone(), how), range))
     }
 

@@ -200,10 +200,9 @@ impl Layer {
 /// Bytes of a layer's blob fetched while it was resolved, next to its TOC and in the same
 /// round trip: the blob's head and the bytes just before the TOC, where the tar headers and
 /// the end of the archive of a one-file layer sit. The structure check, which must read them
-/// before anything is served, then costs no round trip of its own. They are unverified, as
-/// every region between chunks is until the check has read them; a range is answered from
-/// here only when these bytes hold all of it, and bytes asked of the registry itself
-/// ([`Ask::Registry`]: they failed once) never are. At most [`Held::MAX_BYTES`] are kept.
+/// before anything is served, reads them through [`Held::before`] and costs no round trip of
+/// its own; nothing else does. They are unverified, as every region between chunks is until
+/// the check has read them. At most [`Held::MAX_BYTES`] are kept.
 #[derive(Clone, Debug, Default)]
 pub struct Held {
     /// (first byte's offset in the blob, the bytes)
@@ -231,6 +230,31 @@ impl Held {
             (start <= end && end <= bytes.len() as u64)
                 .then(|| bytes.slice(start as usize..end as usize))
         })
+    }
+
+    /// `fetch`, answering from these bytes the blob ranges they hold whole, except those asked
+    /// of the registry itself ([`Ask::Registry`]: they failed once).
+    pub fn before<'a>(&'a self, fetch: &'a dyn Fetch) -> impl Fetch + 'a {
+        HeldFirst { held: self, fetch }
+    }
+}
+
+/// [`Held::before`].
+struct HeldFirst<'a> {
+    held: &'a Held,
+    fetch: &'a dyn Fetch,
+}
+
+impl Fetch for HeldFirst<'_> {
+    fn blob(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
+        match (ask, self.held.get(&range)) {
+            (Ask::AnyEndpoint, Some(bytes)) => Box::pin(std::future::ready(Ok(bytes))),
+            _ => self.fetch.blob(range, ask),
+        }
+    }
+
+    fn windows(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
+        self.fetch.windows(range, ask)
     }
 }
 
