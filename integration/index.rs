@@ -470,6 +470,10 @@ fn an_estargz_containerdisk_reads_lazily_and_identically() {
     );
     // The qcow2 head and tables: a few 1 MiB chunks of a 27 MB file.
     assert!(pulled < size / 5, "the lazy pull moved {pulled} bytes");
+    // The mount server's structure check read the bytes the daemon fetched while the server
+    // started (the tar headers and the disk's last chunk): the server fetched none itself.
+    let disks = daemon.disks();
+    assert_eq!(disks[0].registry_bytes, 0, "{disks:?}");
     assert_eq!(
         kubevirt_reads(&ctd, &scratch, "vm", &lazy, "disk.qcow2"),
         sha256_file(&disk)

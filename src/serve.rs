@@ -20,6 +20,7 @@ use crate::engine::source::Sources;
 use crate::engine::stats::StatsSnapshot;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
+use crate::layer::Held;
 use crate::policy::Verifier;
 use crate::ready::{ReadyDir, ReadyMetadata};
 use crate::registry::Registry;
@@ -44,7 +45,9 @@ pub enum Warm {
 /// resolves the image `wanted` to its disk layer (once `trust` accepts it and its index:
 /// [`crate::resolve::resolve`]),
 /// starts an engine over its cache and its blobs in the registry, and checks the layer's
-/// structure before anything is served.
+/// structure before anything is served. The check reads the blob bytes fetched with the TOC
+/// and those `handed` yields (fetched for it by the snapshotter while this process started;
+/// awaited once the engine is open) before it asks the registry.
 pub async fn open_engine(
     client: Arc<dyn Registry>,
     cache: &CacheRoot,
@@ -52,8 +55,9 @@ pub async fn open_engine(
     wanted: Wanted<'_>,
     opts: EngineOptions,
     warm: Warm,
+    handed: impl std::future::Future<Output = Held>,
 ) -> Result<Arc<Engine>> {
-    let (layer, held) = crate::resolve::resolve(client.as_ref(), cache, trust, wanted).await?;
+    let (layer, mut held) = crate::resolve::resolve(client.as_ref(), cache, trust, wanted).await?;
     // A gzip layer's windows blob sits beside its index.
     let windows = match (layer.codec().windows_blob(), layer.meta.index_source()) {
         (Some(digest), Some(source)) => Some((source.repository.parse()?, digest)),
@@ -61,17 +65,18 @@ pub async fn open_engine(
     };
     let sources = Sources::in_registry(client, &layer.reference, layer.meta.layer_digest, windows);
     let engine = Engine::open(layer, cache, sources, opts).await?;
+    let checked = async {
+        held.join(handed.await);
+        engine.check_structure(Some(cache), &held).await
+    };
     match warm {
         // Verified as always; nothing is served before the check passes.
         Warm::DiskHead => {
             let disk = LayerFile::disk(Arc::clone(&engine));
-            let (checked, _) = tokio::join!(
-                engine.check_structure(Some(cache), &held),
-                crate::view::qcow2::read_head(&disk)
-            );
+            let (checked, _) = tokio::join!(checked, crate::view::qcow2::read_head(&disk));
             checked?;
         }
-        Warm::Nothing => engine.check_structure(Some(cache), &held).await?,
+        Warm::Nothing => checked.await?,
     }
     Ok(engine)
 }

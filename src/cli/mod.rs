@@ -1003,6 +1003,7 @@ async fn mount(args: MountArgs) -> Result<()> {
         crate::resolve::Wanted::image(&reference),
         opts,
         crate::serve::Warm::Nothing,
+        std::future::ready(crate::layer::Held::default()),
     )
     .await?;
     // Evict only now: the layer being mounted holds its lock and cannot be chosen.
@@ -1061,6 +1062,7 @@ async fn trace_record(args: TraceRecordArgs) -> Result<()> {
         crate::resolve::Wanted::image(&reference),
         Default::default(),
         crate::serve::Warm::Nothing,
+        std::future::ready(crate::layer::Held::default()),
     )
     .await?;
     engine.start_recording();

@@ -197,12 +197,14 @@ impl Layer {
     }
 }
 
-/// Bytes of a layer's blob fetched while it was resolved, next to its TOC and in the same
-/// round trip: the blob's head and the bytes just before the TOC, where the tar headers and
-/// the end of the archive of a one-file layer sit. The structure check, which must read them
-/// before anything is served, reads them through [`Held::before`] and costs no round trip of
-/// its own; nothing else does. They are unverified, as every region between chunks is until
-/// the check has read them. At most [`Held::MAX_BYTES`] are kept.
+/// Bytes of a layer's blob fetched before its structure check asked for them: next to its TOC
+/// while it was resolved (the blob's head and the bytes just before the TOC, where the tar
+/// headers and the end of the archive of a one-file layer sit), or by the snapshotter while
+/// the layer's mount server started (the ranges the check reads, [`Codec::structure_ranges`]).
+/// The structure check, which must read them before anything is served, reads them through
+/// [`Held::before`] and costs no round trip of its own; nothing else does. They are
+/// unverified, as every region between chunks is until the check has read them. At most
+/// [`Held::MAX_BYTES`] are kept.
 #[derive(Clone, Debug, Default)]
 pub struct Held {
     /// (first byte's offset in the blob, the bytes)
@@ -210,16 +212,38 @@ pub struct Held {
 }
 
 impl Held {
-    /// Most bytes held.
-    pub const MAX_BYTES: usize = 64 << 10;
+    /// Most bytes held: room for an eStargz file's last chunk member (read whole, for the
+    /// padding and what follows it) of a 4 MiB chunk that does not compress.
+    pub const MAX_BYTES: usize = 8 << 20;
 
     /// Adds `bytes` fetched from blob offset `at`, unless that would hold more than
     /// [`Held::MAX_BYTES`].
     pub fn add(&mut self, at: u64, bytes: bytes::Bytes) {
-        let held: usize = self.pieces.iter().map(|(_, b)| b.len()).sum();
-        if !bytes.is_empty() && held + bytes.len() <= Self::MAX_BYTES {
+        if !bytes.is_empty() && self.len() + bytes.len() <= Self::MAX_BYTES {
             self.pieces.push((at, bytes));
         }
+    }
+
+    /// Adds the pieces of `other`, as [`Held::add`] does.
+    pub fn join(&mut self, other: Held) {
+        for (at, bytes) in other.pieces {
+            self.add(at, bytes);
+        }
+    }
+
+    /// The bytes held.
+    pub fn len(&self) -> usize {
+        self.pieces.iter().map(|(_, b)| b.len()).sum()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.pieces.is_empty()
+    }
+
+    /// The pieces: (first byte's offset in the blob, the bytes).
+    pub fn pieces(&self) -> impl Iterator<Item = (u64, &bytes::Bytes)> {
+        self.pieces.iter().map(|(at, bytes)| (*at, bytes))
     }
 
     /// The bytes of `range` when one piece holds all of them.
@@ -358,6 +382,13 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
         fetch: &'a dyn Fetch,
         ask: Ask,
     ) -> BoxFuture<'a, Result<Vec<Piece>>>;
+
+    /// The blob ranges [`Codec::pieces`] of [`Extent::Structure`] fetches, for a caller that
+    /// fetches them ahead and holds them for the check ([`Held`]); none when the check reads
+    /// through the codec's own fetch units (a seekable index's spans and windows).
+    fn structure_ranges(&self, _layer: &Layer) -> Result<Vec<Range<u64>>> {
+        Ok(Vec::new())
+    }
 
     /// A second blob the codec reads besides the layer's (a seekable index's windows blob).
     fn windows_blob(&self) -> Option<crate::digest::Digest> {

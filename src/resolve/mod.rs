@@ -35,7 +35,7 @@ use crate::task::blocking;
 
 pub use self::choose::{disk_layer, index_target, indexable_layer, IndexTarget};
 pub use self::index::seekable_layer;
-pub use self::toc::fetch_estargz_toc;
+pub use self::toc::{fetch_estargz_toc, fetch_structure_ahead};
 
 /// The manifest or index `reference` names, and its digest: when `reference` is by digest
 /// and `cache` keeps that blob, from there (re-verified, no round trip); otherwise from the

@@ -521,6 +521,7 @@ async fn a_one_file_layers_structure_check_reads_the_bytes_fetched_with_its_toc(
         Wanted::image(&pinned),
         crate::engine::EngineOptions::default(),
         crate::serve::Warm::Nothing,
+        std::future::ready(crate::layer::Held::default()),
     )
     .await
     .unwrap();
@@ -528,4 +529,62 @@ async fn a_one_file_layers_structure_check_reads_the_bytes_fetched_with_its_toc(
     // check (done by open_engine) none of its own.
     assert_eq!(registry.ranges.load(Ordering::SeqCst) - before, 2);
     assert!(cache.structure_checked(&engine.layer.key()));
+}
+
+/// While an eStargz layer's mount server starts, the snapshotter fetches what the server's
+/// structure check reads (the tar headers before the file, the members of its last chunk) from
+/// the record and TOC it kept when it classified the layer: the server's check then asks the
+/// registry for nothing. Once the check passed, nothing is fetched ahead.
+#[tokio::test]
+async fn an_estargz_layers_structure_check_reads_the_bytes_the_daemon_fetched_ahead() {
+    let registry = Arc::new(MemoryRegistry::default());
+    image(&registry, "1", &[estargz_layer(&disk(300 << 10), 64 << 10)]);
+    let r = reference("vm:1");
+    let ranges = || registry.ranges.load(Ordering::SeqCst);
+    for ahead in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = CacheRoot::open(dir.path()).unwrap();
+        // The daemon classifies the layer: footer and TOC fetched, the record kept.
+        let (manifest, digest, _) = platform_manifest(registry.as_ref(), Some(&cache), &r)
+            .await
+            .unwrap();
+        let pinned = r.with_digest(digest);
+        let (_, meta) = layer_id(registry.as_ref(), Some(&cache), &pinned, &manifest, digest)
+            .await
+            .unwrap();
+        let key = meta.id().key();
+        let before = ranges();
+        let held = match ahead {
+            true => fetch_structure_ahead(registry.as_ref(), &cache, key).await,
+            false => crate::layer::Held::default(),
+        };
+        assert_eq!(ranges() - before, if ahead { 2 } else { 0 });
+        let before = ranges();
+        let client: Arc<dyn Registry> = registry.clone();
+        let engine = crate::serve::open_engine(
+            client,
+            &cache,
+            &Verifier::none(),
+            Wanted {
+                expected: Some(key),
+                ..Wanted::image(&pinned)
+            },
+            crate::engine::EngineOptions::default(),
+            crate::serve::Warm::Nothing,
+            std::future::ready(held),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            ranges() - before,
+            if ahead { 0 } else { 2 },
+            "the check's own requests, bytes fetched ahead: {ahead}"
+        );
+        assert!(cache.structure_checked(&engine.layer.key()));
+        let before = ranges();
+        assert!(fetch_structure_ahead(registry.as_ref(), &cache, key)
+            .await
+            .is_empty());
+        assert_eq!(ranges(), before, "checked already: nothing fetched ahead");
+    }
 }

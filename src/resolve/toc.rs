@@ -3,6 +3,7 @@
 //! by its blob digest. Cut or flipped bytes are fetched again under the client's retry policy;
 //! only the pinned bytes pass.
 
+use crate::cache::CacheRoot;
 use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::estargz;
@@ -177,6 +178,69 @@ pub(super) async fn fetch_toc_and_neighbours(
         held.add(0, bytes);
     }
     Ok((toc, held))
+}
+
+/// Most requests [`fetch_structure_ahead`] makes: a one-file layer's check reads two regions
+/// (the tar headers before the file, what follows its last chunk); a layer of many files is
+/// left to its server.
+pub const AHEAD_RANGES: usize = 8;
+
+/// How long [`fetch_structure_ahead`] waits for its bytes at most.
+pub const AHEAD_WAIT: std::time::Duration = NEIGHBOURS_WAIT;
+
+/// The bytes of layer `key`'s blob its structure check reads ([`Codec::structure_ranges`]),
+/// fetched by the snapshotter while the layer's mount server starts, so that the check's round
+/// trip overlaps the server's start instead of following it. The layer is opened from the
+/// record and TOC `cache` keeps for `key` (classifying the layer kept them); nothing is fetched
+/// when there are none, when the check already passed, or when the ranges are more than
+/// [`AHEAD_RANGES`] or [`Held::MAX_BYTES`]. Each range is asked once, all at once; one that
+/// fails is left out, all are if they do not come within [`AHEAD_WAIT`] (the server fetches
+/// what is missing). The bytes are
+/// as unverified as any the registry sends: the server's check reads them.
+///
+/// [`Codec::structure_ranges`]: crate::layer::Codec::structure_ranges
+pub async fn fetch_structure_ahead(client: &dyn Registry, cache: &CacheRoot, key: Digest) -> Held {
+    let c = cache.clone();
+    let planned = blocking(move || {
+        if c.structure_checked(&key) {
+            return Ok(None);
+        }
+        let Some((meta, toc)) = c.load_layer_meta(&key) else {
+            return Ok(None);
+        };
+        let (reference, digest): (Reference, Digest) = (meta.reference.parse()?, meta.layer_digest);
+        let ranges = crate::layer::codec::structure_ranges(reference.clone(), meta, &toc)?;
+        let bytes: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+        let fits = ranges.len() <= AHEAD_RANGES && bytes <= Held::MAX_BYTES as u64;
+        Ok((fits && !ranges.is_empty()).then_some((reference, digest, ranges)))
+    })
+    .await;
+    let (reference, digest, ranges) = match planned {
+        Ok(Some(planned)) => planned,
+        Ok(None) => return Held::default(),
+        Err(e) => {
+            tracing::debug!(layer = %key, error = %e.chain(), "not fetching the structure check's bytes ahead");
+            return Held::default();
+        }
+    };
+    let fetches = ranges.into_iter().map(|range| {
+        let (reference, digest) = (&reference, &digest);
+        async move {
+            let bytes = client
+                .get_blob_range(reference, digest, range.clone())
+                .await
+                .ok()?;
+            (bytes.len() as u64 == range.end - range.start).then_some((range.start, bytes))
+        }
+    });
+    let fetched = tokio::time::timeout(AHEAD_WAIT, futures_util::future::join_all(fetches))
+        .await
+        .unwrap_or_default();
+    let mut held = Held::default();
+    for (at, bytes) in fetched.into_iter().flatten() {
+        held.add(at, bytes);
+    }
+    held
 }
 
 /// The TOC `loc` places in blob `layer`, fetched by one request from byte `from` (at most its

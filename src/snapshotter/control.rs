@@ -14,9 +14,10 @@ use crate::api::vmdisk::v1 as pb;
 use crate::digest::Digest;
 use crate::engine::stats::StatsSnapshot;
 use crate::error::{Error, ErrorKind, Result};
+use crate::layer::Held;
 
 pub use pb::{
-    Credentials, EndpointCounters, Handover, HydrationState, LayerCounters, LayerStatus,
+    BlobBytes, Credentials, EndpointCounters, Handover, HydrationState, LayerCounters, LayerStatus,
     ReadyDirState, ServerState,
 };
 
@@ -201,6 +202,107 @@ pub fn credentials_message(grant: &crate::registry::granted::Grant) -> pb::Crede
     }
 }
 
+/// Most bytes of a handover a server reads (a system's TLS roots are a few hundred KiB).
+pub const MAX_HANDOVER: u64 = 8 << 20;
+
+/// The daemon's side of a new server's stdin (`serve-layer --handover`): writes `handover` at
+/// once and, while the server reads it, awaits `ahead` (the blob bytes fetched for the server
+/// meanwhile), then writes those as a [`BlobBytes`], each message length-delimited, and closes
+/// it by dropping it.
+pub async fn hand_over(
+    mut stdin: impl tokio::io::AsyncWrite + Unpin,
+    handover: &Handover,
+    ahead: impl std::future::Future<Output = Held>,
+) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt as _;
+    let first = prost::Message::encode_length_delimited_to_vec(handover);
+    let (written, held) = tokio::join!(stdin.write_all(&first), ahead);
+    written?;
+    let pieces = held
+        .pieces()
+        .map(|(offset, bytes)| pb::BlobPiece {
+            offset,
+            bytes: bytes.to_vec(),
+        })
+        .collect();
+    let second = prost::Message::encode_length_delimited_to_vec(&BlobBytes { pieces });
+    stdin.write_all(&second).await?;
+    stdin.flush().await
+}
+
+/// Reads the [`Handover`] that starts a server's stdin ([`hand_over`]).
+pub async fn read_handover(stdin: &mut (impl tokio::io::AsyncRead + Unpin)) -> Result<Handover> {
+    read_delimited(stdin, MAX_HANDOVER)
+        .await?
+        .ok_or_else(|| Error::invalid("the daemon closed stdin without a handover"))
+}
+
+/// Reads the [`BlobBytes`] that follow the handover on a server's stdin ([`hand_over`]), as
+/// [`Held`] bytes (at most [`Held::MAX_BYTES`]; none if the daemon sent none).
+pub async fn read_blob_bytes(stdin: &mut (impl tokio::io::AsyncRead + Unpin)) -> Result<Held> {
+    let frame = Held::MAX_BYTES as u64 + (64 << 10);
+    let message: Option<BlobBytes> = read_delimited(stdin, frame).await?;
+    let mut held = Held::default();
+    for piece in message.map(|m| m.pieces).unwrap_or_default() {
+        held.add(piece.offset, piece.bytes.into());
+    }
+    Ok(held)
+}
+
+/// One length-delimited message of at most `max` bytes from `input`; `None` at its end.
+async fn read_delimited<M: prost::Message + Default>(
+    input: &mut (impl tokio::io::AsyncRead + Unpin),
+    max: u64,
+) -> Result<Option<M>> {
+    use tokio::io::AsyncReadExt as _;
+    let malformed = |why: String| {
+        Error::invalid(format!(
+            "the daemon's handover on stdin is malformed: {why}"
+        ))
+    };
+    let reading = |e| Error::io("reading the daemon's handover from stdin", e);
+    // The length: a varint of at most 10 bytes, the last without the high bit.
+    let mut varint = Vec::with_capacity(10);
+    loop {
+        let mut byte = [0u8];
+        if input.read(&mut byte).await.map_err(reading)? == 0 {
+            return match varint.is_empty() {
+                true => Ok(None),
+                false => Err(malformed("it ends within a length".into())),
+            };
+        }
+        varint.push(byte[0]);
+        if byte[0] & 0x80 == 0 {
+            break;
+        }
+        if varint.len() == 10 {
+            return Err(malformed("a length longer than 10 bytes".into()));
+        }
+    }
+    let len = prost::decode_length_delimiter(varint.as_slice())
+        .map_err(|e| malformed(e.to_string()))? as u64;
+    if len > max {
+        return Err(malformed(format!(
+            "a message of {len} bytes, more than the {max} accepted"
+        )));
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    input
+        .take(len)
+        .read_to_end(&mut bytes)
+        .await
+        .map_err(reading)?;
+    if bytes.len() as u64 != len {
+        return Err(malformed(format!(
+            "it ends after {} of a message's {len} bytes",
+            bytes.len()
+        )));
+    }
+    M::decode(bytes.as_slice())
+        .map(Some)
+        .map_err(|e| malformed(e.to_string()))
+}
+
 /// The grant a [`pb::Credentials`] message carries.
 pub fn grant_of(message: pb::Credentials) -> crate::registry::granted::Grant {
     crate::registry::granted::Grant::new(
@@ -262,5 +364,51 @@ pub fn hydration_text(status: &LayerStatus) -> String {
         HydrationState::Done => "done".into(),
         HydrationState::Failed => format!("failed: {}", status.hydration_error),
         HydrationState::Idle | HydrationState::Unspecified => "idle".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_handover_is_followed_by_the_blob_bytes_fetched_meanwhile() {
+        let (daemon, mut server) = tokio::io::duplex(64);
+        let handover = Handover {
+            credentials: Vec::new(),
+            tls_roots: vec![vec![7; 1000]],
+        };
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        // The bytes come only once the handover was read: the handover does not wait for them.
+        let ahead = async move {
+            released.await.unwrap();
+            let mut held = Held::default();
+            held.add(5, bytes::Bytes::from_static(b"tail"));
+            held
+        };
+        let writer = tokio::spawn(async move { hand_over(daemon, &handover, ahead).await });
+        let read = read_handover(&mut server).await.unwrap();
+        assert_eq!(read.tls_roots, vec![vec![7; 1000]]);
+        release.send(()).unwrap();
+        let held = read_blob_bytes(&mut server).await.unwrap();
+        assert_eq!(held.get(&(6..8)).as_deref(), Some(&b"ai"[..]));
+        writer.await.unwrap().unwrap();
+        // Then stdin is closed: nothing more, and no error.
+        assert!(read_blob_bytes(&mut server).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_handover_longer_than_allowed_or_cut_short_is_refused() {
+        let mut long = Vec::new();
+        prost::encode_length_delimiter((MAX_HANDOVER + 1) as usize, &mut long).unwrap();
+        let e = read_handover(&mut long.as_slice()).await.unwrap_err();
+        assert!(e.to_string().contains("more than"), "{e}");
+        let mut cut = Vec::new();
+        prost::encode_length_delimiter(100, &mut cut).unwrap();
+        cut.extend_from_slice(&[1; 10]);
+        let e = read_handover(&mut cut.as_slice()).await.unwrap_err();
+        assert!(e.to_string().contains("ends after 10"), "{e}");
+        let e = read_handover(&mut &b""[..]).await.unwrap_err();
+        assert!(e.to_string().contains("without a handover"), "{e}");
     }
 }

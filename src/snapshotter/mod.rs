@@ -39,7 +39,7 @@ use classify::{Classifier, Decision, LABEL_REMOTE, LABEL_TARGET};
 use counters::Counters;
 use parking_lot::Mutex;
 use store::{Kind, Record, RemoteLayerRef, Store, Usage};
-use supervisor::{LayerLocks, Supervisor};
+use supervisor::{Ahead, LayerLocks, Supervisor};
 use tenants::Tenants;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -470,7 +470,16 @@ impl Snapshotter {
                     self.tenants.note_classified(image, digest);
                 }
                 match self
-                    .prepare_remote(target, parent, labels, &reference, layer, &pending)
+                    .prepare_remote(
+                        target,
+                        parent,
+                        labels,
+                        (&reference, layer),
+                        PullAccess {
+                            client: &client,
+                            pending: &pending,
+                        },
+                    )
                     .await
                 {
                     Ok(outcome) => {
@@ -554,6 +563,19 @@ impl Snapshotter {
         }
     }
 
+    /// Starts fetching the blob bytes the structure check of `layer`'s server reads, with
+    /// `client` (one that read the image's manifest and TOC), when a cache keeps its record and
+    /// TOC: from before the server is started, so that they come while it starts.
+    fn fetch_ahead(
+        &self,
+        client: &Arc<dyn Registry>,
+        layer: crate::digest::Digest,
+    ) -> Option<Ahead> {
+        self.classifier
+            .cache()
+            .map(|cache| Ahead::fetch(Arc::clone(client), cache.clone(), layer))
+    }
+
     /// What a new mount server of `reference` (pinned by digest) may fetch with: the grants of
     /// succeeded pulls that covered it, and, if the node's own credentials do not read it, the
     /// first credential of a pull in flight that does (asked of the registry now, so a wrong
@@ -594,15 +616,17 @@ impl Snapshotter {
         grants
     }
 
+    /// Serves `layer` of `reference` (classified remote) as snapshot `target`, with what the
+    /// `pull` in flight may read.
     async fn prepare_remote(
         self: &Arc<Self>,
         target: &str,
         parent: &str,
         labels: &BTreeMap<String, String>,
-        reference: &Reference,
-        layer: crate::digest::Digest,
-        pending: &[crate::registry::auth::Credential],
+        (reference, layer): (&Reference, crate::digest::Digest),
+        pull: PullAccess<'_>,
     ) -> Result<&'static str> {
+        let ahead = self.fetch_ahead(pull.client, layer);
         let me = Arc::clone(self);
         let name = target.to_string();
         if let Some(existing) = blocking(move || me.store.get(&name)).await? {
@@ -615,7 +639,7 @@ impl Snapshotter {
             ));
         }
         let alias = labels.get(classify::LABEL_IMAGE_REF).cloned();
-        let grants = self.grants_for_server(reference, pending).await;
+        let grants = self.grants_for_server(reference, pull.pending).await;
         let lock = self.layer_locks.lock(&layer).await;
         self.servers
             .ensure(
@@ -624,6 +648,7 @@ impl Snapshotter {
                 alias.as_deref(),
                 &grants,
                 control::Need::Layer,
+                ahead,
             )
             .await?;
         let mut labels = labels.clone();
@@ -649,6 +674,14 @@ impl Snapshotter {
         drop(lock);
         created
     }
+}
+
+/// What a Prepare may read the image with: a client with the node's credentials and those of
+/// the CRI pulls of the image in flight, and those credentials.
+#[derive(Clone, Copy)]
+struct PullAccess<'a> {
+    client: &'a Arc<dyn Registry>,
+    pending: &'a [crate::registry::auth::Credential],
 }
 
 impl Snapshotter {
@@ -763,7 +796,7 @@ impl Snapshotter {
     ) -> Result<crate::digest::Digest> {
         let parsed: Reference = reference.parse()?;
         let cache = self.classifier.cache();
-        let (remote, grants, checked_now) = match self
+        let (remote, grants, checked_now, ahead) = match self
             .authorize(reference, &parsed, requester)
             .await?
         {
@@ -808,6 +841,7 @@ impl Snapshotter {
                             },
                             grants,
                             true,
+                            self.fetch_ahead(&client, meta.id().key()),
                         )
                     }
                     Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::Timeout) => {
@@ -821,7 +855,7 @@ impl Snapshotter {
                         match known.filter(|_| allowed) {
                             Some(r) => {
                                 tracing::warn!(reference, error = %e.chain(), "registry unreachable; serving the disk kept before");
-                                (r, Vec::new(), false)
+                                (r, Vec::new(), false, None)
                             }
                             None => return Err(e),
                         }
@@ -829,7 +863,7 @@ impl Snapshotter {
                     Err(e) => return Err(e),
                 }
             }
-            Access::Held(r) => (r, Vec::new(), false),
+            Access::Held(r) => (r, Vec::new(), false, None),
         };
         if !checked_now {
             // Served from what the node holds: it must have been accepted under the policy in
@@ -845,6 +879,7 @@ impl Snapshotter {
                 remote.alias.as_deref(),
                 &grants,
                 control::Need::ReadyDisk,
+                ahead,
             )
             .await?;
         let (me, name) = (Arc::clone(self), reference.to_string());
@@ -1133,6 +1168,8 @@ impl Snapshotter {
                         true => control::Need::ReadyDisk,
                         false => control::Need::Layer,
                     },
+                    // Recorded layers were checked when first served: nothing to fetch ahead.
+                    None,
                 )
                 .await
             {

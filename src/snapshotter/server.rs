@@ -17,11 +17,12 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
 
 use super::config::Config;
-use super::control::{HydrationState, LayerPaths, Need, ReadyDirState, ServerState};
+use super::control::{self, HydrationState, LayerPaths, Need, ReadyDirState, ServerState};
 use crate::api::vmdisk::v1 as pb;
 use crate::cache::CacheRoot;
 use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::layer::Held;
 use crate::reference::Reference;
 use crate::registry::granted::Granted;
 use crate::registry::roots::Roots;
@@ -212,25 +213,30 @@ impl pb::layer_server_server::LayerServer for ControlService {
     }
 }
 
-/// Most bytes of a handover read from stdin (a system's TLS roots are a few hundred KiB).
-const MAX_HANDOVER: u64 = 8 << 20;
+/// How long a server waits for the blob bytes the daemon fetches for it ([`control::hand_over`])
+/// at most, once it needs them.
+const BLOB_BYTES_WAIT: Duration = Duration::from_secs(3);
 
-/// What the daemon writes to a server's stdin when it starts it (then closes it): credentials
-/// and its TLS roots.
-async fn handover_from_stdin() -> Result<pb::Handover> {
-    use tokio::io::AsyncReadExt as _;
-    let mut bytes = Vec::new();
-    tokio::time::timeout(
-        Duration::from_secs(5),
-        tokio::io::stdin()
-            .take(MAX_HANDOVER)
-            .read_to_end(&mut bytes),
-    )
-    .await
-    .map_err(|_| Error::invalid("no handover from the daemon on stdin within 5 s"))?
-    .map_err(|e| Error::io("reading the daemon's handover from stdin", e))?;
-    prost::Message::decode(bytes.as_slice())
-        .map_err(|e| Error::invalid(format!("the daemon's handover on stdin is malformed: {e}")))
+/// What the daemon hands a server on stdin when it starts it: credentials and its TLS roots
+/// (read at once, within 5 s) and the blob bytes it fetches for it meanwhile (read in the
+/// background; the returned receiver yields them, or none if they are not there in time).
+async fn handover_from_stdin() -> Result<(pb::Handover, oneshot::Receiver<Held>)> {
+    let mut stdin = tokio::io::stdin();
+    let handover = tokio::time::timeout(Duration::from_secs(5), control::read_handover(&mut stdin))
+        .await
+        .map_err(|_| Error::invalid("no handover from the daemon on stdin within 5 s"))??;
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let held = match control::read_blob_bytes(&mut stdin).await {
+            Ok(held) => held,
+            Err(e) => {
+                tracing::warn!(error = %e.chain(), "the blob bytes the daemon fetched are not used");
+                Held::default()
+            }
+        };
+        let _ = tx.send(held);
+    });
+    Ok((handover, rx))
 }
 
 /// What a mount server is started to serve (`serve-layer`'s arguments).
@@ -252,14 +258,14 @@ pub struct Assignment {
 pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> Result<()> {
     let (reference, layer) = (job.reference.as_str(), &job.layer);
     let granted = Arc::new(Granted::default());
-    let roots = if handover {
-        let handed = handover_from_stdin().await?;
+    let (roots, ahead) = if handover {
+        let (handed, ahead) = handover_from_stdin().await?;
         for message in handed.credentials {
             granted.add(super::control::grant_of(message));
         }
-        Roots::handed(handed.tls_roots)?
+        (Roots::handed(handed.tls_roots)?, Some(ahead))
     } else {
-        Roots::default()
+        (Roots::default(), None)
     };
     let paths = LayerPaths::new(&config.root, layer);
     let listener = crate::api::unix::bind(&paths.control, 0o600)?;
@@ -298,7 +304,16 @@ pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> R
                 },
             ),
     );
-    let outcome = run(config, job, &roots, &paths, &shared, &mut stop_requests).await;
+    let outcome = run(
+        config,
+        job,
+        &roots,
+        ahead,
+        &paths,
+        &shared,
+        &mut stop_requests,
+    )
+    .await;
     let _ = done.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(2), control_task).await;
     let _ = std::fs::remove_file(&paths.control);
@@ -310,13 +325,14 @@ async fn run(
     config: &Config,
     job: &Assignment,
     roots: &Roots,
+    ahead: Option<oneshot::Receiver<Held>>,
     paths: &LayerPaths,
     shared: &Shared,
     stop_requests: &mut mpsc::Receiver<oneshot::Sender<Result<pb::LayerCounters>>>,
 ) -> Result<()> {
     let (reference, layer) = (&job.reference, &job.layer);
     let started = tokio::select! {
-        r = start(config, job, roots, paths, Arc::clone(&shared.granted)) => r,
+        r = start(config, job, roots, ahead, paths, Arc::clone(&shared.granted)) => r,
         Some(reply) = stop_requests.recv() => {
             let _ = reply.send(Ok(pb::LayerCounters::default()));
             tracing::info!(%layer, "stopped while starting");
@@ -386,11 +402,13 @@ async fn run(
 }
 
 /// Resolves the job's reference, checks that its disk layer has the key expected, and mounts
-/// it (its ready-disk directory when asked: `MountReadyDir`).
+/// it (its ready-disk directory when asked: `MountReadyDir`). `ahead`: the blob bytes the
+/// daemon fetches for the structure check while this server starts.
 async fn start(
     config: &Config,
     job: &Assignment,
     roots: &Roots,
+    ahead: Option<oneshot::Receiver<Held>>,
     paths: &LayerPaths,
     granted: Arc<Granted>,
 ) -> Result<Serving> {
@@ -431,7 +449,14 @@ async fn start(
         Some(Ok(alias)) => alias,
         _ => reference.clone(),
     };
-    let engine = crate::serve::open_engine(
+    // The mount point and the VMM's group (a lookup in the node's group database) are made
+    // ready while the layer opens.
+    let (vmm_group, mountpoint) = (config.clone(), paths.mountpoint.clone());
+    let mount_ready = crate::task::blocking(move || {
+        prepare_mountpoint(&mountpoint)?;
+        vmm_group.vmm_gid()
+    });
+    let opened = crate::serve::open_engine(
         Arc::clone(&client) as _,
         &cache,
         &trust,
@@ -443,8 +468,21 @@ async fn start(
         },
         opts,
         warm,
-    )
-    .await?;
+        async move {
+            let Some(ahead) = ahead else {
+                return Held::default();
+            };
+            match tokio::time::timeout(BLOB_BYTES_WAIT, ahead).await {
+                Ok(Ok(held)) => held,
+                _ => {
+                    tracing::warn!("no blob bytes from the daemon within {BLOB_BYTES_WAIT:?}; the structure check fetches them");
+                    Held::default()
+                }
+            }
+        },
+    );
+    let (engine, vmm_gid) = tokio::join!(opened, mount_ready);
+    let (engine, vmm_gid) = (engine?, vmm_gid?);
     let key = engine.layer.key();
     if key != *layer {
         return Err(Error::corrupt(format!(
@@ -463,18 +501,12 @@ async fn start(
         .unwrap_or_default();
     let ready = crate::ready::ReadyDir::new(
         &config.ready_dir,
-        config.vmm_gid()?,
+        vmm_gid,
         &digest,
         alias,
         reference.to_string(),
         platform,
     );
-    let mountpoint = paths.mountpoint.clone();
-    tokio::task::spawn_blocking(move || prepare_mountpoint(&mountpoint))
-        .await
-        .map_err(|e| {
-            Error::new(crate::error::ErrorKind::Io, "preparing the mount point").with_source(e)
-        })??;
     let serving = crate::serve::start(
         Arc::clone(&engine),
         &cache,

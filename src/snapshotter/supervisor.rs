@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use super::control::{self, LayerPaths, LayerStatus, Need, ServerState};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
+use crate::layer::Held;
 use crate::registry::granted::Grant;
 
 /// How long one status call waits for a starting server to serve (or fail): the daemon learns
@@ -45,6 +46,41 @@ pub struct ServerCommand {
     pub tls_roots: Arc<[rustls_pki_types::CertificateDer<'static>]>,
 }
 
+/// The blob bytes a server about to be started will read first, being fetched by the daemon
+/// ([`crate::resolve::fetch_structure_ahead`]: its structure check's), handed to the server
+/// once fetched. The fetch stops when it is dropped unused (no server was started).
+pub struct Ahead(Option<tokio::task::JoinHandle<Held>>);
+
+impl Ahead {
+    /// Starts fetching layer `key`'s bytes with `client` (one that read the image's manifest
+    /// and TOC), from the record and TOC `cache` keeps.
+    pub fn fetch(
+        client: Arc<dyn crate::registry::Registry>,
+        cache: crate::cache::CacheRoot,
+        key: Digest,
+    ) -> Self {
+        Ahead(Some(tokio::spawn(async move {
+            crate::resolve::fetch_structure_ahead(client.as_ref(), &cache, key).await
+        })))
+    }
+
+    /// The bytes, once fetched (none if the fetch failed).
+    async fn bytes(mut self) -> Held {
+        match self.0.take() {
+            Some(task) => task.await.unwrap_or_default(),
+            None => Held::default(),
+        }
+    }
+}
+
+impl Drop for Ahead {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}
+
 /// What the snapshotter asks of whoever runs the mount servers.
 pub trait Supervisor: Send + Sync {
     /// Where `layer`'s files are mounted.
@@ -57,7 +93,8 @@ pub trait Supervisor: Send + Sync {
     fn hydrate<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<bool>>;
     /// Makes sure a server serves `layer` (of `reference`) as `need`s, adopting a running one
     /// or starting one, and that it holds `grants` (credentials of pulls of that image that
-    /// succeeded); returns the mount point. The caller holds the layer's lock.
+    /// succeeded); returns the mount point. A server it starts is handed the bytes `ahead`
+    /// fetches. The caller holds the layer's lock.
     fn ensure<'a>(
         &'a self,
         layer: &'a Digest,
@@ -65,6 +102,7 @@ pub trait Supervisor: Send + Sync {
         alias: Option<&'a str>,
         grants: &'a [Grant],
         need: Need,
+        ahead: Option<Ahead>,
     ) -> BoxFuture<'a, Result<PathBuf>>;
     /// Stops `layer`'s server; its last status with its final counters, or `None` if no server
     /// answered. A busy mount refuses (`FailedPrecondition`). The caller holds the layer's lock.
@@ -100,8 +138,9 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
         alias: Option<&'a str>,
         grants: &'a [Grant],
         need: Need,
+        ahead: Option<Ahead>,
     ) -> BoxFuture<'a, Result<PathBuf>> {
-        (**self).ensure(layer, reference, alias, grants, need)
+        (**self).ensure(layer, reference, alias, grants, need, ahead)
     }
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
         (**self).stop(layer)
@@ -208,10 +247,11 @@ impl Supervisor for LayerServers {
         alias: Option<&'a str>,
         grants: &'a [Grant],
         need: Need,
+        ahead: Option<Ahead>,
     ) -> BoxFuture<'a, Result<PathBuf>> {
         Box::pin(async move {
             let mountpoint = self
-                .ensure_server(layer, reference, alias, grants, need)
+                .ensure_server(layer, reference, alias, grants, need, ahead)
                 .await?;
             if need == Need::ReadyDisk {
                 self.mount_ready_dir(layer, reference).await?;
@@ -233,6 +273,7 @@ impl LayerServers {
         alias: Option<&str>,
         grants: &[Grant],
         need: Need,
+        ahead: Option<Ahead>,
     ) -> Result<PathBuf> {
         let paths = self.paths(layer);
         if let Some(status) = self.server_status(layer).await {
@@ -257,7 +298,8 @@ impl LayerServers {
                 }
             }
         }
-        self.start(layer, reference, alias, grants, need).await
+        self.start(layer, reference, alias, grants, need, ahead)
+            .await
     }
 
     /// Has `layer`'s serving server mount its ready-disk directory (describing the disk may
@@ -291,6 +333,7 @@ impl LayerServers {
         alias: Option<&str>,
         grants: &[Grant],
         need: Need,
+        ahead: Option<Ahead>,
     ) -> Result<PathBuf> {
         let command = &self.command;
         let paths = self.paths(layer);
@@ -342,16 +385,20 @@ impl LayerServers {
         let mut child = cmd
             .spawn()
             .map_err(|e| Error::io(format!("starting {}", command.exe.display()), e))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            let bytes = prost::Message::encode_to_vec(&handover);
+        if let Some(stdin) = child.stdin.take() {
             let layer = *layer;
+            let ahead = async move {
+                match ahead {
+                    Some(ahead) => ahead.bytes().await,
+                    None => Held::default(),
+                }
+            };
             // More than a pipe holds (the roots: a few hundred KiB): written while the server
             // reads it, apart from waiting for it to serve; a server that exits or is stopped
             // without reading ends the write.
             tokio::spawn(async move {
-                use tokio::io::AsyncWriteExt as _;
-                if let Err(e) = stdin.write_all(&bytes).await {
-                    tracing::warn!(%layer, error = %e, "handing credentials and TLS roots to the mount server failed");
+                if let Err(e) = control::hand_over(stdin, &handover, ahead).await {
+                    tracing::warn!(%layer, error = %e, "handing credentials, TLS roots and blob bytes to the mount server failed");
                 }
             });
         }

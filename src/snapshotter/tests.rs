@@ -88,6 +88,7 @@ impl Supervisor for FakeSupervisor {
         _alias: Option<&'a str>,
         grants: &'a [Grant],
         _need: super::control::Need,
+        _ahead: Option<super::supervisor::Ahead>,
     ) -> BoxFuture<'a, Result<PathBuf>> {
         Box::pin(async move {
             if self.fail.load(Ordering::SeqCst) {

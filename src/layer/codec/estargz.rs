@@ -3,9 +3,11 @@
 //! TOC does not give, so that chunk may be followed by the next entry's members and the region
 //! after it is decoded from the chunk's start. The stream ends with the TOC as a tar entry.
 
+use std::ops::Range;
+
 use futures_util::future::BoxFuture;
 
-use super::{blob_pieces, decode_each};
+use super::{blob_pieces, decode_each, Regions};
 use crate::error::{Error, Result};
 use crate::format::estargz::{self, decode_chunk, inflate_members};
 use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, MAX_REGION_DECODED};
@@ -29,6 +31,26 @@ fn last_of_file(layer: &Layer, idx: usize) -> Option<u64> {
     (chunk.offset + chunk.size == size).then(|| estargz::padding(size))
 }
 
+/// Where the regions between an eStargz layer's chunks lie: up to the TOC's member, or the
+/// whole blob.
+fn regions(layer: &Layer, extent: Extent) -> Regions {
+    Regions {
+        until: match extent {
+            Extent::Structure => layer.meta.toc_offset,
+            Extent::Whole => layer.meta.layer_size,
+        },
+        after: |layer, idx| {
+            let chunk = &layer.chunks[idx];
+            match last_of_file(layer, idx) {
+                // Where a file's last member ends is not known: the region after it is read
+                // from the chunk's start, its content skipped.
+                Some(_) => (chunk.compressed.start, chunk.size),
+                None => (chunk.compressed.end, 0),
+            }
+        },
+    }
+}
+
 impl Codec for Estargz {
     fn decode_run(
         &self,
@@ -50,25 +72,11 @@ impl Codec for Estargz {
         fetch: &'a dyn Fetch,
         ask: Ask,
     ) -> BoxFuture<'a, Result<Vec<Piece>>> {
-        // Up to the TOC's member, or the whole blob.
-        let until = match extent {
-            Extent::Structure => layer.meta.toc_offset,
-            Extent::Whole => layer.meta.layer_size,
-        };
         Box::pin(blob_pieces(
             layer,
-            until,
+            regions(layer, extent),
             fetch,
             ask,
-            |layer, idx| {
-                let chunk = &layer.chunks[idx];
-                match last_of_file(layer, idx) {
-                    // Where a file's last member ends is not known: the region after it is
-                    // read from the chunk's start, its content skipped.
-                    Some(_) => (chunk.compressed.start, chunk.size),
-                    None => (chunk.compressed.end, 0),
-                }
-            },
             |bytes, skip| {
                 let mut out = inflate_members(bytes, MAX_REGION_DECODED + skip)?;
                 if (out.len() as u64) < skip {
@@ -77,6 +85,10 @@ impl Codec for Estargz {
                 Ok(out.split_off(skip as usize))
             },
         ))
+    }
+
+    fn structure_ranges(&self, layer: &Layer) -> Result<Vec<Range<u64>>> {
+        regions(layer, Extent::Structure).ranges(layer)
     }
 
     fn trailing_entry(&self) -> Option<&'static str> {

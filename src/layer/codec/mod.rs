@@ -48,6 +48,21 @@ pub fn open(
     Layer::new(reference, meta, table, codec, resolved)
 }
 
+/// The blob ranges the structure check of the layer `meta` records reads
+/// ([`Codec::structure_ranges`]), from its verified TOC or index bytes `toc`; a layer read
+/// through a seekable index has none, which is known without parsing its index.
+pub fn structure_ranges(
+    reference: Reference,
+    meta: LayerMeta,
+    toc: &[u8],
+) -> Result<Vec<std::ops::Range<u64>>> {
+    if let LayerKind::Indexed(_) = meta.kind {
+        return Ok(Vec::new());
+    }
+    let layer = open(reference, meta, toc, Resolved::Offline)?;
+    layer.codec().structure_ranges(&layer)
+}
+
 /// Decodes each chunk of `run` from its own bytes within `bytes` (which start where the run
 /// does) with `decode`, and hands the content, or why it failed, to `store`: the
 /// [`Codec::decode_run`] of codecs whose chunks decode alone.
@@ -70,48 +85,79 @@ fn decode_each(
     Ok(())
 }
 
-/// What follows a chunk in the blob, for [`blob_pieces`]: the region after chunk `idx` starts
-/// at the returned offset, its first `skip` decoded bytes being the chunk's own.
+/// What follows a chunk in the blob, for [`Regions`]: the region after chunk `idx` starts at
+/// the returned offset, its first `skip` decoded bytes being the chunk's own.
 type After = fn(&Layer, usize) -> (u64, u64);
 /// Decodes a region of the blob between chunks, dropping its first `skip` bytes.
 type DecodeRegion = fn(&[u8], u64) -> Result<Vec<u8>>;
 
-/// The pieces of a layer with a TOC, up to byte `until` of its blob: every chunk, and the
-/// regions between them fetched and decoded by `decode`. A region carries no digest, but it
-/// must decode (zstd frames, gzip members with their CRC): one that does not came cut or
-/// flipped, or lies, and is fetched once more from the registry itself before it fails.
+/// Where the regions between the chunks of a layer with a TOC lie in its blob, up to byte
+/// `until`: the one plan [`blob_pieces`] fetches by and [`Codec::structure_ranges`] names.
+struct Regions {
+    until: u64,
+    after: After,
+}
+
+/// A region of the blob to fetch: its slot in the pieces, its blob range and the decoded bytes
+/// to drop (the chunk's own, when the region is read from the chunk's start).
+struct Wanted {
+    slot: usize,
+    range: std::ops::Range<u64>,
+    skip: u64,
+}
+
+impl Regions {
+    /// The layer's pieces in stream order (the regions still empty) and the regions to fetch.
+    /// A region larger than a tar header region or TOC can be is refused.
+    fn plan(&self, layer: &Layer) -> Result<(Vec<Piece>, Vec<Wanted>)> {
+        let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
+        order.sort_unstable_by_key(|&i| layer.chunks[i].compressed.start);
+        let mut wanted = Vec::new();
+        let mut pieces = Vec::with_capacity(order.len() * 2 + 1);
+        let (mut at, mut skip) = (0u64, 0u64);
+        for next in order.iter().map(|&i| Some(i)).chain([None]) {
+            let end = next.map_or(self.until, |i| layer.chunks[i].compressed.start);
+            if end > at {
+                if end - at > MAX_REGION_BYTES {
+                    return Err(Error::corrupt(format!(
+                        "bytes {at}..{end} of the layer belong to no chunk and are more than the {MAX_REGION_BYTES} a tar header region or the TOC can take"
+                    )));
+                }
+                wanted.push(Wanted {
+                    slot: pieces.len(),
+                    range: at..end,
+                    skip,
+                });
+                pieces.push(Piece::Region(Vec::new()));
+            }
+            if let Some(i) = next {
+                pieces.push(Piece::Chunk(i));
+                (at, skip) = (self.after)(layer, i);
+            }
+        }
+        Ok((pieces, wanted))
+    }
+
+    /// The blob ranges of the regions ([`Codec::structure_ranges`]).
+    fn ranges(&self, layer: &Layer) -> Result<Vec<std::ops::Range<u64>>> {
+        Ok(self.plan(layer)?.1.into_iter().map(|w| w.range).collect())
+    }
+}
+
+/// The pieces of a layer with a TOC as `regions` places them: every chunk, and the regions
+/// between them fetched and decoded by `decode`. A region carries no digest, but it must
+/// decode (zstd frames, gzip members with their CRC): one that does not came cut or flipped,
+/// or lies, and is fetched once more from the registry itself before it fails.
 async fn blob_pieces(
     layer: &Layer,
-    until: u64,
+    regions: Regions,
     fetch: &dyn Fetch,
     ask: Ask,
-    after: After,
     decode: DecodeRegion,
 ) -> Result<Vec<Piece>> {
     use futures_util::StreamExt;
-    let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
-    order.sort_unstable_by_key(|&i| layer.chunks[i].compressed.start);
-    // (index in `pieces`, blob range, decoded bytes to skip) of each region to fetch.
-    let mut wanted = Vec::new();
-    let mut pieces = Vec::with_capacity(order.len() * 2 + 1);
-    let (mut at, mut skip) = (0u64, 0u64);
-    for next in order.iter().map(|&i| Some(i)).chain([None]) {
-        let end = next.map_or(until, |i| layer.chunks[i].compressed.start);
-        if end > at {
-            if end - at > MAX_REGION_BYTES {
-                return Err(Error::corrupt(format!(
-                    "bytes {at}..{end} of the layer belong to no chunk and are more than the {MAX_REGION_BYTES} a tar header region or the TOC can take"
-                )));
-            }
-            wanted.push((pieces.len(), at..end, skip));
-            pieces.push(Piece::Region(Vec::new()));
-        }
-        if let Some(i) = next {
-            pieces.push(Piece::Chunk(i));
-            (at, skip) = after(layer, i);
-        }
-    }
-    let mut fetched = futures_util::stream::iter(wanted.into_iter().map(|(slot, range, skip)| async move {
+    let (mut pieces, wanted) = regions.plan(layer)?;
+    let mut fetched = futures_util::stream::iter(wanted.into_iter().map(|Wanted { slot, range, skip }| async move {
         let what = format!("bytes {}..{} of the layer", range.start, range.end);
         let mut ask = ask;
         for tries_left in (0..VERIFY_TRIES).rev() {

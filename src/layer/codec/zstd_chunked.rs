@@ -3,9 +3,11 @@
 //! the end of the archive) are zstd frames too, and the stream the checks rebuild ends where
 //! the TOC's skippable frame begins.
 
+use std::ops::Range;
+
 use futures_util::future::BoxFuture;
 
-use super::{blob_pieces, decode_each};
+use super::{blob_pieces, decode_each, Regions};
 use crate::error::Result;
 use crate::format::zstd_chunked::{decode_chunk, decode_region, read_toc};
 use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, MAX_REGION_DECODED};
@@ -19,6 +21,18 @@ pub struct ZstdChunked;
 /// record pins, validated while parsed).
 pub(crate) fn table(meta: &LayerMeta, toc: &[u8]) -> Result<Table> {
     Table::of_nodes(read_toc(toc, &meta.toc_location())?)
+}
+
+/// Where the regions between a zstd:chunked layer's chunks lie: up to the TOC's skippable
+/// frame header, or the whole blob.
+fn regions(layer: &Layer, extent: Extent) -> Regions {
+    Regions {
+        until: match extent {
+            Extent::Structure => layer.meta.toc_offset.saturating_sub(8),
+            Extent::Whole => layer.meta.layer_size,
+        },
+        after: |layer, idx| (layer.chunks[idx].compressed.end, 0),
+    }
 }
 
 impl Codec for ZstdChunked {
@@ -42,18 +56,16 @@ impl Codec for ZstdChunked {
         fetch: &'a dyn Fetch,
         ask: Ask,
     ) -> BoxFuture<'a, Result<Vec<Piece>>> {
-        // Up to the TOC's skippable frame header, or the whole blob.
-        let until = match extent {
-            Extent::Structure => layer.meta.toc_offset.saturating_sub(8),
-            Extent::Whole => layer.meta.layer_size,
-        };
         Box::pin(blob_pieces(
             layer,
-            until,
+            regions(layer, extent),
             fetch,
             ask,
-            |layer, idx| (layer.chunks[idx].compressed.end, 0),
             |bytes, _| decode_region(bytes, MAX_REGION_DECODED),
         ))
+    }
+
+    fn structure_ranges(&self, layer: &Layer) -> Result<Vec<Range<u64>>> {
+        regions(layer, Extent::Structure).ranges(layer)
     }
 }
