@@ -195,8 +195,8 @@ pub const AHEAD_WAIT: std::time::Duration = NEIGHBOURS_WAIT;
 /// when there are none, when the check already passed, or when the ranges are more than
 /// [`AHEAD_RANGES`] or [`Held::MAX_BYTES`]. Each range is asked once, all at once; one that
 /// fails is left out, all are if they do not come within [`AHEAD_WAIT`] (the server fetches
-/// what is missing). The bytes are
-/// as unverified as any the registry sends: the server's check reads them.
+/// what is missing). The bytes are as unverified as any the registry sends: the server's check
+/// reads them.
 ///
 /// [`Codec::structure_ranges`]: crate::layer::Codec::structure_ranges
 pub async fn fetch_structure_ahead(client: &dyn Registry, cache: &CacheRoot, key: Digest) -> Held {
