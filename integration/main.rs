@@ -2,6 +2,7 @@
 //! They need root (containerd mounts) and the packages `make test` installs.
 
 mod artifact;
+mod baddays;
 mod boot;
 mod cli;
 mod conformance;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::harness::*;
 
-fn rng(seed: u64) -> impl FnMut() -> u64 {
+pub(crate) fn rng(seed: u64) -> impl FnMut() -> u64 {
     let mut s = seed | 1;
     move || {
         s ^= s << 13;
@@ -17,7 +17,12 @@ fn rng(seed: u64) -> impl FnMut() -> u64 {
 }
 
 /// Reads `(offset, len)` from both files and asserts they are equal.
-fn assert_same_range(mounted: &std::fs::File, original: &std::fs::File, offset: u64, len: usize) {
+pub(crate) fn assert_same_range(
+    mounted: &std::fs::File,
+    original: &std::fs::File,
+    offset: u64,
+    len: usize,
+) {
     let mut a = vec![0u8; len];
     let mut b = vec![0u8; len];
     let n = read_at_most(mounted, &mut a, offset);
@@ -26,7 +31,7 @@ fn assert_same_range(mounted: &std::fs::File, original: &std::fs::File, offset: 
     assert!(a[..n] == b[..m], "bytes differ at {offset}+{len}");
 }
 
-fn read_at_most(f: &std::fs::File, buf: &mut [u8], offset: u64) -> usize {
+pub(crate) fn read_at_most(f: &std::fs::File, buf: &mut [u8], offset: u64) -> usize {
     let mut done = 0;
     while done < buf.len() {
         match f.read_at(&mut buf[done..], offset + done as u64).unwrap() {
@@ -37,7 +42,7 @@ fn read_at_most(f: &std::fs::File, buf: &mut [u8], offset: u64) -> usize {
     done
 }
 
-fn push_raw(reg_host: &str, repo: &str, disk: &Path) -> String {
+pub(crate) fn push_raw(reg_host: &str, repo: &str, disk: &Path) -> String {
     let reference = format!("{reg_host}/{repo}");
     vmdisk_ok(&[
         "push",
@@ -51,7 +56,7 @@ fn push_raw(reg_host: &str, repo: &str, disk: &Path) -> String {
 
 /// A registry holding a pseudo-random raw disk of `len` bytes at `repo`: the registry, the
 /// disk file and the reference.
-fn random_raw_image(
+pub(crate) fn random_raw_image(
     scratch: &Scratch,
     len: u64,
     seed: u64,
@@ -437,8 +442,10 @@ fn complete_files_are_read_through_passthrough() {
     assert!(without["read_calls"].as_u64().unwrap() > 0, "{without}");
     assert_eq!(without["passthrough_opens"], 0);
 
-    // With passthrough, the kernel reads the cache file directly: no read reaches the daemon.
-    let mount = Mount::start(&reference, &cache, &scratch.path("mnt"), &[]);
+    // With passthrough, the kernel reads the cache file directly: no read reaches the daemon,
+    // once this process has checked what an earlier one cached.
+    let mut mount = Mount::start(&reference, &cache, &scratch.path("mnt"), &[]);
+    mount.wait_for("checked: ", Duration::from_secs(30));
     drop_caches();
     assert!(files_identical(&mount.disk, &disk));
     let with = mount.stop();

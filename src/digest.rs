@@ -21,6 +21,11 @@ impl Digest {
         Digest(Sha256::digest(data).into())
     }
 
+    /// The digest whose raw 32 bytes are `bytes`.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Digest(bytes)
+    }
+
     /// The raw 32 bytes.
     pub fn bytes(&self) -> &[u8; 32] {
         &self.0

@@ -33,6 +33,10 @@ pub enum ErrorKind {
     FailedPrecondition,
     /// A signature policy refused the image or index ([`crate::policy`]).
     Refused,
+    /// A registry (or mirror) answered something other than what was asked: a Range answer
+    /// for other bytes, a body longer or shorter than its own headers say. Such an answer is
+    /// the same every time, so it is not retried at the same endpoint.
+    BadAnswer,
 }
 
 impl fmt::Display for ErrorKind {
@@ -49,6 +53,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::AlreadyExists => "already exists",
             ErrorKind::FailedPrecondition => "failed precondition",
             ErrorKind::Refused => "refused by the signature policy",
+            ErrorKind::BadAnswer => "the registry's answer contradicts the request",
         })
     }
 }

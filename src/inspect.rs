@@ -440,7 +440,12 @@ async fn inspect_chunked(
     rep.toc_size = loc.length;
     rep.toc_uncompressed_size = loc.uncompressed_length;
     loc.check_within(desc.size)?;
-    let compressed = client.get_blob_range(r, &desc.digest, loc.range()).await?;
+    let compressed = client
+        .retry_policy()
+        .run("the layer's TOC", || {
+            client.get_blob_range(r, &desc.digest, loc.range())
+        })
+        .await?;
     let nodes = zstd_chunked::read_toc(&compressed, loc)?;
     inspect_nodes(client, r, desc, rep, &nodes, false).await
 }
@@ -525,7 +530,10 @@ async fn inspect_nodes(
                 vec![0u8; first.size as usize]
             } else {
                 let frame = client
-                    .get_blob_range(r, &desc.digest, first.compressed.clone())
+                    .retry_policy()
+                    .run("the disk's first chunk", || {
+                        client.get_blob_range(r, &desc.digest, first.compressed.clone())
+                    })
                     .await?;
                 let decoded = if estargz {
                     let last = (first.size == disk.size)

@@ -184,6 +184,9 @@ pub struct Serving {
     announce: bool,
 }
 
+/// What a mount whose cache disk is full evicts of layers nobody has open, at most, each second.
+const FREE_WHEN_FULL: u64 = 256 << 20;
+
 /// Mounts `engine`'s layer at `dir` (and its ready-disk directory, if asked) and starts its
 /// background work.
 pub async fn start(
@@ -218,10 +221,28 @@ pub async fn start(
     };
     let e = Arc::clone(&engine);
     let check_cache = cache.clone();
+    let announce = opts.announce;
     serving.tasks.push(tokio::spawn(async move {
         let mut checking: Option<tokio::task::JoinHandle<()>> = None;
+        let mut checking_cache: Option<tokio::task::JoinHandle<()>> = None;
+        let mut unstored = 0;
         loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            // Chunks cached before this process started (and those of a data file someone
+            // else changed) are checked in the background, so a complete file becomes fit for
+            // passthrough; reads check what they touch first.
+            if checking_cache.as_ref().is_none_or(|c| c.is_finished()) {
+                let e = Arc::clone(&e);
+                checking_cache = Some(tokio::task::spawn_blocking(move || {
+                    if e.unchecked() {
+                        let damaged = e.check_cache();
+                        let present = e.cache.present_count();
+                        if announce {
+                            println!("checked: {present} cached chunks sound, {damaged} damaged");
+                        }
+                        tracing::info!(present, damaged, "checked the cached chunks");
+                    }
+                }));
+            }
             // However the layer became complete (reads, hydration, dedup), check it (once:
             // the engine runs one check at a time and keeps the verdict).
             if e.cache.complete()
@@ -233,11 +254,26 @@ pub async fn start(
                     e.check_integrity(&cache).await;
                 }));
             }
-            let e = Arc::clone(&e);
-            let flushed = tokio::task::spawn_blocking(move || e.cache.flush()).await;
+            if e.cache.unstored() > unstored {
+                unstored = e.cache.unstored();
+                // Room for the mounted layer first: layers nobody has open go.
+                let cache = check_cache.clone();
+                match crate::task::blocking(move || cache.free_unused(FREE_WHEN_FULL)).await {
+                    Ok(0) => {}
+                    Ok(freed) => {
+                        tracing::info!(freed, "evicted unused layers: the cache's disk was full")
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err.chain(), "evicting unused layers failed")
+                    }
+                }
+            }
+            let flushing = Arc::clone(&e);
+            let flushed = tokio::task::spawn_blocking(move || flushing.cache.flush()).await;
             if let Ok(Err(err)) = flushed {
                 tracing::warn!(error = %err.chain(), "flushing the cache failed");
             }
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }));
     let e = Arc::clone(&engine);

@@ -35,7 +35,7 @@ pub mod vmdisk {
 
 /// Each error kind and its gRPC code, with the codes containerd's `errdefs` turns back into
 /// its own errors. The one table both conversions read.
-const CODES: [(ErrorKind, tonic::Code); 11] = [
+const CODES: [(ErrorKind, tonic::Code); 12] = [
     (ErrorKind::NotFound, tonic::Code::NotFound),
     (ErrorKind::AlreadyExists, tonic::Code::AlreadyExists),
     (
@@ -50,6 +50,7 @@ const CODES: [(ErrorKind, tonic::Code); 11] = [
     (ErrorKind::Timeout, tonic::Code::DeadlineExceeded),
     (ErrorKind::Io, tonic::Code::Internal),
     (ErrorKind::Refused, tonic::Code::PermissionDenied),
+    (ErrorKind::BadAnswer, tonic::Code::Aborted),
 ];
 
 /// The gRPC code of an error kind.

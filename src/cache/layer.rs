@@ -3,15 +3,24 @@
 //! Invariant: a bit in the on-disk bitmap is set only after the chunk's bytes were written and
 //! `fdatasync`ed ([`LayerCache::flush`]). In memory, a chunk is present as soon as its bytes
 //! are in the data file's page cache, which is what reads (and passthrough) see.
+//!
+//! The files are the node's, and disks fail and people edit: a present chunk is also
+//! *checked* once this process wrote it from verified bytes or read it back and found its
+//! digest ([`LayerCache::mark_checked`]); the engine checks every other present chunk before it
+//! serves it. A data file changed by anyone else ([`LayerCache::changed_since_checked`]) loses
+//! its checks. A chunk that cannot be written (a full disk) is kept in memory, bounded
+//! ([`Spill`]), and answered from there.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::digest::Digest;
 use crate::error::{Error, Result};
 
 const BITMAP_MAGIC: &[u8; 8] = b"VMDKBMP1";
@@ -28,12 +37,90 @@ struct Durable {
     bits: Vec<u8>,
 }
 
+/// What identifies a data file's content as this process last left it: a write by anyone
+/// else changes its change time (which no one can set back).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    ino: u64,
+    ctime: (i64, i64),
+    len: u64,
+}
+
+fn stamp_of(file: &File) -> Option<Stamp> {
+    let m = file.metadata().ok()?;
+    Some(Stamp {
+        ino: m.ino(),
+        ctime: (m.ctime(), m.ctime_nsec()),
+        len: m.len(),
+    })
+}
+
+/// Verified chunks that could not be written to their data file (no space left), kept in
+/// memory so the reads waiting for them are answered; the oldest go first past
+/// [`Spill::MAX_BYTES`].
+#[derive(Default)]
+struct Spill {
+    chunks: HashMap<usize, Arc<[u8]>>,
+    order: VecDeque<usize>,
+    bytes: usize,
+}
+
+impl Spill {
+    /// Room for a few read bursts and a sequential reader's read-ahead window.
+    const MAX_BYTES: usize = 96 << 20;
+
+    fn put(&mut self, idx: usize, bytes: &[u8]) {
+        if self.chunks.contains_key(&idx) {
+            return;
+        }
+        self.bytes += bytes.len();
+        self.chunks.insert(idx, Arc::from(bytes));
+        self.order.push_back(idx);
+        while self.bytes > Self::MAX_BYTES {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(gone) = self.chunks.remove(&old) {
+                self.bytes -= gone.len();
+            }
+        }
+    }
+
+    fn take(&mut self, idx: usize) {
+        if let Some(gone) = self.chunks.remove(&idx) {
+            self.bytes -= gone.len();
+            self.order.retain(|&i| i != idx);
+        }
+    }
+}
+
+/// Where a present chunk's bytes are.
+pub enum Kept {
+    /// In the data file.
+    File,
+    /// Only in memory: the disk had no room.
+    Memory(Arc<[u8]>),
+}
+
 /// The cache of one layer. Shared between FUSE threads and fetch tasks.
 pub struct LayerCache {
     dir: PathBuf,
     data: Vec<File>,
     present: Vec<AtomicU64>,
     present_count: AtomicUsize,
+    /// Present chunks whose bytes in the data file this process wrote from verified bytes or
+    /// read back and verified.
+    checked: Vec<AtomicU64>,
+    /// Per data file: its stamp after this process's last write or check.
+    stamps: Vec<Mutex<Option<Stamp>>>,
+    /// The digests of stored chunks that carry none of their own (a part of a seekable
+    /// index's span), 32 bytes per chunk, synced with the data before the bitmap.
+    sums: File,
+    spill: Mutex<Spill>,
+    /// Whether the last write of a chunk found no space left.
+    full: AtomicBool,
+    /// Chunks that found no space left, ever.
+    unstored: AtomicU64,
     chunks: usize,
     pending: Mutex<Pending>,
     durable: Mutex<Durable>,
@@ -96,6 +183,20 @@ impl LayerCache {
             }
             data.push(f);
         }
+        let sums_path = dir.join(super::names::SUMS);
+        let sums = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&sums_path)
+            .map_err(io(format!("opening {}", sums_path.display())))?;
+        if sums.metadata().map(|m| m.len()).unwrap_or(0) != chunks as u64 * 32 {
+            // For another layout: no sum is known (a hole reads as none).
+            sums.set_len(0)
+                .and_then(|()| sums.set_len(chunks as u64 * 32))
+                .map_err(io(format!("sizing {}", sums_path.display())))?;
+        }
         let bitmap_path = dir.join(super::names::BITMAP);
         let bitmap = OpenOptions::new()
             .create(true)
@@ -120,14 +221,23 @@ impl LayerCache {
                 bits
             }
         };
-        let present: Vec<AtomicU64> = (0..chunks.div_ceil(64))
-            .map(|_| AtomicU64::new(0))
-            .collect();
+        let zeroed = || -> Vec<AtomicU64> {
+            (0..chunks.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect()
+        };
+        let stamps = data.iter().map(|f| Mutex::new(stamp_of(f))).collect();
         let cache = LayerCache {
             dir: dir.to_path_buf(),
             data,
-            present,
+            present: zeroed(),
             present_count: AtomicUsize::new(0),
+            checked: zeroed(),
+            stamps,
+            sums,
+            spill: Mutex::new(Spill::default()),
+            full: AtomicBool::new(false),
+            unstored: AtomicU64::new(0),
             chunks,
             pending: Mutex::new(Pending::default()),
             durable: Mutex::new(Durable { file: bitmap, bits }),
@@ -176,16 +286,119 @@ impl LayerCache {
     }
 
     /// Stores a verified chunk: writes it at `offset` of data file `file`, then marks it
-    /// present in memory and queues it for the durable bitmap.
-    pub fn write_chunk(&self, idx: usize, file: usize, offset: u64, bytes: &[u8]) -> Result<()> {
-        self.data[file]
-            .write_all_at(bytes, offset)
-            .map_err(io(format!(
-                "writing chunk {idx} to {}/data/{file}",
-                self.dir.display()
-            )))?;
-        self.now_present(idx, file);
-        Ok(())
+    /// present (and checked) in memory and queues it for the durable bitmap. A chunk the disk
+    /// has no room for is kept in memory instead ([`LayerCache::kept`]); `Ok(false)` says so.
+    pub fn write_chunk(&self, idx: usize, file: usize, offset: u64, bytes: &[u8]) -> Result<bool> {
+        let written = {
+            let mut stamp = self.stamps[file].lock();
+            let written = self.data[file].write_all_at(bytes, offset);
+            *stamp = stamp_of(&self.data[file]);
+            written
+        };
+        match written {
+            Ok(()) => {
+                if self.full.swap(false, Ordering::AcqRel) {
+                    tracing::info!(cache = %self.dir.display(), "the cache has room again; chunks are stored");
+                }
+                self.spill.lock().take(idx);
+                self.now_present(idx, file);
+                self.mark_checked(idx);
+                Ok(true)
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+                if !self.full.swap(true, Ordering::AcqRel) {
+                    tracing::warn!(cache = %self.dir.display(), chunk = idx, "no space left for the cache: verified chunks are answered from memory (at most {} MiB) until there is room; unused layers are evicted", Spill::MAX_BYTES >> 20);
+                }
+                self.unstored.fetch_add(1, Ordering::AcqRel);
+                self.spill.lock().put(idx, bytes);
+                Ok(false)
+            }
+            Err(e) => Err(Error::io(
+                format!("writing chunk {idx} to {}/data/{file}", self.dir.display()),
+                e,
+            )),
+        }
+    }
+
+    /// Whether the last chunk written found no space left (`cache_full`).
+    pub fn full(&self) -> bool {
+        self.full.load(Ordering::Acquire)
+    }
+
+    /// How many chunks found no space left since the layer was opened.
+    pub fn unstored(&self) -> u64 {
+        self.unstored.load(Ordering::Acquire)
+    }
+
+    /// Where chunk `idx`'s verified bytes are, if anywhere: the data file (present) or memory.
+    pub fn kept(&self, idx: usize) -> Option<Kept> {
+        if self.is_present(idx) {
+            return Some(Kept::File);
+        }
+        self.spill
+            .lock()
+            .chunks
+            .get(&idx)
+            .cloned()
+            .map(Kept::Memory)
+    }
+
+    /// Whether chunk `idx` is present or held in memory.
+    pub fn is_kept(&self, idx: usize) -> bool {
+        self.is_present(idx) || self.spill.lock().chunks.contains_key(&idx)
+    }
+
+    /// Whether present chunk `idx`'s bytes in its data file were checked in this process.
+    pub fn is_checked(&self, idx: usize) -> bool {
+        self.checked[idx / 64].load(Ordering::Acquire) & (1 << (idx % 64)) != 0
+    }
+
+    /// Notes that chunk `idx`'s bytes in its data file were found to be its verified bytes.
+    pub fn mark_checked(&self, idx: usize) {
+        self.checked[idx / 64].fetch_or(1 << (idx % 64), Ordering::AcqRel);
+    }
+
+    /// Forgets present chunk `idx`, whose bytes in the data file are not what was verified: it
+    /// is fetched again (its durable bit stays until then; a restart checks it again). Whether
+    /// it was present (false: someone forgot it first).
+    pub fn forget(&self, idx: usize) -> bool {
+        let bit = 1u64 << (idx % 64);
+        self.checked[idx / 64].fetch_and(!bit, Ordering::AcqRel);
+        let was = self.present[idx / 64].fetch_and(!bit, Ordering::AcqRel) & bit != 0;
+        if was {
+            self.present_count.fetch_sub(1, Ordering::AcqRel);
+        }
+        was
+    }
+
+    /// Whether data file `file` was changed by anyone but this process since its last write or
+    /// check; if it was, the checks of its chunks (`chunks`) are dropped, so each is checked
+    /// again before it is served.
+    pub fn changed_since_checked(&self, file: usize, chunks: std::ops::Range<usize>) -> bool {
+        let mut stamp = self.stamps[file].lock();
+        let now = stamp_of(&self.data[file]);
+        if now == *stamp {
+            return false;
+        }
+        *stamp = now;
+        for idx in chunks {
+            self.checked[idx / 64].fetch_and(!(1 << (idx % 64)), Ordering::AcqRel);
+        }
+        true
+    }
+
+    /// Keeps `digest` as the digest of chunk `idx`, which has none of its own.
+    pub fn record_sum(&self, idx: usize, digest: &Digest) -> Result<()> {
+        self.sums
+            .write_all_at(digest.bytes(), idx as u64 * 32)
+            .map_err(io(format!("writing {}/sums", self.dir.display())))
+    }
+
+    /// The digest kept for chunk `idx` ([`LayerCache::record_sum`]), if one was.
+    pub fn sum(&self, idx: usize) -> Option<Digest> {
+        let mut bytes = [0u8; 32];
+        self.sums.read_exact_at(&mut bytes, idx as u64 * 32).ok()?;
+        (bytes != [0u8; 32]).then(|| Digest::from_bytes(bytes))
     }
 
     /// Marks chunk `idx` (of data file `file`) present in memory and queues it for the durable
@@ -203,6 +416,7 @@ impl LayerCache {
     /// bytes are ever written there).
     pub fn mark_hole(&self, idx: usize, file: usize) {
         self.now_present(idx, file);
+        self.mark_checked(idx);
     }
 
     /// Reads present data of file `file` at `offset`.
@@ -231,6 +445,9 @@ impl LayerCache {
                 .sync_data()
                 .map_err(io(format!("syncing {}/data/{f}", self.dir.display())))?;
         }
+        self.sums
+            .sync_data()
+            .map_err(io(format!("syncing {}/sums", self.dir.display())))?;
         let mut d = self.durable.lock();
         let (mut lo, mut hi) = (usize::MAX, 0);
         for &idx in &pending.chunks {

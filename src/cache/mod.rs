@@ -8,6 +8,7 @@
 //!     toc.zst       the TOC exactly as fetched; re-verified against meta.json on load
 //!     data/<n>      one sparse file per regular file n of the layer, full size
 //!     bitmap        durable presence bits, one per chunk (written after the data: see below)
+//!     sums          sha256 of each stored chunk that carries no digest of its own
 //!     structure-checked  present once the tar headers were found to agree with the TOC
 //!     integrity     the outcome of checking the complete layer against its diff_id
 //!     lock          held shared while mounted, so eviction skips the layer
@@ -28,7 +29,10 @@
 //! therefore lose recently fetched chunks (they are fetched again) but can never leave a bit
 //! set for data that did not reach the disk. `docs/cache.md` has the details.
 //!
-//! The cache directory is trusted (root-owned): data read back from it is not re-verified.
+//! **Not trusted.** The cache is root-owned, but disks fail, backups are restored and people
+//! edit files: a chunk read back is checked against the digest it was verified with before
+//! it is served, once per process life of the layer and again after its data file changed
+//! ([`layer`], the engine's read path).
 
 pub mod layer;
 
@@ -89,6 +93,7 @@ pub mod names {
     pub const TOC: &str = "toc.zst";
     pub const DATA: &str = "data";
     pub const BITMAP: &str = "bitmap";
+    pub const SUMS: &str = "sums";
     pub const STRUCTURE_CHECKED: &str = "structure-checked";
     pub const INTEGRITY: &str = "integrity";
     pub const LOCK: &str = "lock";
@@ -270,6 +275,18 @@ impl CacheRoot {
     /// Evicts least recently used layers that are not mounted until the cache's data takes at
     /// most `limit` bytes. Returns the bytes freed.
     pub fn evict(&self, limit: u64) -> Result<u64> {
+        self.evict_while(|total, _| total > limit)
+    }
+
+    /// Evicts layers nobody has open, least recently used first, until `bytes` are freed or
+    /// none is left: room for a mounted layer on a full disk. Returns the bytes freed.
+    pub fn free_unused(&self, bytes: u64) -> Result<u64> {
+        self.evict_while(|_, freed| freed < bytes)
+    }
+
+    /// Evicts whole layers nobody has open, least recently used first, while `go_on(total
+    /// allocated, freed so far)`.
+    fn evict_while(&self, go_on: impl Fn(u64, u64) -> bool) -> Result<u64> {
         use std::os::unix::fs::MetadataExt;
         let mut layers: Vec<(std::time::SystemTime, u64, PathBuf)> = Vec::new();
         let mut total = 0;
@@ -290,7 +307,7 @@ impl CacheRoot {
         layers.sort();
         let mut freed = 0;
         for (_, size, dir) in layers {
-            if total <= limit {
+            if !go_on(total, freed) {
                 break;
             }
             // A mounted layer holds its lock shared; only an unused one can be locked here.

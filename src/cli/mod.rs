@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::api::vmdisk::v1::{DiskRequest, GcRequest, ListDisksRequest, StatusRequest};
 use crate::digest::Digest;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::format::disk::DiskFormat;
 use crate::oci::{Descriptor, Platform};
 use crate::publish::{self, PublishOptions};
@@ -467,7 +467,14 @@ where
             return std::process::ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(body()) {
+    let outcome = runtime.block_on(body());
+    // The runtime is left to end with the process, not shut down: a shut-down runtime drops
+    // its tasks at their next poll, and one that was hashing or writing a chunk on its worker
+    // (block_in_place) when the command finished would then panic at its next timer. Whatever
+    // must be durable the command made so before it returned (the cache is flushed on
+    // unmount).
+    std::mem::forget(runtime);
+    match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{name}: error: {}", e.chain());
@@ -996,7 +1003,9 @@ async fn mount(args: MountArgs) -> Result<()> {
         fetch_deadline: std::time::Duration::from_secs(args.fetch_timeout),
         ..EngineOptions::default()
     };
-    let engine = crate::serve::open_engine(
+    // Resolution and the checks before anything is served end within --timeout, whatever
+    // retries happen inside.
+    let opening = crate::serve::open_engine(
         client,
         &cache,
         &trust,
@@ -1004,8 +1013,18 @@ async fn mount(args: MountArgs) -> Result<()> {
         opts,
         crate::serve::Warm::Nothing,
         std::future::ready(crate::layer::Held::default()),
-    )
-    .await?;
+    );
+    let engine = tokio::time::timeout(std::time::Duration::from_secs(registry.timeout), opening)
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "{reference} could not be resolved and checked within {} s (--timeout)",
+                    registry.timeout
+                ),
+            )
+        })??;
     // Evict only now: the layer being mounted holds its lock and cannot be chosen.
     if let Some(limit) = cache_size {
         let freed = cache.evict(limit as u64)?;

@@ -94,12 +94,16 @@ impl Engine {
                 .await
             })
             .await
-            .map_err(|e| {
-            e.context(format!(
-                "layer {} does not hold what its TOC describes",
-                self.layer.meta.layer_digest
-            ))
-        })
+            .map_err(|e| match e.kind() {
+                ErrorKind::Corrupt => e.context(format!(
+                    "layer {} does not hold what its TOC describes",
+                    self.layer.meta.layer_digest
+                )),
+                _ => e.context(format!(
+                    "the structure check of layer {} could not read the layer",
+                    self.layer.meta.layer_digest
+                )),
+            })
     }
 
     /// Checks the layer once it is complete (see the module docs), records the outcome and,
@@ -195,17 +199,17 @@ impl Engine {
             .await
     }
 
-    /// How the checks of a layer against its tar stream are made again: a few times, each
-    /// within the fetch deadline.
     /// How a check is made again. The regions between chunks carry no digest, so bytes flipped
     /// on the way fail a try as a lie would; a fault is random and a lie is the same every
-    /// time, so a check fails only after six tries (from the registry itself after the first).
+    /// time, so a check fails only after six tries (from the registry itself after the first),
+    /// all within the one fetch deadline. An answer that contradicts its request is not
+    /// retried ([`crate::retry::transient`]).
     fn check_policy(&self) -> crate::retry::RetryPolicy {
         crate::retry::RetryPolicy {
             attempts: 6,
             base_delay: std::time::Duration::from_millis(100),
             max_delay: std::time::Duration::from_secs(1),
-            deadline: self.opts.fetch_deadline * 3,
+            deadline: self.opts.fetch_deadline,
         }
     }
 }
@@ -462,6 +466,20 @@ impl Read for Stream<'_> {
                         return Err(std::io::Error::other(
                             "a tar header region runs into file content",
                         ));
+                    }
+                    // A damaged cache is a local fault (the chunk is fetched again), never a
+                    // verdict on the layer.
+                    if self.within == 0
+                        && !self.engine.cache.is_checked(*idx)
+                        && !self.engine.check_cached(*idx)
+                    {
+                        let e = Error::new(
+                            ErrorKind::Io,
+                            format!("cached chunk {idx} was damaged; it is fetched again"),
+                        );
+                        let text = e.chain();
+                        self.cache_error = Some(e);
+                        return Err(std::io::Error::other(text));
                     }
                     let n = ((chunk.size - self.within) as usize).min(buf.len());
                     if let Err(e) =

@@ -41,6 +41,7 @@ use tokio::time::Instant;
 
 use self::source::{BlobSource, Sources};
 use self::stats::Stats;
+use crate::cache::layer::Kept;
 use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
@@ -73,6 +74,16 @@ impl Default for EngineOptions {
     }
 }
 
+/// How often a read fetches chunks it could not read back (found damaged, or let go from
+/// memory on a full disk) before it fails.
+const READ_TRIES: usize = 3;
+
+/// How long a chunk whose fetch failed fails again at once ([`Engine::recently_failed`]).
+const FAILED_RECENTLY: Duration = Duration::from_secs(1);
+
+/// How long hydration waits before each batch while the cache's disk is full.
+const HYDRATE_WHEN_FULL: Duration = Duration::from_secs(5);
+
 /// Where a chunk with a given digest can be copied from.
 struct DedupSource {
     path: PathBuf,
@@ -90,6 +101,8 @@ pub struct Engine {
     pub stats: Stats,
     sources: Sources,
     inflight: Mutex<HashMap<usize, watch::Sender<Option<bool>>>>,
+    /// Chunks whose fetch failed, when and why ([`Engine::recently_failed`]).
+    failed: Mutex<HashMap<usize, (Instant, ErrorKind, String)>>,
     /// Blob ranges being fetched, by range: whoever asks for the same bytes meanwhile waits
     /// for that answer instead of asking again ([`Engine::fetch_range`]).
     shared_fetches: Mutex<HashMap<(u64, u64), SharedFetch>>,
@@ -129,7 +142,7 @@ impl Claim<'_> {
         let mut inflight = self.engine.inflight.lock();
         for idx in self.chunks.drain(..) {
             if let Some(tx) = inflight.remove(&idx) {
-                let _ = tx.send(Some(ok && self.engine.cache.is_present(idx)));
+                let _ = tx.send(Some(ok && self.engine.cache.is_kept(idx)));
             }
         }
     }
@@ -239,6 +252,7 @@ impl Engine {
             stats: Stats::default(),
             sources,
             inflight: Mutex::new(HashMap::new()),
+            failed: Mutex::new(HashMap::new()),
             shared_fetches: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             dedup: std::sync::OnceLock::new(),
@@ -275,12 +289,13 @@ impl Engine {
     /// what others are fetching. Fails if any chunk could not be fetched and verified.
     pub async fn ensure(&self, chunks: Range<usize>) -> Result<()> {
         self.usable()?;
+        self.recently_failed(chunks.clone())?;
         let mut waits = Vec::new();
         let mut claimed = Vec::new();
         {
             let mut inflight = self.inflight.lock();
             for idx in chunks {
-                if self.cache.is_present(idx) {
+                if self.cache.is_kept(idx) {
                     continue;
                 }
                 match inflight.get(&idx) {
@@ -299,6 +314,9 @@ impl Engine {
                 chunks: run.clone(),
             };
             let result = self.fetch_run(&run).await;
+            if let Err(e) = &result {
+                self.note_failed(&run, e);
+            }
             claim.complete(result.is_ok());
             result
         });
@@ -309,7 +327,7 @@ impl Engine {
                 rx.wait_for(|v| v.is_some()).await.map(|v| *v),
                 Ok(Some(true))
             );
-            if !ok && first_error.is_none() && !self.cache.is_present(idx) {
+            if !ok && first_error.is_none() && !self.cache.is_kept(idx) {
                 first_error = Some(Error::new(
                     ErrorKind::Network,
                     format!("chunk {idx} could not be fetched (by a concurrent read)"),
@@ -319,6 +337,41 @@ impl Engine {
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+
+    /// Fails at once if a chunk of `chunks` that is kept nowhere failed to be fetched within
+    /// [`FAILED_RECENTLY`]: a read that failed after the whole fetch deadline is sent again by
+    /// the kernel at once (its read-ahead failed, then the page itself is read), and must not
+    /// wait that long a second time.
+    fn recently_failed(&self, chunks: Range<usize>) -> Result<()> {
+        let failed = self.failed.lock();
+        if failed.is_empty() {
+            return Ok(());
+        }
+        for idx in chunks {
+            if let Some((at, kind, why)) = failed.get(&idx) {
+                if at.elapsed() < FAILED_RECENTLY && !self.cache.is_kept(idx) {
+                    return Err(Error::new(
+                        *kind,
+                        format!(
+                            "chunk {idx} could not be fetched {} ms ago ({why}); not asked again so soon",
+                            at.elapsed().as_millis()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Notes that fetching `run` failed with `e` ([`Engine::recently_failed`]).
+    fn note_failed(&self, run: &[usize], e: &Error) {
+        let mut failed = self.failed.lock();
+        failed.retain(|_, (at, _, _)| at.elapsed() < FAILED_RECENTLY);
+        let now = Instant::now();
+        for &idx in run {
+            failed.insert(idx, (now, e.kind(), e.chain()));
         }
     }
 
@@ -392,11 +445,7 @@ impl Engine {
         {
             return false;
         }
-        if self
-            .cache
-            .write_chunk(idx, file, chunk.offset, &data)
-            .is_err()
-        {
+        if self.keep(idx, file, chunk.offset, &data).is_err() {
             return false;
         }
         Stats::add(&self.stats.chunks_deduplicated, 1);
@@ -484,10 +533,135 @@ impl Engine {
             // The data file's hole already reads as these bytes.
             self.cache.mark_hole(idx, file);
         } else {
-            self.cache.write_chunk(idx, file, chunk.offset, data)?;
+            self.keep(idx, file, chunk.offset, data)?;
         }
         Stats::add(&self.stats.chunks_fetched, 1);
         Ok(())
+    }
+
+    /// Writes verified chunk `idx` to the cache (or keeps it in memory when the disk is full),
+    /// with the digest it is checked against when read back if it carries none of its own.
+    fn keep(&self, idx: usize, file: usize, offset: u64, data: &[u8]) -> Result<()> {
+        if self.layer.chunks[idx].digest.is_none() {
+            self.cache.record_sum(idx, &Digest::of(data))?;
+        }
+        let on_disk = self.cache.write_chunk(idx, file, offset, data)?;
+        self.stats
+            .cache_full
+            .store(u64::from(!on_disk), std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The digest present chunk `idx`'s cached bytes must have: its own, or the one kept when
+    /// it was stored.
+    fn cached_digest(&self, idx: usize) -> Option<Digest> {
+        self.layer.chunks[idx]
+            .digest
+            .or_else(|| self.cache.sum(idx))
+    }
+
+    /// Checks present chunk `idx`'s bytes in the cache against the digest they were verified
+    /// with (blocking: reads and hashes the chunk). A chunk that differs is forgotten, so it is
+    /// fetched again, and counted and logged; whether it was sound.
+    pub fn check_cached(&self, idx: usize) -> bool {
+        let (file, chunk) = self.layer.chunk(idx);
+        let mut data = vec![0u8; chunk.size as usize];
+        let read = self.cache.read_at(file, &mut data, chunk.offset);
+        let why = match (read, self.cached_digest(idx)) {
+            (Err(e), _) => e.chain(),
+            (Ok(()), None) => "no digest was kept for it".to_string(),
+            (Ok(()), Some(digest)) => match Digest::of(&data) == digest {
+                true => {
+                    self.cache.mark_checked(idx);
+                    return true;
+                }
+                false => format!("its bytes hash to {}, not {digest}", Digest::of(&data)),
+            },
+        };
+        // Counted and logged once however many readers found it at the same time.
+        if self.cache.forget(idx) {
+            Stats::add(&self.stats.cache_damaged, 1);
+            tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, file = %self.layer.file_path(file), offset = chunk.offset, cache = %self.cache.dir().display(), reason = %why, "a cached chunk is not what was verified (a damaged or changed cache file); fetching it again");
+        }
+        false
+    }
+
+    /// Checks every present chunk of `chunks` not checked in this process
+    /// ([`Engine::check_cached`]); whether all were sound (damaged ones are now missing).
+    fn check_present(&self, chunks: Range<usize>) -> bool {
+        let mut sound = true;
+        for idx in chunks {
+            if self.cache.is_present(idx) && !self.cache.is_checked(idx) {
+                sound &= self.check_cached(idx);
+            }
+        }
+        sound
+    }
+
+    /// Checks the present chunks of every file not checked in this process, and again those
+    /// of a data file someone else changed: what makes a complete file fit for passthrough
+    /// ([`Engine::passthrough_file`]). Blocking; returns how many chunks were damaged.
+    pub fn check_cache(&self) -> usize {
+        let mut damaged = 0;
+        for file in 0..self.layer.files.len() {
+            let chunks = self.layer.chunks_of(file);
+            if self.cache.changed_since_checked(file, chunks.clone()) {
+                tracing::warn!(layer = %self.layer.meta.layer_digest, file = %self.layer.file_path(file), "the cache's data file was changed by someone else; its chunks are checked again");
+            }
+            for idx in chunks {
+                if self.cache.is_present(idx)
+                    && !self.cache.is_checked(idx)
+                    && !self.check_cached(idx)
+                {
+                    damaged += 1;
+                }
+            }
+        }
+        damaged
+    }
+
+    /// Whether some present chunk was not checked in this process.
+    pub fn unchecked(&self) -> bool {
+        (0..self.layer.chunks.len()).any(|i| self.cache.is_present(i) && !self.cache.is_checked(i))
+    }
+
+    /// The data file of file `file` for FUSE passthrough, where the kernel reads it without
+    /// asking: only once every chunk is present and checked in this process, the file
+    /// unchanged since, and the whole layer passed its integrity check (passthrough reads
+    /// never reach the daemon, so they could not be stopped later).
+    pub fn passthrough_file(&self, file: usize) -> Option<&std::fs::File> {
+        let chunks = self.layer.chunks_of(file);
+        let ready = self.integrity() == Integrity::Verified
+            && !self.cache.changed_since_checked(file, chunks.clone())
+            && chunks
+                .into_iter()
+                .all(|i| self.cache.is_present(i) && self.cache.is_checked(i));
+        ready.then(|| self.cache.data_file(file))
+    }
+
+    /// Copies bytes `offset..` of file `file` into `buf` from where its chunks are kept;
+    /// false if one is kept nowhere (it went from memory meanwhile).
+    fn copy_out(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<bool> {
+        let end = offset + buf.len() as u64;
+        let chunks = self.layer.chunks_for(file, offset..end);
+        if !self.cache.full() && chunks.clone().all(|i| self.cache.is_present(i)) {
+            self.cache.read_at(file, buf, offset)?;
+            return Ok(true);
+        }
+        for idx in chunks {
+            let chunk = &self.layer.chunks[idx];
+            let from = offset.max(chunk.offset);
+            let to = end.min(chunk.offset + chunk.size);
+            let out = &mut buf[(from - offset) as usize..(to - offset) as usize];
+            match self.cache.kept(idx) {
+                Some(Kept::File) => self.cache.read_at(file, out, from)?,
+                Some(Kept::Memory(bytes)) => out.copy_from_slice(
+                    &bytes[(from - chunk.offset) as usize..(to - chunk.offset) as usize],
+                ),
+                None => return Ok(false),
+            }
+        }
+        Ok(true)
     }
 
     /// The blob bytes of a run of chunks.
@@ -605,11 +779,29 @@ impl Engine {
         if offset >= end {
             return Ok(Vec::new());
         }
-        self.ensure(self.layer.chunks_for(file, offset..end))
-            .await?;
+        let chunks = self.layer.chunks_for(file, offset..end);
         let mut buf = vec![0u8; (end - offset) as usize];
-        self.cache.read_at(file, &mut buf, offset)?;
-        Ok(buf)
+        // A cached chunk found damaged, or one the disk had no room for and memory let go,
+        // is fetched again: a few times, then the read fails rather than serve anything else.
+        for _ in 0..READ_TRIES {
+            self.ensure(chunks.clone()).await?;
+            let done = off_the_runtime(|| {
+                if !self.check_present(chunks.clone()) {
+                    return Ok(false);
+                }
+                self.copy_out(file, offset, &mut buf)
+            })?;
+            if done {
+                return Ok(buf);
+            }
+        }
+        Err(Error::new(
+            ErrorKind::Io,
+            format!(
+                "bytes {offset}..{end} of {} could not be kept long enough to be read (damaged cache chunks, or a full disk and little memory); see the log",
+                self.layer.file_path(file)
+            ),
+        ))
     }
 
     /// Reads from the cache only; `None` if any needed chunk is missing.
@@ -635,17 +827,26 @@ impl Engine {
         if offset >= end {
             return Some(Ok(()));
         }
-        if !self.all_present(self.layer.chunks_for(file, offset..end)) {
+        let chunks = self.layer.chunks_for(file, offset..end);
+        if !chunks.clone().all(|i| self.cache.is_kept(i)) || !self.check_present(chunks) {
             return None;
         }
-        self.note_read(file, offset..end);
         let start = out.len();
         out.resize(start + (end - offset) as usize, 0);
-        let read = self.cache.read_at(file, &mut out[start..], offset);
-        if read.is_err() {
-            out.truncate(start);
+        match self.copy_out(file, offset, &mut out[start..]) {
+            Ok(true) => {
+                self.note_read(file, offset..end);
+                Some(Ok(()))
+            }
+            Ok(false) => {
+                out.truncate(start);
+                None
+            }
+            Err(e) => {
+                out.truncate(start);
+                Some(Err(e))
+            }
         }
-        Some(read)
     }
 
     /// Starts recording which chunks of the disk readers touch, in order (a boot trace).
@@ -755,7 +956,14 @@ impl Engine {
             .collect();
         let mut stream = futures_util::stream::iter(batches.into_iter().map(|r| {
             let bytes: u64 = self.layer.chunks[r.clone()].iter().map(|c| c.size).sum();
-            async move { self.ensure(r).await.map(|()| bytes) }
+            async move {
+                // A full disk keeps what it fetches in memory only: hydrate slowly until it
+                // has room again (a batch a while is the probe).
+                if self.cache.full() {
+                    tokio::time::sleep(HYDRATE_WHEN_FULL).await;
+                }
+                self.ensure(r).await.map(|()| bytes)
+            }
         }))
         .buffered(concurrency.max(1));
         while let Some(result) = stream.next().await {
@@ -1340,6 +1548,199 @@ mod tests {
             calls(&source),
             8,
             "one request per chunk when requests may not grow"
+        );
+    }
+
+    /// A second engine over `engine`'s cache directory `dir` and blob: the layer opened again
+    /// by a new process.
+    fn reopened(engine: &Engine, dir: &std::path::Path, blob: &Arc<FakeBlob>) -> Arc<Engine> {
+        engine.cache.flush().unwrap();
+        let layer = &engine.layer;
+        let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
+        let cache = LayerCache::open(dir, &sizes, layer.chunks.len()).unwrap();
+        let again = Layer::new(
+            layer.reference.clone(),
+            layer.meta.clone(),
+            crate::layer::Table {
+                nodes: layer.nodes.clone(),
+                files: layer.files.clone(),
+                chunks: layer.chunks.clone(),
+            },
+            Box::new(crate::layer::codec::zstd_chunked::ZstdChunked),
+            Resolved::Offline,
+        )
+        .unwrap();
+        let sources = Sources {
+            blob: Box::new(Arc::clone(blob)),
+            windows: None,
+        };
+        Engine::with_source(again, cache, sources, engine.opts.clone())
+    }
+
+    /// Flips a byte of the cache's data file of file 0 at `at`.
+    fn damage(dir: &std::path::Path, at: u64) {
+        damage_file(dir, 0, at)
+    }
+
+    /// Flips a byte of the cache's data file of file `file` at `at`.
+    fn damage_file(dir: &std::path::Path, file: usize, at: u64) {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(crate::cache::data_file(dir, file))
+            .unwrap();
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 1], at).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_damaged_cached_chunk_is_fetched_again_never_served() {
+        let data = content(4);
+        let (engine, source, dir) = engine(&data, EngineOptions::default());
+        let disk = engine.layer.disk;
+        let len = data.len() as u64;
+        engine.read(disk, 0, len).await.unwrap();
+        // Written by this process from verified bytes: checked without reading them back.
+        assert!((0..4).all(|i| engine.cache.is_checked(i)));
+        damage(dir.path(), CHUNK as u64 + 10);
+        // A new process life: cached chunks are checked before they are served, by either
+        // read path, and a damaged one is fetched again.
+        let engine = reopened(&engine, dir.path(), &source);
+        let before = calls(&source);
+        assert!(
+            engine.read_cached(disk, 0, len).is_none(),
+            "a cached read that found a damaged chunk is a miss"
+        );
+        assert_eq!(engine.stats.snapshot().cache_damaged, 1);
+        assert!(!engine.cache.is_present(1) && engine.cache.is_present(0));
+        assert_eq!(engine.read(disk, 0, len).await.unwrap(), data);
+        assert_eq!(calls(&source) - before, 1, "the damaged chunk alone");
+        assert_eq!(
+            engine.read_cached(disk, 0, len).unwrap().unwrap(),
+            data,
+            "now all checked"
+        );
+
+        // The async read path finds it too.
+        damage(dir.path(), 2 * CHUNK as u64);
+        let engine = reopened(&engine, dir.path(), &source);
+        assert_eq!(engine.read(disk, 0, len).await.unwrap(), data);
+        assert_eq!(engine.stats.snapshot().cache_damaged, 1);
+    }
+
+    /// A chunk that is only part of a span carries no digest of its own: the one of its bytes
+    /// is kept when the span is verified, and the chunk is checked against it.
+    #[tokio::test]
+    async fn a_chunk_without_a_digest_of_its_own_is_checked_against_the_one_kept() {
+        let GzipLayer {
+            data,
+            tar,
+            blob,
+            index,
+            windows,
+        } = gzip_layer(64 << 10);
+        let (engine, _source, _windows, dir) =
+            engine_of_indexed(blob.clone(), windows.clone(), &tar, &index);
+        let disk = engine.layer.disk;
+        engine.read(disk, 0, data.len() as u64).await.unwrap();
+        let partial: Vec<usize> = engine
+            .layer
+            .chunks_of(disk)
+            .filter(|&i| engine.layer.chunks[i].digest.is_none())
+            .collect();
+        assert!(
+            !partial.is_empty(),
+            "the disk's first and last chunks are parts of spans"
+        );
+        for &idx in &partial {
+            let chunk = &engine.layer.chunks[idx];
+            let bytes = &data[chunk.offset as usize..(chunk.offset + chunk.size) as usize];
+            assert_eq!(engine.cache.sum(idx), Some(Digest::of(bytes)));
+            assert!(engine.check_cached(idx));
+        }
+        let idx = partial[0];
+        damage_file(dir.path(), disk, engine.layer.chunks[idx].offset);
+        assert!(!engine.check_cached(idx) && !engine.cache.is_present(idx));
+    }
+
+    #[tokio::test]
+    async fn a_damaged_cache_with_the_registry_gone_answers_an_error_naming_it() {
+        let data = content(2);
+        let (engine, source, dir) = engine(
+            &data,
+            EngineOptions {
+                fetch_deadline: Duration::from_millis(300),
+                ..EngineOptions::default()
+            },
+        );
+        let disk = engine.layer.disk;
+        engine.read(disk, 0, data.len() as u64).await.unwrap();
+        damage(dir.path(), 5);
+        let engine = reopened(&engine, dir.path(), &source);
+        *source.failures.lock() = u32::MAX;
+        let e = engine.read(disk, 0, 100).await.unwrap_err();
+        assert!(e.chain().contains("injected network failure"), "{e}");
+        assert_eq!(engine.stats.snapshot().cache_damaged, 1);
+        // The chunk that was sound is still served.
+        assert_eq!(
+            engine.read_cached(disk, CHUNK as u64, 10).unwrap().unwrap(),
+            data[CHUNK..CHUNK + 10]
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_complete_file_is_fit_for_passthrough_only_once_checked_and_unchanged() {
+        let data = content(4);
+        let (engine, source, dir) = engine(&data, EngineOptions::default());
+        let disk = engine.layer.disk;
+        engine.read(disk, 0, data.len() as u64).await.unwrap();
+        let _ = engine.integrity.set(Integrity::Verified);
+        assert!(engine.passthrough_file(disk).is_some());
+        // Changed by someone else: not handed over until checked again.
+        damage(dir.path(), 3);
+        assert!(engine.passthrough_file(disk).is_none());
+        assert_eq!(engine.check_cache(), 1);
+        assert!(
+            engine.passthrough_file(disk).is_none(),
+            "a chunk is missing now"
+        );
+        engine.read(disk, 0, data.len() as u64).await.unwrap();
+        assert!(engine.passthrough_file(disk).is_some());
+        // Another process life: nothing is handed over before the check.
+        let engine = reopened(&engine, dir.path(), &source);
+        let _ = engine.integrity.set(Integrity::Verified);
+        assert!(engine.passthrough_file(disk).is_none() && engine.unchecked());
+        assert_eq!(engine.check_cache(), 0);
+        assert!(engine.passthrough_file(disk).is_some() && !engine.unchecked());
+    }
+
+    #[tokio::test]
+    async fn a_read_of_a_chunk_that_just_failed_fails_at_once() {
+        let data = content(2);
+        let deadline = Duration::from_millis(400);
+        let (engine, source, _dir) = engine(
+            &data,
+            EngineOptions {
+                fetch_deadline: deadline,
+                ..EngineOptions::default()
+            },
+        );
+        *source.failures.lock() = u32::MAX;
+        let started = Instant::now();
+        assert!(engine.read(engine.layer.disk, 0, 10).await.is_err());
+        assert!(started.elapsed() >= deadline);
+        let again = Instant::now();
+        let e = engine.read(engine.layer.disk, 0, 10).await.unwrap_err();
+        assert!(again.elapsed() < deadline / 4, "{:?}", again.elapsed());
+        assert!(e.chain().contains("not asked again so soon"), "{e}");
+        // Later it is asked again.
+        tokio::time::sleep(FAILED_RECENTLY).await;
+        *source.failures.lock() = 0;
+        assert_eq!(
+            engine.read(engine.layer.disk, 0, 10).await.unwrap(),
+            data[..10]
         );
     }
 

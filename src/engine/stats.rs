@@ -39,6 +39,12 @@ pub struct Stats {
     /// Checks of the complete layer that found it differs from its image config (then every
     /// read fails).
     pub integrity_failures: AtomicU64,
+    /// Cached chunks whose bytes were not what was verified when read back (each is fetched
+    /// again).
+    pub cache_damaged: AtomicU64,
+    /// 1 while the cache's disk has no room for chunks (they are answered from memory), else
+    /// 0: a gauge.
+    pub cache_full: AtomicU64,
 }
 
 /// A point-in-time copy of [`Stats`], for printing.
@@ -60,6 +66,10 @@ pub struct StatsSnapshot {
     pub passthrough_opens: u64,
     #[serde(default)]
     pub integrity_failures: u64,
+    #[serde(default)]
+    pub cache_damaged: u64,
+    #[serde(default)]
+    pub cache_full: u64,
 }
 
 impl Stats {
@@ -87,6 +97,8 @@ impl Stats {
             fetch_micros: g(&self.fetch_micros),
             passthrough_opens: g(&self.passthrough_opens),
             integrity_failures: g(&self.integrity_failures),
+            cache_damaged: g(&self.cache_damaged),
+            cache_full: g(&self.cache_full),
         }
     }
 }

@@ -284,7 +284,8 @@ pub trait Registry: Send + Sync {
         desc: &'a Descriptor,
         limit: u64,
     ) -> futures_util::future::BoxFuture<'a, Result<Vec<u8>>>;
-    /// Exactly the bytes of `range` of a blob (the caller verifies what they mean).
+    /// Exactly the bytes of `range` of a blob (the caller verifies what they mean), in one try
+    /// of each endpoint: the caller's retry policy owns the tries.
     fn get_blob_range<'a>(
         &'a self,
         r: &'a Reference,
@@ -1245,8 +1246,9 @@ impl RegistryClient {
         .await
     }
 
-    /// Fetches `range` of a blob with an HTTP Range request. The length is checked here; the
-    /// content must be verified by the caller (chunk digests).
+    /// Fetches `range` of a blob with an HTTP Range request, one try of each endpoint (the
+    /// caller retries). The length is checked here; the content must be verified by the
+    /// caller (chunk digests).
     pub async fn get_blob_range(
         &self,
         r: &Reference,
@@ -1267,6 +1269,8 @@ impl RegistryClient {
         self.range(r, digest, range, false).await
     }
 
+    /// One try of a Range request ([`Self::sweep`]: each endpoint once, mirrors first): the
+    /// caller's retry policy decides whether and when to try again.
     async fn range(
         &self,
         r: &Reference,
@@ -1280,12 +1284,12 @@ impl RegistryClient {
         let what = &format!("bytes {}-{} of blob {digest}", range.start, range.end - 1);
         let header = format!("bytes={}-{}", range.start, range.end - 1);
         let expected = range.end - range.start;
-        self.pull(
+        self.sweep(
             r,
             what,
             via_mirrors,
-            |ep| Req::get(ep, r, &format!("blobs/{digest}")).header(RANGE, &header),
-            |resp, ep| async move {
+            &|ep| Req::get(ep, r, &format!("blobs/{digest}")).header(RANGE, &header),
+            &|resp: reqwest::Response, ep: Endpoint| async move {
                 let who = ep.describe(&r.registry);
                 if resp.status() != StatusCode::PARTIAL_CONTENT {
                     return Err(Error::unsupported(format!(
@@ -1294,18 +1298,23 @@ impl RegistryClient {
                         resp.status()
                     )));
                 }
-                if let Some(cr) = resp
-                    .headers()
-                    .get(CONTENT_RANGE)
-                    .and_then(|v| v.to_str().ok())
-                {
-                    let ok = cr.strip_prefix("bytes ").and_then(|s| s.split('/').next())
-                        == Some(&format!("{}-{}", range.start, range.end - 1));
-                    if !ok {
-                        return Err(Error::corrupt(format!(
-                            "{who} answered {what} with Content-Range {cr:?}"
-                        )));
+                let asked = format!("{}-{}", range.start, range.end - 1);
+                if let Some(cr) = resp.headers().get(CONTENT_RANGE) {
+                    let cr = cr.to_str().unwrap_or("");
+                    if cr.strip_prefix("bytes ").and_then(|s| s.split('/').next())
+                        != Some(asked.as_str())
+                    {
+                        return Err(Error::new(
+                            ErrorKind::BadAnswer,
+                            format!("{who} answered a request for {what} with Content-Range {cr:?}: other bytes than asked for"),
+                        ));
                     }
+                }
+                if let Some(len) = resp.content_length().filter(|&l| l != expected) {
+                    return Err(Error::new(
+                        ErrorKind::BadAnswer,
+                        format!("{who} answered a request for the {expected} bytes {asked} of blob {digest} with a {len}-byte body"),
+                    ));
                 }
                 let body = self.body(&ep, resp, expected, what).await?;
                 if body.len() as u64 != expected {

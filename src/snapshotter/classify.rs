@@ -248,7 +248,9 @@ impl Classifier {
                 reference,
                 layer: meta.id().key(),
             },
-            Err(e) if e.kind() == ErrorKind::Network => ordinary("registry_error", e.chain()),
+            Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::BadAnswer) => {
+                ordinary("registry_error", e.chain())
+            }
             // An ordinary layer without a (usable) seekable index: the usual case.
             Err(e) if e.kind() == ErrorKind::NotFound => ordinary("no_index", e.chain()),
             Err(e) => ordinary("invalid_image", e.chain()),

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 
 use super::{clipped, DiskView};
-use crate::cache::Integrity;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 
@@ -66,15 +65,9 @@ impl DiskView for LayerFile {
         })
     }
 
-    /// The cache's data file, once every chunk of the file is present and the whole layer
-    /// passed its integrity check (passthrough reads never reach the daemon, so they could
-    /// not be stopped later).
+    /// The cache's data file, once it is fit for passthrough ([`Engine::passthrough_file`]).
     fn backing_file(&self) -> Option<&std::fs::File> {
-        let complete = self
-            .engine
-            .all_present(self.engine.layer.chunks_of(self.file));
-        (complete && self.engine.integrity() == Integrity::Verified)
-            .then(|| self.engine.cache.data_file(self.file))
+        self.engine.passthrough_file(self.file)
     }
 }
 

@@ -1,0 +1,258 @@
+//! A node's bad days through `vmdisk mount` (real registry, real FUSE): a damaged cache file,
+//! a registry gone after the mount, a full cache disk, a stop in the middle of fetches.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::harness::*;
+use crate::mount::{assert_same_range, random_raw_image, rng};
+
+const CHUNK: u64 = 256 << 10;
+
+/// The one layer directory of a cache.
+fn layer_dir(cache: &Path) -> PathBuf {
+    std::fs::read_dir(cache.join("layers"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path()
+}
+
+/// Flips one byte at each of `offsets` of `file`.
+fn flip(file: &Path, offsets: &[u64]) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .unwrap();
+    for &at in offsets {
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, at).unwrap();
+        b[0] ^= 0x5a;
+        f.write_all_at(&b, at).unwrap();
+    }
+    f.sync_all().unwrap();
+}
+
+/// Reads the first `chunks` chunks of `mounted` in a scattered order, without the kernel's
+/// read-ahead, and compares each with `original`: nothing but those chunks is fetched.
+fn read_chunks_randomly(mounted: &Path, original: &std::fs::File, chunks: u64) {
+    let f = std::fs::File::open(mounted).unwrap();
+    let advised =
+        nix::fcntl::posix_fadvise(&f, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM);
+    assert!(advised.is_ok(), "{advised:?}");
+    for i in 0..chunks {
+        let at = (i * 7 % chunks) * CHUNK;
+        assert_same_range(&f, original, at, CHUNK as usize);
+    }
+}
+
+fn counter(stats: &serde_json::Value, name: &str) -> u64 {
+    stats[name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no {name} in {stats}"))
+}
+
+/// Bytes flipped in the cache's data file, with the mount stopped, never reach a reader: in
+/// chunks cached by reads (the layer incomplete), and in a complete layer verified against
+/// its diff_id (where the file would otherwise be handed to the kernel with passthrough).
+/// Each damaged chunk is found when it is first read back, fetched again, counted.
+#[test]
+fn bytes_flipped_in_the_cache_are_never_served() {
+    let scratch = Scratch::new();
+    let (_reg, disk, reference) = random_raw_image(&scratch, 32 << 20, 21, "vm/damaged:1");
+    let original = std::fs::File::open(&disk).unwrap();
+    let (cache, mnt) = (scratch.path("cache"), scratch.path("mnt"));
+
+    // 8 MiB cached by reads, then the mount stops cleanly.
+    let mount = Mount::start(&reference, &cache, &mnt, &["--no-passthrough"]);
+    read_chunks_randomly(&mount.disk, &original, 32);
+    mount.stop();
+    let data = layer_dir(&cache).join("data/0");
+    flip(
+        &data,
+        &[100, 3 * CHUNK + 7, 9 * CHUNK + 4000, 31 * CHUNK + CHUNK - 1],
+    );
+
+    let mut mount = Mount::start(&reference, &cache, &mnt, &["--no-passthrough"]);
+    read_chunks_randomly(&mount.disk, &original, 32);
+    mount.wait_for("checked: ", Duration::from_secs(30));
+    let stats = mount.stop();
+    eprintln!("incomplete layer, 4 bytes flipped: {stats}");
+    assert_eq!(counter(&stats, "cache_damaged"), 4, "{stats}");
+    assert_eq!(
+        counter(&stats, "chunks_fetched"),
+        4,
+        "only the damaged chunks: {stats}"
+    );
+    assert_eq!(counter(&stats, "read_errors"), 0, "{stats}");
+
+    // The whole layer, checked against its diff_id; then two bytes flipped.
+    let mut mount = Mount::start(&reference, &cache, &mnt, &["--hydrate", "eager"]);
+    let hydrated = mount.wait_for("hydrated", Duration::from_secs(60));
+    assert!(hydrated.contains("integrity verified"), "{hydrated}");
+    mount.stop();
+    flip(&data, &[10 * CHUNK + 5, 100 * CHUNK + 77]);
+    drop_caches();
+
+    // Opened at once (before the background check) and again after it: the bytes are the
+    // published ones both times, and once the damaged chunks are fetched again the file is
+    // handed to the kernel.
+    let mut mount = Mount::start(&reference, &cache, &mnt, &[]);
+    assert!(files_identical(&mount.disk, &disk), "the first full read");
+    mount.wait_for("checked: ", Duration::from_secs(30));
+    drop_caches();
+    assert!(
+        files_identical(&mount.disk, &disk),
+        "the read after the check"
+    );
+    let stats = mount.stop();
+    eprintln!("complete, verified layer, 2 bytes flipped: {stats}");
+    assert_eq!(counter(&stats, "cache_damaged"), 2, "{stats}");
+    assert_eq!(counter(&stats, "chunks_fetched"), 2, "{stats}");
+    assert!(counter(&stats, "passthrough_opens") >= 1, "{stats}");
+    assert_eq!(counter(&stats, "read_errors"), 0, "{stats}");
+}
+
+/// With the registry gone, a buffered read of a chunk nobody cached fails with EIO within
+/// `--fetch-timeout` (the kernel reads the page again at once after its read-ahead failed:
+/// that second read must not wait as long again).
+#[test]
+fn a_read_with_the_registry_gone_ends_within_the_fetch_timeout() {
+    let scratch = Scratch::new();
+    let (reg, _disk, reference) = random_raw_image(&scratch, 16 << 20, 22, "vm/gone:1");
+    let mount = Mount::start(
+        &reference,
+        &scratch.path("cache"),
+        &scratch.path("mnt"),
+        &["--fetch-timeout", "4"],
+    );
+    drop(reg);
+    let mounted = std::fs::File::open(&mount.disk).unwrap();
+    let started = Instant::now();
+    let mut buf = vec![0u8; 64 << 10];
+    let read = mounted.read_at(&mut buf, 5 << 20);
+    let took = started.elapsed();
+    eprintln!("read with the registry gone: {read:?} after {took:?}");
+    assert_eq!(
+        read.map_err(|e| e.raw_os_error()),
+        Err(Some(libc::EIO)),
+        "the read fails with EIO"
+    );
+    assert!(
+        took < Duration::from_millis(5500),
+        "the read ended after {took:?}, more than --fetch-timeout 4 s and one try"
+    );
+    drop(mounted);
+    let stats = mount.stop();
+    assert!(counter(&stats, "read_errors") >= 1, "{stats}");
+}
+
+/// The cache on a 64 MiB file system and a 192 MiB disk read in order, 1 MiB at a time: every
+/// read is answered with the published bytes (chunks the disk has no room for are answered
+/// from memory), and no chunk is fetched over and over.
+#[test]
+fn a_full_cache_disk_still_answers_every_read_with_the_right_bytes() {
+    let scratch = Scratch::new();
+    let size: u64 = 192 << 20;
+    let (_reg, disk, reference) = random_raw_image(&scratch, size, 23, "vm/full:1");
+    let cache = scratch.path("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let mounted_fs = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
+        .arg(&cache)
+        .status()
+        .unwrap();
+    assert!(mounted_fs.success());
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(cache.clone());
+
+    let mount = Mount::start(&reference, &cache, &scratch.path("mnt"), &[]);
+    let mounted = std::fs::File::open(&mount.disk).unwrap();
+    let original = std::fs::File::open(&disk).unwrap();
+    let mib = 1u64 << 20;
+    for i in 0..size / mib {
+        assert_same_range(&mounted, &original, i * mib, mib as usize);
+    }
+    drop(mounted);
+    let stats = mount.stop();
+    eprintln!("192 MiB read with a 64 MiB cache: {stats}");
+    assert_eq!(counter(&stats, "read_errors"), 0, "{stats}");
+    let chunks = size / CHUNK;
+    assert!(
+        counter(&stats, "chunks_fetched") <= chunks + chunks / 10,
+        "each chunk fetched about once: {stats}"
+    );
+}
+
+/// SIGTERM right after reads, while read-ahead and hydration fetches are still running (chunks
+/// being decoded and written): the mount ends without a panic, every time.
+#[test]
+fn stopping_during_fetches_never_panics() {
+    let scratch = Scratch::new();
+    let (_reg, _disk, reference) = random_raw_image(&scratch, 64 << 20, 24, "vm/stop:1");
+    let mnt = scratch.path("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let mut next = rng(24);
+    for round in 0..20 {
+        let cache = scratch.path(&format!("cache{round}"));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_vmdisk"))
+            .arg("mount")
+            .args(["--hydrate", "eager", "--cache"])
+            .arg(&cache)
+            .arg(&reference)
+            .arg(&mnt)
+            .env("VMDISK_LOG", "warn")
+            .env("HOME", "/nonexistent")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+        let ready = lines
+            .find_map(|l| l.ok().filter(|l| l.starts_with("ready: ")))
+            .expect("the mount becomes ready");
+        let path = ready
+            .split(" at ")
+            .nth(1)
+            .unwrap()
+            .split(" (")
+            .next()
+            .unwrap();
+        // A sequential reader starts read-ahead; it stops and closes, then the signal.
+        {
+            let f = std::fs::File::open(path).unwrap();
+            let mut buf = vec![0u8; 1 << 20];
+            let start = (next() % 32) << 20;
+            for i in 0..6 {
+                f.read_exact_at(&mut buf, start + i * (1 << 20)).unwrap();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(next() % 200));
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status();
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked"),
+            "round {round}: the mount panicked on SIGTERM: {stderr}"
+        );
+        assert!(
+            out.status.success(),
+            "round {round}: {}: {stderr}",
+            out.status
+        );
+        let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+    }
+}
