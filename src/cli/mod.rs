@@ -935,6 +935,7 @@ async fn ls(args: LsArgs) -> Result<()> {
                     "registry_bytes": d.registry_bytes, "snapshots": d.snapshots,
                     "serving": d.serving, "server_pid": d.server_pid,
                     "server": d.server_state, "hydration": d.hydration,
+                    "cache_full": d.cache_full,
                 })
             })
             .collect();
@@ -968,10 +969,10 @@ async fn ls(args: LsArgs) -> Result<()> {
             d.registry_bytes,
             d.integrity,
             ready_path(&d, Handed::AsPublished),
-            if d.serving {
-                String::new()
-            } else {
-                format!(" (server {})", d.server_state)
+            match (d.serving, d.cache_full) {
+                (false, _) => format!(" (server {})", d.server_state),
+                (true, true) => " (cache_full: answered from memory)".to_string(),
+                (true, false) => String::new(),
             }
         );
     }

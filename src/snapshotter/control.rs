@@ -334,6 +334,8 @@ impl From<StatsSnapshot> for LayerCounters {
             fetch_micros: s.fetch_micros,
             passthrough_opens: s.passthrough_opens,
             integrity_failures: s.integrity_failures,
+            cache_damaged: s.cache_damaged,
+            cache_full: s.cache_full,
             endpoints: Vec::new(),
         }
     }

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 pub type LayerCounter = (&'static str, &'static str, fn(&LayerCounters) -> u64);
 
 /// The engine counters the daemon keeps.
-pub const LAYER_COUNTERS: [LayerCounter; 8] = [
+pub const LAYER_COUNTERS: [LayerCounter; 9] = [
     (
         "vmdisk_registry_bytes",
         "Compressed chunk bytes received from registries.",
@@ -61,6 +61,11 @@ pub const LAYER_COUNTERS: [LayerCounter; 8] = [
         "vmdisk_integrity_failures",
         "Checks of a complete layer that found it differs from its image config.",
         |c| c.integrity_failures,
+    ),
+    (
+        "vmdisk_cache_damaged",
+        "Cached chunks that were not what was verified when read back (each fetched again).",
+        |c| c.cache_damaged,
     ),
 ];
 

@@ -134,6 +134,11 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
         "Remote layers whose complete tar stream differs from their image config (every read fails).",
         gauge(disks.iter().filter(|d| d.integrity.starts_with("failed")).count()),
     );
+    registry.register(
+        "vmdisk_layers_cache_full",
+        "Remote layers whose chunks the cache's disk has no room for (answered from memory).",
+        gauge(disks.iter().filter(|d| d.cache_full).count()),
+    );
     let sum =
         |f: fn(&crate::api::vmdisk::v1::Disk) -> u64| disks.iter().map(f).sum::<u64>() as usize;
     registry.register(
