@@ -256,3 +256,95 @@ fn stopping_during_fetches_never_panics() {
         let _ = Command::new("umount").arg("-l").arg(&mnt).status();
     }
 }
+
+/// 20 crashes (SIGKILL: the process and its FUSE mount gone, as in a node's reboot) at random
+/// moments of a hydration, each followed by a new mount on the same cache: no wrong byte is
+/// ever served or kept, and the last mount completes the disk from what survived.
+#[test]
+fn crashes_during_hydration_never_leave_a_wrong_byte() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    // A registry about 12 MB/s away: a hydration takes seconds, and crashes land inside it.
+    let proxy = FaultProxy::start_with(
+        reg.port,
+        Faults {
+            response_delay: Some(Duration::from_millis(5)),
+            ..Faults::default()
+        },
+    );
+    let disk = scratch.path("d.raw");
+    random_file(&disk, 64 << 20, 25);
+    let reference = crate::mount::push_raw(&proxy.host(), "vm/crash20:1", &disk);
+    let original = std::fs::File::open(&disk).unwrap();
+    let (cache, mnt) = (scratch.path("cache"), scratch.path("mnt"));
+    let mut next = rng(25);
+    for _ in 0..20 {
+        let mount = Mount::start(&reference, &cache, &mnt, &["--hydrate", "eager"]);
+        // A read of what may or may not have survived the last crash.
+        let f = std::fs::File::open(&mount.disk).unwrap();
+        let at = (next() % 255) * CHUNK;
+        assert_same_range(&f, &original, at, CHUNK as usize);
+        drop(f);
+        std::thread::sleep(Duration::from_millis(200 + next() % 1600));
+        mount.kill();
+    }
+    let mut mount = Mount::start(&reference, &cache, &mnt, &["--hydrate", "eager"]);
+    let hydrated = mount.wait_for("hydrated", Duration::from_secs(60));
+    assert!(hydrated.contains("integrity verified"), "{hydrated}");
+    assert!(
+        files_identical(&mount.disk, &disk),
+        "the disk after 20 crashes"
+    );
+    let stats = mount.stop();
+    eprintln!("after 20 crashes: {stats}");
+    assert_eq!(counter(&stats, "cache_damaged"), 0, "{stats}");
+    assert_eq!(counter(&stats, "read_errors"), 0, "{stats}");
+    assert!(
+        counter(&stats, "chunks_fetched") < 256,
+        "what the crashed mounts made durable was kept: {stats}"
+    );
+}
+
+/// With the daemon's default settings a disk stops depending on the registry soon after it was
+/// read: `vmdisk ls` says it needs the registry (and since when) until background hydration
+/// has fetched the rest, then a registry outage costs its readers nothing.
+#[test]
+fn by_default_a_disk_outlives_its_registry_soon_after_its_boot() {
+    let scratch = Scratch::new();
+    let (reg, disk, reference) = random_raw_image(&scratch, 32 << 20, 26, "vm/outlive:1");
+    let daemon = crate::cri::Daemon::start(&scratch, "");
+    let path = daemon.vmdisk_ok(&["path", &reference]);
+    let original = std::fs::File::open(&disk).unwrap();
+    // A "boot": a few scattered reads.
+    let mounted = std::fs::File::open(path.trim()).unwrap();
+    for at in [0, 7 << 20, 19 << 20] {
+        assert_same_range(&mounted, &original, at, 64 << 10);
+    }
+    let needed = |daemon: &crate::cri::Daemon| -> i64 {
+        let ls: serde_json::Value =
+            serde_json::from_str(&daemon.vmdisk_ok(&["ls", "--json"])).unwrap();
+        ls[0]["registry_needed_since"].as_i64().unwrap()
+    };
+    let since = needed(&daemon);
+    assert!(
+        since > 1_700_000_000,
+        "the disk needs the registry since it was served: {since}"
+    );
+    assert!(daemon
+        .vmdisk_ok(&["ls"])
+        .contains("needs the registry since"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while needed(&daemon) != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the disk was not hydrated within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    drop(reg);
+    drop(mounted);
+    assert!(
+        files_identical(Path::new(path.trim()), &disk),
+        "the whole disk reads right with the registry gone"
+    );
+}

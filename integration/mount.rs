@@ -346,7 +346,8 @@ fn kill_during_hydration_refetches_nothing_marked_present() {
         &scratch.path("mnt"),
         &["--hydrate", "background", "--hydrate-rate", "30"],
     );
-    std::thread::sleep(Duration::from_millis(2500));
+    // Background hydration starts once readers have rested 5 s (none read here).
+    std::thread::sleep(Duration::from_millis(7500));
     mount.kill();
 
     // What the crashed process made durable.

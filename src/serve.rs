@@ -182,6 +182,8 @@ pub struct Serving {
     dir: PathBuf,
     hydration: Arc<Mutex<HydrationState>>,
     announce: bool,
+    /// When serving started (Unix seconds).
+    started: i64,
 }
 
 /// What a mount whose cache disk is full evicts of layers nobody has open, at most, each second.
@@ -218,6 +220,7 @@ pub async fn start(
         dir: dir.to_path_buf(),
         hydration: Arc::new(Mutex::new(HydrationState::Idle)),
         announce: opts.announce,
+        started: time::OffsetDateTime::now_utc().unix_timestamp(),
     };
     let e = Arc::clone(&engine);
     let check_cache = cache.clone();
@@ -360,6 +363,11 @@ impl Serving {
         self.ready
             .as_ref()
             .is_some_and(|r| matches!(*r.state.lock(), ReadyState::Mounted(_)))
+    }
+
+    /// Since when (Unix seconds) reads may need the registry, while some chunk is not cached.
+    pub fn registry_needed_since(&self) -> Option<i64> {
+        (!self.engine.cache.complete()).then_some(self.started)
     }
 
     /// Where hydration stands.

@@ -936,6 +936,7 @@ async fn ls(args: LsArgs) -> Result<()> {
                     "serving": d.serving, "server_pid": d.server_pid,
                     "server": d.server_state, "hydration": d.hydration,
                     "cache_full": d.cache_full,
+                    "registry_needed_since": d.registry_needed_since,
                 })
             })
             .collect();
@@ -949,21 +950,26 @@ async fn ls(args: LsArgs) -> Result<()> {
         } else {
             d.chunks_cached as f64 * 100.0 / d.chunks as f64
         };
-        let last_used = time::OffsetDateTime::from_unix_timestamp(d.last_used)
-            .ok()
-            .filter(|_| d.last_used > 0)
-            .and_then(|t| {
-                t.format(&time::format_description::well_known::Rfc3339)
-                    .ok()
-            })
-            .unwrap_or_else(|| "-".into());
+        let when = |secs: i64| {
+            time::OffsetDateTime::from_unix_timestamp(secs)
+                .ok()
+                .filter(|_| secs > 0)
+                .and_then(|t| {
+                    t.format(&time::format_description::well_known::Rfc3339)
+                        .ok()
+                })
+        };
+        let last_used = when(d.last_used).unwrap_or_else(|| "-".into());
+        let needs = when(d.registry_needed_since)
+            .map(|t| format!(" (needs the registry since {t}; hydration {})", d.hydration))
+            .unwrap_or_default();
         let users = if d.snapshots.is_empty() {
             "-".to_string()
         } else {
             d.snapshots.join(",")
         };
         println!(
-            "{}\t{}\t{pct:.1}%\t{}\t{last_used}\t{users}\t{}\t{}{}",
+            "{}\t{}\t{pct:.1}%\t{}\t{last_used}\t{users}\t{}\t{}{}{needs}",
             d.reference,
             d.disk_size,
             d.registry_bytes,

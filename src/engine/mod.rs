@@ -81,6 +81,18 @@ const READ_TRIES: usize = 3;
 /// How long a chunk whose fetch failed fails again at once ([`Engine::recently_failed`]).
 const FAILED_RECENTLY: Duration = Duration::from_secs(1);
 
+/// Whose fetch it is: a reader's, or hydration's, which has slots of its own and, in the
+/// background, waits while readers fetch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Priority {
+    Demand,
+    Hydration,
+}
+
+/// How long readers must have needed nothing from the registry before background hydration
+/// fetches its next batch (and after the layer was opened before it starts).
+const READERS_REST: Duration = Duration::from_secs(5);
+
 /// How long hydration waits before each batch while the cache's disk is full.
 const HYDRATE_WHEN_FULL: Duration = Duration::from_secs(5);
 
@@ -106,7 +118,12 @@ pub struct Engine {
     /// Blob ranges being fetched, by range: whoever asks for the same bytes meanwhile waits
     /// for that answer instead of asking again ([`Engine::fetch_range`]).
     shared_fetches: Mutex<HashMap<(u64, u64), SharedFetch>>,
+    /// Requests in flight for readers (demand) and for hydration, apart: a read never waits
+    /// for a slot hydration holds.
     fetch_slots: Semaphore,
+    hydrate_slots: Semaphore,
+    /// When a reader last had to fetch ([`Engine::wait_until_readers_rest`]).
+    last_demand: Mutex<Instant>,
     /// Chunks of other cached layers by digest; built after the mount is ready
     /// ([`Engine::index_other_layers`]), empty until then.
     dedup: std::sync::OnceLock<HashMap<Digest, DedupSource>>,
@@ -255,6 +272,8 @@ impl Engine {
             failed: Mutex::new(HashMap::new()),
             shared_fetches: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
+            hydrate_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
+            last_demand: Mutex::new(Instant::now()),
             dedup: std::sync::OnceLock::new(),
             integrity: std::sync::OnceLock::new(),
             checking: tokio::sync::Mutex::new(()),
@@ -288,6 +307,11 @@ impl Engine {
     /// Makes every chunk in `chunks` present: fetches what is missing (claiming it), waits for
     /// what others are fetching. Fails if any chunk could not be fetched and verified.
     pub async fn ensure(&self, chunks: Range<usize>) -> Result<()> {
+        self.ensure_as(chunks, Priority::Demand).await
+    }
+
+    /// [`Engine::ensure`] for `priority`'s fetches.
+    async fn ensure_as(&self, chunks: Range<usize>, priority: Priority) -> Result<()> {
         self.usable()?;
         self.recently_failed(chunks.clone())?;
         let mut waits = Vec::new();
@@ -307,13 +331,16 @@ impl Engine {
                 }
             }
         }
+        if priority == Priority::Demand && !claimed.is_empty() {
+            *self.last_demand.lock() = Instant::now();
+        }
         let runs = self.runs(&claimed);
         let fetches = runs.into_iter().map(|run| async move {
             let claim = Claim {
                 engine: self,
                 chunks: run.clone(),
             };
-            let result = self.fetch_run(&run).await;
+            let result = self.fetch_run(&run, priority).await;
             if let Err(e) = &result {
                 self.note_failed(&run, e);
             }
@@ -402,12 +429,12 @@ impl Engine {
     }
 
     /// Fetches one run: copies what another cached layer has, fetches the rest.
-    async fn fetch_run(&self, run: &[usize]) -> Result<()> {
-        let _slot = self
-            .fetch_slots
-            .acquire()
-            .await
-            .expect("semaphore never closed");
+    async fn fetch_run(&self, run: &[usize], priority: Priority) -> Result<()> {
+        let slots = match priority {
+            Priority::Demand => &self.fetch_slots,
+            Priority::Hydration => &self.hydrate_slots,
+        };
+        let _slot = slots.acquire().await.expect("semaphore never closed");
         let mut need: Vec<usize> = Vec::new();
         for &idx in run {
             if !self.copy_from_dedup(idx) {
@@ -941,39 +968,69 @@ impl Engine {
         Ok(order.len())
     }
 
-    /// Fetches the whole layer in order, `concurrency` batches at a time, at most
-    /// `bytes_per_second` (uncompressed) if given.
+    /// Waits until no reader has had to fetch for [`READERS_REST`]: background hydration
+    /// starts, and goes on, only while the readers (a booting guest) need nothing from the
+    /// registry.
+    /// Whether it waited.
+    async fn wait_until_readers_rest(&self) -> bool {
+        let mut waited = false;
+        loop {
+            let rested = self.last_demand.lock().elapsed();
+            match READERS_REST.checked_sub(rested) {
+                Some(left) if !left.is_zero() => {
+                    waited = true;
+                    tokio::time::sleep(left).await
+                }
+                _ => return waited,
+            }
+        }
+    }
+
+    /// Fetches the whole layer in order, `concurrency` batches at a time, with fetch slots of
+    /// its own (a reader never waits for one hydration holds). With `bytes_per_second`
+    /// (uncompressed): at most that, and only while readers rest
+    /// ([`Engine::wait_until_readers_rest`]): background hydration.
     pub async fn hydrate(&self, concurrency: usize, bytes_per_second: Option<u64>) -> Result<()> {
         self.usable()?;
         use futures_util::StreamExt;
-        let started = Instant::now();
         let total = self.layer.chunks.len();
         let batch = 16;
-        let mut done_bytes = 0u64;
         let batches: Vec<Range<usize>> = (0..total)
             .step_by(batch)
             .map(|s| s..(s + batch).min(total))
             .collect();
+        // The pace of a rate-limited hydration: since when, and the bytes started since; a
+        // wait for the readers starts it anew (the rest does not let it catch up).
+        let pace = Mutex::new((Instant::now(), 0u64));
         let mut stream = futures_util::stream::iter(batches.into_iter().map(|r| {
             let bytes: u64 = self.layer.chunks[r.clone()].iter().map(|c| c.size).sum();
+            let pace = &pace;
             async move {
                 // A full disk keeps what it fetches in memory only: hydrate slowly until it
                 // has room again (a batch a while is the probe).
                 if self.cache.full() {
                     tokio::time::sleep(HYDRATE_WHEN_FULL).await;
                 }
-                self.ensure(r).await.map(|()| bytes)
+                if let Some(rate) = bytes_per_second {
+                    if self.wait_until_readers_rest().await {
+                        *pace.lock() = (Instant::now(), 0);
+                    }
+                    if rate > 0 {
+                        let start_at = {
+                            let mut p = pace.lock();
+                            let at = p.0 + Duration::from_secs_f64(p.1 as f64 / rate as f64);
+                            p.1 += bytes;
+                            at
+                        };
+                        tokio::time::sleep_until(start_at).await;
+                    }
+                }
+                self.ensure_as(r, Priority::Hydration).await
             }
         }))
         .buffered(concurrency.max(1));
         while let Some(result) = stream.next().await {
-            done_bytes += result?;
-            if let Some(rate) = bytes_per_second.filter(|&r| r > 0) {
-                let due = Duration::from_secs_f64(done_bytes as f64 / rate as f64);
-                if let Some(wait) = due.checked_sub(started.elapsed()) {
-                    tokio::time::sleep(wait).await;
-                }
-            }
+            result?;
         }
         Ok(())
     }
@@ -1714,6 +1771,31 @@ mod tests {
         assert!(engine.passthrough_file(disk).is_none() && engine.unchecked());
         assert_eq!(engine.check_cache(), 0);
         assert!(engine.passthrough_file(disk).is_some() && !engine.unchecked());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn background_hydration_waits_while_readers_fetch_and_keeps_slots_of_its_own() {
+        let data = content(64);
+        let (engine, source, _dir) = engine(&data, EngineOptions::default());
+        let disk = engine.layer.disk;
+        let hydrating = Arc::clone(&engine);
+        let hydration = tokio::spawn(async move { hydrating.hydrate(2, Some(1 << 40)).await });
+        tokio::time::sleep(READERS_REST / 2).await;
+        assert_eq!(calls(&source), 0, "nothing before the readers rested");
+        engine.read(disk, 40 * CHUNK as u64, 10).await.unwrap();
+        assert_eq!(calls(&source), 1);
+        tokio::time::sleep(READERS_REST - Duration::from_millis(100)).await;
+        assert_eq!(calls(&source), 1, "a reader fetched: hydration waits again");
+        // Every hydration slot taken: a reader still fetches at once.
+        let held: Vec<_> = (0..engine.opts.max_concurrent_fetches)
+            .map(|_| engine.hydrate_slots.try_acquire().unwrap())
+            .collect();
+        engine.read(disk, 20 * CHUNK as u64, 10).await.unwrap();
+        assert_eq!(calls(&source), 2);
+        drop(held);
+        hydration.await.unwrap().unwrap();
+        assert!(engine.cache.complete());
+        assert_eq!(engine.read(disk, 0, data.len() as u64).await.unwrap(), data);
     }
 
     #[tokio::test]

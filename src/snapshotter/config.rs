@@ -160,7 +160,7 @@ impl Default for CacheConfig {
         CacheConfig {
             dir: PathBuf::new(),
             size: String::new(),
-            hydrate: Hydrate::Off,
+            hydrate: Hydrate::Background,
             hydrate_rate: 50,
             passthrough: true,
             boot_traces: true,

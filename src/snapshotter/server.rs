@@ -127,6 +127,7 @@ impl Shared {
         status.disk_size = layer.file_size(layer.disk);
         status.chunks = layer.chunks.len() as u64;
         status.chunks_cached = engine.cache.present_count() as u64;
+        status.registry_needed_since = serving.registry_needed_since().unwrap_or(0);
         status.integrity = engine.integrity().to_string();
         status.counters = Some(super::control::layer_counters(engine));
         status.set_ready_dir_state(if serving.ready_mounted() {
