@@ -84,4 +84,5 @@ integration/bench-index.sh
 integration/bench-rawview.sh
 integration/bench-signatures.sh
 integration/bench-spans.sh
+integration/bench-baddays.sh
 integration/bench-peers.sh

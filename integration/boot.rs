@@ -145,7 +145,9 @@ fn a_vm_boots_from_the_lazily_loaded_raw_view() {
         &format!("{}/vm/guest:1", reg.host()),
     ]);
     let size = std::fs::metadata(&qcow2).unwrap().len();
-    let daemon = Daemon::start(&scratch, "");
+    // Hydration off: what each boot fetches is counted, and a second boot must fetch nothing
+    // (background hydration, the default, would fetch the rest meanwhile).
+    let daemon = Daemon::start(&scratch, "[cache]\nhydrate = \"off\"\n");
     let bytes = || proxy.to_client.load(std::sync::atomic::Ordering::SeqCst);
 
     let before = bytes();

@@ -195,7 +195,9 @@ fn pod_vms_boot_under_libvirt_from_a_lazily_served_base_volume() {
     ]);
     let size = std::fs::metadata(&qcow2).unwrap().len();
     let reference = format!("{}/peerpods/podvm:v1", proxy.host());
-    let daemon = Daemon::start(&scratch, "");
+    // Hydration off: what each boot fetches is counted, and a second boot must fetch nothing
+    // (background hydration, the default, would fetch the rest meanwhile).
+    let daemon = Daemon::start(&scratch, "[cache]\nhydrate = \"off\"\n");
     let bytes = || proxy.bytes_to_client();
 
     // The node (here: the libvirt host) makes the disk ready by reference; its volume name

@@ -235,14 +235,17 @@ pub async fn start(
             // passthrough; reads check what they touch first.
             if checking_cache.as_ref().is_none_or(|c| c.is_finished()) {
                 let e = Arc::clone(&e);
+                let first = checking_cache.is_none();
                 checking_cache = Some(tokio::task::spawn_blocking(move || {
-                    if e.unchecked() {
-                        let damaged = e.check_cache();
-                        let present = e.cache.present_count();
+                    let (checked, damaged) = e.check_cache();
+                    if checked > 0 || first {
                         if announce {
-                            println!("checked: {present} cached chunks sound, {damaged} damaged");
+                            println!(
+                                "checked: {} cached chunks sound, {damaged} damaged",
+                                checked - damaged
+                            );
                         }
-                        tracing::info!(present, damaged, "checked the cached chunks");
+                        tracing::info!(checked, damaged, "checked the cached chunks");
                     }
                 }));
             }

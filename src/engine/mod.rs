@@ -313,7 +313,9 @@ impl Engine {
     /// [`Engine::ensure`] for `priority`'s fetches.
     async fn ensure_as(&self, chunks: Range<usize>, priority: Priority) -> Result<()> {
         self.usable()?;
-        self.recently_failed(chunks.clone())?;
+        if priority == Priority::Demand {
+            self.recently_failed(chunks.clone())?;
+        }
         let mut waits = Vec::new();
         let mut claimed = Vec::new();
         {
@@ -370,7 +372,7 @@ impl Engine {
     /// Fails at once if a chunk of `chunks` that is kept nowhere failed to be fetched within
     /// [`FAILED_RECENTLY`]: a read that failed after the whole fetch deadline is sent again by
     /// the kernel at once (its read-ahead failed, then the page itself is read), and must not
-    /// wait that long a second time.
+    /// wait that long a second time. Readers only: a hydration asked for tries.
     fn recently_failed(&self, chunks: Range<usize>) -> Result<()> {
         let failed = self.failed.lock();
         if failed.is_empty() {
@@ -627,29 +629,23 @@ impl Engine {
 
     /// Checks the present chunks of every file not checked in this process, and again those
     /// of a data file someone else changed: what makes a complete file fit for passthrough
-    /// ([`Engine::passthrough_file`]). Blocking; returns how many chunks were damaged.
-    pub fn check_cache(&self) -> usize {
-        let mut damaged = 0;
+    /// ([`Engine::passthrough_file`]). Blocking; returns how many chunks it checked and how
+    /// many of them were damaged.
+    pub fn check_cache(&self) -> (usize, usize) {
+        let (mut checked, mut damaged) = (0, 0);
         for file in 0..self.layer.files.len() {
             let chunks = self.layer.chunks_of(file);
             if self.cache.changed_since_checked(file, chunks.clone()) {
                 tracing::warn!(layer = %self.layer.meta.layer_digest, file = %self.layer.file_path(file), "the cache's data file was changed by someone else; its chunks are checked again");
             }
             for idx in chunks {
-                if self.cache.is_present(idx)
-                    && !self.cache.is_checked(idx)
-                    && !self.check_cached(idx)
-                {
-                    damaged += 1;
+                if self.cache.is_present(idx) && !self.cache.is_checked(idx) {
+                    checked += 1;
+                    damaged += usize::from(!self.check_cached(idx));
                 }
             }
         }
-        damaged
-    }
-
-    /// Whether some present chunk was not checked in this process.
-    pub fn unchecked(&self) -> bool {
-        (0..self.layer.chunks.len()).any(|i| self.cache.is_present(i) && !self.cache.is_checked(i))
+        (checked, damaged)
     }
 
     /// The data file of file `file` for FUSE passthrough, where the kernel reads it without
@@ -671,7 +667,7 @@ impl Engine {
     fn copy_out(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<bool> {
         let end = offset + buf.len() as u64;
         let chunks = self.layer.chunks_for(file, offset..end);
-        if !self.cache.full() && chunks.clone().all(|i| self.cache.is_present(i)) {
+        if chunks.clone().all(|i| self.cache.is_present(i)) {
             self.cache.read_at(file, buf, offset)?;
             return Ok(true);
         }
@@ -1758,7 +1754,11 @@ mod tests {
         // Changed by someone else: not handed over until checked again.
         damage(dir.path(), 3);
         assert!(engine.passthrough_file(disk).is_none());
-        assert_eq!(engine.check_cache(), 1);
+        assert_eq!(
+            engine.check_cache(),
+            (4, 1),
+            "the changed file is checked again"
+        );
         assert!(
             engine.passthrough_file(disk).is_none(),
             "a chunk is missing now"
@@ -1768,9 +1768,10 @@ mod tests {
         // Another process life: nothing is handed over before the check.
         let engine = reopened(&engine, dir.path(), &source);
         let _ = engine.integrity.set(Integrity::Verified);
-        assert!(engine.passthrough_file(disk).is_none() && engine.unchecked());
-        assert_eq!(engine.check_cache(), 0);
-        assert!(engine.passthrough_file(disk).is_some() && !engine.unchecked());
+        assert!(engine.passthrough_file(disk).is_none());
+        assert_eq!(engine.check_cache(), (4, 0));
+        assert!(engine.passthrough_file(disk).is_some());
+        assert_eq!(engine.check_cache(), (0, 0), "nothing left to check");
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# `make bench`, a node's bad days: what checking the cache costs warm reads, what background
+# hydration (the daemon's default) costs a boot on the cluster link, and how fast the node's
+# control plane answers while 16 disks are read by 64 readers. Each figure beside its baseline
+# from the same run; BASE_BIN (a directory with an earlier build's `vmdisk`) adds that build's
+# warm reads. Appends to scratch/bench/results.txt. Needs root (FUSE).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
+SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
+RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
+source integration/containerd.sh
+bench_scratch baddays
+start_registry "$B"
+
+median3() { python3 -c 'import sys; v=sorted(float(x) for x in sys.argv[1:]); print(f"{v[1]:.0f}")' "$@"; }
+drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+seq_mbps() { dd if="$1" of=/dev/null bs=1M iflag=direct 2>&1 | tail -1 | python3 -c 'import sys,re; l=sys.stdin.read(); b,s=re.search(r"^(\d+) bytes.*, ([\d.]+) s", l).groups(); print(f"{int(b)/float(s)/1e6:.0f}")'; }
+rand_iops() { fio --name=r --filename="$1" --readonly --rw=randread --bs=4k --ioengine=psync --direct=1 --runtime=5 --time_based --output-format=json 2>/dev/null | python3 -c 'import json,sys; print(int(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))'; }
+
+# ---------------------------------------------------------------------------------------
+# Warm reads of a fully cached 1 GiB disk by a new mount process (a restart: nothing checked
+# yet), O_DIRECT. "first" is the first sequential read after the mount is ready (it checks
+# every chunk it reads, unless the background pass got there first); then the median of three
+# more, and random 4 KiB IOPS (median of 3 x 5 s).
+head -c 1G /dev/urandom > "$B/warm.raw"
+"$VMDISK" push --format raw "$B/warm.raw" "$REG/bench/warm:1" > /dev/null
+rm "$B/warm.raw"
+mkdir -p "$B/mnt"
+"$VMDISK" mount --cache "$B/cache" --hydrate eager "$REG/bench/warm:1" "$B/mnt" > "$B/mount.out" 2>&1 &
+MPID=$!; PIDS+=($MPID)
+for _ in $(seq 600); do grep -q '^hydrated' "$B/mount.out" && break; sleep 0.1; done
+kill -INT $MPID; wait $MPID || true
+WARM_ROWS=()
+warm() {  # warm LABEL BINARY FLAGS...
+  local label=$1 bin=$2 first s1 s2 s3 i1 i2 i3; shift 2
+  drop
+  "$bin" mount --cache "$B/cache" "$@" "$REG/bench/warm:1" "$B/mnt" > "$B/mount.out" 2>&1 &
+  MPID=$!; PIDS+=($MPID)
+  for _ in $(seq 600); do grep -q '^ready' "$B/mount.out" && break; sleep 0.01; done
+  first=$(seq_mbps "$B/mnt/disk/warm.raw")
+  drop; s1=$(seq_mbps "$B/mnt/disk/warm.raw"); drop; s2=$(seq_mbps "$B/mnt/disk/warm.raw"); drop; s3=$(seq_mbps "$B/mnt/disk/warm.raw")
+  drop; i1=$(rand_iops "$B/mnt/disk/warm.raw"); drop; i2=$(rand_iops "$B/mnt/disk/warm.raw"); drop; i3=$(rand_iops "$B/mnt/disk/warm.raw")
+  kill -INT $MPID; wait $MPID || true
+  WARM_ROWS+=("$label|$first|$(median3 "$s1" "$s2" "$s3")|$(median3 "$i1" "$i2" "$i3")")
+}
+if [ -n "${BASE_BIN:-}" ]; then
+  warm "before: no check, no passthrough" "$BASE_BIN/vmdisk" --no-passthrough
+  warm "before: no check, passthrough" "$BASE_BIN/vmdisk"
+fi
+warm "checked, no passthrough" "$VMDISK" --no-passthrough
+warm "checked, passthrough" "$VMDISK"
+{
+  echo
+  echo "warm reads of a cached 1 GiB disk by a new mount process, O_DIRECT, page cache dropped before each:"
+  printf '  %-40s %16s %16s %16s\n' "" "first seq MB/s" "seq MB/s (med)" "rand 4K IOPS"
+  for row in "${WARM_ROWS[@]}"; do
+    IFS='|' read -r label first s iops <<< "$row"
+    printf '  %-40s %16s %16s %16s\n' "$label" "$first" "$s" "$iops"
+  done
+} | tee -a "$RESULTS"
+
+# ---------------------------------------------------------------------------------------
+# A boot-like read set over the cluster link (20 ms, 200 Mbit/s), on a fresh cache each time:
+# time to ready, the boot set (qemu-img info + 5% of a 2 GiB qcow2's clusters, 1638 x 64 KiB,
+# scattered) and the registry bytes when the boot set is done, with `--hydrate background`
+# (the daemon's default) and `--hydrate off`; then how long until background hydration has the
+# whole disk.
+start_cluster_link "$B" "$REG"
+DISK=$B/boot.qcow2
+qemu-img create -q -f qcow2 "$DISK" 2G
+for i in $(seq 0 7); do
+  head -c 64M /dev/urandom > "$B/piece"
+  qemu-io -c "write -s $B/piece $((i * 256))M 64M" "$DISK" > /dev/null
+done
+rm "$B/piece"
+"$VMDISK" push "$DISK" "$REG/bench/hboot:1" > /dev/null
+python3 - "$B/workload" <<'PY'
+import random, sys
+random.seed(2026)
+clusters = (2 << 30) // 65536
+picks = random.sample(range(clusters), clusters * 5 // 100)
+with open(sys.argv[1], "w") as f:
+    for c in picks:
+        f.write(f"read -q {c * 65536} 65536\n")
+PY
+BOOT_ROWS=()
+boot() {  # boot MODE
+  local m t0 t1 t2 ready bootset bytes whole=-
+  rm -rf "$B/cache-h"; drop
+  m=$(mark); t0=$(now)
+  "$VMDISK" mount --cache "$B/cache-h" --hydrate "$1" "$CLUSTER/bench/hboot:1" "$B/mnt" > "$B/mount.out" 2>&1 &
+  MPID=$!; PIDS+=($MPID)
+  for _ in $(seq 3000); do grep -q '^ready' "$B/mount.out" && break; sleep 0.005; done
+  t1=$(now); ready=$(secs "$t0" "$t1")
+  qemu-img info -f qcow2 "$B/mnt/disk/boot.qcow2" > /dev/null
+  qemu-io -r -f qcow2 "$B/mnt/disk/boot.qcow2" < "$B/workload" > /dev/null
+  t2=$(now); bootset=$(secs "$t1" "$t2"); bytes=$(served_since "$m")
+  if [ "$1" = background ]; then
+    for _ in $(seq 1200); do grep -q '^hydrated' "$B/mount.out" && break; sleep 0.1; done
+    whole=$(secs "$t0" "$(now)")
+  fi
+  kill -INT $MPID; wait $MPID || true
+  BOOT_ROWS+=("$1|$ready|$bootset|$bytes|$whole")
+}
+for round in 1 2 3; do boot off; boot background; done
+{
+  echo
+  echo "a boot set on the cluster link (20 ms, 200 Mbit/s), 2 GiB-virtual qcow2 with 512 MiB of random data, fresh cache each run (3 runs each, in turn):"
+  printf '  %-22s %10s %14s %22s %24s\n' "--hydrate" "ready s" "boot set s" "registry bytes by then" "whole disk cached at s"
+  for row in "${BOOT_ROWS[@]}"; do
+    IFS='|' read -r mode ready bootset bytes whole <<< "$row"
+    printf '  %-22s %10s %14s %22s %24s\n' "$mode" "$ready" "$bootset" "$bytes" "$whole"
+  done
+} | tee -a "$RESULTS"
+
+# ---------------------------------------------------------------------------------------
+# The control plane under load: one daemon serving 16 disks (64 MiB of random data each,
+# `vmdisk path`), 64 readers (4 per disk, random 64 KiB reads, cold then cached) for 40 s;
+# meanwhile `vmdisk ls`, `vmdisk stats` and /metrics are timed every 0.2 s. Then the same
+# questions with no load (baseline).
+start_node "$B" node "[metrics]
+address = \"unix:$B/node/metrics.sock\""
+export VMDISK_MANAGE=$B/node/manage.sock
+DISKS=()
+for i in $(seq 1 16); do
+  head -c 64M /dev/urandom > "$B/d.raw"
+  "$VMDISK" push --format raw "$B/d.raw" "$REG/bench/load$i:1" > /dev/null
+  DISKS+=("$("$VMDISK" path "$REG/bench/load$i:1")")
+done
+rm -f "$B/d.raw"
+ask_times() {  # ask_times SECONDS OUT: times of ls, stats and a scrape, every 0.2 s
+  local end=$(( $(date +%s) + $1 ))
+  : > "$2"
+  while [ "$(date +%s)" -lt "$end" ]; do
+    for what in ls stats metrics; do
+      local t0 t1
+      t0=$(now)
+      case $what in
+        ls) "$VMDISK" ls > /dev/null ;;
+        stats) "$VMDISK" stats > /dev/null ;;
+        metrics) curl -sf --unix-socket "$B/node/metrics.sock" http://localhost/metrics > /dev/null ;;
+      esac
+      t1=$(now)
+      echo "$what $(secs "$t0" "$t1")" >> "$2"
+    done
+    sleep 0.2
+  done
+}
+ask_times 5 "$B/idle.times"
+READERS=()
+for d in "${DISKS[@]}"; do
+  for r in 1 2 3 4; do
+    fio --name=r --filename="$d" --readonly --rw=randread --bs=64k --ioengine=psync --direct=1 --runtime=40 --time_based --output-format=json > "$B/fio-$r-$(basename "$(dirname "$d")").json" 2>/dev/null &
+    READERS+=($!)
+  done
+done
+sleep 2
+ask_times 35 "$B/load.times"
+for p in "${READERS[@]}"; do wait "$p" || true; done
+python3 - "$B/idle.times" "$B/load.times" <<'PY' | tee -a "$RESULTS"
+import sys
+def pcts(path):
+    by = {}
+    for line in open(path):
+        what, t = line.split()
+        by.setdefault(what, []).append(float(t))
+    out = {}
+    for what, v in by.items():
+        v.sort()
+        out[what] = (len(v), v[len(v) // 2], v[min(len(v) - 1, int(len(v) * 0.99))], v[-1])
+    return out
+idle, load = pcts(sys.argv[1]), pcts(sys.argv[2])
+print()
+print("the control plane with 16 disks served, idle and while 64 readers (4 per disk, random 64 KiB, O_DIRECT) read them:")
+print(f"  {'':10} {'idle n':>7} {'p50 ms':>8} {'p99 ms':>8} {'load n':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+for what in ("ls", "stats", "metrics"):
+    i, l = idle[what], load[what]
+    print(f"  {what:10} {i[0]:7d} {i[1]*1000:8.0f} {i[2]*1000:8.0f} {l[0]:7d} {l[1]*1000:8.0f} {l[2]*1000:8.0f} {l[3]*1000:8.0f}")
+PY
