@@ -347,3 +347,57 @@ fn by_default_a_disk_outlives_its_registry_soon_after_its_boot() {
         "the whole disk reads right with the registry gone"
     );
 }
+
+/// The raw view of a qcow2 (what Kata boots, `vmdisk path --raw`) from a complete, verified
+/// layer whose cached chunks were damaged while no server ran: a new server serves the
+/// published bytes, fetching the damaged chunks again.
+#[test]
+fn bytes_flipped_in_the_cache_never_reach_the_raw_view() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let qcow2 = scratch.path("d.qcow2");
+    make_qcow2(&qcow2, "64M", &[]);
+    write_random(&qcow2, 1 << 20, 24 << 20, 27);
+    let raw = scratch.path("expected.raw");
+    qemu_img_raw(&qcow2, &raw);
+    let reference = format!("{}/vm/rawdamage:1", reg.host());
+    vmdisk_ok(&["push", qcow2.to_str().unwrap(), &reference]);
+    let daemon = crate::cri::Daemon::start(&scratch, "[cache]\nhydrate = \"off\"\n");
+    let out = daemon.vmdisk_ok(&["prefetch", "--wait", &reference]);
+    assert!(out.contains("chunks cached"), "{out}");
+    let path = daemon.vmdisk_ok(&["path", "--raw", &reference]);
+    assert!(files_identical(Path::new(path.trim()), &raw));
+
+    // The server goes (as in a node's reboot), once its flusher made every chunk durable (each
+    // second); the data file is damaged meanwhile.
+    std::thread::sleep(Duration::from_millis(1500));
+    let pid = daemon.disks()[0].server_pid;
+    crate::cri::run_quiet("kill", &["-KILL", &pid.to_string()]);
+    std::thread::sleep(Duration::from_millis(300));
+    let data = layer_dir(&daemon.root.join("cache")).join("data/0");
+    flip(&data, &[70_000, 5 << 20, (20 << 20) + 3]);
+    drop_caches();
+
+    let path = daemon.vmdisk_ok(&["path", "--raw", &reference]);
+    assert!(
+        files_identical(Path::new(path.trim()), &raw),
+        "the raw view serves the published bytes"
+    );
+    let disks = daemon.disks();
+    assert_ne!(disks[0].server_pid, pid, "a new server");
+    assert_eq!(disks[0].integrity, "verified");
+    let damaged: u64 = std::fs::read_dir(daemon.root.join("control"))
+        .unwrap()
+        .flatten()
+        .filter_map(|s| {
+            crate::cri::rt()
+                .block_on(vmdisk::snapshotter::control::status(&s.path()))
+                .ok()
+        })
+        .filter_map(|st| st.counters.map(|c| c.cache_damaged))
+        .sum();
+    assert_eq!(
+        damaged, 3,
+        "each damaged chunk found once, by the new server"
+    );
+}

@@ -288,13 +288,26 @@ impl LayerCache {
     /// Stores a verified chunk: writes it at `offset` of data file `file`, then marks it
     /// present (and checked) in memory and queues it for the durable bitmap. A chunk the disk
     /// has no room for is kept in memory instead ([`LayerCache::kept`]); `Ok(false)` says so.
-    pub fn write_chunk(&self, idx: usize, file: usize, offset: u64, bytes: &[u8]) -> Result<bool> {
-        let written = {
-            let mut stamp = self.stamps[file].lock();
-            let written = self.data[file].write_all_at(bytes, offset);
-            *stamp = stamp_of(&self.data[file]);
-            written
-        };
+    /// `sum`: the digest to keep for a chunk that carries none of its own
+    /// ([`LayerCache::sum`]), written first.
+    pub fn write_chunk(
+        &self,
+        idx: usize,
+        file: usize,
+        offset: u64,
+        bytes: &[u8],
+        sum: Option<&Digest>,
+    ) -> Result<bool> {
+        let written = sum
+            .map_or(Ok(()), |d| {
+                self.sums.write_all_at(d.bytes(), idx as u64 * 32)
+            })
+            .and_then(|()| {
+                let mut stamp = self.stamps[file].lock();
+                let written = self.data[file].write_all_at(bytes, offset);
+                *stamp = stamp_of(&self.data[file]);
+                written
+            });
         match written {
             Ok(()) => {
                 if self.full.swap(false, Ordering::AcqRel) {
@@ -387,14 +400,8 @@ impl LayerCache {
         true
     }
 
-    /// Keeps `digest` as the digest of chunk `idx`, which has none of its own.
-    pub fn record_sum(&self, idx: usize, digest: &Digest) -> Result<()> {
-        self.sums
-            .write_all_at(digest.bytes(), idx as u64 * 32)
-            .map_err(io(format!("writing {}/sums", self.dir.display())))
-    }
-
-    /// The digest kept for chunk `idx` ([`LayerCache::record_sum`]), if one was.
+    /// The digest kept for chunk `idx` when it was written ([`LayerCache::write_chunk`]), if
+    /// one was.
     pub fn sum(&self, idx: usize) -> Option<Digest> {
         let mut bytes = [0u8; 32];
         self.sums.read_exact_at(&mut bytes, idx as u64 * 32).ok()?;
@@ -484,9 +491,9 @@ mod tests {
             let c = LayerCache::open(dir.path(), &[4096 * 4], 4).unwrap();
             c.mark_hole(3, 0);
             assert!(c.is_present(3) && !c.is_present(0));
-            c.write_chunk(0, 0, 0, &[1u8; 4096]).unwrap();
+            c.write_chunk(0, 0, 0, &[1u8; 4096], None).unwrap();
             c.flush().unwrap();
-            c.write_chunk(1, 0, 4096, &[2u8; 4096]).unwrap();
+            c.write_chunk(1, 0, 4096, &[2u8; 4096], None).unwrap();
             assert!(c.is_present(1));
             // Simulate a crash: the process dies before the second flush.
             std::mem::forget(c);
@@ -514,7 +521,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let c = LayerCache::open(dir.path(), &[8192], 2).unwrap();
-            c.write_chunk(0, 0, 0, &[1u8; 4096]).unwrap();
+            c.write_chunk(0, 0, 0, &[1u8; 4096], None).unwrap();
         }
         let c = LayerCache::open(dir.path(), &[8192], 3).unwrap();
         assert_eq!(c.present_count(), 0);

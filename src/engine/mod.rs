@@ -571,10 +571,13 @@ impl Engine {
     /// Writes verified chunk `idx` to the cache (or keeps it in memory when the disk is full),
     /// with the digest it is checked against when read back if it carries none of its own.
     fn keep(&self, idx: usize, file: usize, offset: u64, data: &[u8]) -> Result<()> {
-        if self.layer.chunks[idx].digest.is_none() {
-            self.cache.record_sum(idx, &Digest::of(data))?;
-        }
-        let on_disk = self.cache.write_chunk(idx, file, offset, data)?;
+        let sum = self.layer.chunks[idx]
+            .digest
+            .is_none()
+            .then(|| Digest::of(data));
+        let on_disk = self
+            .cache
+            .write_chunk(idx, file, offset, data, sum.as_ref())?;
         self.stats
             .cache_full
             .store(u64::from(!on_disk), std::sync::atomic::Ordering::Relaxed);
@@ -631,6 +634,9 @@ impl Engine {
     /// of a data file someone else changed: what makes a complete file fit for passthrough
     /// ([`Engine::passthrough_file`]). Blocking; returns how many chunks it checked and how
     /// many of them were damaged.
+    ///
+    /// It goes from the end of each file backwards: a reader reading from the start meets it
+    /// in the middle instead of checking the same chunks beside it.
     pub fn check_cache(&self) -> (usize, usize) {
         let (mut checked, mut damaged) = (0, 0);
         for file in 0..self.layer.files.len() {
@@ -638,7 +644,7 @@ impl Engine {
             if self.cache.changed_since_checked(file, chunks.clone()) {
                 tracing::warn!(layer = %self.layer.meta.layer_digest, file = %self.layer.file_path(file), "the cache's data file was changed by someone else; its chunks are checked again");
             }
-            for idx in chunks {
+            for idx in chunks.rev() {
                 if self.cache.is_present(idx) && !self.cache.is_checked(idx) {
                     checked += 1;
                     damaged += usize::from(!self.check_cached(idx));

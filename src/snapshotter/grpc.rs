@@ -5,12 +5,13 @@
 use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 
 use super::filter;
 use super::store::{Kind, Record};
-use super::{blocking, control, Mount, Snapshotter};
+use super::{blocking, control, Freshness, Mount, Snapshotter};
 use crate::api::containerd::services::snapshots::v1 as pb;
 use crate::api::containerd::types::Mount as PbMount;
 use crate::api::vmdisk::v1 as mpb;
@@ -276,7 +277,7 @@ impl ManageService {
 
     async fn disk(&self, layer: &crate::digest::Digest) -> Result<Response<mpb::Disk>, Status> {
         let want = layer.to_string();
-        disks(&self.snapshotter)
+        disks(&self.snapshotter, Freshness::Now)
             .await
             .map_err(Status::from)?
             .into_iter()
@@ -288,12 +289,17 @@ impl ManageService {
     }
 }
 
+/// How long `vmdisk ls` and `/metrics` wait for each server before they show what it told the
+/// daemon's collector last.
+pub const LISTED: Freshness = Freshness::Prompt(Duration::from_millis(50));
+
 /// What the management API and the metrics report about remote layers: the records, and
-/// what each layer's server says now (asked all at once, each under the call deadline).
-pub async fn disks(s: &Arc<Snapshotter>) -> crate::error::Result<Vec<mpb::Disk>> {
+/// what each layer's server says (asked all at once, each under the call deadline, or as
+/// `fresh` says).
+pub async fn disks(s: &Arc<Snapshotter>, fresh: Freshness) -> crate::error::Result<Vec<mpb::Disk>> {
     let me = Arc::clone(s);
     let layers = blocking(move || me.remote_layers()).await?;
-    let mut statuses = s.statuses(layers.keys().copied()).await;
+    let mut statuses = s.statuses(layers.keys().copied(), fresh).await;
     let cache_dir = s.cache_dir().to_path_buf();
     let keys: Vec<_> = layers.keys().copied().collect();
     let last_used = blocking(move || {
@@ -456,7 +462,9 @@ impl mpb::manage_server::Manage for ManageService {
         &self,
         _request: Request<mpb::ListDisksRequest>,
     ) -> Result<Response<mpb::ListDisksResponse>, Status> {
-        let disks = disks(&self.snapshotter).await.map_err(Status::from)?;
+        let disks = disks(&self.snapshotter, LISTED)
+            .await
+            .map_err(Status::from)?;
         Ok(Response::new(mpb::ListDisksResponse { disks }))
     }
 }

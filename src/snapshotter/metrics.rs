@@ -13,7 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::counters::LAYER_COUNTERS;
-use super::grpc::disks;
+use super::grpc::{disks, LISTED};
 use super::Snapshotter;
 use crate::error::{Error, Result};
 
@@ -38,7 +38,7 @@ fn gauge(value: usize) -> Gauge {
 
 /// Renders every metric. What it shows is kept first (no later restart shows less).
 pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
-    let disks = disks(s).await?;
+    let disks = disks(s, LISTED).await?;
     s.save_counters().await?;
     let me = Arc::clone(s);
     let records = super::blocking(move || me.list()).await?;

@@ -74,6 +74,20 @@ pub struct Snapshotter {
     cache: CacheSettings,
     /// Which namespace's pulls granted what.
     pub tenants: Tenants,
+    /// What each layer's server said last ([`Snapshotter::statuses`]).
+    recent: parking_lot::Mutex<HashMap<crate::digest::Digest, control::LayerStatus>>,
+}
+
+/// How long to wait for the statuses of layers' servers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Freshness {
+    /// Until each answers (or its call deadline): what is about to be acted on.
+    Now,
+    /// At most this long: a server busy serving reads that has not answered by then is shown
+    /// as it answered the daemon's collector last, at most [`daemon::COLLECT_EVERY`] before
+    /// (`vmdisk ls`, `/metrics`: a loaded node answers at once). A server with no such answer
+    /// is waited for.
+    Prompt(std::time::Duration),
 }
 
 /// Who asks for a disk through the management API.
@@ -133,6 +147,7 @@ impl Snapshotter {
             overlay_index_off: Path::new("/sys/module/overlay/parameters/index").exists(),
             cache,
             tenants,
+            recent: parking_lot::Mutex::new(HashMap::new()),
         })
     }
 
@@ -749,19 +764,49 @@ impl Snapshotter {
 
     /// What each of `layers`' servers says now (`None`: no server answered within the call
     /// deadline), asked all at once; their counters are taken in.
+    /// `fresh`: how long to wait for them.
     pub async fn statuses(
         &self,
         layers: impl IntoIterator<Item = crate::digest::Digest>,
+        fresh: Freshness,
     ) -> HashMap<crate::digest::Digest, Option<control::LayerStatus>> {
         let asked = layers.into_iter().map(|layer| async move {
-            let status = self.servers.status(&layer).await;
-            (layer, status)
+            let recent = match fresh {
+                Freshness::Prompt(wait) => {
+                    self.recent.lock().get(&layer).cloned().map(|r| (wait, r))
+                }
+                Freshness::Now => None,
+            };
+            let status = match recent {
+                Some((wait, recent)) => {
+                    match tokio::time::timeout(wait, self.servers.status(&layer)).await {
+                        Ok(status) => status,
+                        Err(_) => return (layer, Some(recent), false),
+                    }
+                }
+                None => self.servers.status(&layer).await,
+            };
+            (layer, status, true)
         });
         let answers = futures_util::future::join_all(asked).await;
-        for status in answers.iter().filter_map(|(_, s)| s.as_ref()) {
-            self.observe(status);
-        }
-        answers.into_iter().collect()
+        let mut recent = self.recent.lock();
+        answers
+            .into_iter()
+            .map(|(layer, status, answered)| {
+                if answered {
+                    match &status {
+                        Some(status) => {
+                            self.observe(status);
+                            recent.insert(layer, status.clone());
+                        }
+                        None => {
+                            recent.remove(&layer);
+                        }
+                    }
+                }
+                (layer, status)
+            })
+            .collect()
     }
 
     /// Writes the counters if they changed, off the async workers.
