@@ -220,16 +220,10 @@ fn stopping_during_fetches_never_panics() {
         let ready = lines
             .find_map(|l| l.ok().filter(|l| l.starts_with("ready: ")))
             .expect("the mount becomes ready");
-        let path = ready
-            .split(" at ")
-            .nth(1)
-            .unwrap()
-            .split(" (")
-            .next()
-            .unwrap();
+        let path = disk_of_ready_line(&ready);
         // A sequential reader starts read-ahead; it stops and closes, then the signal.
         {
-            let f = std::fs::File::open(path).unwrap();
+            let f = std::fs::File::open(&path).unwrap();
             let mut buf = vec![0u8; 1 << 20];
             let start = (next() % 32) << 20;
             for i in 0..6 {

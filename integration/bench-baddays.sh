@@ -80,15 +80,7 @@ for i in $(seq 0 7); do
 done
 rm "$B/piece"
 "$VMDISK" push "$DISK" "$REG/bench/hboot:1" > /dev/null
-python3 - "$B/workload" <<'PY'
-import random, sys
-random.seed(2026)
-clusters = (2 << 30) // 65536
-picks = random.sample(range(clusters), clusters * 1 // 100)
-with open(sys.argv[1], "w") as f:
-    for c in picks:
-        f.write(f"read -q {c * 65536} 65536\n")
-PY
+boot_workload "$B/workload" 1
 BOOT_ROWS=()
 boot() {  # boot MODE
   local m t0 t1 t2 ready bootset bytes whole=-

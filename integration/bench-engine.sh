@@ -20,15 +20,7 @@ for i in $(seq 0 15); do
 done
 rm "$B/piece"
 DSIZE=$(stat -c %s "$DISK")
-python3 - "$B/workload" <<'PY'
-import random, sys
-random.seed(2026)
-clusters = (2 << 30) // 65536
-picks = random.sample(range(clusters), clusters * 5 // 100)
-with open(sys.argv[1], "w") as f:
-    for c in picks:
-        f.write(f"read -q {c * 65536} 65536\n")
-PY
+boot_workload "$B/workload" 5
 workload() {  # workload FORMAT TARGET
   qemu-img info -f "$1" "$2" > /dev/null
   qemu-io -r -f "$1" "$2" < "$B/workload" > /dev/null

@@ -102,6 +102,20 @@ random_qcow2() {
 }
 
 # free_port: a free TCP port on loopback.
+# boot_workload FILE PERCENT: a qemu-io script reading PERCENT% of a 2 GiB guest's 64 KiB
+# clusters at scattered offsets (seeded: the same set every run), a boot-like read set.
+boot_workload() {
+  python3 - "$1" "$2" <<'PY'
+import random, sys
+random.seed(2026)
+clusters = (2 << 30) // 65536
+picks = random.sample(range(clusters), clusters * int(sys.argv[2]) // 100)
+with open(sys.argv[1], "w") as f:
+    for c in picks:
+        f.write(f"read -q {c * 65536} 65536\n")
+PY
+}
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # start_registry DIR: a registry (CNCF distribution) on a free loopback port storing in

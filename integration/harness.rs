@@ -841,6 +841,16 @@ impl FaultProxy {
     }
 }
 
+/// The disk's path on the mount that `vmdisk mount`'s `ready: … at PATH (…)` line names.
+pub fn disk_of_ready_line(line: &str) -> PathBuf {
+    let path = line
+        .split(" at ")
+        .nth(1)
+        .and_then(|rest| rest.split(" (").next())
+        .unwrap_or_else(|| panic!("not a ready line: {line:?}"));
+    PathBuf::from(path)
+}
+
 /// A running `vmdisk mount` in the foreground, stopped with SIGINT.
 pub struct Mount {
     child: Option<Child>,
@@ -885,14 +895,7 @@ impl Mount {
             disk: PathBuf::new(),
         };
         let ready = mount.wait_for("ready: ", Duration::from_secs(60));
-        let path = ready
-            .split(" at ")
-            .nth(1)
-            .unwrap()
-            .split(" (")
-            .next()
-            .unwrap();
-        mount.disk = PathBuf::from(path);
+        mount.disk = disk_of_ready_line(&ready);
         mount
     }
 
