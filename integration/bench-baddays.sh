@@ -118,7 +118,7 @@ fi
 # meanwhile `vmdisk ls`, `vmdisk stats` and /metrics are timed every 0.2 s. Then the same
 # questions with no load (baseline).
 if part control; then
-start_node "$B" node "[metrics]
+NODE_HYDRATE=background start_node "$B" node "[metrics]
 address = \"unix:$B/node/metrics.sock\""
 export VMDISK_MANAGE=$B/node/manage.sock
 DISKS=()

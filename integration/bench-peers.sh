@@ -150,9 +150,9 @@ node() {  # node DIR SNAPSHOTTER BACKGROUND
       "$STARGZ" --address "$dir/sn.sock" --root "$dir/stargz" --config "$dir/stargz.toml" --log-level warn > "$dir/sn.log" 2>&1 &
       PIDS+=($!); sock=$dir/sn.sock ;;
     vmdisk)
-      local extra=""
-      [ "$bg" = on ] && extra=$'[cache]\nhydrate = "background"'
-      start_node "$dir" vmdisk "$extra" "$dir/root"
+      local hydrate=off
+      [ "$bg" = on ] && hydrate=background
+      NODE_HYDRATE=$hydrate start_node "$dir" vmdisk "" "$dir/root"
       sock=$dir/vmdisk/vmdisk.sock ;;
     overlayfs) ;;
   esac

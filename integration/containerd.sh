@@ -152,7 +152,10 @@ registry_bytes_since() {
 # node with a cold cache): snapshots socket DIR/NAME/vmdisk.sock, management socket
 # DIR/NAME/manage.sock, log DIR/NAME/vmdisk.log (info); EXTRA (TOML) is appended to its
 # configuration; CONTAINERD_ROOT is the root of the containerd that pulls through it (whose
-# content store it reads manifests from, as on a node). Needs $SNAPSHOTTER.
+# content store it reads manifests from, as on a node). Needs $SNAPSHOTTER. Its `[cache]
+# hydrate` is $NODE_HYDRATE, `off` unless set: the benches and the demo measure what a boot or a
+# pull fetches and how long it takes, and background hydration (the daemon's default) would
+# fetch the rest meanwhile and share the link; bench-baddays.sh measures what it costs.
 start_node() {
   local dir=$1/$2 ctd_root=${4:-$1/$2/no-containerd}
   mkdir -p "$dir"
@@ -166,6 +169,8 @@ log_level = "info"
 hosts_dir = "$dir/no-hosts.d"
 [containerd]
 root = "$ctd_root"
+[cache]
+hydrate = "${NODE_HYDRATE:-off}"
 ${3:-}
 TOML
   "$SNAPSHOTTER" --config "$dir/vmdisk.toml" 2> "$dir/vmdisk.log" &
