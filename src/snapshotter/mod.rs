@@ -763,8 +763,8 @@ impl Snapshotter {
     }
 
     /// What each of `layers`' servers says now (`None`: no server answered within the call
-    /// deadline), asked all at once; their counters are taken in.
-    /// `fresh`: how long to wait for them.
+    /// deadline), asked all at once; their counters are taken in. `fresh`: how long to wait
+    /// for them. `layers` are every recorded layer (the answers kept for others are dropped).
     pub async fn statuses(
         &self,
         layers: impl IntoIterator<Item = crate::digest::Digest>,
@@ -790,6 +790,8 @@ impl Snapshotter {
         });
         let answers = futures_util::future::join_all(asked).await;
         let mut recent = self.recent.lock();
+        // Callers ask for every recorded layer: what no longer is one is forgotten.
+        recent.retain(|layer, _| answers.iter().any(|(asked, _, _)| asked == layer));
         answers
             .into_iter()
             .map(|(layer, status, answered)| {
