@@ -475,7 +475,7 @@ impl Read for Stream<'_> {
                     {
                         let e = Error::new(
                             ErrorKind::Io,
-                            format!("cached chunk {idx} was damaged; it is fetched again"),
+                            format!("cached chunk {idx} was damaged; the check waits until it is fetched again (by a read or hydration)"),
                         );
                         let text = e.chain();
                         self.cache_error = Some(e);
