@@ -141,8 +141,10 @@ fn a_read_with_the_registry_gone_ends_within_the_fetch_timeout() {
         Err(Some(libc::EIO)),
         "the read fails with EIO"
     );
+    // 4 s and the tries' own time (a refused connection is instant), with room for a busy
+    // machine; twice the deadline (the kernel's second read waiting again) is 8 s.
     assert!(
-        took < Duration::from_millis(5500),
+        took < Duration::from_secs(6),
         "the read ended after {took:?}, more than --fetch-timeout 4 s and one try"
     );
     drop(mounted);
