@@ -534,7 +534,7 @@ impl Serving {
         tokio::task::spawn_blocking(move || engine.cache.flush())
             .await
             .map_err(|e| Error::new(ErrorKind::Io, "flushing the cache").with_source(e))??;
-        Ok(self.engine.stats.snapshot())
+        Ok(self.engine.counters())
     }
 }
 

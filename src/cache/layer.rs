@@ -30,6 +30,8 @@ const BITMAP_HEADER: u64 = 16;
 struct Pending {
     chunks: Vec<usize>,
     files: BTreeSet<usize>,
+    /// Whether `sums` was written since the last flush.
+    sums: bool,
 }
 
 struct Durable {
@@ -287,7 +289,7 @@ impl LayerCache {
 
     /// Stores a verified chunk: writes it at `offset` of data file `file`, then marks it
     /// present (and checked) in memory and queues it for the durable bitmap. A chunk the disk
-    /// has no room for is kept in memory instead ([`LayerCache::kept`]); `Ok(false)` says so.
+    /// has no room for is kept in memory instead ([`LayerCache::kept`], [`LayerCache::full`]).
     /// `sum`: the digest to keep for a chunk that carries none of its own
     /// ([`LayerCache::sum`]), written first.
     pub fn write_chunk(
@@ -297,9 +299,10 @@ impl LayerCache {
         offset: u64,
         bytes: &[u8],
         sum: Option<&Digest>,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let written = sum
             .map_or(Ok(()), |d| {
+                self.pending.lock().sums = true;
                 self.sums.write_all_at(d.bytes(), idx as u64 * 32)
             })
             .and_then(|()| {
@@ -316,7 +319,7 @@ impl LayerCache {
                 self.spill.lock().take(idx);
                 self.now_present(idx, file);
                 self.mark_checked(idx);
-                Ok(true)
+                Ok(())
             }
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
                 if !self.full.swap(true, Ordering::AcqRel) {
@@ -324,7 +327,7 @@ impl LayerCache {
                 }
                 self.unstored.fetch_add(1, Ordering::AcqRel);
                 self.spill.lock().put(idx, bytes);
-                Ok(false)
+                Ok(())
             }
             Err(e) => Err(Error::io(
                 format!("writing chunk {idx} to {}/data/{file}", self.dir.display()),
@@ -452,9 +455,11 @@ impl LayerCache {
                 .sync_data()
                 .map_err(io(format!("syncing {}/data/{f}", self.dir.display())))?;
         }
-        self.sums
-            .sync_data()
-            .map_err(io(format!("syncing {}/sums", self.dir.display())))?;
+        if pending.sums {
+            self.sums
+                .sync_data()
+                .map_err(io(format!("syncing {}/sums", self.dir.display())))?;
+        }
         let mut d = self.durable.lock();
         let (mut lo, mut hi) = (usize::MAX, 0);
         for &idx in &pending.chunks {

@@ -575,13 +575,16 @@ impl Engine {
             .digest
             .is_none()
             .then(|| Digest::of(data));
-        let on_disk = self
-            .cache
-            .write_chunk(idx, file, offset, data, sum.as_ref())?;
-        self.stats
-            .cache_full
-            .store(u64::from(!on_disk), std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        self.cache
+            .write_chunk(idx, file, offset, data, sum.as_ref())
+    }
+
+    /// The engine's counters now, with whether the cache's disk is full.
+    pub fn counters(&self) -> stats::StatsSnapshot {
+        stats::StatsSnapshot {
+            cache_full: u64::from(self.cache.full()),
+            ..self.stats.snapshot()
+        }
     }
 
     /// The digest present chunk `idx`'s cached bytes must have: its own, or the one kept when
@@ -602,12 +605,12 @@ impl Engine {
         let why = match (read, self.cached_digest(idx)) {
             (Err(e), _) => e.chain(),
             (Ok(()), None) => "no digest was kept for it".to_string(),
-            (Ok(()), Some(digest)) => match Digest::of(&data) == digest {
-                true => {
+            (Ok(()), Some(digest)) => match Digest::of(&data) {
+                got if got == digest => {
                     self.cache.mark_checked(idx);
                     return true;
                 }
-                false => format!("its bytes hash to {}, not {digest}", Digest::of(&data)),
+                got => format!("its bytes hash to {got}, not {digest}"),
             },
         };
         // Counted and logged once however many readers found it at the same time.
@@ -668,11 +671,16 @@ impl Engine {
         ready.then(|| self.cache.data_file(file))
     }
 
-    /// Copies bytes `offset..` of file `file` into `buf` from where its chunks are kept;
-    /// false if one is kept nowhere (it went from memory meanwhile).
-    fn copy_out(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<bool> {
+    /// Copies bytes `offset..` of file `file`, which `chunks` hold, into `buf` from where those
+    /// are kept; false if one is kept nowhere (it went from memory meanwhile).
+    fn copy_out(
+        &self,
+        file: usize,
+        chunks: Range<usize>,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<bool> {
         let end = offset + buf.len() as u64;
-        let chunks = self.layer.chunks_for(file, offset..end);
         if chunks.clone().all(|i| self.cache.is_present(i)) {
             self.cache.read_at(file, buf, offset)?;
             return Ok(true);
@@ -818,7 +826,7 @@ impl Engine {
                 if !self.check_present(chunks.clone()) {
                     return Ok(false);
                 }
-                self.copy_out(file, offset, &mut buf)
+                self.copy_out(file, chunks.clone(), offset, &mut buf)
             })?;
             if done {
                 return Ok(buf);
@@ -857,12 +865,12 @@ impl Engine {
             return Some(Ok(()));
         }
         let chunks = self.layer.chunks_for(file, offset..end);
-        if !chunks.clone().all(|i| self.cache.is_kept(i)) || !self.check_present(chunks) {
+        if !chunks.clone().all(|i| self.cache.is_kept(i)) || !self.check_present(chunks.clone()) {
             return None;
         }
         let start = out.len();
         out.resize(start + (end - offset) as usize, 0);
-        match self.copy_out(file, offset, &mut out[start..]) {
+        match self.copy_out(file, chunks, offset, &mut out[start..]) {
             Ok(true) => {
                 self.note_read(file, offset..end);
                 Some(Ok(()))
@@ -972,8 +980,7 @@ impl Engine {
 
     /// Waits until no reader has had to fetch for [`READERS_REST`]: background hydration
     /// starts, and goes on, only while the readers (a booting guest) need nothing from the
-    /// registry.
-    /// Whether it waited.
+    /// registry. Whether it waited.
     async fn wait_until_readers_rest(&self) -> bool {
         let mut waited = false;
         loop {

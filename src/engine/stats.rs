@@ -42,9 +42,6 @@ pub struct Stats {
     /// Cached chunks whose bytes were not what was verified when read back (each is fetched
     /// again).
     pub cache_damaged: AtomicU64,
-    /// 1 while the cache's disk has no room for chunks (they are answered from memory), else
-    /// 0: a gauge.
-    pub cache_full: AtomicU64,
 }
 
 /// A point-in-time copy of [`Stats`], for printing.
@@ -68,6 +65,8 @@ pub struct StatsSnapshot {
     pub integrity_failures: u64,
     #[serde(default)]
     pub cache_damaged: u64,
+    /// 1 while the cache's disk has no room for chunks (they are answered from memory), else
+    /// 0: a gauge the engine fills in ([`crate::engine::Engine::counters`]), not kept here.
     #[serde(default)]
     pub cache_full: u64,
 }
@@ -98,7 +97,7 @@ impl Stats {
             passthrough_opens: g(&self.passthrough_opens),
             integrity_failures: g(&self.integrity_failures),
             cache_damaged: g(&self.cache_damaged),
-            cache_full: g(&self.cache_full),
+            cache_full: 0,
         }
     }
 }

@@ -354,7 +354,7 @@ pub fn layer_counters(engine: &crate::engine::Engine) -> LayerCounters {
                 bytes: c.bytes,
             })
             .collect(),
-        ..engine.stats.snapshot().into()
+        ..engine.counters().into()
     }
 }
 

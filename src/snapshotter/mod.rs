@@ -790,9 +790,7 @@ impl Snapshotter {
         });
         let answers = futures_util::future::join_all(asked).await;
         let mut recent = self.recent.lock();
-        // Callers ask for every recorded layer: what no longer is one is forgotten.
-        recent.retain(|layer, _| answers.iter().any(|(asked, _, _)| asked == layer));
-        answers
+        let statuses: HashMap<_, _> = answers
             .into_iter()
             .map(|(layer, status, answered)| {
                 if answered {
@@ -808,7 +806,10 @@ impl Snapshotter {
                 }
                 (layer, status)
             })
-            .collect()
+            .collect();
+        // Callers ask for every recorded layer: what no longer is one is forgotten.
+        recent.retain(|layer, _| statuses.contains_key(layer));
+        statuses
     }
 
     /// Writes the counters if they changed, off the async workers.
