@@ -70,8 +70,33 @@ fn matrix(release: Release) {
     let disk_len = std::fs::metadata(&disk).unwrap().len();
     let want = sha256_file(&disk);
 
-    // A CRI pull as kubelet makes it for any pod: lazy.
+    // An ordinary container image costs vmdisk no request: the registry sees containerd's
+    // alone, and the decision says what the image is.
     let registry_log = reg.root.join("registry.log");
+    let vmdisk_asked = |since: usize| -> Vec<String> {
+        let log = std::fs::read_to_string(&registry_log).unwrap();
+        log[since..]
+            .lines()
+            .filter(|l| l.contains("\"vmdisk/"))
+            .map(str::to_string)
+            .collect()
+    };
+    let logged = std::fs::read_to_string(&registry_log).unwrap().len();
+    ctd.pull(&format!("{}/busybox:1", reg.host()))
+        .unwrap_or_else(|e| panic!("{release:?} PullImage busybox: {e}\n{}", daemon.log_text()));
+    let asked = vmdisk_asked(logged);
+    assert!(
+        asked.is_empty(),
+        "{release:?}: vmdisk asked the registry for an ordinary image: {asked:?}"
+    );
+    assert_eq!(
+        daemon.decisions().get("ordinary:not_disk_image"),
+        Some(&1),
+        "{release:?}: {:?}",
+        daemon.decisions()
+    );
+
+    // A CRI pull as kubelet makes it for any pod: lazy.
     let logged = std::fs::read_to_string(&registry_log).unwrap().len();
     let before = proxy.bytes_to_client();
     ctd.pull(&image).unwrap_or_else(|e| {

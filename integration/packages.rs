@@ -259,7 +259,7 @@ fn the_deb_passes_lintian_installs_serves_containerd_and_leaves_it_running() {
             )
         });
     assert!(
-        stats().contains("ordinary:no_index"),
+        stats().contains("ordinary:not_disk_image"),
         "the pull did not go through vmdisk"
     );
 

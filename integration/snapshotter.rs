@@ -554,10 +554,14 @@ fn cri_pull_is_lazy_and_kubevirt_reads_the_whole_disk() {
         &logs,
     );
     let decisions = daemon.decisions();
-    // The pause and busybox images share their one layer: one ordinary decision for both (a
-    // gzip layer with no seekable index published).
+    // The pause and busybox images share their one layer: one ordinary decision for both
+    // (images that run a program, not disk images).
     assert!(
-        decisions.get("ordinary:no_index").copied().unwrap_or(0) >= 1,
+        decisions
+            .get("ordinary:not_disk_image")
+            .copied()
+            .unwrap_or(0)
+            >= 1,
         "{decisions:?}"
     );
     assert!(

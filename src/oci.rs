@@ -198,6 +198,31 @@ pub fn config_platform(config: &[u8]) -> Option<Platform> {
     })
 }
 
+/// Whether an image config sets a program to run (a non-empty `Entrypoint` or `Cmd`): what
+/// every ordinary container image does and a data image (`FROM scratch` and files: a
+/// containerDisk, a peer-pod VM image) does not. A config that does not parse sets none.
+pub fn config_runs_program(config: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Image {
+        #[serde(default)]
+        config: Option<Runtime>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "PascalCase")]
+    struct Runtime {
+        #[serde(default)]
+        entrypoint: Option<Vec<String>>,
+        #[serde(default)]
+        cmd: Option<Vec<String>>,
+    }
+    serde_json::from_slice::<Image>(config)
+        .ok()
+        .and_then(|i| i.config)
+        .is_some_and(|r| {
+            r.entrypoint.is_some_and(|e| !e.is_empty()) || r.cmd.is_some_and(|c| !c.is_empty())
+        })
+}
+
 /// The runtime part of an image config.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase")]

@@ -33,6 +33,8 @@ pub struct Images {
     pub checks: AtomicU32,
     /// Range requests answered.
     pub ranges: AtomicU32,
+    /// Referrers lookups asked.
+    pub lookups: AtomicU32,
 }
 
 /// A client of [`Images`]: the node's (no credentials) or one with grants.
@@ -169,6 +171,7 @@ impl Registry for MemoryRegistry {
         artifact_types: &'a [&'a str],
     ) -> BoxFuture<'a, Result<Vec<Descriptor>>> {
         Box::pin(async move {
+            self.lookups.fetch_add(1, Ordering::SeqCst);
             self.check(r)?;
             Ok(self
                 .referrers

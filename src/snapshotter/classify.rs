@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -38,11 +39,78 @@ pub enum Decision {
     /// Let containerd download and apply it. `candidate`: the layer looked like a published
     /// disk (our labels), so this is a fallback worth a warning.
     Ordinary {
-        reason: &'static str,
+        reason: Reason,
         detail: String,
         candidate: bool,
     },
 }
+
+/// Why a layer is left to containerd: the name its decision is counted and logged by
+/// (`ordinary:<reason>`, `fallback:<reason>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// No CRI image labels: a `ctr` pull, or `disable_snapshot_annotations = true`.
+    NoCriLabels,
+    /// CRI labels that do not parse.
+    MalformedLabels,
+    /// The registry could not be asked (or answered wrongly).
+    RegistryError,
+    /// The manifest does not list the layer the labels name.
+    LayerNotInManifest,
+    /// The image runs a program (its config sets `Entrypoint` or `Cmd`): an ordinary container
+    /// image, not a VM disk image, so no seekable index is searched for.
+    NotDiskImage,
+    /// Not the layer a disk image's disk would be in (below the topmost tar layer, or no layer
+    /// with a TOC and no tar layer).
+    NotLazy,
+    /// The image has a disk layer, and this is another one.
+    NotDiskLayer,
+    /// A disk image with no (usable) seekable index.
+    NoIndex,
+    /// The image's disk cannot be read lazily as published.
+    InvalidImage,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::NoCriLabels => "no_cri_labels",
+            Reason::MalformedLabels => "malformed_labels",
+            Reason::RegistryError => "registry_error",
+            Reason::LayerNotInManifest => "layer_not_in_manifest",
+            Reason::NotDiskImage => "not_disk_image",
+            Reason::NotLazy => "not_lazy",
+            Reason::NotDiskLayer => "not_disk_layer",
+            Reason::NoIndex => "no_index",
+            Reason::InvalidImage => "invalid_image",
+        }
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Which images the classifier searches a seekable index for (`[registry] index_search`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IndexSearch {
+    /// Images that run no program (a config with neither `Entrypoint` nor `Cmd`): what
+    /// KubeVirt containerDisks, peer-pod VM images and image-volume data images are (`FROM
+    /// scratch` and a disk). An ordinary container image costs no registry request.
+    #[default]
+    DataImages,
+    /// Every image's topmost tar layer (a disk image built on a base that sets a command).
+    AllImages,
+}
+
+/// How long a search that found no seekable index is believed, per repository and manifest:
+/// the image's other layers, a second pull and the pause image sharing a layer ask no more.
+const NO_INDEX_KEPT: Duration = Duration::from_secs(300);
+/// Most such answers kept (the labels come from outside).
+const NO_INDEX_ANSWERS: usize = 1024;
 
 /// Manifests kept in memory, by reference; bounded because the labels come from outside.
 const MANIFEST_CACHE: usize = 64;
@@ -98,7 +166,10 @@ pub struct Classifier {
     content: Option<ContentStore>,
     /// The node's signature policy.
     trust: Arc<Verifier>,
+    search: IndexSearch,
     manifests: Mutex<HashMap<String, Arc<oci::Manifest>>>,
+    /// Searches that found no seekable index, by image (repository@manifest digest), and when.
+    no_index: Mutex<HashMap<String, Instant>>,
 }
 
 impl Classifier {
@@ -108,8 +179,16 @@ impl Classifier {
             cache,
             content: None,
             trust,
+            search: IndexSearch::default(),
             manifests: Mutex::new(HashMap::new()),
+            no_index: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Which images a seekable index is searched for.
+    pub fn with_index_search(mut self, search: IndexSearch) -> Self {
+        self.search = search;
+        self
     }
 
     /// Reads manifests and configs from containerd's `content` store when it has them (used
@@ -170,6 +249,34 @@ impl Classifier {
         Ok(manifest)
     }
 
+    /// Why `manifest`'s image (one with no TOC) is not searched for a seekable index, if it is
+    /// not: under [`IndexSearch::DataImages`], an image whose config (containerd holds it
+    /// before it unpacks) sets a program to run is an ordinary container image.
+    async fn not_a_disk_image(
+        &self,
+        client: &dyn Registry,
+        reference: &Reference,
+        manifest: &oci::Manifest,
+    ) -> Option<(Reason, String)> {
+        if self.search == IndexSearch::AllImages || crate::format::artifact::is_artifact(manifest) {
+            return None;
+        }
+        match crate::resolve::image_config(client, self.cache(), reference, manifest).await {
+            Ok(config) if oci::config_runs_program(&config) => Some((
+                Reason::NotDiskImage,
+                format!("{reference} runs a program (its config sets Entrypoint or Cmd), so it is an ordinary container image; a disk image built on such a base is searched for a seekable index with [registry] index_search = \"all-images\""),
+            )),
+            Ok(_) => None,
+            Err(e) => Some((Reason::RegistryError, e.chain())),
+        }
+    }
+
+    /// How long ago a search for `image`'s seekable index found none, if that is recent.
+    fn searched_in_vain(&self, image: &str) -> Option<Duration> {
+        let ago = self.no_index.lock().get(image)?.elapsed();
+        (ago < NO_INDEX_KEPT).then_some(ago)
+    }
+
     /// Classifies the layer a Prepare with `labels` is about to unpack, fetching what it needs
     /// with `client` (the node's credentials and those of the pull in flight). Manifests,
     /// configs and TOCs are verified by digest, whoever fetched them, so what was kept from an
@@ -182,7 +289,7 @@ impl Classifier {
         let candidate = labels
             .keys()
             .any(|k| k.starts_with(crate::format::layout::ANN_PREFIX));
-        let ordinary = |reason: &'static str, detail: String| Decision::Ordinary {
+        let ordinary = |reason: Reason, detail: String| Decision::Ordinary {
             reason,
             detail,
             candidate,
@@ -193,7 +300,7 @@ impl Classifier {
             labels.get(LABEL_LAYER),
         ) else {
             return ordinary(
-                "no_cri_labels",
+                Reason::NoCriLabels,
                 "no CRI image labels (a `ctr` pull, or disable_snapshot_annotations = true)".into(),
             );
         };
@@ -205,35 +312,53 @@ impl Classifier {
         })();
         let (reference, layer) = match parsed {
             Ok(p) => p,
-            Err(e) => return ordinary("malformed_labels", e.chain()),
+            Err(e) => return ordinary(Reason::MalformedLabels, e.chain()),
         };
         let manifest = match self.manifest(client, &reference).await {
             Ok(m) => m,
-            Err(e) => return ordinary("registry_error", e.chain()),
+            Err(e) => return ordinary(Reason::RegistryError, e.chain()),
         };
         if !manifest.layers.iter().any(|l| l.digest == layer) {
             return ordinary(
-                "layer_not_in_manifest",
+                Reason::LayerNotInManifest,
                 format!("{reference} has no layer {layer}"),
             );
         }
         let manifest_digest = reference.digest.expect("the reference is pinned above");
-        let disk =
-            match crate::resolve::disk_layer(&manifest) {
-                Some(disk) => disk,
-                None => match crate::resolve::indexable_layer(&manifest) {
+        let disk = match crate::resolve::disk_layer(&manifest) {
+            Some(disk) => disk,
+            None => {
+                // No layer with a TOC: the disk, if any, is read through a seekable index.
+                if let Some((reason, detail)) =
+                    self.not_a_disk_image(client, &reference, &manifest).await
+                {
+                    return ordinary(reason, detail);
+                }
+                match crate::resolve::indexable_layer(&manifest) {
                     Some((_, ordinary, _)) if ordinary.digest == layer => ordinary,
                     _ => return ordinary(
-                        "not_lazy",
+                        Reason::NotLazy,
                         "no zstd:chunked layer with a TOC, and this is not the topmost tar layer"
                             .into(),
                     ),
-                },
-            };
+                }
+            }
+        };
         if disk.digest != layer {
-            return ordinary("not_disk_layer", "another layer holds the disk".into());
+            return ordinary(Reason::NotDiskLayer, "another layer holds the disk".into());
         }
-        match crate::resolve::disk_layer_id(
+        let searched = reference.to_string();
+        if let Some(ago) = self.searched_in_vain(&searched) {
+            return ordinary(
+                Reason::NoIndex,
+                format!(
+                    "no seekable index was found for {reference} {} s ago (searched again {} s after that)",
+                    ago.as_secs(),
+                    NO_INDEX_KEPT.as_secs()
+                ),
+            );
+        }
+        let found = crate::resolve::disk_layer_id(
             client,
             self.cache(),
             &self.trust,
@@ -242,18 +367,31 @@ impl Classifier {
             manifest_digest,
             None,
         )
-        .await
+        .await;
+        if found
+            .as_ref()
+            .is_err_and(|e| e.kind() == ErrorKind::NotFound)
         {
+            let mut kept = self.no_index.lock();
+            if kept.len() >= NO_INDEX_ANSWERS {
+                kept.retain(|_, at| at.elapsed() < NO_INDEX_KEPT);
+                if kept.len() >= NO_INDEX_ANSWERS {
+                    kept.clear();
+                }
+            }
+            kept.insert(searched, Instant::now());
+        }
+        match found {
             Ok((_, meta)) => Decision::Remote {
                 reference,
                 layer: meta.id().key(),
             },
             Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::BadAnswer) => {
-                ordinary("registry_error", e.chain())
+                ordinary(Reason::RegistryError, e.chain())
             }
             // An ordinary layer without a (usable) seekable index: the usual case.
-            Err(e) if e.kind() == ErrorKind::NotFound => ordinary("no_index", e.chain()),
-            Err(e) => ordinary("invalid_image", e.chain()),
+            Err(e) if e.kind() == ErrorKind::NotFound => ordinary(Reason::NoIndex, e.chain()),
+            Err(e) => ordinary(Reason::InvalidImage, e.chain()),
         }
     }
 }

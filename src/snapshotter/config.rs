@@ -126,6 +126,9 @@ pub struct RegistrySettings {
     /// Repositories (`registry/repository`) searched for the seekable index of an ordinary
     /// disk image after the image's own (`vmdisk index --to`), in order.
     pub index_repositories: Vec<String>,
+    /// Which images are searched for a seekable index: `data-images` (those that run no
+    /// program: containerDisks, VM images) or `all-images`.
+    pub index_search: super::classify::IndexSearch,
 }
 
 /// The Prometheus endpoint.
@@ -177,6 +180,7 @@ impl Default for RegistrySettings {
             fetch_timeout: 30,
             mount_timeout: 60,
             index_repositories: Vec::new(),
+            index_search: Default::default(),
         }
     }
 }
@@ -404,6 +408,16 @@ mod tests {
         let e = parse("[registry]\nindex_repositories = [\"r.example/i:tag\"]").unwrap_err();
         assert!(e.to_string().contains("index_repositories"), "{e}");
         let c = parse("[registry]\nindex_repositories = [\"r.example/team/indexes\"]").unwrap();
+        assert_eq!(
+            c.registry.index_search,
+            super::super::classify::IndexSearch::DataImages
+        );
+        let c2 = parse("[registry]\nindex_search = \"all-images\"").unwrap();
+        assert_eq!(
+            c2.registry.index_search,
+            super::super::classify::IndexSearch::AllImages
+        );
+        assert!(parse("[registry]\nindex_search = \"some\"").is_err());
         assert_eq!(
             c.registry_config().index_repositories[0].repository,
             "team/indexes"

@@ -114,6 +114,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     );
     let signatures = config.signatures.clone();
     let containerd_root = config.containerd.root.clone();
+    let index_search = config.registry.index_search;
     let snapshotter = Arc::new(
         super::blocking(move || {
             let trust = crate::policy::Verifier::load(&signatures)
@@ -126,7 +127,8 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
             // containerd is pulling it takes from containerd's content store.
             let kept = crate::cache::CacheRoot::open(&cache.dir)?;
             let classifier = Classifier::new(client, Some(kept), Arc::new(trust))
-                .with_content_store(ContentStore::of_root(&containerd_root));
+                .with_content_store(ContentStore::of_root(&containerd_root))
+                .with_index_search(index_search);
             Snapshotter::open(&root, Box::new(servers), classifier, cache, tenants)
         })
         .await?,

@@ -517,13 +517,17 @@ impl Snapshotter {
                 if candidate {
                     self.counters.add(&format!("decision/fallback:{reason}"), 1);
                     tracing::warn!(
-                        reason,
+                        reason = reason.as_str(),
                         detail,
                         "a published VM-disk layer is pulled normally"
                     );
                 } else {
                     self.counters.add(&format!("decision/ordinary:{reason}"), 1);
-                    tracing::info!(reason, detail, "ordinary layer; containerd pulls it");
+                    tracing::info!(
+                        reason = reason.as_str(),
+                        detail,
+                        "ordinary layer; containerd pulls it"
+                    );
                 }
             }
         }

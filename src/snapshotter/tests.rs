@@ -28,11 +28,20 @@ impl MemoryRegistry {
     /// Stores an image whose layers have `layers` (media type, annotations) and returns the
     /// manifest digest and the layer digests.
     fn image(&self, layers: &[(&str, BTreeMap<String, String>)]) -> (Digest, Vec<Digest>) {
+        self.image_with(layers, serde_json::json!({}))
+    }
+
+    /// [`Self::image`] with `runtime` as the config's `config` (e.g. a `Cmd`).
+    fn image_with(
+        &self,
+        layers: &[(&str, BTreeMap<String, String>)],
+        runtime: serde_json::Value,
+    ) -> (Digest, Vec<Digest>) {
         let digests: Vec<Digest> = (0..layers.len())
             .map(|i| Digest::of(format!("layer {i} of {layers:?}").as_bytes()))
             .collect();
         let config = serde_json::to_vec(&serde_json::json!({
-            "architecture": "amd64", "os": "linux",
+            "architecture": "amd64", "os": "linux", "config": runtime,
             "rootfs": {"type": "layers", "diff_ids": digests.iter().map(|d| d.to_string()).collect::<Vec<_>>()},
         }))
         .unwrap();
@@ -318,12 +327,67 @@ async fn every_other_outcome_is_an_ordinary_snapshot_with_its_reason() {
         assert!(d.contains_key(reason), "{reason} missing from {d:?}");
     }
     assert_eq!(d.get("ordinary:not_lazy"), Some(&1), "{d:?}");
+    assert_eq!(d.get("ordinary:no_index"), Some(&1), "{d:?}");
     assert!(f
         .snapshotter
         .list()
         .unwrap()
         .iter()
         .all(|(_, r)| r.remote.is_none()));
+}
+
+/// An ordinary container image (its config runs a program) costs no index search, whatever
+/// its layers; a data image is searched once, and its other layers and a second pull believe
+/// the answer.
+#[tokio::test]
+async fn an_ordinary_image_is_decided_without_asking_the_registry() {
+    let f = fixture();
+    let program = serde_json::json!({"Cmd": ["/bin/sh"]});
+    let (busybox, busybox_layers) = f.registry.image_with(&[(GZIP, BTreeMap::new())], program);
+    let entry = serde_json::json!({"Entrypoint": ["/app"], "Cmd": []});
+    let three = [
+        (GZIP, BTreeMap::new()),
+        (GZIP, BTreeMap::new()),
+        (GZIP, BTreeMap::new()),
+    ];
+    let (app, app_layers) = f.registry.image_with(&three, entry);
+    let (data, data_layers) = f.registry.image(&three);
+    let mut n = 0;
+    let mut prepare = |labels: BTreeMap<String, String>| {
+        n += 1;
+        let s = Arc::clone(&f.snapshotter);
+        async move {
+            let mounts = s.prepare(&format!("extract-{n}"), "", labels).await;
+            assert!(
+                mounts.unwrap().is_some(),
+                "an ordinary snapshot to unpack into"
+            );
+        }
+    };
+    prepare(cri_labels("a", &busybox, &busybox_layers[0])).await;
+    for l in &app_layers {
+        prepare(cri_labels(&format!("b{l}"), &app, l)).await;
+    }
+    let lookups = || f.registry.lookups.load(Ordering::SeqCst);
+    assert_eq!(lookups(), 0, "an ordinary image searched for an index");
+    let d = f.decisions();
+    assert_eq!(d.get("ordinary:not_disk_image"), Some(&4), "{d:?}");
+    assert_eq!(d.len(), 1, "{d:?}");
+
+    // A data image with no index: its topmost layer is searched once.
+    for round in 0..2 {
+        for l in &data_layers {
+            prepare(cri_labels(&format!("c{round}{l}"), &data, l)).await;
+        }
+    }
+    assert_eq!(
+        lookups(),
+        1,
+        "searched again within the time an answer is kept"
+    );
+    let d = f.decisions();
+    assert_eq!(d.get("ordinary:no_index"), Some(&2), "{d:?}");
+    assert_eq!(d.get("ordinary:not_lazy"), Some(&4), "{d:?}");
 }
 
 #[tokio::test]
@@ -375,7 +439,7 @@ async fn the_manifest_and_config_containerd_holds_are_taken_from_its_content_sto
         matches!(
             decision,
             super::classify::Decision::Ordinary {
-                reason: "registry_error",
+                reason: super::classify::Reason::RegistryError,
                 ..
             }
         ),
