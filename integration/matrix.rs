@@ -464,6 +464,15 @@ pub(crate) fn cri_config(ctd: &CriContainerd) -> serde_json::Value {
     serde_json::from_str(info.get("config").expect("the CRI status names its config")).unwrap()
 }
 
+/// The unified diff `vmdisk containerd-config --dry-run` prints for `config`.
+fn diff_of(path: &Path, original: &str, merged: &str) -> String {
+    let path = path.display().to_string();
+    similar::TextDiff::from_lines(original, merged)
+        .unified_diff()
+        .header(&path, &path)
+        .to_string()
+}
+
 /// The DaemonSet's install step on a node's containerd of `release`: `vmdisk containerd-config
 /// --only-handlers --write`, as packaging/kubernetes/vmdisk.yaml runs it. On 1.6 it refuses
 /// and changes nothing; on 1.7 and 2.x the node's CRI settings survive (before and after,
@@ -518,6 +527,42 @@ fn daemonset_setup(release: Release) {
         );
         return;
     }
+    let original = std::fs::read_to_string(&config).unwrap();
+    // What would change, learnt with no containerd to ask: from the binary on PATH, and (2.x)
+    // from the file's `version`; the same as asking the running containerd.
+    let dry_run = |path: &str| {
+        let out = crate::harness::vmdisk_env(
+            &[
+                "containerd-config",
+                "--config",
+                config.to_str().unwrap(),
+                "--containerd",
+                "/nonexistent.sock",
+                "--only-handlers",
+                "--address",
+                daemon.socket.to_str().unwrap(),
+                "--dry-run",
+            ],
+            &[("PATH", path)],
+        );
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let path = format!(
+        "{}:/usr/sbin:/usr/bin:/sbin:/bin",
+        release.bin_dir().display()
+    );
+    let (ok, from_binary, err) = dry_run(&path);
+    assert!(ok && from_binary.starts_with("--- "), "{release:?}: {err}");
+    let (ok, from_config, err) = dry_run("/nonexistent");
+    match release {
+        Release::V2 => assert!(ok && from_config == from_binary, "{err}"),
+        _ => assert!(!ok && err.contains("--release"), "{release:?}: {err}"),
+    }
+
     let out = install(&ctd);
     assert!(
         out.status.success(),
@@ -528,7 +573,49 @@ fn daemonset_setup(release: Release) {
         "{release:?} install step: {}",
         String::from_utf8_lossy(&out.stdout).trim()
     );
+    // Written as a person would: every line of the file kept as it was (quoting included), in
+    // order; the added tables and keys indented like their neighbours; the proxy plugin after
+    // the plugins.
+    let merged = std::fs::read_to_string(&config).unwrap();
+    let diff = similar::TextDiff::from_lines(&original, &merged);
+    let removed: Vec<&str> = diff
+        .iter_all_changes()
+        .filter(|c| c.tag() == similar::ChangeTag::Delete)
+        .map(|c| c.value())
+        .collect();
+    assert!(
+        removed.is_empty(),
+        "{release:?} changed {removed:?}:\n{merged}"
+    );
+    let layout = |table: &str| -> (usize, usize) {
+        let lines: Vec<&str> = merged.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.trim_end().ends_with(&format!(".runtimes.{table}]")))
+            .unwrap_or_else(|| panic!("{release:?}: no {table} table:\n{merged}"));
+        let indent = |l: &str| l.len() - l.trim_start().len();
+        (indent(lines[at]), indent(lines[at + 1]))
+    };
+    assert_eq!(layout("kubevirt"), layout("runc"), "{release:?}:\n{merged}");
+    let last_plugin = merged.rfind("[plugins.").unwrap();
+    assert!(
+        merged.find("[proxy_plugins.").unwrap() > last_plugin,
+        "{release:?}:\n{merged}"
+    );
+    assert_eq!(
+        diff_of(&config, &original, &merged),
+        from_binary,
+        "{release:?}: the dry run and the write differ"
+    );
     ctd.restart();
+    // containerd loaded it; writing again changes nothing.
+    let out = install(&ctd);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("already"),
+        "{release:?}: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), merged);
     let after = cri_config(&ctd);
     eprintln!("{release:?} CRI config before: {before}\n{release:?} CRI config after: {after}");
     // What the node set survives.

@@ -145,7 +145,8 @@ pub struct ContainerdConfigArgs {
         value_name = "FILE"
     )]
     pub config: PathBuf,
-    /// containerd's socket, asked for its version.
+    /// containerd's socket, asked for its version (if no containerd answers there: `containerd
+    /// --version` on PATH, then the configuration file's `version`).
     #[arg(
         long,
         default_value = "/run/containerd/containerd.sock",
@@ -169,8 +170,11 @@ pub struct ContainerdConfigArgs {
     pub address: PathBuf,
     /// Write the file (the original kept once as FILE.vmdisk-backup); by default the merged
     /// configuration is printed.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "dry_run")]
     pub write: bool,
+    /// Print what writing would change, as a unified diff (nothing when nothing would).
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -486,23 +490,33 @@ where
 /// `vmdisk containerd-config`.
 async fn containerd_config(args: ContainerdConfigArgs) -> Result<()> {
     use crate::setup::{Release, Setup};
+    let current = match std::fs::read_to_string(&args.config) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(Error::io(format!("reading {}", args.config.display()), e)),
+    };
     let (release, version) = match &args.release {
         Some(r) => (Release::of_version(r)?, r.clone()),
-        None => crate::setup::running_release(&args.containerd).await?,
+        None => crate::setup::node_release(&args.containerd, &current).await?,
     };
     let setup = match args.only_handlers {
         true => Setup::Handlers,
         false => Setup::AllImages,
     };
     let snippet = crate::setup::snippet(release, setup)?;
-    let current = match std::fs::read_to_string(&args.config) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-        Err(e) => return Err(Error::io(format!("reading {}", args.config.display()), e)),
-    };
     let platform = Platform::host().to_string();
     let merged = crate::setup::merge(&current, snippet, &args.address, &platform)
         .map_err(|e| e.context(args.config.display().to_string()))?;
+    if args.dry_run {
+        let path = args.config.display().to_string();
+        print!(
+            "{}",
+            similar::TextDiff::from_lines(&current, &merged)
+                .unified_diff()
+                .header(&path, &path)
+        );
+        return Ok(());
+    }
     if !args.write {
         print!("{merged}");
         return Ok(());
