@@ -701,3 +701,47 @@ fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_1_7() {
 fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_2() {
     daemonset_setup(Release::V2);
 }
+
+/// A node where vmdisk starts before containerd has ever run (a fresh install's unit order, a
+/// DaemonSet before containerd's first start): containerd's root does not exist yet when the
+/// daemon starts, and the image filesystem link appears once containerd has made it, so
+/// kubelet's image filesystem stats find vmdisk's root (containerd first: the matrix tests).
+#[test]
+fn the_image_filesystem_link_appears_when_containerd_starts_after_vmdisk() {
+    for release in [Release::V1_7, Release::V2] {
+        release.require();
+        let scratch = Scratch::new();
+        let mut daemon = Daemon::start(&scratch, "");
+        daemon.stop();
+        let root = scratch.path("ctd/root");
+        std::fs::remove_dir_all(&root).unwrap();
+        daemon.restart();
+        assert!(!root.exists());
+        let ctd = CriContainerd::start_release(&scratch, release, &daemon.socket, "pause:1", &[]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mountpoint = loop {
+            let vmdisk = image_filesystems(&ctd).into_iter().find_map(|f| {
+                let id = f.fs_id?;
+                id.mountpoint
+                    .ends_with("io.containerd.snapshotter.v1.vmdisk")
+                    .then_some(id.mountpoint)
+            });
+            let vmdisk =
+                vmdisk.unwrap_or_else(|| panic!("{release:?}: no image filesystem for vmdisk"));
+            if Path::new(&vmdisk).exists() {
+                break vmdisk;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{release:?}: {vmdisk} did not appear: {}",
+                daemon.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        assert_eq!(
+            std::fs::metadata(&mountpoint).unwrap().dev(),
+            std::fs::metadata(&daemon.root).unwrap().dev(),
+            "{release:?}"
+        );
+    }
+}

@@ -37,11 +37,12 @@ pub const COLLECT_EVERY: Duration = Duration::from_secs(1);
 /// daemon's root, so it lies on the filesystem that holds vmdisk's snapshots and cache: what
 /// the image filesystem stats count (each snapshot's `Usage`, a remote one's cached bytes
 /// included) is stored there. A directory already at that path is replaced only if empty.
-pub fn link_image_filesystem(config: &Config) -> Result<()> {
+/// Whether the link is there: not while containerd's root does not exist yet (vmdisk started
+/// first, [`keep_image_filesystem_linked`] makes it once containerd has).
+pub fn link_image_filesystem(config: &Config) -> Result<bool> {
     let containerd = &config.containerd;
     if !containerd.root.is_dir() {
-        tracing::info!(root = %containerd.root.display(), "no containerd root here; the image filesystem link is not made");
-        return Ok(());
+        return Ok(false);
     }
     if containerd.plugin.is_empty() || containerd.plugin.contains('/') {
         return Err(Error::invalid(format!(
@@ -58,13 +59,13 @@ pub fn link_image_filesystem(config: &Config) -> Result<()> {
     match std::fs::symlink_metadata(&link) {
         Ok(m) if m.file_type().is_symlink() => {
             if std::fs::read_link(&link).ok().as_deref() == Some(target.as_path()) {
-                return Ok(());
+                return Ok(true);
             }
         }
         Ok(m) if m.is_dir() => {
             if std::fs::remove_dir(&link).is_err() {
                 tracing::warn!(path = %link.display(), "containerd's image filesystem path for vmdisk is a directory with files in it; left as it is (kubelet's image filesystem stats count that directory, not vmdisk's root)");
-                return Ok(());
+                return Ok(true);
             }
         }
         Ok(_) => {
@@ -78,6 +79,35 @@ pub fn link_image_filesystem(config: &Config) -> Result<()> {
     }
     crate::ready::replace_symlink(&link, &target)?;
     tracing::info!(link = %link.display(), target = %target.display(), "containerd's image filesystem for this snapshotter points at its root");
+    Ok(true)
+}
+
+/// How often a daemon that started before containerd looks for containerd's root.
+const LINK_AGAIN: Duration = Duration::from_secs(2);
+
+/// Makes the image filesystem link now if containerd's root exists, else once it does (looked
+/// for every [`LINK_AGAIN`] in the background): whichever of vmdisk and containerd starts
+/// first, kubelet's image filesystem stats find vmdisk's root.
+async fn keep_image_filesystem_linked(config: &Config) -> Result<()> {
+    if link_image_filesystem(config)? {
+        return Ok(());
+    }
+    tracing::info!(root = %config.containerd.root.display(), "no containerd root yet; the image filesystem link is made once containerd has made it");
+    let config = config.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(LINK_AGAIN).await;
+            let c = config.clone();
+            match super::blocking(move || link_image_filesystem(&c)).await {
+                Ok(true) => return,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e.chain(), "linking containerd's image filesystem failed");
+                    return;
+                }
+            }
+        }
+    });
     Ok(())
 }
 
@@ -87,7 +117,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     crate::dirs::private(&config.root)?;
     crate::dirs::private(&config.cache_dir())?;
     crate::ready::prepare_root(&config.ready_dir, config.vmm_gid()?)?;
-    link_image_filesystem(&config)?;
+    keep_image_filesystem_linked(&config).await?;
     let client = Arc::new(RegistryClient::new(config.registry_config())?);
     // Which namespace's pulls granted what (the CRI proxy tells); memory only.
     let tenants = super::tenants::Tenants::new(
