@@ -489,7 +489,7 @@ fn daemonset_setup(release: Release) {
         "the DaemonSet's install step is `vmdisk containerd-config --only-handlers`"
     );
     let scratch = Scratch::new();
-    let (reg, _) = crate::snapshotter::registry_with_images(&scratch, 8);
+    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
     let daemon = Daemon::start(&scratch, "");
     let pause = format!("{}/pause:1", reg.host());
     let dir = scratch.path("ctd");
@@ -684,6 +684,31 @@ fn daemonset_setup(release: Release) {
         "{release:?}: {:?}\n{}",
         daemon.decisions(),
         ctd.log_text()
+    );
+    // The pod itself, as kubelet runs one whose runtimeClassName is the DaemonSet's `kubevirt`
+    // RuntimeClass (KubeVirt's defaultRuntimeClass): its sandbox on the kubevirt handler, so its
+    // containers' snapshotter is the one the pull used; the containerDisk reads whole and right.
+    let logs = scratch.path("pod-logs");
+    let sandbox = ctd
+        .try_run_sandbox(
+            "virt-launcher",
+            &logs,
+            "kubevirt",
+            &[("io.containerd.cri.runtime-handler", "kubevirt")],
+        )
+        .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
+    let out = run_in(
+        &ctd,
+        &sandbox,
+        &logs,
+        "compute",
+        &image,
+        &["/busybox", "sha256sum", "/disk/disk.qcow2"],
+    );
+    let want = crate::harness::sha256_file(&disk);
+    assert!(
+        same_digest(out.first(), &want),
+        "{release:?}: read {out:?}, want {want}"
     );
 }
 

@@ -319,12 +319,22 @@ fn the_manifests_name_the_node_image_and_the_paths_it_has() {
             "ConfigMap",
             "RuntimeClass",
             "RuntimeClass",
+            "RuntimeClass",
             "DaemonSet"
         ]
     );
-    // The RuntimeClasses are those of config/runtimeclass.yaml (the handlers containerd knows).
+    // The RuntimeClasses: KubeVirt's (the handlers snippets' kubevirt runtime), then those of
+    // config/runtimeclass.yaml (the handlers containerd knows).
+    assert_eq!(docs[2]["handler"], "kubevirt");
+    for snippet in [
+        "containerd-1.7-handlers.toml",
+        "containerd-2.x-handlers.toml",
+    ] {
+        let text = std::fs::read_to_string(repo().join("config").join(snippet)).unwrap();
+        assert!(text.contains(".containerd.runtimes.kubevirt]"), "{snippet}");
+    }
     let classes = yaml_documents(&repo().join("config/runtimeclass.yaml"));
-    for (a, b) in docs[2..4].iter().zip(&classes) {
+    for (a, b) in docs[3..5].iter().zip(&classes) {
         assert_eq!(a["handler"], b["handler"]);
     }
     // The ConfigMap's configuration is one the daemon accepts.
@@ -333,7 +343,7 @@ fn the_manifests_name_the_node_image_and_the_paths_it_has() {
     std::fs::write(&config_file, config_text).unwrap();
     let config = vmdisk::snapshotter::config::Config::load(Some(&config_file)).unwrap();
 
-    let pod = &docs[4]["spec"]["template"]["spec"];
+    let pod = &docs[5]["spec"]["template"]["spec"];
     let containers: Vec<&serde_json::Value> = pod["initContainers"]
         .as_array()
         .unwrap()
@@ -371,6 +381,9 @@ fn the_manifests_name_the_node_image_and_the_paths_it_has() {
         &config.cri.containerd_address,
         &config.registry.hosts_dir,
         Path::new("/dev/fuse"),
+        // vmm_group by name, and the registries' CAs: the host's.
+        Path::new("/etc/group"),
+        Path::new("/etc/ssl/certs"),
     ]
     .into_iter()
     .chain(config.registry.auth_files.iter().map(PathBuf::as_path))
@@ -490,5 +503,12 @@ fn the_manifests_name_the_node_image_and_the_paths_it_has() {
             && String::from_utf8_lossy(&out.stdout).contains(env!("CARGO_PKG_VERSION")),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    // HTTPS registries with a public CA work without the host's trust store too: the image
+    // carries TLS roots.
+    let roots = std::fs::read_to_string(rootfs.join("etc/ssl/certs/ca-certificates.crt")).unwrap();
+    assert!(
+        roots.matches("BEGIN CERTIFICATE").count() > 50,
+        "the image's TLS roots"
     );
 }

@@ -3,8 +3,8 @@
 #   packaging/image.sh BIN_DIR DEST      e.g. packaging/image.sh target/release docker://REG/vmdisk:0.1.0
 # (`make image IMAGE=REG/vmdisk:0.1.0`). FROM scratch: the three binaries (stripped) in
 # /usr/bin, the C libraries they link, busybox (the DaemonSet's install step copies the shim
-# and its configuration to the host with it), the default configuration in /etc/vmdisk and the
-# containerd snippets in /usr/share/vmdisk. Loopback registries are spoken to over plain HTTP.
+# and its configuration to the host with it), TLS roots, the default configuration in
+# /etc/vmdisk and the containerd snippets in /usr/share/vmdisk. Loopback registries are spoken to over plain HTTP.
 set -euo pipefail
 bin=$1 dest=$2
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,6 +22,10 @@ for lib in $(ldd "$bin/vmdisk-snapshotter" | awk '$2 == "=>" && $3 ~ /^\// {prin
 done
 install -m 0755 /bin/busybox "$fs/bin/busybox"
 for c in sh cp mv mkdir ln cat; do ln -s busybox "$fs/bin/$c"; done
+# TLS roots (Debian's ca-certificates bundle; the DaemonSet mounts the host's trust store over
+# it) and a group file naming root alone (the DaemonSet mounts the host's).
+install -D -m 0644 /etc/ssl/certs/ca-certificates.crt "$fs/etc/ssl/certs/ca-certificates.crt"
+printf 'root:x:0:\n' > "$fs/etc/group"
 install -m 0644 "$root/config/vmdisk-snapshotter.toml" "$fs/etc/vmdisk/snapshotter.toml"
 install -m 0644 "$root/config/shim.toml" "$fs/etc/vmdisk/shim.toml"
 install -m 0644 "$root"/config/containerd-*.toml "$root/config/runtimeclass.yaml" "$fs/usr/share/vmdisk/"

@@ -323,6 +323,9 @@ impl Config {
             Ok(None) => Err(Error::invalid(format!(
                 "vmm_group {group:?} is not a group on this node; set it to the group your hypervisor runs in (Debian's libvirt: kvm or libvirt-qemu; a numeric gid works too)"
             ))),
+            Err(nix::errno::Errno::ENOENT) => Err(Error::invalid(format!(
+                "vmm_group {group:?} cannot be looked up: there is no /etc/group here (a container image built FROM scratch); mount the host's /etc/group (the DaemonSet does) or set vmm_group to a numeric gid"
+            ))),
             Err(e) => Err(Error::io(format!("looking up group {group:?}"), e.into())),
         }
     }
