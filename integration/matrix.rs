@@ -32,6 +32,25 @@ fn run_in(
     out
 }
 
+/// Runs container `name` of `image` (a containerDisk) in `sandbox`, KubeVirt's way: it reads
+/// `/disk/disk.qcow2` whole, and what it read has the digest `want`.
+fn reads_the_disk(
+    ctd: &CriContainerd,
+    sandbox: &(String, cri::PodSandboxConfig),
+    logs: &Path,
+    name: &str,
+    image: &str,
+    want: &str,
+) {
+    let command = ["/busybox", "sha256sum", "/disk/disk.qcow2"];
+    let out = run_in(ctd, sandbox, logs, name, image, &command);
+    assert!(
+        same_digest(out.first(), want),
+        "{:?} {name}: read {out:?}, want {want}",
+        ctd.release
+    );
+}
+
 /// Whether `line` (sha256sum's output) names the digest `want` (`sha256:<hex>`).
 fn same_digest(line: Option<&String>, want: &str) -> bool {
     line.and_then(|l| l.split_whitespace().next())
@@ -135,18 +154,7 @@ fn matrix(release: Release) {
     // KubeVirt's pattern: the containerDisk as the container's image, read whole.
     let logs = scratch.path("pod-logs");
     let sandbox = ctd.run_sandbox("vm", &logs);
-    let out = run_in(
-        &ctd,
-        &sandbox,
-        &logs,
-        "compute",
-        &image,
-        &["/busybox", "sha256sum", "/disk/disk.qcow2"],
-    );
-    assert!(
-        same_digest(out.first(), &want),
-        "{release:?}: read {out:?}, want {want}"
-    );
+    reads_the_disk(&ctd, &sandbox, &logs, "compute", &image, &want);
 
     // kubelet's image filesystem: the path containerd reports exists, on vmdisk's filesystem,
     // and its usage counts the disk vmdisk keeps (containerd asks a committed snapshot once;
@@ -192,18 +200,7 @@ fn matrix(release: Release) {
     // what the node holds.
     ctd.restart();
     let before = proxy.bytes_to_client();
-    let out = run_in(
-        &ctd,
-        &sandbox,
-        &logs,
-        "after-restart",
-        &image,
-        &["/busybox", "sha256sum", "/disk/disk.qcow2"],
-    );
-    assert!(
-        same_digest(out.first(), &want),
-        "{release:?} after a restart: {out:?}"
-    );
+    reads_the_disk(&ctd, &sandbox, &logs, "after-restart", &image, &want);
     assert!(
         proxy.bytes_to_client() - before < 64 << 10,
         "{release:?}: the restart refetched the disk"
@@ -697,19 +694,8 @@ fn daemonset_setup(release: Release) {
             &[("io.containerd.cri.runtime-handler", "kubevirt")],
         )
         .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
-    let out = run_in(
-        &ctd,
-        &sandbox,
-        &logs,
-        "compute",
-        &image,
-        &["/busybox", "sha256sum", "/disk/disk.qcow2"],
-    );
     let want = crate::harness::sha256_file(&disk);
-    assert!(
-        same_digest(out.first(), &want),
-        "{release:?}: read {out:?}, want {want}"
-    );
+    reads_the_disk(&ctd, &sandbox, &logs, "compute", &image, &want);
 }
 
 #[test]

@@ -54,7 +54,12 @@ pub struct RegistryArgs {
 impl RegistryArgs {
     /// A client configured from these flags.
     pub fn client(&self) -> Result<RegistryClient> {
-        RegistryClient::new(RegistryConfig {
+        RegistryClient::new(self.config()?)
+    }
+
+    /// The client settings these flags make.
+    pub fn config(&self) -> Result<RegistryConfig> {
+        Ok(RegistryConfig {
             plain_http: self.plain_http,
             hosts_dir: self.hosts_dir.clone(),
             auth_files: self.auth_file.clone().map(|f| vec![f]),
@@ -1018,8 +1023,12 @@ async fn mount(args: MountArgs) -> Result<()> {
         .transpose()
         .map_err(|e| e.context("--cache-size"))?;
     let trust = args.policy.verifier()?;
-    let client = std::sync::Arc::new(registry.client()?);
     let cache = crate::cache::CacheRoot::open(&args.cache)?;
+    // What this node learns about its mirrors is kept with its cache.
+    let client = std::sync::Arc::new(RegistryClient::new(RegistryConfig {
+        notes: Some(args.cache.join(crate::registry::MIRROR_NOTES)),
+        ..registry.config()?
+    })?);
     let opts = EngineOptions {
         fetch_deadline: std::time::Duration::from_secs(args.fetch_timeout),
         ..EngineOptions::default()

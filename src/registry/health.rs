@@ -8,17 +8,47 @@
 //! The first request after a rest is the probe; a success clears the record. A 404 or 401 is
 //! not a failure of the endpoint (a P2P mirror lacks what no peer has; a mirror may want other
 //! credentials): the request goes on to the next endpoint without the endpoint resting.
+//!
+//! A mirror that answers a Range request for a blob with the whole blob (a pull-through
+//! registry cache — CNCF distribution, Harbor — that does not hold it yet) is not failing:
+//! it has started fetching that blob from the origin to store it, and every further request
+//! for the blob before it holds it makes it stream another copy from the origin. So that blob
+//! (not the mirror) rests there: its ranges go to the other endpoints, and the mirror is asked
+//! again for them after [`BLOB_REST`], doubling up to [`MAX_BLOB_REST`], until it answers
+//! with a range.
+//!
+//! The first such answer also teaches that the mirror *is* such a cache (a Range cache — nginx's
+//! slice cache — never answers one): from then on it is passed by for the ranges of every blob
+//! it was not asked for before and has not answered a range of in this process, because merely
+//! asking it for a blob it does not hold — a Range GET or a HEAD — makes it fetch the whole
+//! blob from the origin, which on a node's first reads of a disk costs the origin a blob and
+//! the node's reads the link's bandwidth. (A blob it was asked for is being fetched there
+//! anyway: it is asked again after its rest, and used once it answers with ranges.) What was learnt is kept in a notes file when the client has one (the node's
+//! cache), so the daemon's mount servers, each a process of its own, and later starts know it.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::hosts::Endpoint;
+use crate::digest::Digest;
 
 /// The longest an endpoint rests after failures in a row.
 pub const MAX_REST: Duration = Duration::from_secs(30);
+/// How long a blob rests at a mirror that answered a Range request for it with the whole blob
+/// (first time; it doubles each time the mirror does so again).
+pub const BLOB_REST: Duration = Duration::from_secs(5);
+/// The longest a blob rests at a mirror.
+pub const MAX_BLOB_REST: Duration = Duration::from_secs(300);
+/// Most (mirror, blob) rests kept: the oldest are forgotten first.
+const MAX_BLOB_RESTS: usize = 4096;
+/// Most mirrors a notes file names (it is the node's file, and untrusted: more are ignored).
+const MAX_NOTED: usize = 64;
+/// Longest line of a notes file.
+const MAX_NOTE: usize = 512;
 
 /// What one endpoint did since this process started (monotonic).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -50,13 +80,43 @@ struct State {
     counters: EndpointCounters,
 }
 
+/// A blob a mirror cannot serve ranges of yet.
+#[derive(Debug)]
+struct BlobRest {
+    until: Instant,
+    times: u32,
+}
+
 /// Health and counters of every endpoint this client talked to, by endpoint base URL.
 #[derive(Debug, Default)]
 pub struct Health {
     states: Mutex<HashMap<String, State>>,
+    /// Blobs resting at mirrors, by (mirror base URL, blob digest).
+    blobs: Mutex<HashMap<(String, Digest), BlobRest>>,
+    /// Mirrors known to fetch a whole blob when asked for one they lack (pull-through
+    /// registry caches), and the blobs each answered a range of in this process.
+    fillers: Mutex<HashMap<String, std::collections::HashSet<Digest>>>,
+    /// Where what was learnt about mirrors is kept.
+    notes: Option<PathBuf>,
 }
 
 impl Health {
+    /// Health that keeps what it learns about mirrors in `notes` (and knows what is there).
+    pub fn with_notes(notes: &Path) -> Self {
+        let known = std::fs::read_to_string(notes).unwrap_or_default();
+        let fillers = known
+            .lines()
+            .filter(|l| !l.is_empty() && l.len() <= MAX_NOTE)
+            .take(MAX_NOTED)
+            .map(|l| (l.to_string(), Default::default()))
+            .collect();
+        Health {
+            fillers: Mutex::new(fillers),
+            notes: Some(notes.to_path_buf()),
+            ..Default::default()
+        }
+    }
+
     fn with<T>(&self, base: &str, f: impl FnOnce(&mut State) -> T) -> T {
         let mut states = self.states.lock();
         // Every chunk request comes here: no key allocation once the endpoint is known.
@@ -66,16 +126,25 @@ impl Health {
         f(states.entry(base.to_string()).or_default())
     }
 
-    /// `endpoints` in the order to try them: those not resting first, each group in the
-    /// configured order.
-    pub fn order(&self, endpoints: Vec<Endpoint>) -> Vec<Endpoint> {
+    /// `endpoints` in the order to try them for a request (for ranges of `blob`, if given):
+    /// those not resting (nor `blob` resting there) first, each group in the configured order.
+    pub fn order(&self, endpoints: Vec<Endpoint>, blob: Option<&Digest>) -> Vec<Endpoint> {
         let now = Instant::now();
         let states = self.states.lock();
+        let blobs = self.blobs.lock();
+        let fillers = self.fillers.lock();
         let resting = |e: &Endpoint| {
-            states
+            let endpoint = states
                 .get(&e.base)
                 .and_then(|s| s.resting_until)
-                .is_some_and(|t| t > now)
+                .is_some_and(|t| t > now);
+            endpoint
+                || blob.is_some_and(|b| match blobs.get(&(e.base.clone(), *b)) {
+                    // Asked before and answered whole: it has been fetching the blob since.
+                    Some(rest) => rest.until > now,
+                    // Never asked: a pull-through cache would fetch it whole for the asking.
+                    None => fillers.get(&e.base).is_some_and(|held| !held.contains(b)),
+                })
         };
         let (mut ready, rest): (Vec<_>, Vec<_>) = endpoints.into_iter().partition(|e| !resting(e));
         ready.extend(rest);
@@ -117,6 +186,77 @@ impl Health {
         });
     }
 
+    /// Mirror `base` answered a Range request for `blob` with the whole blob: the blob rests
+    /// there ([`BLOB_REST`], doubling each time up to [`MAX_BLOB_REST`]).
+    pub fn lacks_ranges(&self, base: &str, blob: &Digest) {
+        // Not what was asked for: counted as a failure, though the mirror does not rest.
+        self.with(base, |s| s.counters.failures += 1);
+        let mut blobs = self.blobs.lock();
+        if blobs.len() >= MAX_BLOB_RESTS {
+            let now = Instant::now();
+            blobs.retain(|_, r| r.until > now);
+            if blobs.len() >= MAX_BLOB_RESTS {
+                blobs.clear();
+            }
+        }
+        let rest = blobs.entry((base.to_string(), *blob)).or_insert(BlobRest {
+            until: Instant::now(),
+            times: 0,
+        });
+        rest.times = rest.times.saturating_add(1);
+        let wait = BLOB_REST
+            .saturating_mul(1 << (rest.times - 1).min(10))
+            .min(MAX_BLOB_REST);
+        rest.until = Instant::now() + wait;
+        drop(blobs);
+        self.learn_filler(base);
+    }
+
+    /// Mirror `base` answered a Range request for `blob` with the range: it holds the blob.
+    pub fn has_ranges(&self, base: &str, blob: &Digest) {
+        let mut blobs = self.blobs.lock();
+        if !blobs.is_empty() {
+            blobs.remove(&(base.to_string(), *blob));
+        }
+        drop(blobs);
+        if let Some(held) = self.fillers.lock().get_mut(base) {
+            if held.len() < MAX_BLOB_RESTS {
+                held.insert(*blob);
+            }
+        }
+    }
+
+    /// Whether mirror `base` is known to fetch whole blobs it is asked for and lacks.
+    pub fn fills_whole_blobs(&self, base: &str) -> bool {
+        self.fillers.lock().contains_key(base)
+    }
+
+    /// Notes that mirror `base` fetches whole blobs it lacks, in the notes file too (written
+    /// off the async workers; a failure to keep it only means learning it again).
+    fn learn_filler(&self, base: &str) {
+        let mut fillers = self.fillers.lock();
+        if fillers.contains_key(base) || fillers.len() >= MAX_NOTED || base.len() > MAX_NOTE {
+            return;
+        }
+        fillers.insert(base.to_string(), Default::default());
+        let text: String = fillers.keys().map(|b| format!("{b}\n")).collect();
+        drop(fillers);
+        tracing::info!(endpoint = %base, "this mirror fetches a whole blob from the origin when asked for one it lacks (a pull-through registry cache): disk reads pass it by for blobs it has not served a range of");
+        if let Some(notes) = self.notes.clone() {
+            let keep = move || {
+                let tmp = notes.with_extension("tmp");
+                let kept = std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &notes));
+                if let Err(e) = kept {
+                    tracing::warn!(file = %notes.display(), error = %e, "keeping what was learnt about a mirror failed");
+                }
+            };
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => drop(rt.spawn_blocking(keep)),
+                Err(_) => keep(),
+            }
+        }
+    }
+
     /// Every endpoint's counters, by base URL, sorted.
     pub fn counters(&self) -> Vec<(String, EndpointCounters)> {
         let states = self.states.lock();
@@ -147,31 +287,31 @@ mod tests {
     async fn a_failing_endpoint_rests_behind_the_others_and_comes_back() {
         let h = Health::default();
         let all = || vec![ep("m1"), ep("m2"), ep("origin")];
-        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m1", "m2", "origin"]);
         h.failed("m1", Failure::Endpoint);
-        assert_eq!(bases(&h.order(all())), ["m2", "origin", "m1"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m2", "origin", "m1"]);
         // A 404 or a refusal is not the endpoint's fault: no rest.
         h.failed("m2", Failure::NotFound);
         h.failed("m2", Failure::Refused);
-        assert_eq!(bases(&h.order(all())), ["m2", "origin", "m1"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m2", "origin", "m1"]);
         tokio::time::advance(Duration::from_millis(1100)).await;
-        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m1", "m2", "origin"]);
         // A second failure in a row rests twice as long.
         h.failed("m1", Failure::Endpoint);
         tokio::time::advance(Duration::from_millis(1500)).await;
-        assert_eq!(bases(&h.order(all())), ["m2", "origin", "m1"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m2", "origin", "m1"]);
         tokio::time::advance(Duration::from_millis(600)).await;
-        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m1", "m2", "origin"]);
         // A success clears the record; the next failure rests 1 s again.
         h.succeeded("m1");
         h.failed("m1", Failure::Endpoint);
         tokio::time::advance(Duration::from_millis(1100)).await;
-        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m1", "m2", "origin"]);
         // Everything resting: still every endpoint, in configured order.
         for b in ["m1", "m2", "origin"] {
             h.failed(b, Failure::Endpoint);
         }
-        assert_eq!(bases(&h.order(all())), ["m1", "m2", "origin"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m1", "m2", "origin"]);
         let counters = h.counters();
         assert_eq!(counters[0].0, "m1");
         assert_eq!(counters[0].1.failures, 4);
@@ -187,8 +327,61 @@ mod tests {
         }
         let all = || vec![ep("m"), ep("o")];
         tokio::time::advance(MAX_REST - Duration::from_millis(10)).await;
-        assert_eq!(bases(&h.order(all())), ["o", "m"]);
+        assert_eq!(bases(&h.order(all(), None)), ["o", "m"]);
         tokio::time::advance(Duration::from_millis(20)).await;
-        assert_eq!(bases(&h.order(all())), ["m", "o"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m", "o"]);
+    }
+
+    /// A blob a pull-through cache answered with whole rests there, growing each time; a range
+    /// from it ends the rest. The mirror itself does not rest (manifests go there), but it is
+    /// known for what it is: other blobs' ranges pass it by until it served a range of them.
+    #[tokio::test(start_paused = true)]
+    async fn a_blob_a_mirror_answers_whole_rests_there_and_the_mirror_is_known() {
+        let dir = tempfile::tempdir().unwrap();
+        let notes = dir.path().join("mirrors");
+        let h = Health::with_notes(&notes);
+        let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
+        let all = || vec![ep("m"), ep("o")];
+        assert_eq!(bases(&h.order(all(), Some(&b))), ["m", "o"]);
+        h.lacks_ranges("m", &a);
+        assert_eq!(bases(&h.order(all(), Some(&a))), ["o", "m"]);
+        assert_eq!(bases(&h.order(all(), Some(&b))), ["o", "m"]);
+        assert_eq!(bases(&h.order(all(), None)), ["m", "o"]);
+        h.has_ranges("m", &b);
+        assert_eq!(bases(&h.order(all(), Some(&b))), ["m", "o"]);
+        // Another process of the node knows it from the notes.
+        for _ in 0..100 {
+            if notes.exists() {
+                break;
+            }
+            tokio::task::yield_now().await;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let other = Health::with_notes(&notes);
+        assert!(other.fills_whole_blobs("m") && !other.fills_whole_blobs("o"));
+        assert_eq!(bases(&other.order(all(), Some(&b))), ["o", "m"]);
+        let h = Health::default();
+        h.lacks_ranges("m", &a);
+        assert_eq!(h.counters().iter().map(|c| c.1.failures).sum::<u64>(), 1);
+        tokio::time::advance(BLOB_REST + Duration::from_millis(10)).await;
+        assert_eq!(bases(&h.order(all(), Some(&a))), ["m", "o"]);
+        // Still whole: twice as long.
+        h.lacks_ranges("m", &a);
+        tokio::time::advance(BLOB_REST * 2 - Duration::from_millis(10)).await;
+        assert_eq!(bases(&h.order(all(), Some(&a))), ["o", "m"]);
+        tokio::time::advance(Duration::from_millis(20)).await;
+        assert_eq!(bases(&h.order(all(), Some(&a))), ["m", "o"]);
+        // It holds the blob now: the next whole answer starts again from the first rest.
+        h.has_ranges("m", &a);
+        h.lacks_ranges("m", &a);
+        tokio::time::advance(BLOB_REST + Duration::from_millis(10)).await;
+        assert_eq!(bases(&h.order(all(), Some(&a))), ["m", "o"]);
+        for _ in 0..20 {
+            h.lacks_ranges("m", &b);
+        }
+        tokio::time::advance(MAX_BLOB_REST - Duration::from_millis(10)).await;
+        assert!(h.blobs.lock()[&("m".to_string(), b)].until > Instant::now());
+        tokio::time::advance(Duration::from_millis(20)).await;
+        assert!(h.blobs.lock()[&("m".to_string(), b)].until <= Instant::now());
     }
 }

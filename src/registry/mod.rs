@@ -38,6 +38,9 @@ use crate::reference::{is_loopback_host, Reference};
 
 pub use crate::retry::RetryPolicy;
 
+/// The name of the file in a cache where what clients learnt about mirrors is kept.
+pub const MIRROR_NOTES: &str = "mirrors";
+
 /// Client settings; the defaults are safe (HTTPS except on loopback).
 #[derive(Clone, Debug, Default)]
 pub struct RegistryConfig {
@@ -54,6 +57,9 @@ pub struct RegistryConfig {
     pub index_repositories: Vec<Reference>,
     /// The CAs registries' certificates are checked against (beside an endpoint's own).
     pub roots: roots::Roots,
+    /// Where what the client learns about mirrors is kept across processes (in the node's
+    /// cache; [`health`]).
+    pub notes: Option<PathBuf>,
 }
 
 impl RegistryClient {
@@ -419,6 +425,10 @@ impl RegistryClient {
             Some(files) => CredentialStore::from_files(files)?,
             None => CredentialStore::from_env()?,
         };
+        let health = match &config.notes {
+            Some(notes) => health::Health::with_notes(notes),
+            None => health::Health::default(),
+        };
         Ok(RegistryClient {
             shared: std::sync::Arc::new(Shared {
                 config,
@@ -426,7 +436,7 @@ impl RegistryClient {
                 clients: Mutex::new(HashMap::new()),
                 auth: Mutex::new(HashMap::new()),
                 hosts: hosts::HostsCache::default(),
-                health: health::Health::default(),
+                health,
             }),
             granted: std::sync::Arc::default(),
         })
@@ -867,7 +877,7 @@ impl RegistryClient {
             .config
             .retry
             .run(&what_where, || {
-                self.sweep(r, what, via_mirrors, &make, &take)
+                self.sweep(r, what, via_mirrors, None, &make, &take)
             })
             .await
     }
@@ -876,12 +886,14 @@ impl RegistryClient {
     /// accepts, mirrors first, resting ones (see [`health`]) last; whatever fails at one
     /// endpoint sends the request on to the next. The error returned is the registry's own if
     /// it was asked, else the last mirror's. An authentication error from the registry itself
-    /// is returned at once.
+    /// is returned at once. For ranges of `blob`, a mirror that answers with the whole blob
+    /// (a pull-through cache filling itself) has the blob rest there ([`health`]).
     async fn sweep<T, F>(
         &self,
         r: &Reference,
         what: &str,
         via_mirrors: bool,
+        blob: Option<&Digest>,
         make: &impl Fn(&Endpoint) -> Req,
         take: &impl Fn(reqwest::Response, Endpoint) -> F,
     ) -> Result<T>
@@ -894,7 +906,7 @@ impl RegistryClient {
         if !via_mirrors {
             endpoints.retain(|e| !e.mirror);
         }
-        for ep in self.shared.health.order(endpoints) {
+        for ep in self.shared.health.order(endpoints, blob) {
             let req = make(&ep);
             self.shared.health.sent(&ep.base);
             let answer = async {
@@ -921,13 +933,21 @@ impl RegistryClient {
             let e = match outcome {
                 Ok(v) => {
                     self.shared.health.succeeded(&ep.base);
+                    if let (true, Some(blob)) = (ep.mirror, blob) {
+                        self.shared.health.has_ranges(&ep.base, blob);
+                    }
                     return Ok(v);
                 }
                 Err(e) => e,
             };
-            let failure = match e.kind() {
-                ErrorKind::NotFound => health::Failure::NotFound,
-                ErrorKind::Auth => health::Failure::Refused,
+            let failure = match (e.kind(), blob) {
+                (ErrorKind::NotFound, _) => health::Failure::NotFound,
+                (ErrorKind::Auth, _) => health::Failure::Refused,
+                (ErrorKind::Unsupported, Some(blob)) if ep.mirror => {
+                    tracing::info!(endpoint = %ep.base, %blob, "the mirror answered a Range request with the whole blob (a pull-through cache filling itself): this blob's ranges pass it by for a while");
+                    self.shared.health.lacks_ranges(&ep.base, blob);
+                    health::Failure::NotFound
+                }
                 _ => health::Failure::Endpoint,
             };
             self.shared.health.failed(&ep.base, failure);
@@ -1288,6 +1308,7 @@ impl RegistryClient {
             r,
             what,
             via_mirrors,
+            Some(digest),
             &|ep| Req::get(ep, r, &format!("blobs/{digest}")).header(RANGE, &header),
             &|resp: reqwest::Response, ep: Endpoint| async move {
                 let who = ep.describe(&r.registry);

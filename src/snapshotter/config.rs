@@ -351,6 +351,7 @@ impl Config {
                 deadline: std::time::Duration::from_secs(self.registry.fetch_timeout),
                 ..Default::default()
             },
+            notes: Some(self.cache_dir().join(crate::registry::MIRROR_NOTES)),
             ..RegistryConfig::default()
         }
     }
