@@ -79,6 +79,7 @@ done
 integration/bench-engine.sh
 integration/bench-pull.sh
 integration/bench-ordinary.sh
+integration/bench-fleet.sh
 integration/bench-boot.sh
 integration/bench-link.sh
 integration/bench-index.sh

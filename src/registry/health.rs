@@ -40,9 +40,9 @@ use crate::digest::Digest;
 pub const MAX_REST: Duration = Duration::from_secs(30);
 /// How long a blob rests at a mirror that answered a Range request for it with the whole blob
 /// (first time; it doubles each time the mirror does so again).
-pub const BLOB_REST: Duration = Duration::from_secs(5);
+pub const BLOB_REST: Duration = Duration::from_secs(30);
 /// The longest a blob rests at a mirror.
-pub const MAX_BLOB_REST: Duration = Duration::from_secs(300);
+pub const MAX_BLOB_REST: Duration = Duration::from_secs(600);
 /// Most (mirror, blob) rests kept: the oldest are forgotten first.
 const MAX_BLOB_RESTS: usize = 4096;
 /// Most mirrors a notes file names (it is the node's file, and untrusted: more are ignored).
