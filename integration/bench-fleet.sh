@@ -8,7 +8,8 @@
 #               (their first sight of such a cache);
 #   dist-known  the same, nodes that have noted the mirror as a pull-through cache (what a node
 #               keeps in <cache>/mirrors after its first sight).
-# For each: the origin's body bytes and blob GETs (its request log), and the nodes' boot-set
+# For each: the origin's body bytes, blob GETs and manifest requests (its request log: what
+# each added node costs it besides the disk's bytes), and the nodes' boot-set
 # times (p50, slowest). FLEET_NODES ("1 10"), FLEET_MODES, BASE_BIN (another build's vmdisk,
 # run as a fourth mode "before" through the mirror).
 set -euo pipefail
@@ -84,16 +85,17 @@ for line in open(sys.argv[2]):
   fi
   local bytes gets; bytes=$(registry_bytes_since "$B" "$m")
   gets=$(tail -c +"$((m + 1))" "$B/registry.log" | { grep -c 'GET /v2/vm/fleet/blobs' || true; })
+  manifests=$(tail -c +"$((m + 1))" "$B/registry.log" | { grep -Ec '"(GET|HEAD) /v2/vm/fleet/manifests' || true; })
   for i in $(seq "$n"); do kill -INT "$(cat "$dir/node$i/pid")" 2>/dev/null || true; done
   [ "$mode" = none ] || kill "$MIRROR_PID" 2>/dev/null || true
   sleep 1
-  python3 - "$mode" "$n" "$bytes" "$gets" "$dir" <<'PY'
+  python3 - "$mode" "$n" "$bytes" "$gets" "$dir" "$manifests" <<'PY'
 import glob, sys
-mode, n, nbytes, gets, d = sys.argv[1:]
+mode, n, nbytes, gets, d, manifests = sys.argv[1:]
 t = [open(f).read().strip() for f in glob.glob(d + "/node*/time")]
 ok = sorted(float(x) for x in t if x != "failed")
 p50 = ok[len(ok) // 2] if ok else float("nan")
-print(f"{mode} {n} {nbytes} {gets} {p50:.2f} {ok[-1] if ok else float('nan'):.2f} {len(t) - len(ok)}")
+print(f"{mode} {n} {nbytes} {gets} {manifests} {p50:.2f} {ok[-1] if ok else float('nan'):.2f} {len(t) - len(ok)}")
 PY
 }
 
@@ -108,9 +110,9 @@ done
 {
   echo
   echo "A fleet booting one disk at once ($MIB MiB of random data, 100 scattered 64 KiB reads per node), origin behind the cluster link (20 ms, 200 Mbit/s), same run:"
-  printf '  %-11s %6s %16s %10s %8s %10s %7s\n' mirror nodes "origin bytes" "blob GETs" "p50 s" "slowest s" failed
+  printf '  %-11s %6s %16s %10s %14s %8s %10s %7s\n' mirror nodes "origin bytes" "blob GETs" "manifest reqs" "p50 s" "slowest s" failed
   for row in "${ROWS[@]}"; do
-    read -r MODE N BYTES GETS P50 MAX FAILED <<< "$row"
-    printf '  %-11s %6s %16s %10s %8s %10s %7s\n' "$MODE" "$N" "$BYTES" "$GETS" "$P50" "$MAX" "$FAILED"
+    read -r MODE N BYTES GETS MANIFESTS P50 MAX FAILED <<< "$row"
+    printf '  %-11s %6s %16s %10s %14s %8s %10s %7s\n' "$MODE" "$N" "$BYTES" "$GETS" "$MANIFESTS" "$P50" "$MAX" "$FAILED"
   done
 } | tee -a "$RESULTS"
