@@ -26,7 +26,7 @@
 //! anyway: it is asked again after its rest, and used once it answers with ranges.) What was learnt is kept in a notes file when the client has one (the node's
 //! cache), so the daemon's mount servers, each a process of its own, and later starts know it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -43,7 +43,7 @@ pub const MAX_REST: Duration = Duration::from_secs(30);
 pub const BLOB_REST: Duration = Duration::from_secs(30);
 /// The longest a blob rests at a mirror.
 pub const MAX_BLOB_REST: Duration = Duration::from_secs(600);
-/// Most (mirror, blob) rests kept: the oldest are forgotten first.
+/// Most blob rests (and blobs known held) kept per mirror: the expired are forgotten first.
 const MAX_BLOB_RESTS: usize = 4096;
 /// Most mirrors a notes file names (it is the node's file, and untrusted: more are ignored).
 const MAX_NOTED: usize = 64;
@@ -78,6 +78,23 @@ struct State {
     failures_in_a_row: u32,
     resting_until: Option<Instant>,
     counters: EndpointCounters,
+    /// Blobs resting here: a Range request for each was answered with the whole blob.
+    blob_rests: HashMap<Digest, BlobRest>,
+    /// Set when this mirror is known to fetch a whole blob when asked for one it lacks (a
+    /// pull-through registry cache): the blobs it answered a range of in this process.
+    fills: Option<HashSet<Digest>>,
+}
+
+impl State {
+    /// Whether ranges of `blob` should pass this endpoint by for now.
+    fn passes_by(&self, blob: &Digest, now: Instant) -> bool {
+        match self.blob_rests.get(blob) {
+            // Asked before and answered whole: it has been fetching the blob since.
+            Some(rest) => rest.until > now,
+            // Never asked: a pull-through cache would fetch it whole for the asking.
+            None => self.fills.as_ref().is_some_and(|held| !held.contains(blob)),
+        }
+    }
 }
 
 /// A blob a mirror cannot serve ranges of yet.
@@ -91,11 +108,6 @@ struct BlobRest {
 #[derive(Debug, Default)]
 pub struct Health {
     states: Mutex<HashMap<String, State>>,
-    /// Blobs resting at mirrors, by (mirror base URL, blob digest).
-    blobs: Mutex<HashMap<(String, Digest), BlobRest>>,
-    /// Mirrors known to fetch a whole blob when asked for one they lack (pull-through
-    /// registry caches), and the blobs each answered a range of in this process.
-    fillers: Mutex<HashMap<String, std::collections::HashSet<Digest>>>,
     /// Where what was learnt about mirrors is kept.
     notes: Option<PathBuf>,
 }
@@ -104,16 +116,21 @@ impl Health {
     /// Health that keeps what it learns about mirrors in `notes` (and knows what is there).
     pub fn with_notes(notes: &Path) -> Self {
         let known = std::fs::read_to_string(notes).unwrap_or_default();
-        let fillers = known
+        let states = known
             .lines()
             .filter(|l| !l.is_empty() && l.len() <= MAX_NOTE)
             .take(MAX_NOTED)
-            .map(|l| (l.to_string(), Default::default()))
+            .map(|l| {
+                let state = State {
+                    fills: Some(HashSet::new()),
+                    ..State::default()
+                };
+                (l.to_string(), state)
+            })
             .collect();
         Health {
-            fillers: Mutex::new(fillers),
+            states: Mutex::new(states),
             notes: Some(notes.to_path_buf()),
-            ..Default::default()
         }
     }
 
@@ -127,24 +144,16 @@ impl Health {
     }
 
     /// `endpoints` in the order to try them for a request (for ranges of `blob`, if given):
-    /// those not resting (nor `blob` resting there) first, each group in the configured order.
+    /// those not resting (nor passing ranges of `blob` by) first, each group in the configured
+    /// order.
     pub fn order(&self, endpoints: Vec<Endpoint>, blob: Option<&Digest>) -> Vec<Endpoint> {
         let now = Instant::now();
         let states = self.states.lock();
-        let blobs = self.blobs.lock();
-        let fillers = self.fillers.lock();
         let resting = |e: &Endpoint| {
-            let endpoint = states
-                .get(&e.base)
-                .and_then(|s| s.resting_until)
-                .is_some_and(|t| t > now);
-            endpoint
-                || blob.is_some_and(|b| match blobs.get(&(e.base.clone(), *b)) {
-                    // Asked before and answered whole: it has been fetching the blob since.
-                    Some(rest) => rest.until > now,
-                    // Never asked: a pull-through cache would fetch it whole for the asking.
-                    None => fillers.get(&e.base).is_some_and(|held| !held.contains(b)),
-                })
+            states.get(&e.base).is_some_and(|s| {
+                s.resting_until.is_some_and(|t| t > now)
+                    || blob.is_some_and(|b| s.passes_by(b, now))
+            })
         };
         let (mut ready, rest): (Vec<_>, Vec<_>) = endpoints.into_iter().partition(|e| !resting(e));
         ready.extend(rest);
@@ -187,73 +196,85 @@ impl Health {
     }
 
     /// Mirror `base` answered a Range request for `blob` with the whole blob: the blob rests
-    /// there ([`BLOB_REST`], doubling each time up to [`MAX_BLOB_REST`]).
+    /// there ([`BLOB_REST`], doubling each time up to [`MAX_BLOB_REST`]), and the mirror is
+    /// known (and noted) to be a pull-through cache.
     pub fn lacks_ranges(&self, base: &str, blob: &Digest) {
-        // Not what was asked for: counted as a failure, though the mirror does not rest.
-        self.with(base, |s| s.counters.failures += 1);
-        let mut blobs = self.blobs.lock();
-        if blobs.len() >= MAX_BLOB_RESTS {
+        let learnt = self.with(base, |s| {
+            // Not what was asked for: counted as a failure, though the mirror does not rest.
+            s.counters.failures += 1;
             let now = Instant::now();
-            blobs.retain(|_, r| r.until > now);
-            if blobs.len() >= MAX_BLOB_RESTS {
-                blobs.clear();
+            if s.blob_rests.len() >= MAX_BLOB_RESTS {
+                s.blob_rests.retain(|_, r| r.until > now);
+                if s.blob_rests.len() >= MAX_BLOB_RESTS {
+                    s.blob_rests.clear();
+                }
             }
-        }
-        let rest = blobs.entry((base.to_string(), *blob)).or_insert(BlobRest {
-            until: Instant::now(),
-            times: 0,
+            let rest = s.blob_rests.entry(*blob).or_insert(BlobRest {
+                until: now,
+                times: 0,
+            });
+            rest.times = rest.times.saturating_add(1);
+            let wait = BLOB_REST
+                .saturating_mul(1 << (rest.times - 1).min(10))
+                .min(MAX_BLOB_REST);
+            rest.until = now + wait;
+            if s.fills.is_some() {
+                return false;
+            }
+            s.fills = Some(HashSet::new());
+            true
         });
-        rest.times = rest.times.saturating_add(1);
-        let wait = BLOB_REST
-            .saturating_mul(1 << (rest.times - 1).min(10))
-            .min(MAX_BLOB_REST);
-        rest.until = Instant::now() + wait;
-        drop(blobs);
-        self.learn_filler(base);
+        if learnt {
+            self.note_filler(base);
+        }
     }
 
     /// Mirror `base` answered a Range request for `blob` with the range: it holds the blob.
     pub fn has_ranges(&self, base: &str, blob: &Digest) {
-        let mut blobs = self.blobs.lock();
-        if !blobs.is_empty() {
-            blobs.remove(&(base.to_string(), *blob));
-        }
-        drop(blobs);
-        if let Some(held) = self.fillers.lock().get_mut(base) {
-            if held.len() < MAX_BLOB_RESTS {
+        self.with(base, |s| {
+            s.blob_rests.remove(blob);
+            if let Some(held) = s.fills.as_mut().filter(|h| h.len() < MAX_BLOB_RESTS) {
                 held.insert(*blob);
             }
-        }
+        });
     }
 
     /// Whether mirror `base` is known to fetch whole blobs it is asked for and lacks.
-    pub fn fills_whole_blobs(&self, base: &str) -> bool {
-        self.fillers.lock().contains_key(base)
+    #[cfg(test)]
+    fn fills_whole_blobs(&self, base: &str) -> bool {
+        self.states
+            .lock()
+            .get(base)
+            .is_some_and(|s| s.fills.is_some())
     }
 
-    /// Notes that mirror `base` fetches whole blobs it lacks, in the notes file too (written
-    /// off the async workers; a failure to keep it only means learning it again).
-    fn learn_filler(&self, base: &str) {
-        let mut fillers = self.fillers.lock();
-        if fillers.contains_key(base) || fillers.len() >= MAX_NOTED || base.len() > MAX_NOTE {
-            return;
-        }
-        fillers.insert(base.to_string(), Default::default());
-        let text: String = fillers.keys().map(|b| format!("{b}\n")).collect();
-        drop(fillers);
+    /// Keeps in the notes file (off the async workers) that mirror `base` fetches whole blobs
+    /// it lacks; a failure to keep it only means learning it again.
+    fn note_filler(&self, base: &str) {
         tracing::info!(endpoint = %base, "this mirror fetches a whole blob from the origin when asked for one it lacks (a pull-through registry cache): disk reads pass it by for blobs it has not served a range of");
-        if let Some(notes) = self.notes.clone() {
-            let keep = move || {
-                let tmp = notes.with_extension("tmp");
-                let kept = std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &notes));
-                if let Err(e) = kept {
-                    tracing::warn!(file = %notes.display(), error = %e, "keeping what was learnt about a mirror failed");
-                }
-            };
-            match tokio::runtime::Handle::try_current() {
-                Ok(rt) => drop(rt.spawn_blocking(keep)),
-                Err(_) => keep(),
+        let Some(notes) = self.notes.clone() else {
+            return;
+        };
+        let noted: Vec<String> = {
+            let states = self.states.lock();
+            states
+                .iter()
+                .filter(|(b, s)| s.fills.is_some() && b.len() <= MAX_NOTE)
+                .map(|(b, _)| b.clone())
+                .take(MAX_NOTED)
+                .collect()
+        };
+        let text: String = noted.iter().map(|b| format!("{b}\n")).collect();
+        let keep = move || {
+            let tmp = notes.with_extension("tmp");
+            let kept = std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &notes));
+            if let Err(e) = kept {
+                tracing::warn!(file = %notes.display(), error = %e, "keeping what was learnt about a mirror failed");
             }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(keep)),
+            Err(_) => keep(),
         }
     }
 
@@ -380,8 +401,9 @@ mod tests {
             h.lacks_ranges("m", &b);
         }
         tokio::time::advance(MAX_BLOB_REST - Duration::from_millis(10)).await;
-        assert!(h.blobs.lock()[&("m".to_string(), b)].until > Instant::now());
+        let until = || h.states.lock()["m"].blob_rests[&b].until;
+        assert!(until() > Instant::now());
         tokio::time::advance(Duration::from_millis(20)).await;
-        assert!(h.blobs.lock()[&("m".to_string(), b)].until <= Instant::now());
+        assert!(until() <= Instant::now());
     }
 }
