@@ -31,6 +31,10 @@ CONTAINERD_2 := containerd=2.1.9+ds1-5
 # The signing tools of the signature-policy test (Debian unstable's cosign and notation, Go
 # programs that need only libc6 >= 2.34), unpacked the same way.
 SIGNERS := cosign/sid notation/sid
+# The regional cache of the fleet tests and bench: Debian 12's nginx (built with the slice
+# module; `nginx-light` installs it), unpacked the same way so no web server starts on the
+# machine. docs/fleet.md.
+NGINX := nginx/bookworm
 
 .PHONY: all deps build demo test unit integration lint bench fuzz clean deb image
 
@@ -55,6 +59,7 @@ deps:
 		integration/debs.sh $(DEPS_DIR)/containerd-2 containerd/sid
 	@[ -x $(DEPS_DIR)/signers/usr/bin/cosign ] && [ -x $(DEPS_DIR)/signers/usr/bin/notation ] || \
 		integration/debs.sh $(DEPS_DIR)/signers $(SIGNERS)
+	@[ -x $(DEPS_DIR)/nginx/usr/sbin/nginx ] || integration/debs.sh $(DEPS_DIR)/nginx $(NGINX)
 	@[ -d $(DEPS_DIR)/suite-1.7/usr/share/gocode ] || \
 		integration/debs.sh --go-sources trixie $(DEPS_DIR)/suite-1.7 golang-github-containerd-containerd-dev golang-go
 	@[ -d $(DEPS_DIR)/suite-2/usr/share/gocode ] || \

@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# A fleet booting one disk at once through the caches users run (part of `make bench`): N nodes
-# (`vmdisk mount` processes, each with its own cache) read the same boot set — 100 scattered
-# 64 KiB reads of a qcow2 holding FLEET_MIB (256) MiB of random data — at the same moment, the
-# origin registry behind the shaped cluster link (20 ms, 200 Mbit/s), through:
+# A fleet booting one disk at once through the caches users run (part of `make bench`; docs/fleet.md):
+# N nodes (`vmdisk mount` processes, each with its own cache, started and timed by
+# integration/fleet-driver.py) read the same boot set — 100 scattered 64 KiB reads of a qcow2
+# holding FLEET_MIB (256) MiB of random data — at the same moment, the origin registry behind the
+# shaped cluster link (20 ms, 200 Mbit/s), through:
 #   none        no mirror: every node asks the origin;
 #   dist-first  CNCF distribution in pull-through mode as the hosts.toml mirror, fresh nodes
 #               (their first sight of such a cache);
 #   dist-known  the same, nodes that have noted the mirror as a pull-through cache (what a node
-#               keeps in <cache>/mirrors after its first sight).
-# For each: the origin's body bytes, blob GETs and manifest requests (its request log: what
-# each added node costs it besides the disk's bytes), and the nodes' boot-set
-# times (p50, slowest). FLEET_NODES ("1 10"), FLEET_MODES, BASE_BIN (another build's vmdisk,
-# run as a fourth mode "before" through the mirror).
+#               keeps in <cache>/mirrors after its first sight);
+#   nginx       the shipped slice cache (config/nginx-regional-cache.conf) as the mirror;
+#   full-*      each node downloads the disk's whole blob through none / dist / nginx instead:
+#               what a pull costs the same fleet (the baseline users have today).
+# For each: the origin's body bytes, its GETs of the disk's blob and its other requests
+# (manifests, configs, TOC, referrers: what each added node costs it besides the disk), the
+# nodes' times from start to the boot set read (p50, p99; "p99 own cpu": each node's time less
+# what its threads waited for a CPU, i.e. on a machine of its own), and the CPU seconds the
+# nodes, the cache and the harness (relay, origin, driver) used, to show when two cores are
+# the limit.
+# FLEET_NODES ("1 10 50 100"), FLEET_MODES, FLEET_SLICE (another slice size for nginx),
+# FLEET_FULL_MAX (10: the largest fleet a link-bound full pull is run for), BASE_BIN (another
+# build's vmdisk, run as a mode "before" through the mirror).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
@@ -32,87 +41,105 @@ with open(sys.argv[1], "w") as f:
         f.write(f"{o * 65536}\n")
 PY
 
-# mirror DIR: a fresh pull-through cache of the origin (through the link); sets MPORT.
+# mirror MODE DIR: a fresh regional cache of the origin (through the link) for MODE; sets
+# MPORT and MIRROR_PID. dist-*: CNCF distribution in pull-through mode; nginx: the shipped slice
+# cache (config/nginx-regional-cache.conf, slice $FLEET_SLICE if set).
 mirror() {
   MPORT=$(free_port)
-  mkdir -p "$1/storage"
-  printf 'version: 0.1\nlog: { level: error }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\nproxy: { remoteurl: "http://%s" }\n' "$1/storage" "$MPORT" "$CLUSTER" > "$1/mirror.yml"
-  docker-registry serve "$1/mirror.yml" > "$1/mirror.log" 2>&1 &
+  mkdir -p "$2/storage"
+  case $1 in
+  *nginx)
+    integration/regional-cache.sh "$2/nginx" "$CLUSTER" "$MPORT" ${FLEET_SLICE:-} > "$2/mirror.log" 2>&1 &
+    ;;
+  *)
+    printf 'version: 0.1\nlog: { level: error }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\nproxy: { remoteurl: "http://%s" }\n' "$2/storage" "$MPORT" "$CLUSTER" > "$2/mirror.yml"
+    docker-registry serve "$2/mirror.yml" > "$2/mirror.log" 2>&1 &
+    ;;
+  esac
   PIDS+=($!)
   MIRROR_PID=$!
   for _ in $(seq 100); do curl -sf "http://127.0.0.1:$MPORT/v2/" > /dev/null && break; sleep 0.1; done
 }
 
-# run MODE N: prints "MODE N origin_bytes blob_gets p50_s slowest_s failed"
+# run MODE N: prints one row (see the table's header). full-* modes download the whole blob
+# on each node (a pull) instead of mounting it.
 run() {
   local mode=$1 n=$2 dir=$B/run-$1-$2 bin=$VMDISK
   [ "$mode" = before ] && bin=$BASE_BIN/vmdisk
   mkdir -p "$dir/hosts"
-  if [ "$mode" != none ]; then
-    mirror "$dir"
+  local via=$CLUSTER args=() watch=(--watch "link=$RELAY_PID" --watch "origin=$ORIGIN_PID")
+  if [ "${mode#full-}" != none ] && [ "$mode" != none ]; then
+    mirror "$mode" "$dir"
+    via=127.0.0.1:$MPORT
+    watch+=(--watch "cache=$MIRROR_PID")
     mkdir -p "$dir/hosts/$CLUSTER"
-    printf 'server = "http://%s"\n[host."http://127.0.0.1:%s"]\n  capabilities = ["pull", "resolve"]\n' "$CLUSTER" "$MPORT" > "$dir/hosts/$CLUSTER/hosts.toml"
+    printf 'server = "http://%s"\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' "$CLUSTER" "$via" > "$dir/hosts/$CLUSTER/hosts.toml"
   fi
+  [ "$mode" != dist-known ] || args+=(--mirror-note "http://$via")
+  case $mode in
+  full-*) args+=(--full "http://$via/v2/vm/fleet/blobs/$BLOB") ;;
+  *) args+=(--vmdisk "$bin" --reference "$CLUSTER/vm/fleet:1" --hosts-dir "$dir/hosts") ;;
+  esac
   local m; m=$(registry_mark "$B")
-  for i in $(seq "$n"); do
-    local d=$dir/node$i
-    mkdir -p "$d/mnt" "$d/cache"
-    [ "$mode" != dist-known ] || echo "http://127.0.0.1:$MPORT" > "$d/cache/mirrors"
-    (
-      t0=$(now)
-      "$bin" mount --cache "$d/cache" --hosts-dir "$dir/hosts" --timeout 300 "$CLUSTER/vm/fleet:1" "$d/mnt" > "$d/mount.out" 2> "$d/mount.log" &
-      echo $! > "$d/pid"
-      for _ in $(seq 6000); do [ -e "$d/mnt/disk/fleet.qcow2" ] && break; sleep 0.05; done
-      if python3 -c '
-import os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
-for line in open(sys.argv[2]):
-    os.pread(fd, 65536, int(line))' "$d/mnt/disk/fleet.qcow2" "$B/reads" 2>> "$d/mount.log"; then
-        secs "$t0" "$(now)" > "$d/time"
-      else
-        echo failed > "$d/time"
-      fi
-    ) &
-  done
-  for i in $(seq "$n"); do while [ ! -s "$dir/node$i/time" ]; do sleep 0.2; done; done
+  # In the background, so an interrupted bench stops it (and it its nodes) with the rest.
+  python3 integration/fleet-driver.py "$dir" "$n" --reads "$B/reads" "${args[@]}" "${watch[@]}" > "$dir/result.json" &
+  PIDS+=($!)
+  wait $!
   # A mirror that started filling the blob keeps fetching it after the nodes are done: wait
   # (at most 2 minutes) until it holds it, so what it cost the origin is counted.
-  if [ "$mode" != none ] && [ -n "$(find "$dir/storage" -path '*/_uploads/*' -name data 2>/dev/null)" ]; then
+  if [ -d "$dir/storage" ] && [ -n "$(find "$dir/storage" -path '*/_uploads/*' -name data 2>/dev/null)" ]; then
     for _ in $(seq 600); do
       [ -z "$(find "$dir/storage" -path '*/_uploads/*' -name data 2>/dev/null)" ] && break
       sleep 0.2
     done
   fi
-  local bytes gets; bytes=$(registry_bytes_since "$B" "$m")
-  gets=$(tail -c +"$((m + 1))" "$B/registry.log" | { grep -c 'GET /v2/vm/fleet/blobs' || true; })
-  manifests=$(tail -c +"$((m + 1))" "$B/registry.log" | { grep -Ec '"(GET|HEAD) /v2/vm/fleet/manifests' || true; })
-  for i in $(seq "$n"); do kill -INT "$(cat "$dir/node$i/pid")" 2>/dev/null || true; done
-  [ "$mode" = none ] || kill "$MIRROR_PID" 2>/dev/null || true
-  sleep 1
-  python3 - "$mode" "$n" "$bytes" "$gets" "$dir" "$manifests" <<'PY'
-import glob, sys
-mode, n, nbytes, gets, d, manifests = sys.argv[1:]
-t = [open(f).read().strip() for f in glob.glob(d + "/node*/time")]
-ok = sorted(float(x) for x in t if x != "failed")
-p50 = ok[len(ok) // 2] if ok else float("nan")
-print(f"{mode} {n} {nbytes} {gets} {manifests} {p50:.2f} {ok[-1] if ok else float('nan'):.2f} {len(t) - len(ok)}")
+  local bytes; bytes=$(registry_bytes_since "$B" "$m")
+  tail -c +"$((m + 1))" "$B/registry.log" | grep -o '"[A-Z]* /v2/[^ ]*' > "$dir/origin-requests" || true
+  [ -z "${MIRROR_PID:-}" ] || kill "$MIRROR_PID" 2>/dev/null || true
+  MIRROR_PID=
+  python3 - "$mode" "$n" "$bytes" "$dir" "$BLOB" <<'PY'
+import json, sys
+mode, n, nbytes, d, blob = sys.argv[1:]
+r = json.load(open(d + "/result.json"))
+reqs = [l.strip().lstrip('"') for l in open(d + "/origin-requests")]
+gets = sum(1 for q in reqs if q.startswith("GET ") and q.endswith("/blobs/" + blob))
+other = len(reqs) - gets
+ok = sorted(t for t in r["times"] if t is not None)
+def rank(p, ok=ok):
+    return ok[min(len(ok) - 1, max(0, -(-len(ok) * p // 100) - 1))] if ok else float("nan")
+# Each node's time less what its threads waited for a CPU: the node on a machine of its own.
+own = sorted(t - w for t, w in zip(r["times"], r["cpu_waits"]) if t is not None)
+c = r["cpu"]
+harness = c.get("link", 0) + c.get("origin", 0) + c["driver"]
+print(f"{mode} {n} {int(nbytes) / 1e6:.1f} {gets} {other} {rank(50):.2f} {rank(99):.2f} "
+      f"{rank(99, own):.2f} {len(r['times']) - len(ok)} {c['nodes']} {c.get('cache', 0)} "
+      f"{harness:.1f} {r['wall']}")
 PY
 }
 
-MODES=${FLEET_MODES:-none dist-first dist-known}
+BLOB=$(curl -s -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$ORIGIN/v2/vm/fleet/manifests/1" |
+  python3 -c 'import json, sys; print(max(json.load(sys.stdin)["layers"], key=lambda l: l["size"])["digest"])')
+RELAY_PID=$(pgrep -f "$RELAY $CLUSTER")
+ORIGIN_PID=$(pgrep -f "docker-registry serve $B/registry.yml")
+MODES=${FLEET_MODES:-none dist-first dist-known nginx full-none full-dist full-nginx}
 [ -z "${BASE_BIN:-}" ] || MODES="$MODES before"
+# A full pull with no cache or through distribution sends the whole blob over the origin link
+# once per node (distribution streams every concurrent miss from the origin): N x the blob at
+# 200 Mbit/s, not run above FLEET_FULL_MAX nodes.
+FULL_MAX=${FLEET_FULL_MAX:-10}
 ROWS=()
-for N in ${FLEET_NODES:-1 10}; do
+for N in ${FLEET_NODES:-1 10 50 100}; do
   for MODE in $MODES; do
+    case $MODE in full-none | full-dist) [ "$N" -le "$FULL_MAX" ] || continue ;; esac
     ROWS+=("$(run "$MODE" "$N")")
   done
 done
 {
   echo
-  echo "A fleet booting one disk at once ($MIB MiB of random data, 100 scattered 64 KiB reads per node), origin behind the cluster link (20 ms, 200 Mbit/s), same run:"
-  printf '  %-11s %6s %16s %10s %14s %8s %10s %7s\n' mirror nodes "origin bytes" "blob GETs" "manifest reqs" "p50 s" "slowest s" failed
+  echo "A fleet booting one disk at once ($MIB MiB of random data, 100 scattered 64 KiB reads per node; full-*: each node downloads the whole blob), origin behind the cluster link (20 ms, 200 Mbit/s), same run; CPU seconds of the nodes, the cache and the harness (link relay, origin, driver):"
+  printf '  %-11s %5s %10s %9s %9s %7s %7s %12s %6s %9s %9s %11s %6s\n' mode nodes "origin MB" "blob GETs" "other req" "p50 s" "p99 s" "p99 own cpu" failed "node cpu" "cache cpu" "harness cpu" "wall s"
   for row in "${ROWS[@]}"; do
-    read -r MODE N BYTES GETS MANIFESTS P50 MAX FAILED <<< "$row"
-    printf '  %-11s %6s %16s %10s %14s %8s %10s %7s\n' "$MODE" "$N" "$BYTES" "$GETS" "$MANIFESTS" "$P50" "$MAX" "$FAILED"
+    # shellcheck disable=SC2086
+    printf '  %-11s %5s %10s %9s %9s %7s %7s %12s %6s %9s %9s %11s %6s\n' $row
   done
 } | tee -a "$RESULTS"

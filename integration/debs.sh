@@ -1,9 +1,10 @@
 #!/bin/bash
-# Unpacks packages from newer Debian releases (trixie, sid) beside Debian 12 without installing
-# them: a private apt state (its own sources list, package lists and archive cache) is used for
+# Unpacks packages from Debian releases (trixie, sid, and bookworm's own) beside Debian 12
+# without installing them: a private apt state (its own sources list, package lists and archive cache) is used for
 # the download, so the machine's apt configuration and installed packages stay as they are;
 # `dpkg-deb -x` unpacks each package into OUT. Go programs of those releases (containerd, SOCI,
-# oras, cosign, notation) need only libc6 >= 2.34, which Debian 12 has.
+# oras, cosign, notation) need only libc6 >= 2.34, which Debian 12 has. bookworm's nginx (the
+# fleet tests' regional cache) is unpacked the same way, so no service is started on the machine.
 #
 # Usage: debs.sh OUT PKG[/SUITE|=VERSION]...     e.g. debs.sh target/deps/containerd-2 containerd/sid
 #        debs.sh --go-sources SUITE OUT PKG...  the Go source packages PKG of SUITE (trixie, sid)
@@ -30,7 +31,7 @@ mkdir -p "$state/sources" "$state/lists/partial" "$state/archives/partial" "$out
 cat > "$state/sources/newer.sources" <<SOURCES
 Types: deb
 URIs: $uri
-Suites: trixie sid
+Suites: bookworm trixie sid
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SOURCES

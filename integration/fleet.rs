@@ -12,6 +12,8 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use sha2::{Digest as _, Sha256};
+
 use crate::cri::Daemon;
 use crate::harness::*;
 
@@ -317,5 +319,149 @@ fn a_fleet_that_knows_a_pull_through_cache_costs_the_origin_no_more_than_no_mirr
     assert!(
         to_the_nodes < 32 << 20,
         "the nodes fetched {to_the_nodes} bytes"
+    );
+}
+
+/// The shipped regional cache (`config/nginx-regional-cache.conf`: nginx's slice cache, run as
+/// shipped but for the places it marks EDIT) in front of the origin: a fleet reading the
+/// same boot set of a new disk at once costs the origin what one node alone costs — each slice
+/// is fetched once, concurrent misses wait for the first — and every byte is right. With the
+/// cache gone, a node reads from the origin.
+#[test]
+fn a_fleet_behind_the_shipped_slice_cache_costs_the_origin_what_one_node_does() {
+    const NODES: usize = 8;
+    let scratch = Scratch::new();
+    let origin = Registry::start(&scratch);
+    let to_cache = FaultProxy::counting(origin.port);
+    let to_nodes = FaultProxy::counting(origin.port);
+    let cache = RegionalCache::start(&scratch, &to_cache.host());
+    let hosts = scratch.path("hosts.d");
+    std::fs::create_dir_all(hosts.join(to_nodes.host())).unwrap();
+    std::fs::write(
+        hosts.join(to_nodes.host()).join("hosts.toml"),
+        format!(
+            "server = \"http://{}\"\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            to_nodes.host(),
+            cache.host()
+        ),
+    )
+    .unwrap();
+    // Two disks of the same shape (64 MiB of random data): one read by a node alone, one by
+    // the fleet at once, both new to the cache.
+    let publish = |name: &str, seed: u64| {
+        let qcow2 = scratch.path(&format!("{name}.qcow2"));
+        make_qcow2(&qcow2, "72M", &[]);
+        write_random(&qcow2, 4 << 20, 64 << 20, seed);
+        vmdisk_ok(&[
+            "push",
+            qcow2.to_str().unwrap(),
+            &format!("{}/vm/{name}:1", origin.host()),
+        ]);
+        qcow2
+    };
+    let disks = [publish("alone", 1), publish("fleet", 2)];
+    // The boot set every node reads: 24 scattered 64 KiB pieces of the qcow2 file.
+    let mibs = std::fs::metadata(&disks[0]).unwrap().len() >> 20;
+    let boot_set: Vec<u64> = (0..24u64)
+        .map(|i| ((i * 37) % (mibs - 1)) * (1 << 20) + (i % 3) * 200_000)
+        .collect();
+    let read = |node: &str, disk: usize| {
+        let name = ["alone", "fleet"][disk];
+        let mount = Mount::start(
+            &format!("{}/vm/{name}:1", to_nodes.host()),
+            &scratch.path(&format!("{node}/cache")),
+            &scratch.path(&format!("{node}/mnt")),
+            &["--hosts-dir", hosts.to_str().unwrap(), "--plain-http"],
+        );
+        let (got, want) = (
+            std::fs::File::open(&mount.disk).unwrap(),
+            std::fs::File::open(&disks[disk]).unwrap(),
+        );
+        for &at in &boot_set {
+            let (mut a, mut b) = (vec![0u8; 65536], vec![0u8; 65536]);
+            got.read_exact_at(&mut a, at).unwrap();
+            want.read_exact_at(&mut b, at).unwrap();
+            assert!(a == b, "{node}: wrong bytes at {at}");
+        }
+        drop(got);
+        mount.stop();
+    };
+    let origin_sent = || (to_cache.bytes_to_client(), to_nodes.bytes_to_client());
+
+    read("alone", 0);
+    let (alone_cache, alone_direct) = origin_sent();
+    std::thread::scope(|s| {
+        for n in 0..NODES {
+            let read = &read;
+            s.spawn(move || read(&format!("node{n}"), 1));
+        }
+    });
+    let (cache_total, direct_total) = origin_sent();
+    let (fleet_cache, fleet_direct) = (cache_total - alone_cache, direct_total - alone_direct);
+    let log = cache.access_log();
+    let hits = log.lines().filter(|l| l.contains(" HIT ")).count();
+    eprintln!(
+        "through the slice cache: one node cost the origin {:.2} MiB ({alone_direct} bytes around the cache), {NODES} nodes at once {:.2} MiB ({fleet_direct} bytes around it); {hits} cache hits",
+        mib(alone_cache),
+        mib(fleet_cache),
+    );
+    // Every node went through the cache: nothing came from the origin around it.
+    assert_eq!(
+        (alone_direct, fleet_direct),
+        (0, 0),
+        "bytes the nodes fetched from the origin directly"
+    );
+    assert!(
+        alone_cache > 24 * 65536,
+        "one node's boot set came through the cache"
+    );
+    assert!(
+        fleet_cache <= alone_cache * 11 / 10,
+        "{NODES} nodes cost the origin {fleet_cache} bytes, one node {alone_cache}"
+    );
+
+    // A pull (a GET with no Range) of the disk's blob through the cache gets the whole blob,
+    // from the 8 MiB slices of its own location (an nginx cache file starts with its key).
+    let report = inspect_json(&format!("{}/vm/fleet:1", origin.host()));
+    let layer = report["platforms"][0]["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .max_by_key(|l| l["size"].as_u64().unwrap())
+        .unwrap()["digest"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let whole = curl(&[
+        "-sf",
+        &format!("http://{}/v2/vm/fleet/blobs/{layer}", cache.host()),
+    ]);
+    assert_eq!(
+        format!("sha256:{}", hex::encode(Sha256::digest(&whole))),
+        layer,
+        "the whole blob through the cache"
+    );
+    let key = format!("KEY: whole/v2/vm/fleet/blobs/{layer}bytes=8388608-16777215");
+    let found = std::process::Command::new("grep")
+        .args(["-rlF", &key])
+        .arg(cache.dir.join("cache"))
+        .output()
+        .unwrap();
+    assert!(
+        !found.stdout.is_empty(),
+        "no cache entry {key:?}: the whole blob was not answered from 8 MiB slices"
+    );
+
+    // The cache goes away: a new node reads the boot set from the origin, every byte right.
+    cache.stop();
+    read("late", 1);
+    let late_direct = to_nodes.bytes_to_client() - direct_total;
+    eprintln!(
+        "with the cache down: {:.2} MiB from the origin directly",
+        mib(late_direct)
+    );
+    assert!(
+        late_direct > 24 * 65536,
+        "the node read from the origin: {late_direct} bytes"
     );
 }

@@ -639,6 +639,76 @@ pub enum Fault {
     Unavailable,
 }
 
+/// The shipped regional cache (`config/nginx-regional-cache.conf`, Debian's nginx with its slice
+/// module) in front of a plain-HTTP origin, run by `integration/regional-cache.sh`; stopped with
+/// SIGTERM (nginx's master stops its workers).
+pub struct RegionalCache {
+    child: Option<Child>,
+    pub port: u16,
+    pub dir: PathBuf,
+}
+
+impl RegionalCache {
+    pub fn start(scratch: &Scratch, origin: &str) -> Self {
+        let port = free_port();
+        let dir = scratch.path(&format!("regional-cache-{port}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("start.log");
+        let child = Command::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/integration/regional-cache.sh"
+        ))
+        .arg(&dir)
+        .arg(origin)
+        .arg(port.to_string())
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::fs::File::create(dir.join("start.err")).unwrap())
+        .spawn()
+        .expect("run integration/regional-cache.sh");
+        wait_for_port(port, "the regional cache (nginx)", &dir.join("start.err"));
+        RegionalCache {
+            child: Some(child),
+            port,
+            dir,
+        }
+    }
+
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Its access log: one line per request (request, status, cache answer, slice, bytes).
+    pub fn access_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("access.log")).unwrap_or_default()
+    }
+
+    pub fn stop(mut self) {
+        self.terminate();
+    }
+
+    fn terminate(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+impl Drop for RegionalCache {
+    fn drop(&mut self) {
+        self.terminate();
+    }
+}
+
 /// A TCP proxy in front of a registry: counts the bytes in each direction (the registry-side
 /// measurement of what a client fetched) and injects faults: a request cut once, responses
 /// truncated, reset or bit-flipped at random.

@@ -102,6 +102,7 @@ fn the_deb_passes_lintian_installs_serves_containerd_and_leaves_it_running() {
         "/etc/vmdisk/shim.toml",
         "/lib/systemd/system/vmdisk-snapshotter.service",
         "/usr/share/vmdisk/vmdisk.yaml",
+        "/usr/share/vmdisk/nginx-regional-cache.conf",
         "/usr/share/man/man1/vmdisk.1.gz",
         "/usr/share/man/man1/vmdisk-containerd-config.1.gz",
         "/usr/share/man/man8/vmdisk-snapshotter.8.gz",

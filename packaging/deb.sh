@@ -29,7 +29,7 @@ install -m 0644 "$root/config/vmdisk-snapshotter.toml" "$pkg/etc/vmdisk/snapshot
 install -m 0644 "$root/config/shim.toml" "$pkg/etc/vmdisk/shim.toml"
 install -m 0644 "$root"/config/containerd-*.toml "$root/config/runtimeclass.yaml" \
   "$root/config/kata-configuration.toml" "$root/packaging/kubernetes/vmdisk.yaml" \
-  "$pkg/usr/share/vmdisk/"
+  "$root/config/nginx-regional-cache.conf" "$pkg/usr/share/vmdisk/"
 install -m 0644 "$root/README.md" "$root"/docs/*.md "$pkg/usr/share/doc/vmdisk/"
 install -m 0644 "$root/packaging/deb/changelog" "$pkg/usr/share/doc/vmdisk/changelog"
 cat > "$pkg/usr/share/doc/vmdisk/copyright" <<COPYRIGHT
