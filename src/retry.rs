@@ -45,6 +45,18 @@ pub fn transient(e: &Error) -> bool {
 }
 
 impl RetryPolicy {
+    /// For bytes that failed their check after their fetch succeeded: `attempts` tries at once
+    /// (the fetch under each try has waited and retried already), with no deadline of its own —
+    /// the caller's (a read's `fetch_timeout`, a mount's `--timeout`) bounds it.
+    pub fn checked(attempts: u32) -> Self {
+        RetryPolicy {
+            attempts,
+            base_delay: Duration::ZERO,
+            max_delay: Duration::ZERO,
+            deadline: Duration::MAX,
+        }
+    }
+
     /// This policy with another overall deadline.
     pub fn with_deadline(&self, deadline: Duration) -> Self {
         RetryPolicy {
@@ -85,7 +97,11 @@ impl RetryPolicy {
             .sleep(tokio::time::sleep)
             .when(|e| retry(e))
             .notify(|e, wait| {
-                tracing::info!(what, error = %e.chain(), retry_in_ms = wait.as_millis() as u64, "failed; retrying");
+                if e.kind() == ErrorKind::Corrupt {
+                    tracing::warn!(what, error = %e.chain(), retry_in_ms = wait.as_millis() as u64, "bytes failed their check; fetching them again");
+                } else {
+                    tracing::info!(what, error = %e.chain(), retry_in_ms = wait.as_millis() as u64, "failed; retrying");
+                }
                 *last.lock() = Some(e.chain());
             });
         match tokio::time::timeout(self.deadline, tries).await {

@@ -76,7 +76,7 @@ impl Default for EngineOptions {
 
 /// How often a read fetches chunks it could not read back (found damaged, or let go from
 /// memory on a full disk) before it fails.
-const READ_TRIES: usize = 3;
+const READ_TRIES: u32 = 3;
 
 /// How long a chunk whose fetch failed fails again at once ([`Engine::recently_failed`]).
 const FAILED_RECENTLY: Duration = Duration::from_secs(1);
@@ -817,28 +817,36 @@ impl Engine {
             return Ok(Vec::new());
         }
         let chunks = self.layer.chunks_for(file, offset..end);
-        let mut buf = vec![0u8; (end - offset) as usize];
-        // A cached chunk found damaged, or one the disk had no room for and memory let go,
-        // is fetched again: a few times, then the read fails rather than serve anything else.
-        for _ in 0..READ_TRIES {
-            self.ensure(chunks.clone()).await?;
-            let done = off_the_runtime(|| {
-                if !self.check_present(chunks.clone()) {
-                    return Ok(false);
-                }
-                self.copy_out(file, chunks.clone(), offset, &mut buf)
-            })?;
-            if done {
-                return Ok(buf);
-            }
-        }
-        Err(Error::new(
-            ErrorKind::Io,
-            format!(
-                "bytes {offset}..{end} of {} could not be kept long enough to be read (damaged cache chunks, or a full disk and little memory); see the log",
-                self.layer.file_path(file)
-            ),
-        ))
+        let what = format!("bytes {offset}..{end} of {}", self.layer.file_path(file));
+        // A cached chunk found damaged, or one the disk had no room for and memory let go, is
+        // fetched again (through the one retry policy, at once): a few times, then the read
+        // fails rather than serve anything else. Whatever else `ensure` fails with ends the
+        // read: its fetches were retried below.
+        crate::retry::RetryPolicy::checked(READ_TRIES)
+            .run_when(
+                &what,
+                || async {
+                    self.ensure(chunks.clone()).await?;
+                    let mut buf = vec![0u8; (end - offset) as usize];
+                    let done = off_the_runtime(|| {
+                        if !self.check_present(chunks.clone()) {
+                            return Ok(false);
+                        }
+                        self.copy_out(file, chunks.clone(), offset, &mut buf)
+                    })?;
+                    if done {
+                        return Ok(buf);
+                    }
+                    Err(Error::new(
+                        ErrorKind::FailedPrecondition,
+                        format!(
+                            "{what} could not be kept long enough to be read (damaged cache chunks, or a full disk and little memory); see the log"
+                        ),
+                    ))
+                },
+                |e| e.kind() == ErrorKind::FailedPrecondition,
+            )
+            .await
     }
 
     /// Reads from the cache only; `None` if any needed chunk is missing.

@@ -333,6 +333,28 @@ pub enum Piece {
 /// then never fails a check, bytes that are wrong at the source always do.
 pub const VERIFY_TRIES: u32 = 3;
 
+/// Runs `attempt` (a fetch and its check) through the one retry policy
+/// ([`RetryPolicy::checked`]): bytes that fail their check (`Corrupt`) are fetched again at
+/// once, [`VERIFY_TRIES`] tries in all, the first where `ask` says and the others from the
+/// registry itself; any other failure ends it (the fetch below retried it already).
+pub(crate) async fn fetch_checked<T, F, Fut>(what: &str, ask: Ask, attempt: F) -> Result<T>
+where
+    F: Fn(Ask) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let tries = std::sync::atomic::AtomicU32::new(0);
+    crate::retry::RetryPolicy::checked(VERIFY_TRIES)
+        .run_when(
+            what,
+            || {
+                let first = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0;
+                attempt(if first { ask } else { Ask::Registry })
+            },
+            |e| e.kind() == ErrorKind::Corrupt,
+        )
+        .await
+}
+
 /// Most compressed bytes of one region between chunks (the last one holds the TOC, whose
 /// compressed size is bounded at 64 MiB, and the tar-split).
 pub const MAX_REGION_BYTES: u64 = 160 << 20;

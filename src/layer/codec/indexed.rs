@@ -17,10 +17,10 @@ use futures_util::future::BoxFuture;
 use crate::error::{Error, Result};
 use crate::format::seekable::{self, Expected, Layout, SeekIndex};
 use crate::format::tree::{clean_path, Chunk, Node, NodeKind};
+use crate::layer::{fetch_checked, MAX_REGION_DECODED};
 use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, StreamKind};
 use crate::layer::{FileChunks, LayerMeta, Table};
 use crate::layer::{IndexSource, Layer};
-use crate::layer::{MAX_REGION_DECODED, VERIFY_TRIES};
 
 /// The codec of a layer read through `index`.
 #[derive(Debug)]
@@ -317,31 +317,25 @@ impl<'a> SpanReader<'a> {
             .filter(|(p, _)| p + 1 == s)
             .and_then(|(_, data)| self.index.window_after(s, data))
             .map(<[u8]>::to_vec);
-        let mut ask = self.ask;
-        for tries_left in (0..VERIFY_TRIES).rev() {
-            let attempt = async {
-                let (bytes, window) = match &chained {
-                    Some(w) => (self.fetch.blob(range.clone(), ask).await?, w.clone()),
+        let what = format!(
+            "span {s} of the layer (bytes {}..{})",
+            range.start, range.end
+        );
+        fetch_checked(&what, self.ask, |ask| {
+            let (range, chained) = (range.clone(), chained.clone());
+            async move {
+                let (bytes, window) = match chained {
+                    Some(w) => (self.fetch.blob(range, ask).await?, w),
                     None => {
                         let (bytes, window) =
-                            tokio::join!(self.fetch.blob(range.clone(), ask), self.window(s, ask));
+                            tokio::join!(self.fetch.blob(range, ask), self.window(s, ask));
                         (bytes?, window?)
                     }
                 };
                 crate::task::off_the_runtime(|| self.index.decode_span(s, &bytes, &window))
-            };
-            match attempt.await {
-                Ok(data) => return Ok(data),
-                Err(e) if tries_left == 0 || e.kind() != crate::error::ErrorKind::Corrupt => {
-                    return Err(e)
-                }
-                Err(e) => {
-                    tracing::warn!(span = s, error = %e.chain(), "span failed verification; fetching it again from the registry");
-                    ask = Ask::Registry;
-                }
             }
-        }
-        unreachable!("the last try returns")
+        })
+        .await
     }
 
     /// The window span `s` decodes from: its frame in the windows blob, decoded (empty when

@@ -17,9 +17,9 @@ pub mod estargz;
 pub mod indexed;
 pub mod zstd_chunked;
 
+use super::{fetch_checked, MAX_REGION_BYTES, MAX_REGION_DECODED};
 use super::{Ask, Codec, Fetch, Layer, LayerKind, LayerMeta, Piece, Resolved, Store, Table};
-use super::{MAX_REGION_BYTES, MAX_REGION_DECODED, VERIFY_TRIES};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::reference::Reference;
 
 /// Most regions fetched at once.
@@ -157,27 +157,24 @@ async fn blob_pieces(
 ) -> Result<Vec<Piece>> {
     use futures_util::StreamExt;
     let (mut pieces, wanted) = regions.plan(layer)?;
-    let mut fetched = futures_util::stream::iter(wanted.into_iter().map(|Wanted { slot, range, skip }| async move {
-        let what = format!("bytes {}..{} of the layer", range.start, range.end);
-        let mut ask = ask;
-        for tries_left in (0..VERIFY_TRIES).rev() {
-            let decoded = match fetch.blob(range.clone(), ask).await {
-                Ok(bytes) => crate::task::off_the_runtime(|| decode(&bytes, skip)),
-                Err(e) => Err(e),
-            };
-            match decoded {
-                Ok(region) => return Ok::<_, Error>((slot, region)),
-                Err(e) if tries_left == 0 || e.kind() != ErrorKind::Corrupt => {
-                    return Err(e.context(what.as_str()))
+    let mut fetched = futures_util::stream::iter(wanted.into_iter().map(
+        |Wanted { slot, range, skip }| async move {
+            let what = format!(
+                "bytes {}..{} of layer {}",
+                range.start, range.end, layer.meta.layer_digest
+            );
+            let region = fetch_checked(&what, ask, |ask| {
+                let range = range.clone();
+                async move {
+                    let bytes = fetch.blob(range, ask).await?;
+                    crate::task::off_the_runtime(|| decode(&bytes, skip))
                 }
-                Err(e) => {
-                    tracing::warn!(layer = %layer.meta.layer_digest, error = %e.chain(), "{what} do not decode; fetching them again from the registry");
-                    ask = Ask::Registry;
-                }
-            }
-        }
-        unreachable!("the last try returns")
-    }))
+            })
+            .await
+            .map_err(|e| e.context(what.as_str()))?;
+            Ok::<_, Error>((slot, region))
+        },
+    ))
     .buffer_unordered(REGION_FETCHES);
     let mut decoded = 0u64;
     while let Some(result) = fetched.next().await {
