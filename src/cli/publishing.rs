@@ -1,0 +1,181 @@
+//! The commands that publish and read images in a registry: `push`, `convert`, `index`,
+//! `inspect`.
+
+use std::path::PathBuf;
+
+use crate::digest::Digest;
+use crate::error::{Error, Result};
+use crate::format::disk::DiskFormat;
+use crate::oci::Platform;
+use crate::publish::{self, PublishOptions};
+use crate::reference::Reference;
+
+use super::{repository, ConvertArgs, IndexArgs, InspectArgs, PushArgs};
+
+/// `vmdisk push`: disk files published as an image (one per platform).
+pub(super) async fn push(args: PushArgs) -> Result<()> {
+    if args.args.len() < 2 {
+        return Err(Error::invalid(
+            "push needs at least one disk file and an image reference: vmdisk push FILE REF",
+        ));
+    }
+    let (files, target) = args.args.split_at(args.args.len() - 1);
+    let target: Reference = target[0].parse()?;
+    publish::check_target(&target)?;
+    let pairs = pair_platforms(&args.platforms, files)?;
+    let opts = publish_options(args.path, &args.chunk_size, args.format.as_deref())?;
+    let client = args.registry.client()?;
+    let mut images = Vec::new();
+    for (platform, file) in pairs {
+        let (published, bytes) =
+            publish::push_disk(&client, &target, file.clone(), &platform, &opts).await?;
+        println!(
+            "pushed {} ({}) as /{} {} virtual {} bytes: layer {} ({} bytes, {} chunks, {} zero)",
+            file.display(),
+            platform,
+            published.disk.path,
+            published.disk.format.name(),
+            published.disk.virtual_size,
+            published.layer.digest,
+            published.layer.size,
+            published.chunks,
+            published.zero_chunks
+        );
+        images.push((published, bytes));
+    }
+    let digest: Digest = publish::tag_images(&client, &target, &images).await?;
+    let pinned = target.with_digest(digest);
+    eprintln!("to sign it: cosign sign --key KEY {pinned} (or notation sign {pinned})");
+    println!("{digest}");
+    Ok(())
+}
+
+/// `vmdisk convert`: an image's disk republished in the lazy layout.
+pub(super) async fn convert(args: ConvertArgs) -> Result<()> {
+    let source: Reference = args.source.parse()?;
+    let target: Reference = args.target.parse()?;
+    let tag = |r: &Reference| r.tag.clone().unwrap_or_else(|| "latest".into());
+    if target.registry == source.registry
+        && target.repository == source.repository
+        && source.digest.is_none()
+        && tag(&target) == tag(&source)
+    {
+        return Err(Error::invalid(format!(
+            "convert would overwrite {source}, the image it reads; name another tag or repository"
+        )));
+    }
+    let opts = publish_options(args.path, &args.chunk_size, None)?;
+    let platform = match &args.platform {
+        Some(p) => Platform::parse(p)?,
+        None => Platform::host(),
+    };
+    let client = args.registry.client()?;
+    let digest = publish::convert(&client, &source, &target, &opts, &platform).await?;
+    let pinned = target.with_digest(digest);
+    eprintln!(
+            "the converted image is new content: signatures of {source} do not cover it; sign it: cosign sign --key KEY {pinned} (or notation sign {pinned})"
+        );
+    println!("{digest}");
+    Ok(())
+}
+
+/// `vmdisk index`: a seekable index published beside an unchanged image.
+pub(super) async fn index(args: IndexArgs) -> Result<()> {
+    let reference: Reference = args.reference.parse()?;
+    let to = args
+        .to
+        .as_deref()
+        .map(|t| repository(t, "--to"))
+        .transpose()?;
+    let span = crate::units::parse_size(&args.span)? as u64;
+    let client = args.registry.client()?;
+    let r = crate::publish::index::index(&client, &reference, to.as_ref(), span).await?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&r).expect("report serialises")
+        );
+    } else {
+        println!(
+                "indexed {} ({:?}, {} bytes; {} of tar stream, disk {}) in {:.1} s: {} spans of {}, index {} bytes ({:.2}% of the stream)\npublished {} in {} (subject {})",
+                r.layer,
+                r.compression,
+                r.layer_size,
+                r.stream_size,
+                r.disk,
+                r.seconds,
+                r.spans,
+                r.span_size,
+                r.index_size,
+                100.0 * r.index_size as f64 / r.stream_size.max(1) as f64,
+                r.artifact,
+                r.repository,
+                r.manifest
+            );
+        // The image is unchanged (its signatures stay valid); the index is new, and a
+        // policy that requires signatures in its repository requires it signed.
+        println!(
+            "to sign the index: cosign sign --key KEY {}@{} (or notation sign)",
+            r.repository, r.artifact
+        );
+    }
+    Ok(())
+}
+
+/// `vmdisk inspect`: what an image holds and whether it loads lazily.
+pub(super) async fn inspect(args: InspectArgs) -> Result<()> {
+    let reference: Reference = args.reference.parse()?;
+    let client = args.registry.client()?;
+    let trust = args.policy.verifier()?;
+    let report = crate::inspect::inspect(&client, &trust, &reference).await?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("report serialises")
+        );
+    } else {
+        print!("{}", crate::inspect::render_text(&report));
+    }
+    Ok(())
+}
+
+fn publish_options(
+    path: Option<String>,
+    chunk_size: &str,
+    format: Option<&str>,
+) -> Result<PublishOptions> {
+    let chunk_size =
+        crate::format::layout::check_chunk_size(crate::units::parse_size(chunk_size)?)?;
+    let format = format.map(str::parse::<DiskFormat>).transpose()?;
+    Ok(PublishOptions {
+        path,
+        chunk_size,
+        format,
+        ..PublishOptions::default()
+    })
+}
+
+/// Pairs `--platform` values with files in order; one file without `--platform` is the host's.
+pub fn pair_platforms(platforms: &[String], files: &[String]) -> Result<Vec<(Platform, PathBuf)>> {
+    if platforms.is_empty() && files.len() == 1 {
+        return Ok(vec![(Platform::host(), PathBuf::from(&files[0]))]);
+    }
+    if platforms.len() != files.len() {
+        return Err(Error::invalid(format!(
+            "{} --platform flags for {} disk files: give one --platform before each file (e.g. --platform linux/amd64 a.qcow2 --platform linux/arm64 b.qcow2 REF)",
+            platforms.len(),
+            files.len()
+        )));
+    }
+    let pairs: Vec<(Platform, PathBuf)> = platforms
+        .iter()
+        .zip(files)
+        .map(|(p, f)| Ok((Platform::parse(p)?, PathBuf::from(f))))
+        .collect::<Result<_>>()?;
+    for (i, (p, _)) in pairs.iter().enumerate() {
+        if pairs[..i].iter().any(|(q, _)| q == p) {
+            return Err(Error::invalid(format!("platform {p} is given twice")));
+        }
+    }
+    Ok(pairs)
+}
