@@ -66,7 +66,7 @@ deps:
 		integration/debs.sh --go-sources sid $(DEPS_DIR)/suite-2 golang-github-containerd-containerd-dev golang-go
 
 build:
-	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link --example estargz-layout
+	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link --example estargz-layout --example control-probe
 
 demo: deps build
 	integration/demo.sh

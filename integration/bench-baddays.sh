@@ -147,7 +147,9 @@ ask_times() {  # ask_times SECONDS OUT: times of ls, stats and a scrape, every 0
     sleep 0.1
   done
 }
+PROBE=${PROBE:-$PWD/target/release/examples/control-probe}
 ask_times 5 "$B/idle.times"
+"$PROBE" "$B/node/manage.sock" "$B/node/metrics.sock" 5 > "$B/idle.probe"
 READERS=()
 for d in "${DISKS[@]}"; do
   for r in 1 2 3 4; do
@@ -156,9 +158,14 @@ for d in "${DISKS[@]}"; do
   done
 done
 sleep 2
+# The same questions from a long-lived client (examples/control-probe.rs) at the same time:
+# the daemon's answer without a process start per question.
+"$PROBE" "$B/node/manage.sock" "$B/node/metrics.sock" 35 > "$B/load.probe" &
+PROBE_PID=$!
 ask_times 35 "$B/load.times"
+wait "$PROBE_PID"
 for p in "${READERS[@]}"; do wait "$p" || true; done
-python3 - "$B/idle.times" "$B/load.times" <<'PY' | tee -a "$RESULTS"
+python3 - "$B/idle.times" "$B/load.times" "$B/idle.probe" "$B/load.probe" <<'PY' | tee -a "$RESULTS"
 import sys
 def pcts(path):
     by = {}
@@ -178,5 +185,11 @@ print(f"  {'':10} {'idle n':>7} {'p50 ms':>8} {'p99 ms':>8} {'load n':>7} {'p50 
 for what in ("version", "ls", "stats", "metrics"):
     i, l = idle[what], load[what]
     print(f"  {what:10} {i[0]:7d} {i[1]*1000:8.0f} {i[2]*1000:8.0f} {l[0]:7d} {l[1]*1000:8.0f} {l[2]*1000:8.0f} {l[3]*1000:8.0f}")
+# The long-lived client's lines: NAME COUNT P50 P99 MAX FAILED (ms).
+probe = [{l.split()[0]: l.split()[1:] for l in open(p)} for p in sys.argv[3:5]]
+print("the same from a long-lived client (examples/control-probe.rs: one connection, no process start):")
+for what in ("ls", "stats", "metrics"):
+    (n, p50, p99, _, f), (ln, lp50, lp99, lmax, lf) = probe[0][what], probe[1][what]
+    print(f"  {what + ' (client)':16} {n:>7} {p50:>8} {p99:>8} {ln:>7} {lp50:>8} {lp99:>8} {lmax:>8}  failed {int(f) + int(lf)}")
 PY
 fi
