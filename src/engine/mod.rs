@@ -5,17 +5,19 @@
 //!   a claimed chunk wait for that fetch instead of starting their own.
 //! - **Coalescing.** Adjacent missing chunks become one HTTP Range request (bounded in size);
 //!   fetches run with bounded concurrency.
-//! - **Verification.** Every chunk's range must be whole regular zstd frames (what an ordinary
-//!   decoder reads as file content); it is decompressed within its announced size and checked
-//!   against its `chunkDigest` before it is written to the cache. A chunk that fails is
-//!   fetched once more on its own, then the read fails (EIO): unverified bytes are never
-//!   served. Chunks marked `zeros` are verified the same way (the mark is only a claim) and
-//!   kept as holes. Once the layer is complete, [`integrity`] checks the whole tar stream
+//! - **Verification.** Every chunk's bytes are decoded by the layer's codec within their
+//!   announced size and checked against the chunk's digest before they are written to the
+//!   cache; bytes that fail are fetched again from the registry itself (the one retry policy),
+//!   then the read fails (EIO): unverified bytes are never served, and cached chunks are
+//!   checked again once per process life before they are. Chunks marked `zeros` are verified
+//!   the same way (the mark is only a claim) and kept as holes. Once the layer is complete, [`integrity`] checks the whole tar stream
 //!   against the config's diff_id and the TOC; a layer that fails serves nothing more.
 //! - **Faults.** Network errors and truncated answers are retried with backoff until a
 //!   deadline, which bounds every attempt too (a registry that trickles bytes cannot hold a
 //!   read past it); then the read fails.
 //! - **Dedup.** A chunk whose digest is already cached under another layer is copied locally.
+//! - **Beyond readers** ([`trace`], [`hydrate`]): boot traces recorded and replayed, and the
+//!   whole layer fetched in the background while readers rest.
 //!
 //! What a chunk's bytes are and how they decode is the layer's codec's business
 //! ([`crate::layer::codec`]): the engine asks it and never what kind the layer is. The engine
@@ -23,10 +25,12 @@
 //! reads on its own threads and misses from a task, so a missing chunk never blocks reads of
 //! cached data.
 
+mod hydrate;
 pub mod integrity;
 pub mod readahead;
 pub mod source;
 pub mod stats;
+mod trace;
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -133,15 +137,8 @@ pub struct Engine {
     /// Held while that check runs, so it runs once however many ask.
     checking: tokio::sync::Mutex<()>,
     /// Records which chunks of the disk are read, once started ([`Engine::start_recording`]).
-    recorder: std::sync::OnceLock<Recorder>,
+    recorder: std::sync::OnceLock<trace::Recorder>,
     opts: EngineOptions,
-}
-
-/// The chunks of the disk file that readers touched, in first-touch order.
-struct Recorder {
-    seen: Vec<std::sync::atomic::AtomicU64>,
-    /// Disk-file byte ranges, adjacent ones merged.
-    order: Mutex<Vec<Range<u64>>>,
 }
 
 /// Completes claimed chunks exactly once, also when the fetching future is dropped.
@@ -892,164 +889,6 @@ impl Engine {
                 Some(Err(e))
             }
         }
-    }
-
-    /// Starts recording which chunks of the disk readers touch, in order (a boot trace).
-    /// Reads through the kernel's page cache or FUSE passthrough never reach the engine: mount
-    /// without passthrough to record.
-    pub fn start_recording(&self) {
-        let words = self.layer.chunks.len().div_ceil(64);
-        let _ = self.recorder.set(Recorder {
-            seen: (0..words)
-                .map(|_| std::sync::atomic::AtomicU64::new(0))
-                .collect(),
-            order: Mutex::new(Vec::new()),
-        });
-    }
-
-    /// What was recorded since [`Engine::start_recording`]: disk-file byte ranges of the
-    /// touched chunks in first-touch order.
-    pub fn recorded(&self) -> Vec<Range<u64>> {
-        self.recorder
-            .get()
-            .map_or_else(Vec::new, |r| r.order.lock().clone())
-    }
-
-    /// Records a read of `range` of `file` if recording and `file` is the disk.
-    fn note_read(&self, file: usize, range: Range<u64>) {
-        use std::sync::atomic::Ordering;
-        let Some(recorder) = self.recorder.get().filter(|_| file == self.layer.disk) else {
-            return;
-        };
-        for idx in self.layer.chunks_for(file, range) {
-            let bit = 1u64 << (idx % 64);
-            if recorder.seen[idx / 64].fetch_or(bit, Ordering::Relaxed) & bit != 0 {
-                continue;
-            }
-            let chunk = &self.layer.chunks[idx];
-            let span = chunk.offset..chunk.offset + chunk.size;
-            let mut order = recorder.order.lock();
-            match order.last_mut() {
-                Some(last) if last.end == span.start => last.end = span.end,
-                _ => order.push(span),
-            }
-        }
-    }
-
-    /// Fetches the chunks of the disk that `ranges` (disk-file byte ranges) cover, in that
-    /// order, a few requests at a time so that readers' misses keep slots of their own; each
-    /// chunk once, present ones skipped. Returns how many chunks the ranges cover.
-    pub async fn replay(&self, ranges: &[Range<u64>]) -> Result<usize> {
-        let in_flight = (self.opts.max_concurrent_fetches / 2).max(1);
-        self.ensure_ranges(self.layer.disk, ranges, in_flight).await
-    }
-
-    /// Fetches the chunks of file `file` that `ranges` (file byte ranges) cover, in that
-    /// order, `in_flight` requests at a time; each chunk once, present ones skipped. Returns
-    /// how many chunks the ranges cover.
-    pub async fn ensure_ranges(
-        &self,
-        file: usize,
-        ranges: &[Range<u64>],
-        in_flight: usize,
-    ) -> Result<usize> {
-        use futures_util::StreamExt;
-        let mut seen = std::collections::HashSet::new();
-        let mut order: Vec<usize> = Vec::new();
-        for range in ranges {
-            order.extend(
-                self.layer
-                    .chunks_for(file, range.clone())
-                    .filter(|&c| seen.insert(c)),
-            );
-        }
-        // Runs of chunks adjacent in `order` and in the blob, one request each.
-        let mut runs: Vec<Range<usize>> = Vec::new();
-        for &c in &order {
-            let chunk = &self.layer.chunks[c];
-            match runs.last_mut() {
-                Some(run)
-                    if run.end == c
-                        && chunk.compressed.end - self.layer.chunks[run.start].compressed.start
-                            <= self.opts.max_request_bytes =>
-                {
-                    run.end += 1
-                }
-                _ => runs.push(c..c + 1),
-            }
-        }
-        let mut fetches = futures_util::stream::iter(runs.into_iter().map(|r| self.ensure(r)))
-            .buffered(in_flight.max(1));
-        while let Some(result) = fetches.next().await {
-            result?;
-        }
-        Ok(order.len())
-    }
-
-    /// Waits until no reader has had to fetch for [`READERS_REST`]: background hydration
-    /// starts, and goes on, only while the readers (a booting guest) need nothing from the
-    /// registry. Whether it waited.
-    async fn wait_until_readers_rest(&self) -> bool {
-        let mut waited = false;
-        loop {
-            let rested = self.last_demand.lock().elapsed();
-            match READERS_REST.checked_sub(rested) {
-                Some(left) if !left.is_zero() => {
-                    waited = true;
-                    tokio::time::sleep(left).await
-                }
-                _ => return waited,
-            }
-        }
-    }
-
-    /// Fetches the whole layer in order, `concurrency` batches at a time, with fetch slots of
-    /// its own (a reader never waits for one hydration holds). With `bytes_per_second`
-    /// (uncompressed): at most that, and only while readers rest
-    /// ([`Engine::wait_until_readers_rest`]): background hydration.
-    pub async fn hydrate(&self, concurrency: usize, bytes_per_second: Option<u64>) -> Result<()> {
-        self.usable()?;
-        use futures_util::StreamExt;
-        let total = self.layer.chunks.len();
-        let batch = 16;
-        let batches: Vec<Range<usize>> = (0..total)
-            .step_by(batch)
-            .map(|s| s..(s + batch).min(total))
-            .collect();
-        // The pace of a rate-limited hydration: since when, and the bytes started since; a
-        // wait for the readers starts it anew (the rest does not let it catch up).
-        let pace = Mutex::new((Instant::now(), 0u64));
-        let mut stream = futures_util::stream::iter(batches.into_iter().map(|r| {
-            let bytes: u64 = self.layer.chunks[r.clone()].iter().map(|c| c.size).sum();
-            let pace = &pace;
-            async move {
-                // A full disk keeps what it fetches in memory only: hydrate slowly until it
-                // has room again (a batch a while is the probe).
-                if self.cache.full() {
-                    tokio::time::sleep(HYDRATE_WHEN_FULL).await;
-                }
-                if let Some(rate) = bytes_per_second {
-                    if self.wait_until_readers_rest().await {
-                        *pace.lock() = (Instant::now(), 0);
-                    }
-                    if rate > 0 {
-                        let start_at = {
-                            let mut p = pace.lock();
-                            let at = p.0 + Duration::from_secs_f64(p.1 as f64 / rate as f64);
-                            p.1 += bytes;
-                            at
-                        };
-                        tokio::time::sleep_until(start_at).await;
-                    }
-                }
-                self.ensure_as(r, Priority::Hydration).await
-            }
-        }))
-        .buffered(concurrency.max(1));
-        while let Some(result) = stream.next().await {
-            result?;
-        }
-        Ok(())
     }
 }
 

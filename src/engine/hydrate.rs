@@ -1,0 +1,122 @@
+//! Fetching beyond a reader's read: chunks named by ranges, in order (a trace's replay,
+//! `vmdisk prefetch`), and the whole layer in the background while readers rest (hydration),
+//! with fetch slots of its own.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::{Engine, Priority, HYDRATE_WHEN_FULL, READERS_REST};
+use crate::error::Result;
+
+impl Engine {
+    /// Fetches the chunks of file `file` that `ranges` (file byte ranges) cover, in that
+    /// order, `in_flight` requests at a time; each chunk once, present ones skipped. Returns
+    /// how many chunks the ranges cover.
+    pub async fn ensure_ranges(
+        &self,
+        file: usize,
+        ranges: &[Range<u64>],
+        in_flight: usize,
+    ) -> Result<usize> {
+        use futures_util::StreamExt;
+        let mut seen = std::collections::HashSet::new();
+        let mut order: Vec<usize> = Vec::new();
+        for range in ranges {
+            order.extend(
+                self.layer
+                    .chunks_for(file, range.clone())
+                    .filter(|&c| seen.insert(c)),
+            );
+        }
+        // Runs of chunks adjacent in `order` and in the blob, one request each.
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for &c in &order {
+            let chunk = &self.layer.chunks[c];
+            match runs.last_mut() {
+                Some(run)
+                    if run.end == c
+                        && chunk.compressed.end - self.layer.chunks[run.start].compressed.start
+                            <= self.opts.max_request_bytes =>
+                {
+                    run.end += 1
+                }
+                _ => runs.push(c..c + 1),
+            }
+        }
+        let mut fetches = futures_util::stream::iter(runs.into_iter().map(|r| self.ensure(r)))
+            .buffered(in_flight.max(1));
+        while let Some(result) = fetches.next().await {
+            result?;
+        }
+        Ok(order.len())
+    }
+
+    /// Waits until no reader has had to fetch for [`READERS_REST`]: background hydration
+    /// starts, and goes on, only while the readers (a booting guest) need nothing from the
+    /// registry. Whether it waited.
+    async fn wait_until_readers_rest(&self) -> bool {
+        let mut waited = false;
+        loop {
+            let rested = self.last_demand.lock().elapsed();
+            match READERS_REST.checked_sub(rested) {
+                Some(left) if !left.is_zero() => {
+                    waited = true;
+                    tokio::time::sleep(left).await
+                }
+                _ => return waited,
+            }
+        }
+    }
+
+    /// Fetches the whole layer in order, `concurrency` batches at a time, with fetch slots of
+    /// its own (a reader never waits for one hydration holds). With `bytes_per_second`
+    /// (uncompressed): at most that, and only while readers rest
+    /// ([`Engine::wait_until_readers_rest`]): background hydration.
+    pub async fn hydrate(&self, concurrency: usize, bytes_per_second: Option<u64>) -> Result<()> {
+        self.usable()?;
+        use futures_util::StreamExt;
+        let total = self.layer.chunks.len();
+        let batch = 16;
+        let batches: Vec<Range<usize>> = (0..total)
+            .step_by(batch)
+            .map(|s| s..(s + batch).min(total))
+            .collect();
+        // The pace of a rate-limited hydration: since when, and the bytes started since; a
+        // wait for the readers starts it anew (the rest does not let it catch up).
+        let pace = Mutex::new((Instant::now(), 0u64));
+        let mut stream = futures_util::stream::iter(batches.into_iter().map(|r| {
+            let bytes: u64 = self.layer.chunks[r.clone()].iter().map(|c| c.size).sum();
+            let pace = &pace;
+            async move {
+                // A full disk keeps what it fetches in memory only: hydrate slowly until it
+                // has room again (a batch a while is the probe).
+                if self.cache.full() {
+                    tokio::time::sleep(HYDRATE_WHEN_FULL).await;
+                }
+                if let Some(rate) = bytes_per_second {
+                    if self.wait_until_readers_rest().await {
+                        *pace.lock() = (Instant::now(), 0);
+                    }
+                    if rate > 0 {
+                        let start_at = {
+                            let mut p = pace.lock();
+                            let at = p.0 + Duration::from_secs_f64(p.1 as f64 / rate as f64);
+                            p.1 += bytes;
+                            at
+                        };
+                        tokio::time::sleep_until(start_at).await;
+                    }
+                }
+                self.ensure_as(r, Priority::Hydration).await
+            }
+        }))
+        .buffered(concurrency.max(1));
+        while let Some(result) = stream.next().await {
+            result?;
+        }
+        Ok(())
+    }
+}
