@@ -8,7 +8,7 @@
 //! - [`layout`]: the vmdisk image layout: annotations, where the disk is, the verified decode
 //!   of a chunk.
 //! - [`seekable`]: the seekable index `vmdisk index` publishes for ordinary gzip and
-//!   uncompressed layers and disk files; [`zran`]: the block-boundary inflater that builds it.
+//!   uncompressed layers and disk files; [`seekable::zran`]: deflate at block boundaries, which builds and reads it.
 //! - [`artifact`]: disk artifacts, OCI artifacts whose layer is the disk file itself: what
 //!   makes a manifest one, which layer is the disk, where it appears.
 //! - [`estargz`]: eStargz layers, read lazily from their own TOC.
@@ -26,7 +26,6 @@ pub mod seekable;
 pub mod tarsplit;
 pub mod toc;
 pub mod tree;
-pub mod zran;
 pub mod zstd_chunked;
 
 /// A reader of the uncompressed tar stream of a layer blob read from `blob`.
