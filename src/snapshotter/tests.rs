@@ -235,7 +235,10 @@ async fn a_disk_layer_is_served_remotely_then_reused() {
     let remote = record.remote.expect("recorded as remote");
     assert_eq!(record.parent, "base");
     assert_eq!(
-        record.labels.get(super::LABEL_REMOTE).map(String::as_str),
+        record
+            .labels
+            .get(super::classify::LABEL_REMOTE)
+            .map(String::as_str),
         Some("vmdisk")
     );
     let ensured = f.supervisor.ensured.lock().clone();

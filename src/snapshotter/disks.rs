@@ -1,0 +1,336 @@
+//! Disks made ready through the management API (`vmdisk path`, `prefetch`, `rm`, `gc`), with
+//! the tenant checks: a namespace gets a disk only if it may pull the image.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use super::store::RemoteLayerRef;
+use super::{blocking, control, tenants, Requester, Snapshotter};
+use crate::error::{Error, ErrorKind, Result};
+use crate::reference::Reference;
+use crate::registry::granted::Granted;
+use crate::registry::Registry;
+
+/// How a requester may read a disk ([`Snapshotter::authorize`]).
+enum Access {
+    /// Through the registry with `client` (the node's credentials, or the namespace's `grant`).
+    Fetch {
+        client: Arc<dyn Registry>,
+        grant: Option<tenants::PullGrant>,
+    },
+    /// What the node holds for the reference, without asking the registry.
+    Held(RemoteLayerRef),
+}
+
+/// Disks made ready through the management API (`vmdisk path`, `prefetch`, `rm`, `gc`).
+impl Snapshotter {
+    /// Makes `reference`'s disk ready for `requester` and keeps it until
+    /// [`Snapshotter::remove_disk`]; returns its layer. A namespace gets it only if it may pull
+    /// the image ([`tenants`]). With the registry unreachable, a reference kept before is
+    /// served from the cache to the node's operator, and to a namespace as the verification
+    /// policy allows.
+    pub async fn ensure_disk(
+        self: &Arc<Self>,
+        reference: &str,
+        requester: &Requester,
+    ) -> Result<crate::digest::Digest> {
+        let parsed: Reference = reference.parse()?;
+        let cache = self.classifier.cache();
+        let (remote, grants, checked_now, ahead) = match self
+            .authorize(reference, &parsed, requester)
+            .await?
+        {
+            Access::Fetch { client, grant } => {
+                match crate::resolve::platform_manifest(client.as_ref(), cache, &parsed).await {
+                    Ok((manifest, digest, _)) => {
+                        let trust = self.classifier.trust();
+                        let pinned = parsed.with_digest(digest);
+                        // Signatures and the layer's TOC at once; the disk only if both hold.
+                        let (checked, layer) = tokio::join!(
+                            trust.check_image(client.as_ref(), cache, &parsed, digest),
+                            crate::resolve::disk_layer_id(
+                                client.as_ref(),
+                                cache,
+                                trust,
+                                &pinned,
+                                &manifest,
+                                digest,
+                                None,
+                            )
+                        );
+                        checked?;
+                        let (_, meta) = layer?;
+                        let mut grants = self.tenants.covering(&parsed, &digest);
+                        match (&grant, requester) {
+                            (Some(g), Requester::Namespace(ns)) => {
+                                // The platform manifest joins the grant it was read through.
+                                for top in &g.digests {
+                                    self.tenants.extend(ns, &parsed, top, digest);
+                                }
+                                if !grants.iter().any(|h| h.credential == g.credential) {
+                                    grants.push(g.grant());
+                                }
+                            }
+                            _ => self.tenants.note_open(digest),
+                        }
+                        (
+                            RemoteLayerRef {
+                                reference: pinned.to_string(),
+                                layer: meta.id().key(),
+                                alias: Some(reference.to_string()),
+                            },
+                            grants,
+                            true,
+                            self.fetch_ahead(&client, meta.id().key()),
+                        )
+                    }
+                    Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::Timeout) => {
+                        let known = self.known(reference, &parsed).await?;
+                        let allowed = match requester {
+                            Requester::Node => true,
+                            Requester::Namespace(ns) => {
+                                self.may_serve_held(ns, &parsed, known.as_ref())
+                            }
+                        };
+                        match known.filter(|_| allowed) {
+                            Some(r) => {
+                                tracing::warn!(reference, error = %e.chain(), "registry unreachable; serving the disk kept before");
+                                (r, Vec::new(), false, None)
+                            }
+                            None => return Err(e),
+                        }
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Access::Held(r) => (r, Vec::new(), false, None),
+        };
+        if !checked_now {
+            // Served from what the node holds: it must have been accepted under the policy in
+            // force.
+            self.held_accepted(&remote).await?;
+        }
+        let layer = remote.layer;
+        let lock = self.layer_locks.lock(&layer).await;
+        self.servers
+            .ensure(
+                &layer,
+                &remote.reference,
+                remote.alias.as_deref(),
+                &grants,
+                control::Need::ReadyDisk,
+                ahead,
+            )
+            .await?;
+        let (me, name) = (Arc::clone(self), reference.to_string());
+        blocking(move || me.store.pin(&name, &remote)).await?;
+        drop(lock);
+        Ok(layer)
+    }
+
+    /// Refuses a disk the node holds unless the signature policy in force accepted it (as its
+    /// pinned reference or the name it was pulled as) on this node.
+    async fn held_accepted(&self, remote: &RemoteLayerRef) -> Result<()> {
+        let trust = self.classifier.trust();
+        if !trust.is_set() {
+            return Ok(());
+        }
+        let accepted = trust.accepted_offline();
+        let (cache, held) = (self.classifier.cache().cloned(), remote.clone());
+        let ok = blocking(move || {
+            let remote = held;
+            let Some(cache) = cache else { return Ok(false) };
+            let pinned: Reference = remote.reference.parse()?;
+            let Some(digest) = pinned.digest else {
+                return Ok(false);
+            };
+            let names = std::iter::once(pinned.clone()).chain(
+                remote
+                    .alias
+                    .as_deref()
+                    .and_then(|a| a.parse::<Reference>().ok()),
+            );
+            Ok(names.into_iter().any(|n| accepted(&cache, &n, &digest)))
+        })
+        .await?;
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::new(
+                ErrorKind::Refused,
+                format!(
+                    "{}: the registry was not asked and the signature policy in force has not accepted this image on this node",
+                    remote.reference
+                ),
+            ))
+        }
+    }
+
+    /// Whether `requester` may have `reference`'s disk, and how to read it. The node's
+    /// operator reads with the node's credentials. A namespace may if its own pull of that
+    /// digest succeeded, if the node's own credentials read the image, or if a grant of its
+    /// own reads the digest it pulled; failing that, under [`tenants::Verification::Never`],
+    /// it gets what the node holds for the reference.
+    async fn authorize(
+        self: &Arc<Self>,
+        reference: &str,
+        parsed: &Reference,
+        requester: &Requester,
+    ) -> Result<Access> {
+        let base = Arc::clone(self.classifier.client());
+        let Requester::Namespace(ns) = requester else {
+            return Ok(Access::Fetch {
+                client: base,
+                grant: None,
+            });
+        };
+        let scoped = |g: &tenants::PullGrant| -> Arc<dyn Registry> {
+            Arc::clone(&base).with_grants(Arc::new(Granted::of([g.grant()])))
+        };
+        let grants = self.tenants.grants_of(ns, parsed);
+        // The namespace's own pull of this very digest succeeded.
+        if let Some(g) = parsed
+            .digest
+            .and_then(|d| grants.iter().find(|g| g.digests.contains(&d)))
+        {
+            return Ok(Access::Fetch {
+                client: scoped(g),
+                grant: Some(g.clone()),
+            });
+        }
+        // The node's own credentials read it: anyone may have it.
+        match base.check_manifest(parsed).await {
+            Ok(digest) => {
+                self.tenants.note_open(digest);
+                return Ok(Access::Fetch {
+                    client: base,
+                    grant: None,
+                });
+            }
+            Err(e) if e.kind() == ErrorKind::Auth => {}
+            Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::Timeout) => {
+                let known = self.known(reference, parsed).await?;
+                return match known.filter(|k| self.may_serve_held(ns, parsed, Some(k))) {
+                    Some(k) => {
+                        tracing::warn!(reference, namespace = ns, error = %e.chain(), "registry unreachable; serving the disk kept before");
+                        Ok(Access::Held(k))
+                    }
+                    None => Err(e.context(format!(
+                        "cannot tell whether namespace {ns} may read {reference}"
+                    ))),
+                };
+            }
+            Err(e) => return Err(e),
+        }
+        // A grant of the namespace's own reads it, and its pull fetched that digest.
+        let mut other = None;
+        for g in &grants {
+            match scoped(g).check_manifest(parsed).await {
+                Ok(d) if g.digests.contains(&d) => {
+                    return Ok(Access::Fetch {
+                        client: scoped(g),
+                        grant: Some(g.clone()),
+                    })
+                }
+                Ok(d) => other = Some(d),
+                Err(e) if e.kind() == ErrorKind::Auth => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if self.tenants.policy == tenants::Verification::Never {
+            if let Some(k) = self.known(reference, parsed).await? {
+                return Ok(Access::Held(k));
+            }
+        }
+        let why = match other {
+            Some(d) => format!(
+                "namespace {ns} pulled other digests of {}/{}, not {d}",
+                parsed.registry, parsed.repository
+            ),
+            None => format!("no PullImage of it by a pod of namespace {ns} succeeded"),
+        };
+        Err(Error::new(
+            ErrorKind::Auth,
+            format!(
+                "namespace {ns} may not read {reference}: the registry requires credentials, the node's own do not read it, and {why}; pull the image in a pod of that namespace (with its imagePullSecret) first, or give the node credentials for it"
+            ),
+        ))
+    }
+
+    /// What the node holds for `reference`: a disk kept by that name, or a remote snapshot's
+    /// layer pulled by that name or pinned to that digest.
+    async fn known(
+        self: &Arc<Self>,
+        reference: &str,
+        parsed: &Reference,
+    ) -> Result<Option<RemoteLayerRef>> {
+        let (me, reference, parsed) = (Arc::clone(self), reference.to_string(), parsed.clone());
+        blocking(move || {
+            if let Some((_, r)) = me.store.pins()?.into_iter().find(|(n, _)| *n == reference) {
+                return Ok(Some(r));
+            }
+            Ok(me.remote_layers()?.into_values().map(|(r, _)| r).find(|r| {
+                r.alias.as_deref() == Some(reference.as_str())
+                    || parsed.digest.is_some_and(|d| {
+                        r.reference.parse::<Reference>().is_ok_and(|p| {
+                            p.digest == Some(d)
+                                && p.registry == parsed.registry
+                                && p.repository == parsed.repository
+                        })
+                    })
+            }))
+        })
+        .await
+    }
+
+    /// Whether namespace `ns` may be served what the node holds (`held`) without the registry
+    /// confirming it: as the verification policy says.
+    fn may_serve_held(&self, ns: &str, parsed: &Reference, held: Option<&RemoteLayerRef>) -> bool {
+        let Some(digest) = held.and_then(|h| h.reference.parse::<Reference>().ok()?.digest) else {
+            return false;
+        };
+        let own = self
+            .tenants
+            .grants_of(ns, parsed)
+            .iter()
+            .any(|g| g.digests.contains(&digest));
+        match self.tenants.policy {
+            tenants::Verification::Never => true,
+            tenants::Verification::IfPrivate => own || self.tenants.is_open(&digest),
+            tenants::Verification::Always => own,
+        }
+    }
+
+    /// Forgets a disk kept by [`Snapshotter::ensure_disk`]; returns whether its mount stopped.
+    pub async fn remove_disk(self: &Arc<Self>, reference: &str) -> Result<bool> {
+        let (me, name) = (Arc::clone(self), reference.to_string());
+        let Some(pin) = blocking(move || me.store.unpin(&name)).await? else {
+            return Err(Error::not_found(format!(
+                "{reference} is not a disk kept by `vmdisk path` or `vmdisk prefetch` (see `vmdisk ls`)"
+            )));
+        };
+        self.stop_unused(vec![pin.layer]).await?;
+        Ok(self.servers.status(&pin.layer).await.is_none())
+    }
+
+    /// Stops unused mounts, removes stale directories, evicts unused cached layers down to
+    /// `limit` (or the configured bound). Returns the bytes freed and the mounts stopped.
+    pub async fn gc(self: &Arc<Self>, limit: Option<u64>) -> Result<(u64, u32)> {
+        let me = Arc::clone(self);
+        let unused = blocking(move || me.cleanup()).await?;
+        let stopped = self.stop_unused(unused).await?;
+        let freed = match limit.or(self.cache.limit) {
+            Some(limit) => {
+                let dir = self.cache.dir.clone();
+                blocking(move || crate::cache::CacheRoot::open(&dir)?.evict(limit)).await?
+            }
+            None => 0,
+        };
+        Ok((freed, stopped))
+    }
+
+    /// The cache directory.
+    pub fn cache_dir(&self) -> &Path {
+        &self.cache.dir
+    }
+}

@@ -1,0 +1,293 @@
+//! Prepare with containerd's remote-snapshot handshake: whether a layer is a lazily loadable
+//! disk ([`super::classify`]), the signature policy, the credentials of the pulls in flight,
+//! and the layer's server started before the target snapshot is recorded.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::classify::{self, Decision, LABEL_REMOTE, LABEL_TARGET};
+use super::store::{Kind, RemoteLayerRef};
+use super::supervisor::Ahead;
+use super::{blocking, control, Mount, Snapshotter};
+use crate::error::{Error, ErrorKind, Result};
+use crate::reference::Reference;
+use crate::registry::granted::{Grant, Granted};
+use crate::registry::Registry;
+
+/// What a Prepare may read the image with: a client with the node's credentials and those of
+/// the CRI pulls of the image in flight, and those credentials.
+#[derive(Clone, Copy)]
+struct PullAccess<'a> {
+    client: &'a Arc<dyn Registry>,
+    pending: &'a [crate::registry::auth::Credential],
+}
+
+impl Snapshotter {
+    /// Prepare with containerd's remote-snapshot handshake. `Ok(None)`: the target snapshot
+    /// now exists (answer AlreadyExists); `Ok(Some(mounts))`: an ordinary active snapshot.
+    pub async fn prepare(
+        self: &Arc<Self>,
+        key: &str,
+        parent: &str,
+        labels: BTreeMap<String, String>,
+    ) -> Result<Option<Vec<Mount>>> {
+        if let Some(target) = labels.get(LABEL_TARGET).cloned() {
+            use tracing::Instrument;
+            let span = tracing::info_span!("prepare", key, target = %target);
+            if self
+                .try_remote(&target, parent, &labels)
+                .instrument(span)
+                .await?
+            {
+                return Ok(None);
+            }
+        }
+        let me = Arc::clone(self);
+        let (key, parent) = (key.to_string(), parent.to_string());
+        blocking(move || me.create(&key, &parent, Kind::Active, labels))
+            .await
+            .map(Some)
+    }
+
+    /// Checks the image against the signature policy, classifies the layer and, if it is a
+    /// disk, serves it remotely; whether the target snapshot now exists. An image the policy
+    /// refuses fails the Prepare (and so containerd's pull), whatever the layer: an ordinary
+    /// pull of it would unpack the same unverified bytes. Every outcome is counted and
+    /// logged. The classification may use the credentials of the CRI pulls of this image in
+    /// flight (containerd is pulling it with them: that is why it asks).
+    async fn try_remote(
+        self: &Arc<Self>,
+        target: &str,
+        parent: &str,
+        labels: &BTreeMap<String, String>,
+    ) -> Result<bool> {
+        let started = std::time::Instant::now();
+        let image = labels.get(classify::LABEL_IMAGE_REF);
+        let pending = image.map_or_else(Vec::new, |i| self.tenants.pending_for(i));
+        let client = self.client_with(image.and_then(|i| i.parse().ok()), &pending);
+        // The signatures are fetched while the layer is classified (manifest, config, TOC:
+        // nothing of the disk), and nothing is served before both are done.
+        let (checked, decision) = tokio::join!(
+            self.check_policy(labels, client.as_ref()),
+            self.classifier.classify(labels, client.as_ref())
+        );
+        if let Err(e) = checked {
+            self.counters.add("decision/refused:policy", 1);
+            tracing::warn!(error = %e.chain(), "the signature policy refuses the image; the pull fails");
+            return Err(e);
+        }
+        match decision {
+            Decision::Remote { reference, layer } => {
+                if let (Some(image), Some(digest)) = (image, reference.digest) {
+                    self.tenants.note_classified(image, digest);
+                }
+                match self
+                    .prepare_remote(
+                        target,
+                        parent,
+                        labels,
+                        (&reference, layer),
+                        PullAccess {
+                            client: &client,
+                            pending: &pending,
+                        },
+                    )
+                    .await
+                {
+                    Ok(outcome) => {
+                        self.counters.add(&format!("decision/{outcome}"), 1);
+                        let ms = started.elapsed().as_millis() as u64;
+                        tracing::info!(%layer, %reference, outcome, ms, "layer is served lazily");
+                        return Ok(true);
+                    }
+                    Err(e) => {
+                        self.counters.add("decision/fallback:mount_failed", 1);
+                        tracing::warn!(%layer, error = %e.chain(), "lazy mount failed; containerd pulls the layer normally");
+                    }
+                }
+            }
+            Decision::Ordinary {
+                reason,
+                detail,
+                candidate,
+            } => {
+                if candidate {
+                    self.counters.add(&format!("decision/fallback:{reason}"), 1);
+                    tracing::warn!(
+                        reason = reason.as_str(),
+                        detail,
+                        "a published VM-disk layer is pulled normally"
+                    );
+                } else {
+                    self.counters.add(&format!("decision/ordinary:{reason}"), 1);
+                    tracing::info!(
+                        reason = reason.as_str(),
+                        detail,
+                        "ordinary layer; containerd pulls it"
+                    );
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// Whether the signature policy accepts the image a Prepare with `labels` unpacks (its
+    /// CRI labels name it: the reference as pulled and the platform manifest digest). Without
+    /// those labels containerd pulls outside CRI (`ctr`), and nothing is checked here.
+    async fn check_policy(
+        &self,
+        labels: &BTreeMap<String, String>,
+        client: &dyn crate::registry::Registry,
+    ) -> Result<()> {
+        let trust = self.classifier.trust();
+        if !trust.is_set() {
+            return Ok(());
+        }
+        let (Some(image), Some(manifest)) = (
+            labels.get(classify::LABEL_IMAGE_REF),
+            labels.get(classify::LABEL_MANIFEST),
+        ) else {
+            return Ok(());
+        };
+        let image: Reference = image.parse()?;
+        let digest: crate::digest::Digest = manifest.parse()?;
+        trust
+            .check_image(client, self.classifier.cache(), &image, digest)
+            .await
+    }
+
+    /// The registry client acting with the node's credentials and `credentials` for the
+    /// repository of `image` (tried after the node's, in order).
+    fn client_with(
+        &self,
+        image: Option<Reference>,
+        credentials: &[crate::registry::auth::Credential],
+    ) -> Arc<dyn Registry> {
+        let base = Arc::clone(self.classifier.client());
+        match image {
+            Some(image) if !credentials.is_empty() => {
+                base.with_grants(Arc::new(Granted::of(credentials.iter().map(|c| {
+                    Grant::new(
+                        &image.registry,
+                        &image.repository,
+                        c.clone(),
+                        self.tenants.ttl(),
+                    )
+                }))))
+            }
+            _ => base,
+        }
+    }
+
+    /// Starts fetching the blob bytes the structure check of `layer`'s server reads, with
+    /// `client` (one that read the image's manifest and TOC), when a cache keeps its record and
+    /// TOC: from before the server is started, so that they come while it starts.
+    pub(super) fn fetch_ahead(
+        &self,
+        client: &Arc<dyn Registry>,
+        layer: crate::digest::Digest,
+    ) -> Option<Ahead> {
+        self.classifier
+            .cache()
+            .map(|cache| Ahead::fetch(Arc::clone(client), cache.clone(), layer))
+    }
+
+    /// What a new mount server of `reference` (pinned by digest) may fetch with: the grants of
+    /// succeeded pulls that covered it, and, if the node's own credentials do not read it, the
+    /// first credential of a pull in flight that does (asked of the registry now, so a wrong
+    /// one is never handed over).
+    async fn grants_for_server(
+        &self,
+        reference: &Reference,
+        pending: &[crate::registry::auth::Credential],
+    ) -> Vec<Grant> {
+        let Some(digest) = reference.digest else {
+            return Vec::new();
+        };
+        let mut grants = self.tenants.covering(reference, &digest);
+        if pending.is_empty() {
+            return grants;
+        }
+        match self.classifier.client().check_manifest(reference).await {
+            Ok(_) => return grants,
+            Err(e) if e.kind() == ErrorKind::Auth => {}
+            Err(e) => {
+                tracing::warn!(%reference, error = %e.chain(), "cannot tell which credentials read the image");
+                return grants;
+            }
+        }
+        for credential in pending {
+            let client =
+                self.client_with(Some(reference.clone()), std::slice::from_ref(credential));
+            if client.check_manifest(reference).await.is_ok() {
+                grants.push(Grant::new(
+                    &reference.registry,
+                    &reference.repository,
+                    credential.clone(),
+                    self.tenants.ttl(),
+                ));
+                break;
+            }
+        }
+        grants
+    }
+
+    /// Serves `layer` of `reference` (classified remote) as snapshot `target`, with what the
+    /// `pull` in flight may read.
+    async fn prepare_remote(
+        self: &Arc<Self>,
+        target: &str,
+        parent: &str,
+        labels: &BTreeMap<String, String>,
+        (reference, layer): (&Reference, crate::digest::Digest),
+        pull: PullAccess<'_>,
+    ) -> Result<&'static str> {
+        let ahead = self.fetch_ahead(pull.client, layer);
+        let me = Arc::clone(self);
+        let name = target.to_string();
+        if let Some(existing) = blocking(move || me.store.get(&name)).await? {
+            if existing.kind == Kind::Committed && existing.parent == parent {
+                return Ok("reused");
+            }
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                format!("a different snapshot is named {target:?} already"),
+            ));
+        }
+        let alias = labels.get(classify::LABEL_IMAGE_REF).cloned();
+        let grants = self.grants_for_server(reference, pull.pending).await;
+        let lock = self.layer_locks.lock(&layer).await;
+        self.servers
+            .ensure(
+                &layer,
+                &reference.to_string(),
+                alias.as_deref(),
+                &grants,
+                control::Need::Layer,
+                ahead,
+            )
+            .await?;
+        let mut labels = labels.clone();
+        labels.insert(LABEL_REMOTE.to_string(), "vmdisk".to_string());
+        let remote = RemoteLayerRef {
+            reference: reference.to_string(),
+            layer,
+            alias,
+        };
+        let (me, target, parent) = (Arc::clone(self), target.to_string(), parent.to_string());
+        let created = blocking(move || {
+            let _g = me.guard();
+            match me
+                .store
+                .create(&target, Kind::Committed, &parent, labels, Some(remote))
+            {
+                Ok(_) => Ok("remote"),
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok("reused"),
+                Err(e) => Err(e),
+            }
+        })
+        .await;
+        drop(lock);
+        created
+    }
+}

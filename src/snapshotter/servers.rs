@@ -1,0 +1,169 @@
+//! The snapshotter's side of the mount servers: stopping unused ones, the statuses and
+//! counters they report, credentials handed to them, and mounting every recorded layer at
+//! start.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{blocking, control, Freshness, Snapshotter, PIN_USER};
+use crate::error::Result;
+use crate::reference::Reference;
+use crate::registry::granted::Grant;
+
+impl Snapshotter {
+    /// Stops the servers of `layers` that no snapshot or pin uses (after Remove, RemoveDisk or
+    /// Cleanup); returns how many it stopped. Each layer is checked and stopped under its own
+    /// lock, and its server's final counters are kept.
+    pub async fn stop_unused(self: &Arc<Self>, layers: Vec<crate::digest::Digest>) -> Result<u32> {
+        let mut stopped = 0;
+        for layer in layers {
+            let _lock = self.layer_locks.lock(&layer).await;
+            let me = Arc::clone(self);
+            if blocking(move || me.remote_layers())
+                .await?
+                .contains_key(&layer)
+            {
+                continue;
+            }
+            match self.servers.stop(&layer).await {
+                Ok(Some(last)) => {
+                    self.observe(&last);
+                    self.counters.forget(&last.instance);
+                    stopped += 1;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(%layer, error = %e.chain(), "the unused layer's server keeps serving")
+                }
+            }
+        }
+        Ok(stopped)
+    }
+
+    /// Takes in a server's counters.
+    pub fn observe(&self, status: &control::LayerStatus) {
+        if let Some(counters) = &status.counters {
+            self.counters.observe(&status.instance, counters);
+        }
+    }
+
+    /// Hands the running servers of the images `digests` of `grant`'s repository covers the
+    /// credentials of a pull of them that succeeded; a server that does not answer gets them
+    /// at its next start.
+    pub async fn hand_grant(
+        self: &Arc<Self>,
+        grant: &Grant,
+        digests: &std::collections::BTreeSet<crate::digest::Digest>,
+    ) -> Result<()> {
+        let me = Arc::clone(self);
+        let layers = blocking(move || me.remote_layers()).await?;
+        for (layer, (remote, _)) in layers {
+            let covered = remote.reference.parse::<Reference>().is_ok_and(|r| {
+                r.registry == grant.registry
+                    && r.repository == grant.repository
+                    && r.digest.is_some_and(|d| digests.contains(&d))
+            });
+            if !covered {
+                continue;
+            }
+            if let Err(e) = self.servers.hand_grant(&layer, grant).await {
+                tracing::debug!(%layer, error = %e.chain(), "the layer's server did not take the credentials");
+            }
+        }
+        Ok(())
+    }
+
+    /// What each of `layers`' servers says now (`None`: no server answered within the call
+    /// deadline), asked all at once; their counters are taken in. `fresh`: how long to wait
+    /// for them. `layers` are every recorded layer (the answers kept for others are dropped).
+    pub async fn statuses(
+        &self,
+        layers: impl IntoIterator<Item = crate::digest::Digest>,
+        fresh: Freshness,
+    ) -> HashMap<crate::digest::Digest, Option<control::LayerStatus>> {
+        let asked = layers.into_iter().map(|layer| async move {
+            let recent = match fresh {
+                Freshness::Prompt(wait) => {
+                    self.recent.lock().get(&layer).cloned().map(|r| (wait, r))
+                }
+                Freshness::Now => None,
+            };
+            let status = match recent {
+                Some((wait, recent)) => {
+                    match tokio::time::timeout(wait, self.servers.status(&layer)).await {
+                        Ok(status) => status,
+                        Err(_) => return (layer, Some(recent), false),
+                    }
+                }
+                None => self.servers.status(&layer).await,
+            };
+            (layer, status, true)
+        });
+        let answers = futures_util::future::join_all(asked).await;
+        let mut recent = self.recent.lock();
+        let statuses: HashMap<_, _> = answers
+            .into_iter()
+            .map(|(layer, status, answered)| {
+                if answered {
+                    match &status {
+                        Some(status) => {
+                            self.observe(status);
+                            recent.insert(layer, status.clone());
+                        }
+                        None => {
+                            recent.remove(&layer);
+                        }
+                    }
+                }
+                (layer, status)
+            })
+            .collect();
+        // Callers ask for every recorded layer: what no longer is one is forgotten.
+        recent.retain(|layer, _| statuses.contains_key(layer));
+        statuses
+    }
+
+    /// Writes the counters if they changed, off the async workers.
+    pub async fn save_counters(self: &Arc<Self>) -> Result<()> {
+        let me = Arc::clone(self);
+        blocking(move || me.counters.save()).await
+    }
+}
+
+impl Snapshotter {
+    /// Mounts every layer the store records (adopting running servers), all at once; a layer
+    /// that cannot be mounted is logged and left for a later start.
+    pub async fn mount_recorded(self: &Arc<Self>) -> Result<usize> {
+        let me = Arc::clone(self);
+        let layers = blocking(move || me.remote_layers()).await?;
+        let mounted = layers.iter().map(|(layer, (remote, snapshots))| async move {
+            let _lock = self.layer_locks.lock(layer).await;
+            match self
+                .servers
+                .ensure(
+                    layer,
+                    &remote.reference,
+                    remote.alias.as_deref(),
+                    &[],
+                    // A disk kept by EnsureDisk wants its ready-disk directory back.
+                    match snapshots.iter().any(|u| u.starts_with(PIN_USER)) {
+                        true => control::Need::ReadyDisk,
+                        false => control::Need::Layer,
+                    },
+                    // Recorded layers were checked when first served: nothing to fetch ahead.
+                    None,
+                )
+                .await
+            {
+                Ok(mnt) => {
+                    tracing::info!(%layer, mountpoint = %mnt.display(), snapshots = snapshots.len(), "remote snapshot layer mounted")
+                }
+                Err(e) => {
+                    tracing::error!(%layer, error = %e.chain(), "cannot mount a remote snapshot's layer; reads of it fail until a restart mounts it")
+                }
+            }
+        });
+        futures_util::future::join_all(mounted).await;
+        Ok(layers.len())
+    }
+}
