@@ -113,11 +113,50 @@ async fn keep_image_filesystem_linked(config: &Config) -> Result<()> {
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
+    let snapshotter = open(&config, config_path).await?;
+    // Remote snapshots come back before containerd can ask for them.
+    let remote_layers = snapshotter.mount_recorded().await?;
+    if let Some(limit) = config.cache_limit()? {
+        let dir = config.cache_dir();
+        let freed = super::blocking(move || CacheRoot::open(&dir)?.evict(limit)).await?;
+        tracing::info!(freed, limit, "cache eviction done");
+    }
+
+    let snapshots = crate::api::unix::bind(&config.address, 0o660)?;
+    let manage = crate::api::unix::bind(&config.manage_address, 0o600)?;
+    let background = Background::spawn(&config, &snapshotter)?;
+    tracing::info!(address = %config.address.display(), manage = %config.manage_address.display(), remote_layers, "vmdisk-snapshotter ready");
+    // Under systemd (Type=notify): ready once the sockets are bound, so containerd, ordered
+    // after this unit, finds them.
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::warn!(error = %e, "telling systemd the daemon is ready failed");
+    }
+    serve(snapshots, manage, &snapshotter).await?;
+    background.stop();
+    if let Err(e) = collect(&snapshotter).await {
+        tracing::warn!(error = %e.chain(), "keeping the counters failed");
+    }
+    for path in [
+        &config.address,
+        &config.manage_address,
+        &config.cri.image_service_address,
+    ] {
+        if !path.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    tracing::info!("vmdisk-snapshotter stopped; mount servers keep serving");
+    Ok(())
+}
+
+/// The daemon's state directories made private, its registry client, servers, classifier and
+/// store opened: the snapshotter, before anything is mounted or served.
+async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snapshotter>> {
     // Node state is root's alone; the ready disks root's and the VMM group's.
     crate::dirs::private(&config.root)?;
     crate::dirs::private(&config.cache_dir())?;
     crate::ready::prepare_root(&config.ready_dir, config.vmm_gid()?)?;
-    keep_image_filesystem_linked(&config).await?;
+    keep_image_filesystem_linked(config).await?;
     let client = Arc::new(RegistryClient::new(config.registry_config())?);
     // Which namespace's pulls granted what (the CRI proxy tells); memory only.
     let tenants = super::tenants::Tenants::new(
@@ -145,7 +184,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     let signatures = config.signatures.clone();
     let containerd_root = config.containerd.root.clone();
     let index_search = config.registry.index_search;
-    let snapshotter = Arc::new(
+    Ok(Arc::new(
         super::blocking(move || {
             let trust = crate::policy::Verifier::load(&signatures)
                 .map_err(|e| e.context("configuration [signatures]"))?;
@@ -162,59 +201,74 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
             Snapshotter::open(&root, Box::new(servers), classifier, cache, tenants)
         })
         .await?,
-    );
+    ))
+}
 
-    // Remote snapshots come back before containerd can ask for them.
-    let remote_layers = snapshotter.mount_recorded().await?;
-    if let Some(limit) = config.cache_limit()? {
-        let dir = config.cache_dir();
-        let freed = super::blocking(move || CacheRoot::open(&dir)?.evict(limit)).await?;
-        tracing::info!(freed, limit, "cache eviction done");
+/// What the daemon runs beside its APIs: the metrics endpoint, the CRI image service (when
+/// configured) and the servers' counters collection each [`COLLECT_EVERY`].
+struct Background {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Background {
+    fn spawn(config: &Config, snapshotter: &Arc<Snapshotter>) -> Result<Self> {
+        let metrics_task = {
+            let address = config.metrics_address()?;
+            let s = Arc::clone(snapshotter);
+            tokio::spawn(async move {
+                if let Err(e) = super::metrics::serve(address, s).await {
+                    tracing::error!(error = %e.chain(), "metrics endpoint stopped");
+                }
+            })
+        };
+        let cri_on = !config.cri.image_service_address.as_os_str().is_empty();
+        let cri_task = cri_on.then(|| {
+            let (cri, s) = (config.cri.clone(), Arc::clone(snapshotter));
+            tokio::spawn(async move {
+                if let Err(e) = super::cri::serve(cri, s).await {
+                    tracing::error!(error = %e.chain(), "the CRI image service stopped");
+                }
+            })
+        });
+        let collect_task = {
+            let s = Arc::clone(snapshotter);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(COLLECT_EVERY).await;
+                    if let Err(e) = collect(&s).await {
+                        tracing::warn!(error = %e.chain(), "collecting the mount servers' counters failed");
+                    }
+                }
+            })
+        };
+        Ok(Background {
+            tasks: [Some(metrics_task), cri_task, Some(collect_task)]
+                .into_iter()
+                .flatten()
+                .collect(),
+        })
     }
 
-    let snapshots = crate::api::unix::bind(&config.address, 0o660)?;
-    let manage = crate::api::unix::bind(&config.manage_address, 0o600)?;
-    let metrics_task = {
-        let address = config.metrics_address()?;
-        let s = Arc::clone(&snapshotter);
-        tokio::spawn(async move {
-            if let Err(e) = super::metrics::serve(address, s).await {
-                tracing::error!(error = %e.chain(), "metrics endpoint stopped");
-            }
-        })
-    };
-    let cri_on = !config.cri.image_service_address.as_os_str().is_empty();
-    let cri_task = cri_on.then(|| {
-        let (cri, s) = (config.cri.clone(), Arc::clone(&snapshotter));
-        tokio::spawn(async move {
-            if let Err(e) = super::cri::serve(cri, s).await {
-                tracing::error!(error = %e.chain(), "the CRI image service stopped");
-            }
-        })
-    });
-    let collect_task = {
-        let s = Arc::clone(&snapshotter);
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(COLLECT_EVERY).await;
-                if let Err(e) = collect(&s).await {
-                    tracing::warn!(error = %e.chain(), "collecting the mount servers' counters failed");
-                }
-            }
-        })
-    };
+    fn stop(self) {
+        for task in self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Serves the snapshots API on `snapshots` and the management API on `manage` until SIGINT or
+/// SIGTERM.
+async fn serve(
+    snapshots: tokio::net::UnixListener,
+    manage: tokio::net::UnixListener,
+    snapshotter: &Arc<Snapshotter>,
+) -> Result<()> {
     let snapshots_svc = SnapshotsServer::new(SnapshotsService {
-        snapshotter: Arc::clone(&snapshotter),
+        snapshotter: Arc::clone(snapshotter),
     });
     let manage_svc = ManageServer::new(ManageService {
-        snapshotter: Arc::clone(&snapshotter),
+        snapshotter: Arc::clone(snapshotter),
     });
-    tracing::info!(address = %config.address.display(), manage = %config.manage_address.display(), remote_layers, "vmdisk-snapshotter ready");
-    // Under systemd (Type=notify): ready once the sockets are bound, so containerd, ordered
-    // after this unit, finds them.
-    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
-        tracing::warn!(error = %e, "telling systemd the daemon is ready failed");
-    }
     let shutdown = async {
         if let Err(e) = crate::serve::wait_for_signal().await {
             tracing::error!(error = %e.chain(), "signal handling failed");
@@ -243,24 +297,6 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
         .map_err(|e| Error::new(ErrorKind::Io, "serving the snapshots API").with_source(e))?;
     let _ = tx.send(true);
     let _ = manage_task.await;
-    metrics_task.abort();
-    collect_task.abort();
-    if let Some(task) = cri_task {
-        task.abort();
-    }
-    if let Err(e) = collect(&snapshotter).await {
-        tracing::warn!(error = %e.chain(), "keeping the counters failed");
-    }
-    for path in [
-        &config.address,
-        &config.manage_address,
-        &config.cri.image_service_address,
-    ] {
-        if !path.as_os_str().is_empty() {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-    tracing::info!("vmdisk-snapshotter stopped; mount servers keep serving");
     Ok(())
 }
 
