@@ -226,6 +226,14 @@ impl SeekIndex {
     /// the stream in order, each at most [`MAX_SPAN_BYTES`], inside the blob, with a window of
     /// the right length; entries are safe paths with content inside the stream, in order.
     pub fn validate(&self, expected: &Expected) -> Result<()> {
+        self.validate_header(expected)?;
+        self.validate_spans()?;
+        self.validate_entries()
+    }
+
+    /// What the index says of itself and of the layer: version, identity, layout, sizes and
+    /// counts, the windows blob.
+    fn validate_header(&self, expected: &Expected) -> Result<()> {
         let bad = |why: String| Err(Error::corrupt(format!("the seekable index {why}")));
         if self.version != VERSION {
             return bad(format!(
@@ -280,6 +288,13 @@ impl SeekIndex {
                 )
             }
         }
+        Ok(())
+    }
+
+    /// Each span follows the one before it, within its bounds, and (gzip) with a window frame
+    /// of its own; the last window ends the windows blob.
+    fn validate_spans(&self) -> Result<()> {
+        let bad = |why: String| Err(Error::corrupt(format!("the seekable index {why}")));
         for (i, span) in self.spans.iter().enumerate() {
             let end = self.span_end(i);
             let first = i == 0;
@@ -336,6 +351,12 @@ impl SeekIndex {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// The entries' names are clean paths, their types known, their data in the stream in order.
+    fn validate_entries(&self) -> Result<()> {
+        let bad = |why: String| Err(Error::corrupt(format!("the seekable index {why}")));
         let mut data_end = 0;
         for entry in &self.entries {
             if i64::try_from(entry.mtime).is_err() {
