@@ -43,7 +43,18 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
     let me = Arc::clone(s);
     let records = super::blocking(move || me.list()).await?;
     let mut registry = Registry::default();
+    register_counters(&mut registry, s);
+    register_state(&mut registry, &records, &disks);
+    let mut out = String::new();
+    encode(&mut out, &registry).map_err(|e| {
+        Error::new(crate::error::ErrorKind::Io, "encoding the metrics").with_source(e)
+    })?;
+    Ok(out)
+}
 
+/// The counters that only go up: decisions, snapshots API calls, the servers' layer counters
+/// and each registry endpoint's.
+fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     let decisions = Family::<Labels, Counter>::default();
     for (d, v) in s.counters.with_prefix("decision/") {
         let (outcome, reason) = d.split_once(':').unwrap_or((&d, ""));
@@ -96,7 +107,14 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
         }
         registry.register(format!("vmdisk_registry_endpoint_{what}"), help, family);
     }
+}
 
+/// What the node holds now: snapshots by kind, remote layers by state, their chunks.
+fn register_state(
+    registry: &mut Registry,
+    records: &[(String, super::store::Record)],
+    disks: &[crate::api::vmdisk::v1::Disk],
+) {
     let snapshots = Family::<Labels, Gauge>::default();
     for kind in ["View", "Active", "Committed"] {
         let n = records
@@ -151,11 +169,6 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
         "Chunks of the remote layers being served that are present in the cache.",
         gauge(sum(|d| d.chunks_cached)),
     );
-    let mut out = String::new();
-    encode(&mut out, &registry).map_err(|e| {
-        Error::new(crate::error::ErrorKind::Io, "encoding the metrics").with_source(e)
-    })?;
-    Ok(out)
 }
 
 /// `GET /metrics` (and `/`): the metrics, or a 500 that says why not.
