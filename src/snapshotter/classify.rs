@@ -294,25 +294,9 @@ impl Classifier {
             detail,
             candidate,
         };
-        let (Some(image), Some(manifest), Some(layer)) = (
-            labels.get(LABEL_IMAGE_REF),
-            labels.get(LABEL_MANIFEST),
-            labels.get(LABEL_LAYER),
-        ) else {
-            return ordinary(
-                Reason::NoCriLabels,
-                "no CRI image labels (a `ctr` pull, or disable_snapshot_annotations = true)".into(),
-            );
-        };
-        let parsed = (|| -> Result<(Reference, Digest)> {
-            let image: Reference = image.parse()?;
-            let manifest: Digest = manifest.parse()?;
-            let layer: Digest = layer.parse()?;
-            Ok((image.with_digest(manifest), layer))
-        })();
-        let (reference, layer) = match parsed {
-            Ok(p) => p,
-            Err(e) => return ordinary(Reason::MalformedLabels, e.chain()),
+        let (reference, layer) = match pinned_layer(labels) {
+            Ok(pinned) => pinned,
+            Err((reason, detail)) => return ordinary(reason, detail),
         };
         let manifest = match self.manifest(client, &reference).await {
             Ok(m) => m,
@@ -372,14 +356,7 @@ impl Classifier {
             .as_ref()
             .is_err_and(|e| e.kind() == ErrorKind::NotFound)
         {
-            let mut kept = self.no_index.lock();
-            if kept.len() >= NO_INDEX_ANSWERS {
-                kept.retain(|_, at| at.elapsed() < NO_INDEX_KEPT);
-                if kept.len() >= NO_INDEX_ANSWERS {
-                    kept.clear();
-                }
-            }
-            kept.insert(searched, Instant::now());
+            self.note_no_index(searched);
         }
         match found {
             Ok((_, meta)) => Decision::Remote {
@@ -394,4 +371,41 @@ impl Classifier {
             Err(e) => ordinary(Reason::InvalidImage, e.chain()),
         }
     }
+
+    /// Keeps that the search for `searched`'s index found none, for [`NO_INDEX_KEPT`] (at most
+    /// [`NO_INDEX_ANSWERS`] answers: the expired ones go first, then all).
+    fn note_no_index(&self, searched: String) {
+        let mut kept = self.no_index.lock();
+        if kept.len() >= NO_INDEX_ANSWERS {
+            kept.retain(|_, at| at.elapsed() < NO_INDEX_KEPT);
+            if kept.len() >= NO_INDEX_ANSWERS {
+                kept.clear();
+            }
+        }
+        kept.insert(searched, Instant::now());
+    }
+}
+
+/// The image (pinned to its manifest digest) and the layer a CRI Prepare's labels name; the
+/// reason it is ordinary when they name none or are malformed.
+fn pinned_layer(
+    labels: &BTreeMap<String, String>,
+) -> std::result::Result<(Reference, Digest), (Reason, String)> {
+    let (Some(image), Some(manifest), Some(layer)) = (
+        labels.get(LABEL_IMAGE_REF),
+        labels.get(LABEL_MANIFEST),
+        labels.get(LABEL_LAYER),
+    ) else {
+        return Err((
+            Reason::NoCriLabels,
+            "no CRI image labels (a `ctr` pull, or disable_snapshot_annotations = true)".into(),
+        ));
+    };
+    let parsed = (|| -> Result<(Reference, Digest)> {
+        let image: Reference = image.parse()?;
+        let manifest: Digest = manifest.parse()?;
+        let layer: Digest = layer.parse()?;
+        Ok((image.with_digest(manifest), layer))
+    })();
+    parsed.map_err(|e| (Reason::MalformedLabels, e.chain()))
 }
