@@ -222,66 +222,11 @@ pub async fn start(
         announce: opts.announce,
         started: time::OffsetDateTime::now_utc().unix_timestamp(),
     };
-    let e = Arc::clone(&engine);
-    let check_cache = cache.clone();
-    let announce = opts.announce;
-    serving.tasks.push(tokio::spawn(async move {
-        let mut checking: Option<tokio::task::JoinHandle<()>> = None;
-        let mut checking_cache: Option<tokio::task::JoinHandle<()>> = None;
-        let mut unstored = 0;
-        loop {
-            // Chunks cached before this process started (and those of a data file someone
-            // else changed) are checked in the background, so a complete file becomes fit for
-            // passthrough; reads check what they touch first.
-            if checking_cache.as_ref().is_none_or(|c| c.is_finished()) {
-                let e = Arc::clone(&e);
-                let first = checking_cache.is_none();
-                checking_cache = Some(tokio::task::spawn_blocking(move || {
-                    let (checked, damaged) = e.check_cache();
-                    if checked > 0 || first {
-                        if announce {
-                            println!(
-                                "checked: {} cached chunks sound, {damaged} damaged",
-                                checked - damaged
-                            );
-                        }
-                        tracing::info!(checked, damaged, "checked the cached chunks");
-                    }
-                }));
-            }
-            // However the layer became complete (reads, hydration, dedup), check it (once:
-            // the engine runs one check at a time and keeps the verdict).
-            if e.cache.complete()
-                && e.integrity() == Integrity::Pending
-                && checking.as_ref().is_none_or(|c| c.is_finished())
-            {
-                let (e, cache) = (Arc::clone(&e), check_cache.clone());
-                checking = Some(tokio::spawn(async move {
-                    e.check_integrity(&cache).await;
-                }));
-            }
-            if e.cache.unstored() > unstored {
-                unstored = e.cache.unstored();
-                // Room for the mounted layer first: layers nobody has open go.
-                let cache = check_cache.clone();
-                match crate::task::blocking(move || cache.free_unused(FREE_WHEN_FULL)).await {
-                    Ok(0) => {}
-                    Ok(freed) => {
-                        tracing::info!(freed, "evicted unused layers: the cache's disk was full")
-                    }
-                    Err(err) => {
-                        tracing::warn!(error = %err.chain(), "evicting unused layers failed")
-                    }
-                }
-            }
-            let flushing = Arc::clone(&e);
-            let flushed = tokio::task::spawn_blocking(move || flushing.cache.flush()).await;
-            if let Ok(Err(err)) = flushed {
-                tracing::warn!(error = %err.chain(), "flushing the cache failed");
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    }));
+    serving.tasks.push(tokio::spawn(upkeep(
+        Arc::clone(&engine),
+        cache.clone(),
+        opts.announce,
+    )));
     let e = Arc::clone(&engine);
     let index_cache = cache.clone();
     let hydrate = (opts.hydrate != Hydrate::Off).then(|| {
@@ -295,6 +240,67 @@ pub async fn start(
         }
     }));
     Ok(serving)
+}
+
+/// What a served layer needs each second while it is mounted: cached chunks not checked in
+/// this process checked in the background, the integrity check once the layer is complete,
+/// unused layers evicted when the cache's disk is full, the cache flushed.
+async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool) {
+    let mut checking: Option<tokio::task::JoinHandle<()>> = None;
+    let mut checking_cache: Option<tokio::task::JoinHandle<()>> = None;
+    let mut unstored = 0;
+    loop {
+        // Chunks cached before this process started (and those of a data file someone
+        // else changed) are checked in the background, so a complete file becomes fit for
+        // passthrough; reads check what they touch first.
+        if checking_cache.as_ref().is_none_or(|c| c.is_finished()) {
+            let e = Arc::clone(&e);
+            let first = checking_cache.is_none();
+            checking_cache = Some(tokio::task::spawn_blocking(move || {
+                let (checked, damaged) = e.check_cache();
+                if checked > 0 || first {
+                    if announce {
+                        println!(
+                            "checked: {} cached chunks sound, {damaged} damaged",
+                            checked - damaged
+                        );
+                    }
+                    tracing::info!(checked, damaged, "checked the cached chunks");
+                }
+            }));
+        }
+        // However the layer became complete (reads, hydration, dedup), check it (once:
+        // the engine runs one check at a time and keeps the verdict).
+        if e.cache.complete()
+            && e.integrity() == Integrity::Pending
+            && checking.as_ref().is_none_or(|c| c.is_finished())
+        {
+            let (e, cache) = (Arc::clone(&e), cache.clone());
+            checking = Some(tokio::spawn(async move {
+                e.check_integrity(&cache).await;
+            }));
+        }
+        if e.cache.unstored() > unstored {
+            unstored = e.cache.unstored();
+            // Room for the mounted layer first: layers nobody has open go.
+            let cache = cache.clone();
+            match crate::task::blocking(move || cache.free_unused(FREE_WHEN_FULL)).await {
+                Ok(0) => {}
+                Ok(freed) => {
+                    tracing::info!(freed, "evicted unused layers: the cache's disk was full")
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err.chain(), "evicting unused layers failed")
+                }
+            }
+        }
+        let flushing = Arc::clone(&e);
+        let flushed = tokio::task::spawn_blocking(move || flushing.cache.flush()).await;
+        if let Ok(Err(err)) = flushed {
+            tracing::warn!(error = %err.chain(), "flushing the cache failed");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// Mounts `ready`'s directory for `engine`'s disk, described as (`raw`, `metadata`), and points
