@@ -343,27 +343,7 @@ impl TocValidator {
             )));
         }
         place(&mut self.seen, &path, kind)?;
-        let link = match kind {
-            NodeKind::Hardlink => {
-                let target = clean_path(&e.link_name).map_err(|err| {
-                    err.context(format!("TOC: hardlink {path} has an unusable target"))
-                })?;
-                match self.seen.get(&target) {
-                    Some(Seen::Listed(k)) if *k != NodeKind::Dir && target != path => target,
-                    _ => {
-                        return Err(Error::corrupt(format!(
-                            "TOC: hardlink {path} points at {target:?}, which is not an earlier file of the layer"
-                        )))
-                    }
-                }
-            }
-            NodeKind::Symlink if e.link_name.is_empty() || e.link_name.contains('\0') => {
-                return Err(Error::corrupt(format!(
-                    "TOC: symlink {path} has an empty or NUL-containing target"
-                )))
-            }
-            _ => e.link_name.clone(),
-        };
+        let link = self.link_of(kind, &path, &e)?;
         let size = u64::try_from(e.size)
             .map_err(|_| Error::corrupt(format!("TOC: negative size for {path}")))?;
         let to_u32 = |v: i64, what: &str| {
@@ -395,6 +375,32 @@ impl TocValidator {
             self.nodes.push(node);
         }
         Ok(())
+    }
+
+    /// The target of a link entry `e` at `path`: a hardlink's must be an earlier file of the
+    /// layer, a symlink's must be non-empty and free of NULs; other kinds keep what they say.
+    fn link_of(&self, kind: NodeKind, path: &str, e: &TocEntry) -> Result<String> {
+        Ok(match kind {
+            NodeKind::Hardlink => {
+                let target = clean_path(&e.link_name).map_err(|err| {
+                    err.context(format!("TOC: hardlink {path} has an unusable target"))
+                })?;
+                match self.seen.get(&target) {
+                    Some(Seen::Listed(k)) if *k != NodeKind::Dir && target != path => target,
+                    _ => {
+                        return Err(Error::corrupt(format!(
+                            "TOC: hardlink {path} points at {target:?}, which is not an earlier file of the layer"
+                        )))
+                    }
+                }
+            }
+            NodeKind::Symlink if e.link_name.is_empty() || e.link_name.contains('\0') => {
+                return Err(Error::corrupt(format!(
+                    "TOC: symlink {path} has an empty or NUL-containing target"
+                )))
+            }
+            _ => e.link_name.clone(),
+        })
     }
 
     fn close(&mut self) -> Result<()> {
