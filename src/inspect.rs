@@ -491,24 +491,7 @@ async fn inspect_nodes(
         rep.reason = Some("no regular file under /disk/ or /image/ in the TOC".into());
         return Ok(rep);
     };
-    rep.chunks = disk.chunks.len() as u64;
-    rep.zero_chunks = disk.chunks.iter().filter(|c| c.zeros).count() as u64;
-    let zero_bytes: u64 = disk.chunks.iter().filter(|c| c.zeros).map(|c| c.size).sum();
-    rep.zero_fraction = zero_bytes as f64 / disk.size as f64;
-    let mut sizes: Vec<u64> = disk
-        .chunks
-        .iter()
-        .filter(|c| !c.zeros)
-        .map(|c| c.size)
-        .collect();
-    sizes.sort_unstable();
-    if !sizes.is_empty() {
-        rep.chunk_size = Some(ChunkSpread {
-            min: sizes[0],
-            median: sizes[sizes.len() / 2],
-            max: sizes[sizes.len() - 1],
-        });
-    }
+    chunk_figures(&mut rep, disk);
     let (format, virtual_size) = match (
         desc.annotations.get(crate::format::layout::ANN_FORMAT),
         desc.annotations
@@ -573,6 +556,29 @@ async fn inspect_nodes(
     };
     rep.lazy = rep.reason.is_none();
     Ok(rep)
+}
+
+/// How `disk`'s chunks are made: how many, how many (and what share) are zeros, the spread of
+/// the others' sizes.
+fn chunk_figures(rep: &mut LayerReport, disk: &crate::format::tree::Node) {
+    rep.chunks = disk.chunks.len() as u64;
+    rep.zero_chunks = disk.chunks.iter().filter(|c| c.zeros).count() as u64;
+    let zero_bytes: u64 = disk.chunks.iter().filter(|c| c.zeros).map(|c| c.size).sum();
+    rep.zero_fraction = zero_bytes as f64 / disk.size as f64;
+    let mut sizes: Vec<u64> = disk
+        .chunks
+        .iter()
+        .filter(|c| !c.zeros)
+        .map(|c| c.size)
+        .collect();
+    sizes.sort_unstable();
+    if !sizes.is_empty() {
+        rep.chunk_size = Some(ChunkSpread {
+            min: sizes[0],
+            median: sizes[sizes.len() / 2],
+            max: sizes[sizes.len() - 1],
+        });
+    }
 }
 
 /// Most bytes of other files skipped while looking for the disk in a stream.
