@@ -420,21 +420,7 @@ async fn start(
             "{reference}: serve-layer needs a reference by digest"
         ))
     })?;
-    let cache_dir = config.cache_dir();
-    let cache = tokio::task::spawn_blocking(move || CacheRoot::open(&cache_dir))
-        .await
-        .map_err(|e| {
-            Error::new(crate::error::ErrorKind::Io, "opening the cache").with_source(e)
-        })??;
-    let registry = crate::registry::RegistryConfig {
-        roots: roots.clone(),
-        ..config.registry_config()
-    };
-    let client = Arc::new(crate::registry::RegistryClient::new(registry)?.with_grants(granted));
-    let signatures = config.signatures.clone();
-    let trust = crate::task::blocking(move || crate::policy::Verifier::load(&signatures))
-        .await
-        .map_err(|e| e.context("configuration [signatures]"))?;
+    let (cache, client, trust) = open_parts(config, roots, granted).await?;
     let opts = crate::engine::EngineOptions {
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
         ..Default::default()
@@ -469,18 +455,7 @@ async fn start(
         },
         opts,
         warm,
-        async move {
-            let Some(ahead) = ahead else {
-                return Held::default();
-            };
-            match tokio::time::timeout(BLOB_BYTES_WAIT, ahead).await {
-                Ok(Ok(held)) => held,
-                _ => {
-                    tracing::warn!("no blob bytes from the daemon within {BLOB_BYTES_WAIT:?}; the structure check fetches them");
-                    Held::default()
-                }
-            }
-        },
+        held_ahead(ahead),
     );
     let (engine, vmm_gid) = tokio::join!(opened, mount_ready);
     let (engine, vmm_gid) = (engine?, vmm_gid?);
@@ -496,18 +471,7 @@ async fn start(
         .await
         .ok()
         .flatten();
-    let platform = record
-        .as_ref()
-        .map(|r| r.platform.clone())
-        .unwrap_or_default();
-    let ready = crate::ready::ReadyDir::new(
-        &config.ready_dir,
-        vmm_gid,
-        &digest,
-        alias,
-        reference.to_string(),
-        platform,
-    );
+    let ready = ready_dir(config, vmm_gid, &digest, &reference, alias, record.as_ref());
     let serving = crate::serve::start(
         Arc::clone(&engine),
         &cache,
@@ -531,6 +495,70 @@ async fn start(
         ));
     }
     Ok(serving)
+}
+
+/// The ready-disk directory of the image `reference` (manifest `digest`; `alias` the name it
+/// was asked by), with the platform its kept record names.
+fn ready_dir(
+    config: &Config,
+    vmm_gid: u32,
+    digest: &crate::digest::Digest,
+    reference: &Reference,
+    alias: Option<&str>,
+    record: Option<&crate::cache::RefRecord>,
+) -> crate::ready::ReadyDir {
+    crate::ready::ReadyDir::new(
+        &config.ready_dir,
+        vmm_gid,
+        digest,
+        alias,
+        reference.to_string(),
+        record.map(|r| r.platform.clone()).unwrap_or_default(),
+    )
+}
+
+/// What a server reads its layer with: the node's cache, a registry client with the daemon's
+/// TLS roots and the grants it handed over, and the signature policy.
+async fn open_parts(
+    config: &Config,
+    roots: &Roots,
+    granted: Arc<Granted>,
+) -> Result<(
+    CacheRoot,
+    Arc<crate::registry::RegistryClient>,
+    crate::policy::Verifier,
+)> {
+    let cache_dir = config.cache_dir();
+    let cache = tokio::task::spawn_blocking(move || CacheRoot::open(&cache_dir))
+        .await
+        .map_err(|e| {
+            Error::new(crate::error::ErrorKind::Io, "opening the cache").with_source(e)
+        })??;
+    let registry = crate::registry::RegistryConfig {
+        roots: roots.clone(),
+        ..config.registry_config()
+    };
+    let client = Arc::new(crate::registry::RegistryClient::new(registry)?.with_grants(granted));
+    let signatures = config.signatures.clone();
+    let trust = crate::task::blocking(move || crate::policy::Verifier::load(&signatures))
+        .await
+        .map_err(|e| e.context("configuration [signatures]"))?;
+    Ok((cache, client, trust))
+}
+
+/// The blob bytes the daemon fetched ahead for the structure check (none when it sends none,
+/// or not within [`BLOB_BYTES_WAIT`]: the check then fetches them itself).
+async fn held_ahead(ahead: Option<oneshot::Receiver<Held>>) -> Held {
+    let Some(ahead) = ahead else {
+        return Held::default();
+    };
+    match tokio::time::timeout(BLOB_BYTES_WAIT, ahead).await {
+        Ok(Ok(held)) => held,
+        _ => {
+            tracing::warn!("no blob bytes from the daemon within {BLOB_BYTES_WAIT:?}; the structure check fetches them");
+            Held::default()
+        }
+    }
 }
 
 /// Makes `dir` an empty directory to mount on, detaching a mount left by a server that died
