@@ -569,7 +569,10 @@ fn cri_pull_is_lazy_and_kubevirt_reads_the_whole_disk() {
         "{decisions:?}"
     );
 
-    // Removal and re-pull: the disk's bytes come from the cache.
+    // Removal and re-pull: the disk's bytes come from the cache. The complete layer's check
+    // against its diff_id (which fetches the tar headers between chunks, never cached) is the
+    // first server's to finish: a re-pull before its verdict would check it again.
+    assert_eq!(crate::index::wait_verified(&daemon), "verified");
     ctd.remove_sandbox(&sandbox.0);
     ctd.remove_image(&image);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
