@@ -181,6 +181,8 @@ pub struct Serving {
     tasks: Vec<tokio::task::JoinHandle<()>>,
     dir: PathBuf,
     hydration: Arc<Mutex<HydrationState>>,
+    /// The running hydration, stopped before the cache's last flush.
+    hydrating: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
     announce: bool,
     /// When serving started (Unix seconds).
     started: i64,
@@ -219,6 +221,7 @@ pub async fn start(
         tasks: Vec::new(),
         dir: dir.to_path_buf(),
         hydration: Arc::new(Mutex::new(HydrationState::Idle)),
+        hydrating: Arc::new(Mutex::new(None)),
         announce: opts.announce,
         started: time::OffsetDateTime::now_utc().unix_timestamp(),
     };
@@ -394,6 +397,7 @@ impl Serving {
     fn hydrator(&self, limit: Option<u64>) -> impl FnOnce() -> bool + Send + 'static {
         let (engine, cache) = (Arc::clone(&self.engine), self.cache.clone());
         let (state, announce) = (Arc::clone(&self.hydration), self.announce);
+        let hydrating = Arc::clone(&self.hydrating);
         move || {
             {
                 let mut s = state.lock();
@@ -402,7 +406,7 @@ impl Serving {
                 }
                 *s = HydrationState::Running;
             }
-            tokio::spawn(async move {
+            *hydrating.lock() = Some(tokio::spawn(async move {
                 tracing::info!("fetching the whole disk");
                 let concurrency = if limit.is_some() { 2 } else { 4 };
                 let outcome = match engine.hydrate(concurrency, limit).await {
@@ -421,7 +425,7 @@ impl Serving {
                     }
                 };
                 *state.lock() = outcome;
-            });
+            }));
             true
         }
     }
@@ -498,10 +502,20 @@ impl Serving {
         }
     }
 
-    /// Ends the session after the unmount, flushes the cache and returns the counters.
-    pub async fn finish(self) -> Result<StatsSnapshot> {
-        for task in &self.tasks {
+    /// Ends the session after the unmount, flushes the cache and returns the counters. Its
+    /// tasks and a running hydration are stopped first, and waited for: a chunk one of them
+    /// stores after the last flush would be fetched again by the next server.
+    pub async fn finish(mut self) -> Result<StatsSnapshot> {
+        let hydrating = self.hydrating.lock().take();
+        let tasks: Vec<_> = std::mem::take(&mut self.tasks)
+            .into_iter()
+            .chain(hydrating)
+            .collect();
+        for task in &tasks {
             task.abort();
+        }
+        for task in tasks {
+            let _ = task.await;
         }
         let dir = self.dir.clone();
         if let Some(ready) = self.ready {
