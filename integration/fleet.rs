@@ -89,6 +89,20 @@ fn wait_until_it_serves_ranges(registry: &Registry, digest: &str) {
     }
 }
 
+/// A hosts.toml directory (for `--hosts-dir`) in which `registry` lists `mirror` before itself.
+fn hosts_dir(scratch: &Scratch, registry: &str, mirror: &str) -> std::path::PathBuf {
+    let hosts = scratch.path("hosts.d");
+    std::fs::create_dir_all(hosts.join(registry)).unwrap();
+    std::fs::write(
+        hosts.join(registry).join("hosts.toml"),
+        format!(
+            "server = \"http://{registry}\"\n[host.\"http://{mirror}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
+        ),
+    )
+    .unwrap();
+    hosts
+}
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / f64::from(1 << 20)
 }
@@ -230,17 +244,7 @@ fn a_fleet_that_knows_a_pull_through_cache_costs_the_origin_no_more_than_no_mirr
         &scratch,
         &format!("proxy: {{ remoteurl: \"http://{}\" }}\n", to_cache.host()),
     );
-    let hosts = scratch.path("hosts.d");
-    std::fs::create_dir_all(hosts.join(to_nodes.host())).unwrap();
-    std::fs::write(
-        hosts.join(to_nodes.host()).join("hosts.toml"),
-        format!(
-            "server = \"http://{}\"\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
-            to_nodes.host(),
-            mirror.host()
-        ),
-    )
-    .unwrap();
+    let hosts = hosts_dir(&scratch, &to_nodes.host(), &mirror.host());
     let publish = |name: &str, mib: u64, seed: u64| {
         let qcow2 = scratch.path(&format!("{name}.qcow2"));
         make_qcow2(&qcow2, &format!("{}M", mib + 8), &[]);
@@ -335,17 +339,7 @@ fn a_fleet_behind_the_shipped_slice_cache_costs_the_origin_what_one_node_does() 
     let to_cache = FaultProxy::counting(origin.port);
     let to_nodes = FaultProxy::counting(origin.port);
     let cache = RegionalCache::start(&scratch, &to_cache.host());
-    let hosts = scratch.path("hosts.d");
-    std::fs::create_dir_all(hosts.join(to_nodes.host())).unwrap();
-    std::fs::write(
-        hosts.join(to_nodes.host()).join("hosts.toml"),
-        format!(
-            "server = \"http://{}\"\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
-            to_nodes.host(),
-            cache.host()
-        ),
-    )
-    .unwrap();
+    let hosts = hosts_dir(&scratch, &to_nodes.host(), &cache.host());
     // Two disks of the same shape (64 MiB of random data): one read by a node alone, one by
     // the fleet at once, both new to the cache.
     let publish = |name: &str, seed: u64| {
