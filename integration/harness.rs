@@ -925,6 +925,9 @@ pub fn disk_of_ready_line(line: &str) -> PathBuf {
 pub struct Mount {
     child: Option<Child>,
     lines: std::sync::mpsc::Receiver<String>,
+    /// Lines read while waiting for another one, in order: a later wait finds them (a
+    /// hydration may end before the ready line is printed).
+    passed: std::collections::VecDeque<String>,
     pub dir: PathBuf,
     /// The disk's path on the mount, from the ready line.
     pub disk: PathBuf,
@@ -961,6 +964,7 @@ impl Mount {
         let mut mount = Mount {
             child: Some(child),
             lines,
+            passed: std::collections::VecDeque::new(),
             dir: dir.to_path_buf(),
             disk: PathBuf::new(),
         };
@@ -971,12 +975,15 @@ impl Mount {
 
     /// Waits for a stdout line starting with `prefix`.
     pub fn wait_for(&mut self, prefix: &str, timeout: Duration) -> String {
+        if let Some(at) = self.passed.iter().position(|l| l.starts_with(prefix)) {
+            return self.passed.remove(at).expect("a line found");
+        }
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok(line) if line.starts_with(prefix) => return line,
-                Ok(_) => continue,
+                Ok(line) => self.passed.push_back(line),
                 Err(_) => {
                     let status = self
                         .child
