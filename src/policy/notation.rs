@@ -358,15 +358,18 @@ const KNOWN_CRITICAL: [&str; 3] = [
     "io.cncf.notary.authenticSigningTime",
 ];
 
-/// Verifies JWS envelope `bytes` for `digest` under `policy`: `Ok(until)` or why not.
-fn verify_jws(bytes: &[u8], digest: &Digest, policy: &Entry) -> std::result::Result<u64, String> {
-    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
-    let jws: Jws = serde_json::from_slice(bytes).map_err(|e| format!("malformed envelope: {e}"))?;
-    let protected_json = b64
-        .decode(jws.protected.trim_end_matches('='))
-        .map_err(|e| format!("protected header: {e}"))?;
-    let protected: Protected =
-        serde_json::from_slice(&protected_json).map_err(|e| format!("protected header: {e}"))?;
+/// The envelope's protected header is one this checks: no unknown critical header, notation's
+/// payload type, the `notary.x509` scheme; the signature algorithm it names, and whether an
+/// ECDSA signature comes in JWS's fixed form.
+fn protected_checked(
+    protected: &Protected,
+) -> std::result::Result<
+    (
+        &'static dyn rustls_pki_types::SignatureVerificationAlgorithm,
+        bool,
+    ),
+    String,
+> {
     if let Some(c) = protected
         .crit
         .iter()
@@ -383,14 +386,26 @@ fn verify_jws(bytes: &[u8], digest: &Digest, policy: &Entry) -> std::result::Res
             protected.scheme
         ));
     }
-    let (verify_alg, fixed_ecdsa) = match protected.alg.as_str() {
+    Ok(match protected.alg.as_str() {
         "PS256" => (alg::RSA_PSS_2048_8192_SHA256_LEGACY_KEY, false),
         "PS384" => (alg::RSA_PSS_2048_8192_SHA384_LEGACY_KEY, false),
         "PS512" => (alg::RSA_PSS_2048_8192_SHA512_LEGACY_KEY, false),
         "ES256" => (alg::ECDSA_P256_SHA256, true),
         "ES384" => (alg::ECDSA_P384_SHA384, true),
         other => return Err(format!("signature algorithm {other:?}")),
-    };
+    })
+}
+
+/// Verifies JWS envelope `bytes` for `digest` under `policy`: `Ok(until)` or why not.
+fn verify_jws(bytes: &[u8], digest: &Digest, policy: &Entry) -> std::result::Result<u64, String> {
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let jws: Jws = serde_json::from_slice(bytes).map_err(|e| format!("malformed envelope: {e}"))?;
+    let protected_json = b64
+        .decode(jws.protected.trim_end_matches('='))
+        .map_err(|e| format!("protected header: {e}"))?;
+    let protected: Protected =
+        serde_json::from_slice(&protected_json).map_err(|e| format!("protected header: {e}"))?;
+    let (verify_alg, fixed_ecdsa) = protected_checked(&protected)?;
     let certs: Vec<CertificateDer<'static>> = jws
         .header
         .x5c

@@ -39,6 +39,40 @@ pub struct IndexReport {
     pub seconds: f64,
 }
 
+/// The path of the disk in the indexed layer `layer` of `reference`: the one its artifact
+/// record names (which must hold a qcow2 or raw disk), or the first regular file under
+/// `disk/` or `image/` of its tar.
+fn disk_of(
+    built: &seekable::Built,
+    disk_path: Option<String>,
+    layer: &crate::digest::Digest,
+    reference: &Reference,
+) -> Result<String> {
+    Ok(match disk_path {
+        Some(path) => {
+            match disk::identify(&built.head, built.index.stream_size) {
+                Ok((Some(DiskFormat::Qcow2 | DiskFormat::Raw), _)) => {}
+                Ok((other, _)) => return Err(Error::unsupported(format!(
+                    "layer {layer} of {reference} is not a qcow2 or raw disk ({}): nothing to index",
+                    other.map_or("not recognised", |f| f.name())
+                ))),
+                Err(e) => return Err(e.context(format!("the disk in layer {layer} of {reference}"))),
+            }
+            path
+        }
+        None => built
+            .index
+            .disk_entry()
+            .ok_or_else(|| {
+                Error::unsupported(format!(
+                    "layer {layer} of {reference} has no regular file under /disk/ or /image/: not a disk image"
+                ))
+            })?
+            .name
+            .clone(),
+    })
+}
+
 /// Indexes `reference`'s disk layer with spans of `span_size` and publishes the index to
 /// `to` (a repository), or beside the image. The disk layer is an image's topmost gzip or
 /// uncompressed tar layer, or a disk artifact's disk file (whose compression its bytes tell).
@@ -75,31 +109,7 @@ pub async fn index(
     })
     .await
     .map_err(|e| e.context(format!("indexing layer {} of {reference}", layer.digest)))?;
-    let disk = match disk_path {
-        Some(path) => {
-            match disk::identify(&built.head, built.index.stream_size) {
-                Ok((Some(DiskFormat::Qcow2 | DiskFormat::Raw), _)) => {}
-                Ok((other, _)) => return Err(Error::unsupported(format!(
-                    "layer {} of {reference} is not a qcow2 or raw disk ({}): nothing to index",
-                    layer.digest,
-                    other.map_or("not recognised", |f| f.name())
-                ))),
-                Err(e) => return Err(e.context(format!("the disk in layer {} of {reference}", layer.digest))),
-            }
-            path
-        }
-        None => built
-            .index
-            .disk_entry()
-            .ok_or_else(|| {
-                Error::unsupported(format!(
-                    "layer {} of {reference} has no regular file under /disk/ or /image/: not a disk image",
-                    layer.digest
-                ))
-            })?
-            .name
-            .clone(),
-    };
+    let disk = disk_of(&built, disk_path, &layer.digest, reference)?;
     let built = built.index;
     let encoded = crate::task::blocking(move || Ok((built.encode()?, built))).await?;
     let (bytes, built) = encoded;
