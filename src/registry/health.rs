@@ -71,6 +71,9 @@ pub enum Failure {
     Refused,
     /// It does not have what was asked (a P2P mirror without a peer that has it).
     NotFound,
+    /// A mirror answered a Range request for this blob with the whole blob (a pull-through
+    /// cache filling itself): counted, and the blob rests there, not the mirror.
+    WholeBlob(Digest),
 }
 
 #[derive(Debug, Default)]
@@ -86,6 +89,32 @@ struct State {
 }
 
 impl State {
+    /// Rests `blob` here after a whole-blob answer to a Range request for it (longer each
+    /// time); whether that taught that this mirror is a pull-through cache.
+    fn rest_blob(&mut self, blob: Digest) -> bool {
+        let now = Instant::now();
+        if self.blob_rests.len() >= MAX_BLOB_RESTS {
+            self.blob_rests.retain(|_, r| r.until > now);
+            if self.blob_rests.len() >= MAX_BLOB_RESTS {
+                self.blob_rests.clear();
+            }
+        }
+        let rest = self.blob_rests.entry(blob).or_insert(BlobRest {
+            until: now,
+            times: 0,
+        });
+        rest.times = rest.times.saturating_add(1);
+        rest.until = now
+            + BLOB_REST
+                .saturating_mul(1 << (rest.times - 1).min(10))
+                .min(MAX_BLOB_REST);
+        if self.fills.is_some() {
+            return false;
+        }
+        self.fills = Some(HashSet::new());
+        true
+    }
+
     /// Whether ranges of `blob` should pass this endpoint by for now.
     fn passes_by(&self, blob: &Digest, now: Instant) -> bool {
         match self.blob_rests.get(blob) {
@@ -170,73 +199,46 @@ impl Health {
         self.with(base, |s| s.counters.bytes += n);
     }
 
-    /// `base` answered well: its record of failures is cleared.
-    pub fn succeeded(&self, base: &str) {
+    /// `base` answered well: its record of failures is cleared. For a mirror's answer to a
+    /// Range request of `ranges_of`: it holds that blob (its rest there ends).
+    pub fn succeeded(&self, base: &str, ranges_of: Option<&Digest>) {
         self.with(base, |s| {
             s.failures_in_a_row = 0;
             s.resting_until = None;
+            if let Some(blob) = ranges_of {
+                s.blob_rests.remove(blob);
+                if let Some(held) = s.fills.as_mut().filter(|h| h.len() < MAX_BLOB_RESTS) {
+                    held.insert(*blob);
+                }
+            }
         });
     }
 
     /// `base` failed a request: `Endpoint` (it rests and the failure is counted), `Refused`
-    /// (a 401 or 403: counted, no rest) or `NotFound` (neither).
+    /// (a 401 or 403: counted, no rest), `NotFound` (neither) or `WholeBlob` (counted; the
+    /// blob rests there, [`BLOB_REST`] doubling up to [`MAX_BLOB_REST`], and the mirror is
+    /// known, and noted, to be a pull-through cache).
     pub fn failed(&self, base: &str, failure: Failure) {
-        self.with(base, |s| {
+        let learnt = self.with(base, |s| {
             if failure != Failure::NotFound {
                 s.counters.failures += 1;
             }
-            if failure == Failure::Endpoint {
-                s.failures_in_a_row = s.failures_in_a_row.saturating_add(1);
-                let rest = Duration::from_secs(1)
-                    .saturating_mul(1 << (s.failures_in_a_row - 1).min(6))
-                    .min(MAX_REST);
-                s.resting_until = Some(Instant::now() + rest);
-            }
-        });
-    }
-
-    /// Mirror `base` answered a Range request for `blob` with the whole blob: the blob rests
-    /// there ([`BLOB_REST`], doubling each time up to [`MAX_BLOB_REST`]), and the mirror is
-    /// known (and noted) to be a pull-through cache.
-    pub fn lacks_ranges(&self, base: &str, blob: &Digest) {
-        let learnt = self.with(base, |s| {
-            // Not what was asked for: counted as a failure, though the mirror does not rest.
-            s.counters.failures += 1;
-            let now = Instant::now();
-            if s.blob_rests.len() >= MAX_BLOB_RESTS {
-                s.blob_rests.retain(|_, r| r.until > now);
-                if s.blob_rests.len() >= MAX_BLOB_RESTS {
-                    s.blob_rests.clear();
+            match failure {
+                Failure::Endpoint => {
+                    s.failures_in_a_row = s.failures_in_a_row.saturating_add(1);
+                    let rest = Duration::from_secs(1)
+                        .saturating_mul(1 << (s.failures_in_a_row - 1).min(6))
+                        .min(MAX_REST);
+                    s.resting_until = Some(Instant::now() + rest);
+                    false
                 }
+                Failure::WholeBlob(blob) => s.rest_blob(blob),
+                Failure::Refused | Failure::NotFound => false,
             }
-            let rest = s.blob_rests.entry(*blob).or_insert(BlobRest {
-                until: now,
-                times: 0,
-            });
-            rest.times = rest.times.saturating_add(1);
-            let wait = BLOB_REST
-                .saturating_mul(1 << (rest.times - 1).min(10))
-                .min(MAX_BLOB_REST);
-            rest.until = now + wait;
-            if s.fills.is_some() {
-                return false;
-            }
-            s.fills = Some(HashSet::new());
-            true
         });
         if learnt {
             self.note_filler(base);
         }
-    }
-
-    /// Mirror `base` answered a Range request for `blob` with the range: it holds the blob.
-    pub fn has_ranges(&self, base: &str, blob: &Digest) {
-        self.with(base, |s| {
-            s.blob_rests.remove(blob);
-            if let Some(held) = s.fills.as_mut().filter(|h| h.len() < MAX_BLOB_RESTS) {
-                held.insert(*blob);
-            }
-        });
     }
 
     /// Whether mirror `base` is known to fetch whole blobs it is asked for and lacks.
@@ -324,7 +326,7 @@ mod tests {
         tokio::time::advance(Duration::from_millis(600)).await;
         assert_eq!(bases(&h.order(all(), None)), ["m1", "m2", "origin"]);
         // A success clears the record; the next failure rests 1 s again.
-        h.succeeded("m1");
+        h.succeeded("m1", None);
         h.failed("m1", Failure::Endpoint);
         tokio::time::advance(Duration::from_millis(1100)).await;
         assert_eq!(bases(&h.order(all(), None)), ["m1", "m2", "origin"]);
@@ -364,11 +366,11 @@ mod tests {
         let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
         let all = || vec![ep("m"), ep("o")];
         assert_eq!(bases(&h.order(all(), Some(&b))), ["m", "o"]);
-        h.lacks_ranges("m", &a);
+        h.failed("m", Failure::WholeBlob(a));
         assert_eq!(bases(&h.order(all(), Some(&a))), ["o", "m"]);
         assert_eq!(bases(&h.order(all(), Some(&b))), ["o", "m"]);
         assert_eq!(bases(&h.order(all(), None)), ["m", "o"]);
-        h.has_ranges("m", &b);
+        h.succeeded("m", Some(&b));
         assert_eq!(bases(&h.order(all(), Some(&b))), ["m", "o"]);
         // Another process of the node knows it from the notes.
         for _ in 0..100 {
@@ -382,23 +384,23 @@ mod tests {
         assert!(other.fills_whole_blobs("m") && !other.fills_whole_blobs("o"));
         assert_eq!(bases(&other.order(all(), Some(&b))), ["o", "m"]);
         let h = Health::default();
-        h.lacks_ranges("m", &a);
+        h.failed("m", Failure::WholeBlob(a));
         assert_eq!(h.counters().iter().map(|c| c.1.failures).sum::<u64>(), 1);
         tokio::time::advance(BLOB_REST + Duration::from_millis(10)).await;
         assert_eq!(bases(&h.order(all(), Some(&a))), ["m", "o"]);
         // Still whole: twice as long.
-        h.lacks_ranges("m", &a);
+        h.failed("m", Failure::WholeBlob(a));
         tokio::time::advance(BLOB_REST * 2 - Duration::from_millis(10)).await;
         assert_eq!(bases(&h.order(all(), Some(&a))), ["o", "m"]);
         tokio::time::advance(Duration::from_millis(20)).await;
         assert_eq!(bases(&h.order(all(), Some(&a))), ["m", "o"]);
         // It holds the blob now: the next whole answer starts again from the first rest.
-        h.has_ranges("m", &a);
-        h.lacks_ranges("m", &a);
+        h.succeeded("m", Some(&a));
+        h.failed("m", Failure::WholeBlob(a));
         tokio::time::advance(BLOB_REST + Duration::from_millis(10)).await;
         assert_eq!(bases(&h.order(all(), Some(&a))), ["m", "o"]);
         for _ in 0..20 {
-            h.lacks_ranges("m", &b);
+            h.failed("m", Failure::WholeBlob(b));
         }
         tokio::time::advance(MAX_BLOB_REST - Duration::from_millis(10)).await;
         let until = || h.states.lock()["m"].blob_rests[&b].until;

@@ -932,10 +932,9 @@ impl RegistryClient {
             let outcome = answer.await;
             let e = match outcome {
                 Ok(v) => {
-                    self.shared.health.succeeded(&ep.base);
-                    if let (true, Some(blob)) = (ep.mirror, blob) {
-                        self.shared.health.has_ranges(&ep.base, blob);
-                    }
+                    self.shared
+                        .health
+                        .succeeded(&ep.base, blob.filter(|_| ep.mirror));
                     return Ok(v);
                 }
                 Err(e) => e,
@@ -945,8 +944,7 @@ impl RegistryClient {
                 (ErrorKind::Auth, _) => health::Failure::Refused,
                 (ErrorKind::Unsupported, Some(blob)) if ep.mirror => {
                     tracing::info!(endpoint = %ep.base, %blob, "the mirror answered a Range request with the whole blob (a pull-through cache filling itself): this blob's ranges pass it by for a while");
-                    self.shared.health.lacks_ranges(&ep.base, blob);
-                    health::Failure::NotFound
+                    health::Failure::WholeBlob(*blob)
                 }
                 _ => health::Failure::Endpoint,
             };
