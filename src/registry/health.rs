@@ -126,6 +126,18 @@ impl State {
     }
 }
 
+/// The mirrors a notes file names as pull-through caches (the node's file, and untrusted:
+/// bounded in lines and their length).
+fn read_notes(notes: &Path) -> Vec<String> {
+    std::fs::read_to_string(notes)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.is_empty() && l.len() <= MAX_NOTE)
+        .take(MAX_NOTED)
+        .map(str::to_string)
+        .collect()
+}
+
 /// A blob a mirror cannot serve ranges of yet.
 #[derive(Debug)]
 struct BlobRest {
@@ -144,17 +156,14 @@ pub struct Health {
 impl Health {
     /// Health that keeps what it learns about mirrors in `notes` (and knows what is there).
     pub fn with_notes(notes: &Path) -> Self {
-        let known = std::fs::read_to_string(notes).unwrap_or_default();
-        let states = known
-            .lines()
-            .filter(|l| !l.is_empty() && l.len() <= MAX_NOTE)
-            .take(MAX_NOTED)
-            .map(|l| {
+        let states = read_notes(notes)
+            .into_iter()
+            .map(|base| {
                 let state = State {
                     fills: Some(HashSet::new()),
                     ..State::default()
                 };
-                (l.to_string(), state)
+                (base, state)
             })
             .collect();
         Health {
@@ -266,9 +275,17 @@ impl Health {
                 .take(MAX_NOTED)
                 .collect()
         };
-        let text: String = noted.iter().map(|b| format!("{b}\n")).collect();
         let keep = move || {
-            let tmp = notes.with_extension("tmp");
+            // Other processes of the node (its mount servers) keep what they learnt here too:
+            // theirs stay, and each writes its own temporary file.
+            let mut all = read_notes(&notes);
+            for base in noted {
+                if !all.contains(&base) && all.len() < MAX_NOTED {
+                    all.push(base);
+                }
+            }
+            let text: String = all.iter().map(|b| format!("{b}\n")).collect();
+            let tmp = notes.with_extension(format!("tmp-{}", std::process::id()));
             let kept = std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &notes));
             if let Err(e) = kept {
                 tracing::warn!(file = %notes.display(), error = %e, "keeping what was learnt about a mirror failed");
