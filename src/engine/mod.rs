@@ -814,14 +814,13 @@ impl Engine {
             return Ok(Vec::new());
         }
         let chunks = self.layer.chunks_for(file, offset..end);
-        let what = format!("bytes {offset}..{end} of {}", self.layer.file_path(file));
         // A cached chunk found damaged, or one the disk had no room for and memory let go, is
         // fetched again (through the one retry policy, at once): a few times, then the read
         // fails rather than serve anything else. Whatever else `ensure` fails with ends the
         // read: its fetches were retried below.
         crate::retry::RetryPolicy::checked(READ_TRIES)
             .run_when(
-                &what,
+                "a read of cached chunks",
                 || async {
                     self.ensure(chunks.clone()).await?;
                     let mut buf = vec![0u8; (end - offset) as usize];
@@ -837,7 +836,8 @@ impl Engine {
                     Err(Error::new(
                         ErrorKind::FailedPrecondition,
                         format!(
-                            "{what} could not be kept long enough to be read (damaged cache chunks, or a full disk and little memory); see the log"
+                            "bytes {offset}..{end} of {} could not be kept long enough to be read (damaged cache chunks, or a full disk and little memory); see the log",
+                            self.layer.file_path(file)
                         ),
                     ))
                 },
