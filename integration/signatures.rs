@@ -252,7 +252,9 @@ fn signed_disks_are_served_and_everything_else_is_refused_before_a_byte() {
     let ready = daemon.vmdisk_ok(&["path", &notary]);
     assert!(files_identical(Path::new(ready.trim()), &notary_disk));
 
-    // Refused, each with its reason, before any byte of its disk.
+    // Refused, each with its reason, before any byte of its disk. (The disks served so far are
+    // fetched whole in the background; those bytes are let finish before counting.)
+    wait_until_quiet(|| counted.bytes_to_client());
     let before = counted.bytes_to_client();
     let e = ctd.pull(&unsigned).unwrap_err();
     assert!(
@@ -378,6 +380,7 @@ fn signed_disks_are_served_and_everything_else_is_refused_before_a_byte() {
     write_policy(&trusted.replace("trusted.pub", "other.pub"));
     daemon.stop();
     daemon.restart();
+    wait_until_quiet(|| counted.bytes_to_client());
     let before = counted.bytes_to_client();
     refused(
         "after the policy changed",
