@@ -23,7 +23,7 @@ use crate::oci::{
 };
 use crate::policy::Verifier;
 use crate::reference::Reference;
-use crate::registry::RegistryClient;
+use crate::registry::{Ask, RegistryClient};
 
 /// The whole report.
 #[derive(Debug, Serialize)]
@@ -443,7 +443,7 @@ async fn inspect_chunked(
     let compressed = client
         .retry_policy()
         .run("the layer's TOC", || {
-            client.get_blob_range(r, &desc.digest, loc.range())
+            client.get_blob_range(r, &desc.digest, loc.range(), Ask::AnyEndpoint)
         })
         .await?;
     let nodes = zstd_chunked::read_toc(&compressed, loc)?;
@@ -515,7 +515,12 @@ async fn inspect_nodes(
                 let frame = client
                     .retry_policy()
                     .run("the disk's first chunk", || {
-                        client.get_blob_range(r, &desc.digest, first.compressed.clone())
+                        client.get_blob_range(
+                            r,
+                            &desc.digest,
+                            first.compressed.clone(),
+                            Ask::AnyEndpoint,
+                        )
                     })
                     .await?;
                 let decoded = if estargz {

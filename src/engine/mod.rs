@@ -756,8 +756,8 @@ impl Engine {
     /// [`Engine::fetch_range`] without sharing.
     async fn fetch_range_alone(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {
         let what = format!("layer {}", self.layer.meta.layer_digest);
-        let fetched = self.fetch_from(self.sources.blob.as_ref(), &what, range.clone(), ask);
-        source::exact(fetched, range).await
+        self.fetch_from(self.sources.blob.as_ref(), &what, range, ask)
+            .await
     }
 
     /// [`Engine::fetch_range`] of `source`, `what` its blob (for errors), under the retry
@@ -781,7 +781,7 @@ impl Engine {
             .run(&what, || async {
                 let started = Instant::now();
                 Stats::add(&self.stats.fetch_requests, 1);
-                match source::ask(blob, range.clone(), ask).await {
+                match blob.fetch(range.clone(), ask).await {
                     Ok(bytes) => {
                         Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
                         Stats::add(
@@ -903,7 +903,7 @@ impl Fetch for Engine {
         Box::pin(async move {
             let source = self.sources.windows()?;
             let what = "the index's windows blob";
-            source::exact(self.fetch_from(source, what, range.clone(), ask), range).await
+            self.fetch_from(source, what, range, ask).await
         })
     }
 }
@@ -936,6 +936,7 @@ mod tests {
         fn fetch(
             &self,
             range: Range<u64>,
+            _ask: Ask,
         ) -> futures_util::future::BoxFuture<'_, Result<bytes::Bytes>> {
             self.calls.lock().push(range.clone());
             let fail = std::mem::replace(&mut *self.failures.lock(), 0);
@@ -2029,6 +2030,7 @@ mod tests {
             fn fetch(
                 &self,
                 _range: Range<u64>,
+                _ask: Ask,
             ) -> futures_util::future::BoxFuture<'_, Result<bytes::Bytes>> {
                 Box::pin(std::future::pending())
             }

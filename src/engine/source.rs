@@ -17,28 +17,12 @@ use crate::registry::Registry;
 
 /// Ranges of one blob.
 pub trait BlobSource: Send + Sync {
-    /// The bytes of `range`; the length is checked by the source, the content by the engine.
-    fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>>;
-    /// The same for bytes that failed verification once: from the registry itself, not a
-    /// mirror.
-    fn refetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
-        self.fetch(range)
-    }
+    /// The bytes of `range` from the endpoints `ask` chooses; the length is checked by the
+    /// source, the content by the engine.
+    fn fetch(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>>;
     /// Requests, failures and bytes per registry endpoint, if the source has endpoints.
     fn endpoint_counters(&self) -> Vec<(String, EndpointCounters)> {
         Vec::new()
-    }
-}
-
-/// Asks `source` for `range` as `ask` says.
-pub fn ask(
-    source: &dyn BlobSource,
-    range: Range<u64>,
-    ask: Ask,
-) -> BoxFuture<'_, Result<bytes::Bytes>> {
-    match ask {
-        Ask::AnyEndpoint => source.fetch(range),
-        Ask::Registry => source.refetch(range),
     }
 }
 
@@ -87,32 +71,15 @@ impl Sources {
 /// what reading an index's stream outside a mount uses.
 impl Fetch for Sources {
     fn blob(&self, range: Range<u64>, how: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
-        Box::pin(exact(ask(self.blob.as_ref(), range.clone(), how), range))
+        self.blob.fetch(range, how)
     }
 
     fn windows(&self, range: Range<u64>, how: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
         Box::pin(async move {
             let source = self.windows()?;
-            exact(ask(source, range.clone(), how), range).await
+            source.fetch(range, how).await
         })
     }
-}
-
-/// The answer of `fetch`, which must be exactly `range`'s bytes.
-pub async fn exact(
-    fetch: impl std::future::Future<Output = Result<bytes::Bytes>>,
-    range: Range<u64>,
-) -> Result<bytes::Bytes> {
-    let bytes = fetch.await?;
-    if bytes.len() as u64 != range.end - range.start {
-        return Err(Error::corrupt(format!(
-            "asked for {} bytes at {}, got {}",
-            range.end - range.start,
-            range.start,
-            bytes.len()
-        )));
-    }
-    Ok(bytes)
 }
 
 /// A blob in a registry, read with HTTP Range requests.
@@ -123,17 +90,10 @@ pub struct RegistrySource {
 }
 
 impl BlobSource for RegistrySource {
-    fn fetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
+    fn fetch(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
         Box::pin(
             self.client
-                .get_blob_range(&self.reference, &self.blob, range),
-        )
-    }
-
-    fn refetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<bytes::Bytes>> {
-        Box::pin(
-            self.client
-                .get_blob_range_from_registry(&self.reference, &self.blob, range),
+                .get_blob_range(&self.reference, &self.blob, range, ask),
         )
     }
 

@@ -282,14 +282,7 @@ impl Fetch for HeldFirst<'_> {
     }
 }
 
-/// Whom a fetch asks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Ask {
-    /// Any endpoint of the registry (a mirror first, if one is configured).
-    AnyEndpoint,
-    /// The registry itself: for bytes that failed verification once.
-    Registry,
-}
+pub use crate::registry::Ask;
 
 /// Where a codec's bytes come from: the layer's blob and, for a gzip layer read through a
 /// seekable index, the index's windows blob. Answers are exactly the bytes asked for (a short

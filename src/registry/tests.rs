@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::registry::Ask;
+
 use axum::body::{Body, Bytes as AxumBytes};
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
@@ -497,7 +499,7 @@ async fn a_blob_a_mirror_answers_whole_is_passed_by_there_and_rests() {
     let r = reference(&m.host, "1");
     let got = m
         .client
-        .get_blob_range(&r, &m.digest, 100..4196)
+        .get_blob_range(&r, &m.digest, 100..4196, Ask::AnyEndpoint)
         .await
         .unwrap();
     assert_eq!(&got[..], &m.blob[100..4196]);
@@ -506,7 +508,11 @@ async fn a_blob_a_mirror_answers_whole_is_passed_by_there_and_rests() {
     // The blob rests at the mirror: the next reads of it go to the registry first, without
     // asking the mirror (each ask would have it stream another copy from the origin).
     for _ in 0..3 {
-        let got = m.client.get_blob_range(&r, &m.digest, 0..10).await.unwrap();
+        let got = m
+            .client
+            .get_blob_range(&r, &m.digest, 0..10, Ask::AnyEndpoint)
+            .await
+            .unwrap();
         assert_eq!(&got[..], &m.blob[..10]);
     }
     assert_eq!(m.hits(), 1);
@@ -526,7 +532,10 @@ async fn a_blob_a_mirror_answers_whole_is_passed_by_there_and_rests() {
     assert_eq!((o.requests, o.failures, o.bytes), (4, 0, 4096 + 30));
     // Longer than an endpoint's first rest: still passed by for this blob.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    m.client.get_blob_range(&r, &m.digest, 0..10).await.unwrap();
+    m.client
+        .get_blob_range(&r, &m.digest, 0..10, Ask::AnyEndpoint)
+        .await
+        .unwrap();
     assert_eq!(m.hits(), 1);
 }
 
@@ -535,7 +544,7 @@ async fn a_mirror_alone_that_cannot_serve_ranges_is_named_in_the_error() {
     let m = Mirrored::start(Mirror::WholeBlob, false).await;
     let e = m
         .client
-        .get_blob_range(&reference(&m.host, "1"), &m.digest, 0..10)
+        .get_blob_range(&reference(&m.host, "1"), &m.digest, 0..10, Ask::AnyEndpoint)
         .await
         .unwrap_err();
     let text = e.chain();
@@ -569,7 +578,7 @@ async fn wrong_bytes_from_a_mirror_are_never_returned_for_a_verified_blob() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let got = m
         .client
-        .get_blob_range_from_registry(&r, &m.digest, 5..9)
+        .get_blob_range(&r, &m.digest, 5..9, Ask::Registry)
         .await
         .unwrap();
     assert_eq!(&got[..], &m.blob[5..9]);
@@ -591,7 +600,9 @@ async fn a_mirror_that_is_down_costs_one_refused_connection() {
     let c = mirrored_client(dir.path(), &host, &closed, true);
     let r = reference(&host, "1");
     for _ in 0..5 {
-        c.get_blob_range(&r, &digest, 0..10).await.unwrap();
+        c.get_blob_range(&r, &digest, 0..10, Ask::AnyEndpoint)
+            .await
+            .unwrap();
     }
     assert_eq!(count(&origin, &format!("GET /vm/disk/blobs/{digest}")), 5);
     let counters = c.shared.health.counters();

@@ -12,7 +12,7 @@ use crate::format::zstd_chunked::TocLocation;
 use crate::layer::{Held, LayerKind, LayerMeta};
 use crate::oci::Descriptor;
 use crate::reference::Reference;
-use crate::registry::Registry;
+use crate::registry::{Ask, Registry};
 use crate::task::blocking;
 
 /// How much of an eStargz blob's end one request fetches: the footer and, when it fits, the
@@ -41,15 +41,8 @@ pub async fn fetch_estargz_toc(
         .retry_policy()
         .run(&format!("the eStargz TOC of layer {layer}"), || async {
             let tail = client
-                .get_blob_range(reference, &layer, tail_at..size)
+                .get_blob_range(reference, &layer, tail_at..size, Ask::AnyEndpoint)
                 .await?;
-            if tail.len() as u64 != size - tail_at {
-                return Err(Error::corrupt(format!(
-                    "the registry sent {} bytes of the layer's last {}",
-                    tail.len(),
-                    size - tail_at
-                )));
-            }
             let footer = &tail[(footer_at - tail_at) as usize..];
             let offset = estargz::toc_offset(footer, size)?;
             if footer_at - offset > estargz::MAX_TOC_MEMBER {
@@ -65,7 +58,7 @@ pub async fn fetch_estargz_toc(
                 // The member begins before the tail: its head is fetched, the rest is here.
                 None => {
                     let mut head = client
-                        .get_blob_range(reference, &layer, offset..tail_at)
+                        .get_blob_range(reference, &layer, offset..tail_at, Ask::AnyEndpoint)
                         .await?
                         .to_vec();
                     head.extend_from_slice(before_footer);
@@ -159,7 +152,7 @@ pub(super) async fn fetch_toc_and_neighbours(
         match head.is_empty() {
             true => None,
             false => client
-                .get_blob_range(reference, layer, head.clone())
+                .get_blob_range(reference, layer, head.clone(), Ask::AnyEndpoint)
                 .await
                 .ok(),
         }
@@ -227,10 +220,10 @@ pub async fn fetch_structure_ahead(client: &dyn Registry, cache: &CacheRoot, key
         let (reference, digest) = (&reference, &digest);
         async move {
             let bytes = client
-                .get_blob_range(reference, digest, range.clone())
+                .get_blob_range(reference, digest, range.clone(), Ask::AnyEndpoint)
                 .await
                 .ok()?;
-            (bytes.len() as u64 == range.end - range.start).then_some((range.start, bytes))
+            Some((range.start, bytes))
         }
     });
     let fetched = tokio::time::timeout(AHEAD_WAIT, futures_util::future::join_all(fetches))
@@ -260,16 +253,8 @@ async fn fetch_toc_from(
             &format!("the zstd:chunked TOC of layer {layer}"),
             || async {
                 let bytes = client
-                    .get_blob_range(reference, layer, range.clone())
+                    .get_blob_range(reference, layer, range.clone(), Ask::AnyEndpoint)
                     .await?;
-                if bytes.len() as u64 != range.end - range.start {
-                    return Err(Error::corrupt(format!(
-                        "the registry sent {} bytes of the layer's {}..{}",
-                        bytes.len(),
-                        range.start,
-                        range.end
-                    )));
-                }
                 let toc = &bytes[before..];
                 loc.checksum.verify(toc, "zstd:chunked TOC")?;
                 Ok((toc.to_vec(), bytes.slice(..before)))

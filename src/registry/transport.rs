@@ -1,0 +1,564 @@
+//! Sending requests: HTTP clients per TLS settings, the endpoints of a reference (mirrors from
+//! `hosts.toml`, then the registry), one request with the credentials that are accepted
+//! ([`RegistryClient::send`]), and one try of every endpoint in turn with what each answer
+//! teaches the endpoints' health ([`RegistryClient::sweep`]); the retry policy wraps a whole
+//! try ([`RegistryClient::pull`]). Bodies are read under a size limit and a deadline.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, WWW_AUTHENTICATE};
+use reqwest::{Method, StatusCode};
+
+use super::token::scope;
+use super::*;
+use crate::digest::Digest;
+use crate::error::{Error, ErrorKind, Result};
+use crate::reference::{is_loopback_host, Reference};
+
+/// One credential a request may try, in the order they are tried.
+pub(super) struct Candidate {
+    pub(super) principal: Principal,
+    pub(super) credential: Option<auth::Credential>,
+    /// Until when it may be used (a grant expires; the node's own does not).
+    pub(super) usable_until: Option<Instant>,
+}
+
+impl Candidate {
+    pub(super) fn describe(&self) -> String {
+        match (&self.principal, &self.credential) {
+            (Principal::Node, None) => "anonymous access (the node has no credentials for it: REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json)".into(),
+            (Principal::Node, Some(c)) => format!("the node's credentials (user {})", c.username),
+            (Principal::Granted(_), Some(c)) => format!("the credentials kubelet sent (user {})", c.username),
+            (Principal::Granted(_), None) => "a grant without a credential".into(),
+        }
+    }
+}
+
+/// What distinguishes one HTTP client from another: TLS verification, CAs, client identity.
+pub(super) type TlsSettings = (bool, Vec<PathBuf>, Option<(PathBuf, Option<PathBuf>)>);
+
+/// A request to send, rebuilt for every try (bodies are cheap `Bytes` clones).
+/// Only idempotent requests are retried ([`RegistryClient::send_retried`]); a PATCH that fails
+/// part-way changes the upload's state, so [`BlobUpload::write`] resumes it instead.
+pub(super) struct Req {
+    pub(super) method: Method,
+    pub(super) url: String,
+    pub(super) headers: HeaderMap,
+    pub(super) body: Option<Bytes>,
+    /// Extra scopes the token must cover (cross-repository mount source).
+    pub(super) extra_scope: Option<String>,
+}
+
+impl Req {
+    pub(super) fn new(method: Method, url: String) -> Self {
+        Req {
+            url,
+            headers: HeaderMap::new(),
+            body: None,
+            extra_scope: None,
+            method,
+        }
+    }
+
+    /// A GET of `path` (e.g. `manifests/<tag>`) in `r`'s repository at `ep`.
+    pub(super) fn get(ep: &Endpoint, r: &Reference, path: &str) -> Self {
+        Req::new(Method::GET, ep.url(&format!("{}/{path}", r.repository)))
+    }
+
+    pub(super) fn header(mut self, name: reqwest::header::HeaderName, value: &str) -> Self {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            self.headers.insert(name, v);
+        }
+        self
+    }
+
+    pub(super) fn body(mut self, body: Bytes) -> Self {
+        self.body = Some(body);
+        self
+    }
+}
+
+pub(super) fn registry_error_text(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Errors {
+        errors: Vec<ErrorItem>,
+    }
+    #[derive(serde::Deserialize)]
+    struct ErrorItem {
+        code: String,
+        #[serde(default)]
+        message: String,
+    }
+    match serde_json::from_slice::<Errors>(body) {
+        Ok(e) if !e.errors.is_empty() => e
+            .errors
+            .iter()
+            .map(|i| format!("{}: {}", i.code, i.message))
+            .collect::<Vec<_>>()
+            .join("; "),
+        _ => String::from_utf8_lossy(&body[..body.len().min(200)])
+            .trim()
+            .to_string(),
+    }
+}
+
+/// How long any response body may take: this much, plus its size at [`MIN_BODY_RATE`]. The
+/// socket's idle timeout alone would let a registry trickle a byte every minute forever.
+pub(super) const BODY_DEADLINE: Duration = Duration::from_secs(30);
+/// Slowest body rate accepted beyond [`BODY_DEADLINE`], bytes per second.
+pub(super) const MIN_BODY_RATE: u64 = 256 << 10;
+/// How long a mirror may take to answer a request (its headers; the body has its own deadline)
+/// before the next endpoint is asked: a hung mirror must not hold a guest's read for the
+/// socket's timeouts.
+pub(super) const MIRROR_DEADLINE: Duration = Duration::from_secs(10);
+
+pub(super) async fn read_limited(
+    mut resp: reqwest::Response,
+    limit: u64,
+    what: &str,
+) -> Result<Vec<u8>> {
+    if resp.content_length().is_some_and(|l| l > limit) {
+        return Err(Error::corrupt(format!(
+            "{what} is {} bytes, more than the {limit} accepted",
+            resp.content_length().unwrap_or(0)
+        )));
+    }
+    let size = resp.content_length().unwrap_or(limit).min(limit);
+    let deadline = BODY_DEADLINE + Duration::from_secs(size / MIN_BODY_RATE);
+    let body =
+        async {
+            let mut out = Vec::new();
+            while let Some(chunk) = resp.chunk().await.map_err(|e| {
+                Error::new(ErrorKind::Network, format!("reading {what}")).with_source(e)
+            })? {
+                if out.len() as u64 + chunk.len() as u64 > limit {
+                    return Err(Error::corrupt(format!(
+                        "{what} is more than the {limit} bytes accepted"
+                    )));
+                }
+                out.extend_from_slice(&chunk);
+            }
+            Ok(out)
+        };
+    tokio::time::timeout(deadline, body)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::new(
+                ErrorKind::Network,
+                format!(
+                    "{what}: the registry sent the body too slowly (over {} s)",
+                    deadline.as_secs()
+                ),
+            ))
+        })
+}
+
+impl RegistryClient {
+    /// The credentials a request for `r` may carry, in the order they are tried: the node's
+    /// own (or none), then each granted for `r`'s repository, newest first.
+    pub(super) async fn candidates(&self, r: &Reference) -> Result<Vec<Candidate>> {
+        let mut all = vec![Candidate {
+            principal: Principal::Node,
+            credential: self.shared.credentials.get(&r.registry).await?,
+            usable_until: None,
+        }];
+        for (credential, ttl) in self.granted.for_repository(&r.registry, &r.repository) {
+            let key =
+                Digest::of(format!("{}\0{}", credential.username, credential.secret).as_bytes());
+            all.push(Candidate {
+                principal: Principal::Granted(key.hex()[..16].to_string()),
+                credential: Some(credential),
+                usable_until: Some(Instant::now() + ttl),
+            });
+        }
+        Ok(all)
+    }
+
+    pub(super) fn http(&self, ep: &Endpoint) -> Result<reqwest::Client> {
+        let key = (ep.skip_verify, ep.ca.clone(), ep.client_cert.clone());
+        if let Some(c) = self.shared.clients.lock().get(&key) {
+            return Ok(c.clone());
+        }
+        // Once per TLS settings: reading the CA files and the system's roots is blocking work,
+        // done off the async workers and with no lock held (two first uses at once may both
+        // build one; the first kept is used).
+        let roots = &self.shared.config.roots;
+        let client = crate::task::off_the_runtime(|| Self::build_http(ep, roots))?;
+        Ok(self
+            .shared
+            .clients
+            .lock()
+            .entry(key)
+            .or_insert(client)
+            .clone())
+    }
+
+    /// A new HTTP client for endpoint `ep`'s TLS settings, trusting `roots` and the endpoint's
+    /// CAs.
+    pub(super) fn build_http(ep: &Endpoint, roots: &roots::Roots) -> Result<reqwest::Client> {
+        let mut builder = reqwest::Client::builder()
+            .tls_built_in_root_certs(false)
+            .user_agent(concat!("vmdisk/", env!("CARGO_PKG_VERSION")))
+            .connect_timeout(Duration::from_secs(10))
+            .read_timeout(Duration::from_secs(60))
+            .danger_accept_invalid_certs(ep.skip_verify);
+        for root in roots.certificates().iter() {
+            let cert = reqwest::Certificate::from_der(root)
+                .map_err(|e| Error::invalid(format!("a TLS root certificate: {e}")))?;
+            builder = builder.add_root_certificate(cert);
+        }
+        for path in &ep.ca {
+            let pem = std::fs::read(path)
+                .map_err(|e| Error::io(format!("reading CA certificate {}", path.display()), e))?;
+            let cert = reqwest::Certificate::from_pem(&pem).map_err(|e| {
+                Error::invalid(format!("CA certificate {} is not PEM: {e}", path.display()))
+            })?;
+            builder = builder.add_root_certificate(cert);
+        }
+        builder
+            .build()
+            .map_err(|e| Error::new(ErrorKind::Io, "building the HTTP client").with_source(e))
+    }
+
+    pub(super) fn plain_http(&self, host: &str) -> bool {
+        self.shared.config.plain_http
+            || is_loopback_host(host)
+            || self
+                .shared
+                .config
+                .plain_http_hosts
+                .iter()
+                .any(|h| h == host)
+    }
+
+    /// Endpoints for `r`, mirrors first; `push` selects push-capable ones.
+    pub(super) fn endpoints(&self, r: &Reference, access: Access) -> Result<Vec<Endpoint>> {
+        let upstream = Endpoint::upstream(r.api_host(), self.plain_http(&r.registry));
+        let all = self.shared.hosts.endpoints(
+            self.shared.config.hosts_dir.as_deref(),
+            &r.registry,
+            upstream.clone(),
+        )?;
+        let chosen: Vec<Endpoint> = all
+            .into_iter()
+            .filter(|e| match access {
+                Access::Pull => e.pull,
+                Access::Push => e.push,
+            })
+            .collect();
+        Ok(if chosen.is_empty() {
+            vec![upstream]
+        } else {
+            chosen
+        })
+    }
+
+    /// Sends `req` to `ep` once, with the first credential whose authorization is kept, or
+    /// none; answers a 401 by authorizing the next credential the client may use
+    /// ([`RegistryClient::candidates`]) until one is accepted. Returns the registry's answer
+    /// as it is (the caller checks its status) or a `Network` error; when every credential was
+    /// refused, an `Auth` error naming each.
+    pub(super) async fn send(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        access: Access,
+        req: &Req,
+    ) -> Result<reqwest::Response> {
+        let client = self.http(ep)?;
+        let mut scopes = vec![scope(&r.repository, access)];
+        scopes.extend(req.extra_scope.clone());
+        let scope_key = scopes.join(" ");
+        let candidates = self.candidates(r).await?;
+        // Start with a credential authorized before, else with none; `current` is the
+        // candidate whose authorization is sent, `fresh` whether it was got just now.
+        let (mut current, mut fresh, mut header) = (None, false, None);
+        for (i, c) in candidates.iter().enumerate() {
+            if let Some(h) = self.cached_auth(ep, &scope_key, &c.principal) {
+                (current, header) = (Some(i), Some(h));
+                break;
+            }
+        }
+        let mut refused = Vec::new();
+        loop {
+            let mut builder = client
+                .request(req.method.clone(), &req.url)
+                .headers(req.headers.clone());
+            for (k, v) in &ep.headers {
+                builder = builder.header(k.as_str(), v.as_str());
+            }
+            if let Some(a) = &header {
+                builder = builder.header(AUTHORIZATION, a);
+            }
+            if let Some(b) = &req.body {
+                builder = builder.body(b.clone());
+            }
+            let resp = builder.send().await.map_err(|e| {
+                let how = if e.is_connect() {
+                    "is unreachable"
+                } else {
+                    "did not answer"
+                };
+                Error::new(
+                    ErrorKind::Network,
+                    format!("{} {how} at {}", ep.describe(&r.registry), ep.base),
+                )
+                .with_source(e)
+            })?;
+            if resp.status() != StatusCode::UNAUTHORIZED {
+                return Ok(resp);
+            }
+            let Some(challenge) = resp
+                .headers()
+                .get(WWW_AUTHENTICATE)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+            else {
+                return Err(Error::new(
+                    ErrorKind::Auth,
+                    format!(
+                        "registry {} refused the request (HTTP 401) without saying how to authenticate",
+                        r.registry
+                    ),
+                ));
+            };
+            // A kept authorization may have expired on the registry's side: authorize the
+            // same credential again once; a fresh one refused means the next credential.
+            let first = match current {
+                None => 0,
+                Some(i) if !fresh => i,
+                Some(i) => {
+                    refused.push(candidates[i].describe());
+                    i + 1
+                }
+            };
+            (current, header) = (None, None);
+            for (i, candidate) in candidates.iter().enumerate().skip(first) {
+                match self
+                    .authorize(ep, r, &challenge, &scope_key, &scopes, candidate)
+                    .await
+                {
+                    Ok(()) => {
+                        header = self.cached_auth(ep, &scope_key, &candidate.principal);
+                        (current, fresh) = (Some(i), true);
+                        break;
+                    }
+                    Err(e) if e.kind() == ErrorKind::Auth => {
+                        refused.push(format!("{} ({})", candidate.describe(), e.chain()))
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            if header.is_none() {
+                return Err(Error::new(
+                    ErrorKind::Auth,
+                    format!(
+                        "registry {} requires authentication for {}: refused {} (HTTP 401)",
+                        r.registry,
+                        r.repository,
+                        refused.join("; ")
+                    ),
+                ));
+            }
+        }
+    }
+
+    /// [`RegistryClient::send`] of an idempotent request under the retry policy: a request
+    /// that gets no answer, or a 5xx or 429 answer, is sent again.
+    pub(super) async fn send_retried(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        access: Access,
+        req: &Req,
+        what: &str,
+    ) -> Result<reqwest::Response> {
+        self.shared
+            .config
+            .retry
+            .run(what, || async {
+                let resp = self.send(ep, r, access, req).await?;
+                let status = resp.status();
+                if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
+                    return Err(Error::new(
+                        ErrorKind::Network,
+                        format!(
+                            "{what}: {} answered HTTP {status}",
+                            ep.describe(&r.registry)
+                        ),
+                    ));
+                }
+                Ok(resp)
+            })
+            .await
+    }
+
+    pub(super) async fn check(
+        resp: reqwest::Response,
+        what: &str,
+        r: &Reference,
+        ep: &Endpoint,
+    ) -> Result<reqwest::Response> {
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let body = read_limited(resp, 64 << 10, "error body")
+            .await
+            .unwrap_or_default();
+        let detail = registry_error_text(&body);
+        let (kind, outcome) = match status {
+            StatusCode::NOT_FOUND => (ErrorKind::NotFound, "not found"),
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => (ErrorKind::Auth, "denied"),
+            s if s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS => {
+                (ErrorKind::Network, "failed on the registry side")
+            }
+            _ => (ErrorKind::InvalidInput, "refused"),
+        };
+        let detail = if detail.is_empty() {
+            String::new()
+        } else {
+            format!(": {detail}")
+        };
+        let via = if ep.mirror {
+            format!(", answered by mirror {}", ep.base)
+        } else {
+            String::new()
+        };
+        Err(Error::new(
+            kind,
+            format!(
+                "{what} {outcome} in {}/{} (HTTP {status}{detail}{via})",
+                r.registry, r.repository
+            ),
+        ))
+    }
+
+    /// Fetches something whose answer `take` reads and checks (status, length, digest), under
+    /// the retry policy: each try goes to every pull endpoint in turn ([`Self::sweep`]), and
+    /// a try that failed transiently everywhere (no answer, a reset, a 5xx, a cut or corrupt
+    /// body) is made again after a backoff, until the policy's attempts or deadline run out.
+    pub(super) async fn pull<T, F>(
+        &self,
+        r: &Reference,
+        what: &str,
+        ask: Ask,
+        make: impl Fn(&Endpoint) -> Req,
+        take: impl Fn(reqwest::Response, Endpoint) -> F,
+    ) -> Result<T>
+    where
+        F: std::future::Future<Output = Result<T>>,
+    {
+        let what_where = format!("fetching {what} from {}/{}", r.registry, r.repository);
+        self.shared
+            .config
+            .retry
+            .run(&what_where, || self.sweep(r, what, ask, None, &make, &take))
+            .await
+    }
+
+    /// One try of [`Self::pull`]: each pull endpoint until one answers with what `take`
+    /// accepts, mirrors first, resting ones (see [`health`]) last; whatever fails at one
+    /// endpoint sends the request on to the next. The error returned is the registry's own if
+    /// it was asked, else the last mirror's. An authentication error from the registry itself
+    /// is returned at once. For ranges of `blob`, a mirror that answers with the whole blob
+    /// (a pull-through cache filling itself) has the blob rest there ([`health`]).
+    pub(super) async fn sweep<T, F>(
+        &self,
+        r: &Reference,
+        what: &str,
+        ask: Ask,
+        blob: Option<&Digest>,
+        make: &impl Fn(&Endpoint) -> Req,
+        take: &impl Fn(reqwest::Response, Endpoint) -> F,
+    ) -> Result<T>
+    where
+        F: std::future::Future<Output = Result<T>>,
+    {
+        // The error to return, and whether the registry itself gave it.
+        let mut returned: Option<(bool, Error)> = None;
+        let mut endpoints = self.endpoints(r, Access::Pull)?;
+        if ask == Ask::Registry {
+            endpoints.retain(|e| !e.mirror);
+        }
+        for ep in self.shared.health.order(endpoints, blob) {
+            let req = make(&ep);
+            self.shared.health.sent(&ep.base);
+            let answer = async {
+                let sent = self.send(&ep, r, Access::Pull, &req);
+                let resp = if ep.mirror {
+                    tokio::time::timeout(MIRROR_DEADLINE, sent)
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(Error::new(
+                                ErrorKind::Network,
+                                format!(
+                                    "{} did not answer {what} within {} s",
+                                    ep.describe(&r.registry),
+                                    MIRROR_DEADLINE.as_secs()
+                                ),
+                            ))
+                        })?
+                } else {
+                    sent.await?
+                };
+                take(Self::check(resp, what, r, &ep).await?, ep.clone()).await
+            };
+            let outcome = answer.await;
+            let e = match outcome {
+                Ok(v) => {
+                    self.shared
+                        .health
+                        .succeeded(&ep.base, blob.filter(|_| ep.mirror));
+                    return Ok(v);
+                }
+                Err(e) => e,
+            };
+            let failure = match (e.kind(), blob) {
+                (ErrorKind::NotFound, _) => health::Failure::NotFound,
+                (ErrorKind::Auth, _) => health::Failure::Refused,
+                (ErrorKind::Unsupported, Some(blob)) if ep.mirror => {
+                    tracing::info!(endpoint = %ep.base, %blob, "the mirror answered a Range request with the whole blob (a pull-through cache filling itself): this blob's ranges pass it by for a while");
+                    health::Failure::WholeBlob(*blob)
+                }
+                _ => health::Failure::Endpoint,
+            };
+            self.shared.health.failed(&ep.base, failure);
+            if !ep.mirror && e.kind() == ErrorKind::Auth {
+                return Err(e);
+            }
+            if ep.mirror && failure == health::Failure::Endpoint {
+                tracing::warn!(endpoint = %ep.base, registry = %r.registry, error = %e.chain(), "mirror failed; trying the next endpoint, and this mirror after the others for a while");
+            } else {
+                tracing::debug!(endpoint = %ep.base, error = %e.chain(), "endpoint failed, trying next");
+            }
+            if !ep.mirror
+                || returned
+                    .as_ref()
+                    .is_none_or(|(from_registry, _)| !from_registry)
+            {
+                returned = Some((!ep.mirror, e));
+            }
+        }
+        Err(returned.map(|(_, e)| e).unwrap_or_else(|| {
+            Error::invalid(format!(
+                "no endpoint to pull {what} from: the hosts.toml of {} gives the registry itself no pull capability, and this request passes by its mirrors",
+                r.registry
+            ))
+        }))
+    }
+
+    /// A whole response body of at most `limit` bytes, counted for `ep`.
+    pub(super) async fn body(
+        &self,
+        ep: &Endpoint,
+        resp: reqwest::Response,
+        limit: u64,
+        what: &str,
+    ) -> Result<Vec<u8>> {
+        let body = read_limited(resp, limit, what).await?;
+        self.shared.health.received(&ep.base, body.len() as u64);
+        Ok(body)
+    }
+}
