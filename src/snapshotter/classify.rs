@@ -87,6 +87,83 @@ impl Reason {
     }
 }
 
+impl Reason {
+    /// Every reason, for those who list the decisions there can be.
+    pub const ALL: [Reason; 9] = [
+        Reason::NoCriLabels,
+        Reason::MalformedLabels,
+        Reason::RegistryError,
+        Reason::LayerNotInManifest,
+        Reason::NotDiskImage,
+        Reason::NotLazy,
+        Reason::NotDiskLayer,
+        Reason::NoIndex,
+        Reason::InvalidImage,
+    ];
+}
+
+/// What a layer's Prepare came to: the one name its decision is counted by (`decision/…`),
+/// shown by (`vmdisk stats`) and exported by (`vmdisk_prepare_decisions{decision, reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Served lazily: a new remote snapshot.
+    Remote,
+    /// Served lazily: the remote snapshot of that name was there already.
+    Reused,
+    /// An ordinary layer, left to containerd.
+    Ordinary(Reason),
+    /// A published VM-disk layer that containerd pulls normally, and why.
+    Fallback(Reason),
+    /// A VM-disk layer whose lazy mount failed: containerd pulls it normally.
+    MountFailed,
+    /// The signature policy refuses the image: the pull fails.
+    RefusedByPolicy,
+}
+
+impl Outcome {
+    /// Every outcome there can be.
+    pub fn all() -> impl Iterator<Item = Outcome> {
+        [
+            Outcome::Remote,
+            Outcome::Reused,
+            Outcome::MountFailed,
+            Outcome::RefusedByPolicy,
+        ]
+        .into_iter()
+        .chain(Reason::ALL.into_iter().map(Outcome::Ordinary))
+        .chain(Reason::ALL.into_iter().map(Outcome::Fallback))
+    }
+
+    /// The decision: `remote`, `reused`, `ordinary`, `fallback` or `refused`.
+    pub fn decision(self) -> &'static str {
+        match self {
+            Outcome::Remote => "remote",
+            Outcome::Reused => "reused",
+            Outcome::Ordinary(_) => "ordinary",
+            Outcome::Fallback(_) | Outcome::MountFailed => "fallback",
+            Outcome::RefusedByPolicy => "refused",
+        }
+    }
+
+    /// Why, for decisions that have a reason (else empty).
+    pub fn reason(self) -> &'static str {
+        match self {
+            Outcome::Remote | Outcome::Reused => "",
+            Outcome::Ordinary(r) | Outcome::Fallback(r) => r.as_str(),
+            Outcome::MountFailed => "mount_failed",
+            Outcome::RefusedByPolicy => "policy",
+        }
+    }
+
+    /// The name it is counted under: `decision/<decision>[:<reason>]`.
+    pub fn counter(self) -> String {
+        match self.reason() {
+            "" => format!("decision/{}", self.decision()),
+            reason => format!("decision/{}:{reason}", self.decision()),
+        }
+    }
+}
+
 impl std::fmt::Display for Reason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())

@@ -12,6 +12,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use super::classify::Outcome;
 use super::counters::LAYER_COUNTERS;
 use super::grpc::{disks, LISTED};
 use super::Snapshotter;
@@ -56,18 +57,20 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
 /// and each registry endpoint's.
 fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     let decisions = Family::<Labels, Counter>::default();
-    for (d, v) in s.counters.with_prefix("decision/") {
-        let (outcome, reason) = d.split_once(':').unwrap_or((&d, ""));
-        decisions
-            .get_or_create(&vec![
-                ("decision", outcome.to_string()),
-                ("reason", reason.to_string()),
-            ])
-            .inc_by(v);
+    for outcome in Outcome::all() {
+        let v = s.counters.get(&outcome.counter());
+        if v > 0 {
+            decisions
+                .get_or_create(&vec![
+                    ("decision", outcome.decision().to_string()),
+                    ("reason", outcome.reason().to_string()),
+                ])
+                .inc_by(v);
+        }
     }
     registry.register(
         "vmdisk_prepare_decisions",
-        "Layer Prepare decisions by outcome (remote, reused, ordinary, fallback) and reason.",
+        "Layer Prepare decisions by outcome (remote, reused, ordinary, fallback, refused) and reason.",
         decisions,
     );
     let (calls, errors) = (

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::classify::{self, Decision, LABEL_REMOTE, LABEL_TARGET};
+use super::classify::{self, Decision, Outcome, LABEL_REMOTE, LABEL_TARGET};
 use super::store::{Kind, RemoteLayerRef};
 use super::supervisor::Ahead;
 use super::{blocking, control, Mount, Snapshotter};
@@ -20,6 +20,22 @@ use crate::registry::Registry;
 struct PullAccess<'a> {
     client: &'a Arc<dyn Registry>,
     pending: &'a [crate::registry::auth::Credential],
+}
+
+/// What a remote Prepare did: made the remote snapshot, or found it made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    Remote,
+    Reused,
+}
+
+impl From<Served> for Outcome {
+    fn from(served: Served) -> Outcome {
+        match served {
+            Served::Remote => Outcome::Remote,
+            Served::Reused => Outcome::Reused,
+        }
+    }
 }
 
 impl Snapshotter {
@@ -72,7 +88,7 @@ impl Snapshotter {
             self.classifier.classify(labels, client.as_ref())
         );
         if let Err(e) = checked {
-            self.counters.add("decision/refused:policy", 1);
+            self.counters.add(&Outcome::RefusedByPolicy.counter(), 1);
             tracing::warn!(error = %e.chain(), "the signature policy refuses the image; the pull fails");
             return Err(e);
         }
@@ -94,14 +110,15 @@ impl Snapshotter {
                     )
                     .await
                 {
-                    Ok(outcome) => {
-                        self.counters.add(&format!("decision/{outcome}"), 1);
+                    Ok(served) => {
+                        let outcome = Outcome::from(served);
+                        self.counters.add(&outcome.counter(), 1);
                         let ms = started.elapsed().as_millis() as u64;
-                        tracing::info!(%layer, %reference, outcome, ms, "layer is served lazily");
+                        tracing::info!(%layer, %reference, outcome = outcome.decision(), ms, "layer is served lazily");
                         return Ok(true);
                     }
                     Err(e) => {
-                        self.counters.add("decision/fallback:mount_failed", 1);
+                        self.counters.add(&Outcome::MountFailed.counter(), 1);
                         tracing::warn!(%layer, error = %e.chain(), "lazy mount failed; containerd pulls the layer normally");
                     }
                 }
@@ -112,14 +129,14 @@ impl Snapshotter {
                 candidate,
             } => {
                 if candidate {
-                    self.counters.add(&format!("decision/fallback:{reason}"), 1);
+                    self.counters.add(&Outcome::Fallback(reason).counter(), 1);
                     tracing::warn!(
                         reason = reason.as_str(),
                         detail,
                         "a published VM-disk layer is pulled normally"
                     );
                 } else {
-                    self.counters.add(&format!("decision/ordinary:{reason}"), 1);
+                    self.counters.add(&Outcome::Ordinary(reason).counter(), 1);
                     tracing::info!(
                         reason = reason.as_str(),
                         detail,
@@ -241,13 +258,13 @@ impl Snapshotter {
         labels: &BTreeMap<String, String>,
         (reference, layer): (&Reference, crate::digest::Digest),
         pull: PullAccess<'_>,
-    ) -> Result<&'static str> {
+    ) -> Result<Served> {
         let ahead = self.fetch_ahead(pull.client, layer);
         let me = Arc::clone(self);
         let name = target.to_string();
         if let Some(existing) = blocking(move || me.store.get(&name)).await? {
             if existing.kind == Kind::Committed && existing.parent == parent {
-                return Ok("reused");
+                return Ok(Served::Reused);
             }
             return Err(Error::new(
                 ErrorKind::AlreadyExists,
@@ -281,8 +298,8 @@ impl Snapshotter {
                 .store
                 .create(&target, Kind::Committed, &parent, labels, Some(remote))
             {
-                Ok(_) => Ok("remote"),
-                Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok("reused"),
+                Ok(_) => Ok(Served::Remote),
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(Served::Reused),
                 Err(e) => Err(e),
             }
         })

@@ -665,3 +665,26 @@ async fn a_pull_in_flight_hands_its_server_only_credentials_that_read_the_image(
     drop((mallory, alice));
     assert!(f.snapshotter.tenants.pending_for(IMAGE).is_empty());
 }
+
+#[test]
+fn every_outcome_has_a_counter_name_of_its_own_and_keeps_the_names_users_see() {
+    use super::classify::{Outcome, Reason};
+    let names: std::collections::BTreeSet<String> = Outcome::all().map(Outcome::counter).collect();
+    assert_eq!(names.len(), Outcome::all().count());
+    for (outcome, name) in [
+        (Outcome::Remote, "decision/remote"),
+        (Outcome::Reused, "decision/reused"),
+        (Outcome::MountFailed, "decision/fallback:mount_failed"),
+        (Outcome::RefusedByPolicy, "decision/refused:policy"),
+        (
+            Outcome::Ordinary(Reason::NoCriLabels),
+            "decision/ordinary:no_cri_labels",
+        ),
+        (
+            Outcome::Fallback(Reason::RegistryError),
+            "decision/fallback:registry_error",
+        ),
+    ] {
+        assert_eq!(outcome.counter(), name);
+    }
+}
