@@ -344,7 +344,7 @@ async fn read_stream(
         None => None,
     };
     let client: std::sync::Arc<dyn crate::registry::Registry> = std::sync::Arc::new(client.clone());
-    let reference: Reference = meta.reference.parse()?;
+    let reference = meta.reference.clone();
     let sources =
         crate::engine::source::Sources::in_registry(client, &reference, meta.layer_digest, windows);
     let ask = crate::layer::Ask::AnyEndpoint;

@@ -50,7 +50,6 @@ use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::{Ask, Fetch, Layer, Resolved};
-use crate::reference::Reference;
 use crate::task::off_the_runtime;
 
 /// Tunables of the engine.
@@ -178,9 +177,7 @@ fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> 
         let Some((meta, toc)) = cache.load_layer_meta(&digest) else {
             continue;
         };
-        let Ok(reference) = meta.reference.parse::<Reference>() else {
-            continue;
-        };
+        let reference = meta.reference.clone();
         let Ok(layer) = crate::layer::codec::open(reference, meta, &toc, Resolved::Offline) else {
             continue;
         };
@@ -987,7 +984,7 @@ mod tests {
     ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
         let loc = summary.toc_location;
         let meta = LayerMeta {
-            reference: "127.0.0.1:1/test/t:1".into(),
+            reference: "127.0.0.1:1/test/t:1".parse().unwrap(),
             layer_digest: summary.digest,
             layer_size: blob.len() as u64,
             toc_offset: loc.offset,
@@ -1021,13 +1018,8 @@ mod tests {
         toc: &[u8],
         opts: EngineOptions,
     ) -> (Arc<Engine>, Arc<FakeBlob>, Arc<FakeBlob>, tempfile::TempDir) {
-        let layer = crate::layer::codec::open(
-            meta.reference.parse().unwrap(),
-            meta,
-            toc,
-            Resolved::Offline,
-        )
-        .unwrap();
+        let layer = crate::layer::codec::open(meta.reference.clone(), meta, toc, Resolved::Offline)
+            .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
         let cache = LayerCache::open(dir.path(), &sizes, layer.chunks.len()).unwrap();
@@ -1068,7 +1060,7 @@ mod tests {
     ) -> (Arc<Engine>, Arc<FakeBlob>, Arc<FakeBlob>, tempfile::TempDir) {
         let bytes = index.encode().unwrap();
         let meta = LayerMeta {
-            reference: "127.0.0.1:1/test/t:1".into(),
+            reference: "127.0.0.1:1/test/t:1".parse().unwrap(),
             layer_digest: Digest::of(&blob),
             layer_size: blob.len() as u64,
             toc_offset: 0,
@@ -1376,7 +1368,7 @@ mod tests {
         let offset = estargz::toc_offset(&blob[blob.len() - 51..], size).unwrap();
         let json = estargz::toc_json(&blob[offset as usize..blob.len() - 51], &toc).unwrap();
         let meta = LayerMeta {
-            reference: "127.0.0.1:1/test/t:1".into(),
+            reference: "127.0.0.1:1/test/t:1".parse().unwrap(),
             layer_digest: Digest::of(&blob),
             layer_size: size,
             toc_offset: offset,

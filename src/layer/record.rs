@@ -103,7 +103,7 @@ impl LayerId {
 #[serde(try_from = "MetaRecord", into = "MetaRecord")]
 pub struct LayerMeta {
     /// Registry and repository to fetch chunks from (the reference it was resolved from).
-    pub reference: String,
+    pub reference: crate::reference::Reference,
     pub layer_digest: Digest,
     pub layer_size: u64,
     pub toc_offset: u64,
@@ -154,7 +154,7 @@ impl LayerMeta {
 /// an eStargz flag, so caches of earlier versions keep their layers.
 #[derive(Clone, Serialize, Deserialize)]
 struct MetaRecord {
-    reference: String,
+    reference: crate::reference::Reference,
     layer_digest: Digest,
     layer_size: u64,
     toc_offset: u64,
@@ -227,7 +227,7 @@ mod tests {
 
     fn meta(kind: LayerKind) -> LayerMeta {
         LayerMeta {
-            reference: "r.example/vm:1".into(),
+            reference: "r.example/vm:1".parse().unwrap(),
             layer_digest: Digest::of(b"blob"),
             layer_size: 10,
             toc_offset: 5,

@@ -69,7 +69,7 @@ fn indexed_meta(
     disk_path: Option<String>,
 ) -> (LayerMeta, Vec<u8>) {
     let meta = LayerMeta {
-        reference: reference.to_string(),
+        reference: reference.clone(),
         layer_digest: layer.digest,
         layer_size: layer.size,
         toc_offset: 0,

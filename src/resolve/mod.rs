@@ -196,7 +196,7 @@ pub async fn disk_layer_id(
         .rposition(|l| std::ptr::eq(l, layer))
         .expect("disk_layer returns one of the manifest's layers");
     let meta = LayerMeta {
-        reference: reference.to_string(),
+        reference: reference.clone(),
         layer_digest: layer.digest,
         layer_size: layer.size,
         toc_offset: loc.offset,
@@ -250,7 +250,7 @@ impl EstargzLayer<'_> {
             .rposition(|l| std::ptr::eq(l, self.layer))
             .expect("disk_layer returns one of the manifest's layers");
         Ok(LayerMeta {
-            reference: self.reference.to_string(),
+            reference: self.reference.clone(),
             layer_digest: self.layer.digest,
             layer_size: self.layer.size,
             toc_offset,

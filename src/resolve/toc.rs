@@ -92,10 +92,9 @@ pub(super) async fn fetch_toc_of(
             Ok((index, Held::default()))
         }
         LayerKind::Estargz => {
-            let reference: Reference = meta.reference.parse()?;
             let (offset, json) = fetch_estargz_toc(
                 client,
-                &reference,
+                &meta.reference,
                 meta.layer_digest,
                 meta.layer_size,
                 meta.toc_digest,
@@ -110,9 +109,13 @@ pub(super) async fn fetch_toc_of(
             Ok((json, Held::default()))
         }
         LayerKind::ZstdChunked => {
-            let reference: Reference = meta.reference.parse()?;
-            fetch_toc_and_neighbours(client, &reference, &meta.layer_digest, &meta.toc_location())
-                .await
+            fetch_toc_and_neighbours(
+                client,
+                &meta.reference,
+                &meta.layer_digest,
+                &meta.toc_location(),
+            )
+            .await
         }
     }
 }
@@ -201,7 +204,7 @@ pub async fn fetch_structure_ahead(client: &dyn Registry, cache: &CacheRoot, key
         let Some((meta, toc)) = c.load_layer_meta(&key) else {
             return Ok(None);
         };
-        let (reference, digest): (Reference, Digest) = (meta.reference.parse()?, meta.layer_digest);
+        let (reference, digest) = (meta.reference.clone(), meta.layer_digest);
         let ranges = crate::layer::codec::structure_ranges(reference.clone(), meta, &toc)?;
         let bytes: u64 = ranges.iter().map(|r| r.end - r.start).sum();
         let fits = ranges.len() <= AHEAD_RANGES && bytes <= Held::MAX_BYTES as u64;

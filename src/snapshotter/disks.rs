@@ -75,7 +75,7 @@ impl Snapshotter {
                         }
                         (
                             RemoteLayerRef {
-                                reference: pinned.to_string(),
+                                reference: pinned,
                                 layer: meta.id().key(),
                                 alias: Some(reference.to_string()),
                             },
@@ -140,7 +140,7 @@ impl Snapshotter {
         let ok = blocking(move || {
             let remote = held;
             let Some(cache) = cache else { return Ok(false) };
-            let pinned: Reference = remote.reference.parse()?;
+            let pinned = remote.reference.clone();
             let Some(digest) = pinned.digest else {
                 return Ok(false);
             };
@@ -272,11 +272,10 @@ impl Snapshotter {
             Ok(me.remote_layers()?.into_values().map(|(r, _)| r).find(|r| {
                 r.alias.as_deref() == Some(reference.as_str())
                     || parsed.digest.is_some_and(|d| {
-                        r.reference.parse::<Reference>().is_ok_and(|p| {
-                            p.digest == Some(d)
-                                && p.registry == parsed.registry
-                                && p.repository == parsed.repository
-                        })
+                        let p = &r.reference;
+                        p.digest == Some(d)
+                            && p.registry == parsed.registry
+                            && p.repository == parsed.repository
                     })
             }))
         })
@@ -286,7 +285,7 @@ impl Snapshotter {
     /// Whether namespace `ns` may be served what the node holds (`held`) without the registry
     /// confirming it: as the verification policy says.
     fn may_serve_held(&self, ns: &str, parsed: &Reference, held: Option<&RemoteLayerRef>) -> bool {
-        let Some(digest) = held.and_then(|h| h.reference.parse::<Reference>().ok()?.digest) else {
+        let Some(digest) = held.and_then(|h| h.reference.digest) else {
             return false;
         };
         let own = self

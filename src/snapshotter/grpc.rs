@@ -350,7 +350,7 @@ pub async fn disks(s: &Arc<Snapshotter>, fresh: Freshness) -> crate::error::Resu
             ready_dir,
             disk_size: st.disk_size,
             last_used,
-            reference: remote.reference,
+            reference: remote.reference.to_string(),
             layer_digest: if st.layer_digest.is_empty() {
                 layer.to_string()
             } else {

@@ -277,7 +277,7 @@ impl Snapshotter {
         self.servers
             .ensure(
                 &layer,
-                &reference.to_string(),
+                reference,
                 alias.as_deref(),
                 &grants,
                 control::Need::Layer,
@@ -287,7 +287,7 @@ impl Snapshotter {
         let mut labels = labels.clone();
         labels.insert(LABEL_REMOTE.to_string(), "vmdisk".to_string());
         let remote = RemoteLayerRef {
-            reference: reference.to_string(),
+            reference: reference.clone(),
             layer,
             alias,
         };

@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use super::{blocking, control, Freshness, Snapshotter, PIN_USER};
 use crate::error::Result;
-use crate::reference::Reference;
 use crate::registry::granted::Grant;
 
 impl Snapshotter {
@@ -58,11 +57,10 @@ impl Snapshotter {
         let me = Arc::clone(self);
         let layers = blocking(move || me.remote_layers()).await?;
         for (layer, (remote, _)) in layers {
-            let covered = remote.reference.parse::<Reference>().is_ok_and(|r| {
-                r.registry == grant.registry
-                    && r.repository == grant.repository
-                    && r.digest.is_some_and(|d| digests.contains(&d))
-            });
+            let r = &remote.reference;
+            let covered = r.registry == grant.registry
+                && r.repository == grant.repository
+                && r.digest.is_some_and(|d| digests.contains(&d));
             if !covered {
                 continue;
             }

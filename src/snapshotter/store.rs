@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
+use crate::reference::Reference;
 
 const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
@@ -43,7 +44,7 @@ impl Kind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteLayerRef {
     /// `registry/repository@manifest-digest` the layer was resolved from.
-    pub reference: String,
+    pub reference: Reference,
     /// The layer's key ([`crate::cache::LayerId::key`]): what was verified about it, not the
     /// blob digest its manifest claims. Names its mount and cache.
     pub layer: Digest,

@@ -26,6 +26,7 @@ use super::control::{self, LayerPaths, LayerStatus, Need, ServerState};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
+use crate::reference::Reference;
 use crate::registry::granted::Grant;
 
 /// How long one status call waits for a starting server to serve (or fail): the daemon learns
@@ -86,7 +87,7 @@ pub trait Supervisor: Send + Sync {
     /// Where `layer`'s files are mounted.
     fn mountpoint(&self, layer: &Digest) -> PathBuf;
     /// The ready-disk directory of the image `reference` (repository@manifest digest).
-    fn ready_dir(&self, reference: &str) -> Option<PathBuf>;
+    fn ready_dir(&self, reference: &Reference) -> Option<PathBuf>;
     /// What `layer`'s server says about itself, if one answers in time.
     fn status<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Option<LayerStatus>>;
     /// Asks `layer`'s server to fetch its whole disk; whether a new hydration started.
@@ -98,7 +99,7 @@ pub trait Supervisor: Send + Sync {
     fn ensure<'a>(
         &'a self,
         layer: &'a Digest,
-        reference: &'a str,
+        reference: &'a Reference,
         alias: Option<&'a str>,
         grants: &'a [Grant],
         need: Need,
@@ -122,7 +123,7 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
     fn mountpoint(&self, layer: &Digest) -> PathBuf {
         (**self).mountpoint(layer)
     }
-    fn ready_dir(&self, reference: &str) -> Option<PathBuf> {
+    fn ready_dir(&self, reference: &Reference) -> Option<PathBuf> {
         (**self).ready_dir(reference)
     }
     fn status<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Option<LayerStatus>> {
@@ -134,7 +135,7 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
     fn ensure<'a>(
         &'a self,
         layer: &'a Digest,
-        reference: &'a str,
+        reference: &'a Reference,
         alias: Option<&'a str>,
         grants: &'a [Grant],
         need: Need,
@@ -223,8 +224,7 @@ impl Supervisor for LayerServers {
         })
     }
 
-    fn ready_dir(&self, reference: &str) -> Option<PathBuf> {
-        let reference: crate::reference::Reference = reference.parse().ok()?;
+    fn ready_dir(&self, reference: &Reference) -> Option<PathBuf> {
         Some(crate::ready::dir_of(
             &self.command.ready_dir,
             &reference.digest?,
@@ -243,7 +243,7 @@ impl Supervisor for LayerServers {
     fn ensure<'a>(
         &'a self,
         layer: &'a Digest,
-        reference: &'a str,
+        reference: &'a Reference,
         alias: Option<&'a str>,
         grants: &'a [Grant],
         need: Need,
@@ -269,7 +269,7 @@ impl LayerServers {
     async fn ensure_server(
         &self,
         layer: &Digest,
-        reference: &str,
+        reference: &Reference,
         alias: Option<&str>,
         grants: &[Grant],
         need: Need,
@@ -305,7 +305,7 @@ impl LayerServers {
     /// Has `layer`'s serving server mount its ready-disk directory (describing the disk may
     /// fetch its head: within the mount timeout). A failure leaves the server serving the
     /// layer: snapshots may use it.
-    async fn mount_ready_dir(&self, layer: &Digest, reference: &str) -> Result<()> {
+    async fn mount_ready_dir(&self, layer: &Digest, reference: &Reference) -> Result<()> {
         let paths = self.paths(layer);
         control::mount_ready_dir(&paths.control, self.command.mount_timeout)
             .await
@@ -329,7 +329,7 @@ impl LayerServers {
     async fn start(
         &self,
         layer: &Digest,
-        reference: &str,
+        reference: &Reference,
         alias: Option<&str>,
         grants: &[Grant],
         need: Need,
@@ -356,7 +356,7 @@ impl LayerServers {
         cmd.arg("--root")
             .arg(&command.root)
             .arg("--reference")
-            .arg(reference)
+            .arg(reference.to_string())
             .arg("--layer")
             .arg(layer.to_string())
             .arg("--need")
@@ -411,7 +411,7 @@ impl LayerServers {
     async fn wait_serving(
         &self,
         layer: &Digest,
-        reference: &str,
+        reference: &Reference,
         mut child: Option<tokio::process::Child>,
     ) -> Result<PathBuf> {
         let paths = self.paths(layer);

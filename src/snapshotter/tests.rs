@@ -78,7 +78,7 @@ impl Supervisor for FakeSupervisor {
         self.root.join(layer.hex())
     }
 
-    fn ready_dir(&self, _reference: &str) -> Option<PathBuf> {
+    fn ready_dir(&self, _reference: &Reference) -> Option<PathBuf> {
         None
     }
 
@@ -93,7 +93,7 @@ impl Supervisor for FakeSupervisor {
     fn ensure<'a>(
         &'a self,
         layer: &'a Digest,
-        reference: &'a str,
+        reference: &'a Reference,
         _alias: Option<&'a str>,
         grants: &'a [Grant],
         _need: super::control::Need,
