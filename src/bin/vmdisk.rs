@@ -1,9 +1,7 @@
 //! `vmdisk`: the producer and operator CLI. All logic lives in the library (`vmdisk::cli`).
 
-use clap::Parser;
-
 fn main() -> std::process::ExitCode {
-    let cli = vmdisk::cli::Cli::parse();
+    let cli = vmdisk::cli::parse_or_exit("vmdisk");
     let directives = cli.log_level.clone();
     vmdisk::cli::main_with("vmdisk", &directives, || vmdisk::cli::run(cli))
 }

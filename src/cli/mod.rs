@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::disk::DiskFormat;
 use crate::oci::{Descriptor, Platform};
 use crate::reference::Reference;
 use crate::registry::{RegistryClient, RegistryConfig};
@@ -202,7 +203,7 @@ pub struct TraceRecordArgs {
     #[arg(long)]
     pub push: bool,
     /// An image reference (tag or digest).
-    pub reference: String,
+    pub reference: Reference,
     /// The boot to record, run with VMDISK_DISK set to the mounted disk file (e.g. qemu with
     /// `-drive file=$VMDISK_DISK,format=qcow2,readonly=on`).
     #[arg(last = true, required = true, value_name = "COMMAND")]
@@ -321,7 +322,7 @@ pub struct MountArgs {
     #[command(flatten)]
     pub policy: PolicyArgs,
     /// An image reference (tag or digest).
-    pub reference: String,
+    pub reference: Reference,
     /// An existing directory to mount the image's disk layer on.
     pub dir: PathBuf,
 }
@@ -331,20 +332,52 @@ pub struct PushArgs {
     #[command(flatten)]
     pub registry: RegistryArgs,
     /// Platform of the following disk file (repeat with one file each for a multi-arch image).
-    #[arg(long = "platform", value_name = "OS/ARCH")]
-    pub platforms: Vec<String>,
+    #[arg(long = "platform", value_name = "OS/ARCH", value_parser = Platform::parse)]
+    pub platforms: Vec<Platform>,
     /// Path of the disk inside the image (default /disk/<file name>; /image/podvm.qcow2 for peer pods).
     #[arg(long, value_name = "PATH")]
     pub path: Option<String>,
     /// Chunk size, a power of two from 64K to 16M.
-    #[arg(long, default_value = "256K")]
-    pub chunk_size: String,
+    #[arg(long, default_value = "256K", value_parser = chunk_size)]
+    pub chunk_size: usize,
     /// Disk format, skipping detection (for raw disks without partition table or filesystem).
-    #[arg(long, value_parser = ["raw", "qcow2"])]
-    pub format: Option<String>,
+    #[arg(long, value_parser = served_format)]
+    pub format: Option<DiskFormat>,
     /// Disk files, then the image reference to push to.
     #[arg(required = true, num_args = 1.., value_name = "FILE... REF")]
     pub args: Vec<String>,
+}
+
+impl PushArgs {
+    /// The disk files and the reference the operands name. (One positional list, split here:
+    /// `--platform` goes before each file, and clap ends a list of files at an option, so two
+    /// positionals would take the second file for the reference.)
+    pub fn operands(&self) -> Result<(Vec<PathBuf>, Reference)> {
+        match self.args.split_last() {
+            Some((target, files)) if !files.is_empty() => {
+                Ok((files.iter().map(PathBuf::from).collect(), target.parse()?))
+            }
+            _ => Err(Error::invalid(
+                "push needs at least one disk file and an image reference: vmdisk push FILE REF",
+            )),
+        }
+    }
+}
+
+/// `--chunk-size`: a size (`256K`, `1M`) that is a power of two from 64K to 16M.
+fn chunk_size(text: &str) -> Result<usize> {
+    crate::format::layout::check_chunk_size(crate::units::parse_size(text)?)
+}
+
+/// `--format`: a format whose disks are published as they are.
+fn served_format(text: &str) -> Result<DiskFormat> {
+    let format: DiskFormat = text.parse()?;
+    if !format.is_served() {
+        return Err(Error::invalid(format!(
+            "--format names raw or qcow2 (it skips detection); a disk in {format} is detected and converted without it"
+        )));
+    }
+    Ok(format)
 }
 
 #[derive(Args, Debug)]
@@ -358,15 +391,15 @@ pub struct ConvertArgs {
     pub path: Option<String>,
     /// Platform of a source that names none (a disk artifact with an empty config, such as the
     /// peer-pod images pushed with oras); default: this machine's.
-    #[arg(long, value_name = "OS/ARCH")]
-    pub platform: Option<String>,
+    #[arg(long, value_name = "OS/ARCH", value_parser = Platform::parse)]
+    pub platform: Option<Platform>,
     /// Chunk size, a power of two from 64K to 16M.
-    #[arg(long, default_value = "256K")]
-    pub chunk_size: String,
+    #[arg(long, default_value = "256K", value_parser = chunk_size)]
+    pub chunk_size: usize,
     /// The image to convert (a containerDisk, a peer-pod image, a disk artifact).
-    pub source: String,
+    pub source: Reference,
     /// Where to push the converted image (another tag or repository than the source's).
-    pub target: String,
+    pub target: Reference,
 }
 
 #[derive(Args, Debug)]
@@ -379,7 +412,7 @@ pub struct InspectArgs {
     #[command(flatten)]
     pub policy: PolicyArgs,
     /// An image reference (tag or digest).
-    pub reference: String,
+    pub reference: Reference,
 }
 
 /// `text` as a repository, for flag `flag`.
@@ -405,7 +438,28 @@ pub struct IndexArgs {
     #[arg(long)]
     pub json: bool,
     /// The image (or disk artifact) to index, left as it is.
-    pub reference: String,
+    pub reference: Reference,
+}
+
+/// The command line, or the end of the process: help and version as clap prints them; a
+/// refused command line as one `NAME: error: …` line (what was wrong, in the words of the
+/// value's own parser: a reference, a size, a format), exit status 2.
+pub fn parse_or_exit(name: &str) -> Cli {
+    use clap::error::ErrorKind as Kind;
+    match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if matches!(e.kind(), Kind::DisplayHelp | Kind::DisplayVersion) => e.exit(),
+        Err(e) if e.kind() == Kind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+        Err(e) => {
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or_default();
+            eprintln!(
+                "{name}: error: {} (see `{name} --help`)",
+                first.trim_start_matches("error: ")
+            );
+            std::process::exit(2)
+        }
+    }
 }
 
 /// The body of each binary's `main`: logs as [`crate::logging`] says (an unknown level is
@@ -535,7 +589,7 @@ pub async fn run(cli: Cli) -> Result<()> {
 async fn mount(args: MountArgs) -> Result<()> {
     let registry = &args.registry;
     use crate::engine::EngineOptions;
-    let reference: Reference = args.reference.parse()?;
+    let reference = args.reference.clone();
     // Checked before anything is fetched or created (a missing one is made).
     if args.dir.exists() && !args.dir.is_dir() {
         return Err(Error::invalid(format!(
@@ -628,7 +682,7 @@ async fn trace_record(args: TraceRecordArgs) -> Result<()> {
             "a recorded trace goes nowhere: give --output FILE, --push, or both",
         ));
     }
-    let reference: Reference = args.reference.parse()?;
+    let reference = args.reference.clone();
     let client = std::sync::Arc::new(registry.client()?);
     let cache = crate::cache::CacheRoot::open(&args.cache)?;
     let engine = crate::serve::open_engine(
@@ -743,13 +797,18 @@ mod tests {
 
     #[test]
     fn pairs_platforms_with_files() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        let one = pair_platforms(&[], &s(&["a.qcow2"])).unwrap();
+        let p = |v: &[&str]| {
+            v.iter()
+                .map(|x| Platform::parse(x).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let f = |v: &[&str]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
+        let one = pair_platforms(&[], &f(&["a.qcow2"])).unwrap();
         assert_eq!(one[0].0, Platform::host());
-        let two = pair_platforms(&s(&["linux/amd64", "linux/arm64"]), &s(&["a", "b"])).unwrap();
+        let two = pair_platforms(&p(&["linux/amd64", "linux/arm64"]), &f(&["a", "b"])).unwrap();
         assert_eq!(two[1].0.architecture, "arm64");
-        assert!(pair_platforms(&s(&["linux/amd64"]), &s(&["a", "b"])).is_err());
-        assert!(pair_platforms(&s(&["linux/amd64", "linux/amd64"]), &s(&["a", "b"])).is_err());
+        assert!(pair_platforms(&p(&["linux/amd64"]), &f(&["a", "b"])).is_err());
+        assert!(pair_platforms(&p(&["linux/amd64", "linux/amd64"]), &f(&["a", "b"])).is_err());
     }
 
     #[test]
@@ -763,14 +822,41 @@ mod tests {
             "--platform",
             "linux/arm64",
             "b.qcow2",
-            "r:1",
+            "--chunk-size",
+            "1M",
+            "--format",
+            "raw",
+            "r.example/vm:1",
         ])
         .unwrap();
         let Command::Push(p) = cli.command else {
             panic!("not push")
         };
-        assert_eq!(p.platforms, ["linux/amd64", "linux/arm64"]);
-        assert_eq!(p.args, ["a.qcow2", "b.qcow2", "r:1"]);
-        assert!(Cli::try_parse_from(["vmdisk", "push"]).is_err());
+        assert_eq!(p.platforms[1].architecture, "arm64");
+        let (files, target) = p.operands().unwrap();
+        assert_eq!(files, [PathBuf::from("a.qcow2"), PathBuf::from("b.qcow2")]);
+        assert_eq!(target.to_string(), "r.example/vm:1");
+        assert_eq!((p.chunk_size, p.format), (1 << 20, Some(DiskFormat::Raw)));
+        // Each value is checked as it is parsed, naming what was wrong.
+        let refused = |args: &[&str]| {
+            let mut all = vec!["vmdisk", "push"];
+            all.extend(args);
+            Cli::try_parse_from(all).unwrap_err().to_string()
+        };
+        assert!(refused(&[]).contains("required"));
+        let operands = |args: &[&str]| {
+            let mut all = vec!["vmdisk", "push"];
+            all.extend(args);
+            let Command::Push(p) = Cli::try_parse_from(all).unwrap().command else {
+                panic!("not push")
+            };
+            p.operands().unwrap_err().to_string()
+        };
+        assert!(operands(&["a.qcow2"]).contains("at least one disk file and an image reference"));
+        assert!(operands(&["a.qcow2", "Not A Reference"]).contains("Not A Reference"));
+        assert!(refused(&["--chunk-size", "100K", "a", "r.example/vm:1"]).contains("power of two"));
+        assert!(refused(&["--format", "ova", "a", "r.example/vm:1"])
+            .contains("detected and converted without it"));
+        assert!(refused(&["--platform", "linux", "a", "r.example/vm:1"]).contains("linux"));
     }
 }

@@ -14,16 +14,10 @@ use super::{repository, ConvertArgs, IndexArgs, InspectArgs, PushArgs};
 
 /// `vmdisk push`: disk files published as an image (one per platform).
 pub(super) async fn push(args: PushArgs) -> Result<()> {
-    if args.args.len() < 2 {
-        return Err(Error::invalid(
-            "push needs at least one disk file and an image reference: vmdisk push FILE REF",
-        ));
-    }
-    let (files, target) = args.args.split_at(args.args.len() - 1);
-    let target: Reference = target[0].parse()?;
+    let (files, target) = args.operands()?;
     publish::check_target(&target)?;
-    let pairs = pair_platforms(&args.platforms, files)?;
-    let opts = publish_options(args.path, &args.chunk_size, args.format.as_deref())?;
+    let pairs = pair_platforms(&args.platforms, &files)?;
+    let opts = publish_options(args.path, args.chunk_size, args.format);
     let client = args.registry.client()?;
     let mut images = Vec::new();
     for (platform, file) in pairs {
@@ -52,8 +46,7 @@ pub(super) async fn push(args: PushArgs) -> Result<()> {
 
 /// `vmdisk convert`: an image's disk republished in the lazy layout.
 pub(super) async fn convert(args: ConvertArgs) -> Result<()> {
-    let source: Reference = args.source.parse()?;
-    let target: Reference = args.target.parse()?;
+    let (source, target) = (args.source, args.target);
     let tag = |r: &Reference| r.tag.clone().unwrap_or_else(|| "latest".into());
     if target.registry == source.registry
         && target.repository == source.repository
@@ -64,11 +57,8 @@ pub(super) async fn convert(args: ConvertArgs) -> Result<()> {
             "convert would overwrite {source}, the image it reads; name another tag or repository"
         )));
     }
-    let opts = publish_options(args.path, &args.chunk_size, None)?;
-    let platform = match &args.platform {
-        Some(p) => Platform::parse(p)?,
-        None => Platform::host(),
-    };
+    let opts = publish_options(args.path, args.chunk_size, None);
+    let platform = args.platform.unwrap_or_else(Platform::host);
     let client = args.registry.client()?;
     let digest = publish::convert(&client, &source, &target, &opts, &platform).await?;
     let pinned = target.with_digest(digest);
@@ -81,7 +71,7 @@ pub(super) async fn convert(args: ConvertArgs) -> Result<()> {
 
 /// `vmdisk index`: a seekable index published beside an unchanged image.
 pub(super) async fn index(args: IndexArgs) -> Result<()> {
-    let reference: Reference = args.reference.parse()?;
+    let reference = args.reference;
     let to = args
         .to
         .as_deref()
@@ -124,7 +114,7 @@ pub(super) async fn index(args: IndexArgs) -> Result<()> {
 
 /// `vmdisk inspect`: what an image holds and whether it loads lazily.
 pub(super) async fn inspect(args: InspectArgs) -> Result<()> {
-    let reference: Reference = args.reference.parse()?;
+    let reference = args.reference;
     let client = args.registry.client()?;
     let trust = args.policy.verifier()?;
     let report = crate::inspect::inspect(&client, &trust, &reference).await?;
@@ -141,24 +131,24 @@ pub(super) async fn inspect(args: InspectArgs) -> Result<()> {
 
 fn publish_options(
     path: Option<String>,
-    chunk_size: &str,
-    format: Option<&str>,
-) -> Result<PublishOptions> {
-    let chunk_size =
-        crate::format::layout::check_chunk_size(crate::units::parse_size(chunk_size)?)?;
-    let format = format.map(str::parse::<DiskFormat>).transpose()?;
-    Ok(PublishOptions {
+    chunk_size: usize,
+    format: Option<DiskFormat>,
+) -> PublishOptions {
+    PublishOptions {
         path,
         chunk_size,
         format,
         ..PublishOptions::default()
-    })
+    }
 }
 
 /// Pairs `--platform` values with files in order; one file without `--platform` is the host's.
-pub fn pair_platforms(platforms: &[String], files: &[String]) -> Result<Vec<(Platform, PathBuf)>> {
+pub fn pair_platforms(
+    platforms: &[Platform],
+    files: &[PathBuf],
+) -> Result<Vec<(Platform, PathBuf)>> {
     if platforms.is_empty() && files.len() == 1 {
-        return Ok(vec![(Platform::host(), PathBuf::from(&files[0]))]);
+        return Ok(vec![(Platform::host(), files[0].clone())]);
     }
     if platforms.len() != files.len() {
         return Err(Error::invalid(format!(
@@ -170,8 +160,8 @@ pub fn pair_platforms(platforms: &[String], files: &[String]) -> Result<Vec<(Pla
     let pairs: Vec<(Platform, PathBuf)> = platforms
         .iter()
         .zip(files)
-        .map(|(p, f)| Ok((Platform::parse(p)?, PathBuf::from(f))))
-        .collect::<Result<_>>()?;
+        .map(|(p, f)| (p.clone(), f.clone()))
+        .collect();
     for (i, (p, _)) in pairs.iter().enumerate() {
         if pairs[..i].iter().any(|(q, _)| q == p) {
             return Err(Error::invalid(format!("platform {p} is given twice")));
