@@ -86,83 +86,15 @@ pub fn build_layer<R: Read, W: Write + Send>(
     let (writer, disk_digest, head) =
         std::thread::scope(move |scope| -> Result<(LayerWriter<W>, Digest, Vec<u8>)> {
             for _ in 0..threads {
-                let rx = Arc::clone(&raw_rx);
-                let tx = enc_tx.clone();
-                scope.spawn(move || {
-                    let mut compressor = match zstd::bulk::Compressor::new(opts.level) {
-                        Ok(c) => c,
-                        Err(e) => {
-                            let _ = tx.send(Err(Error::io("zstd compressor", e)));
-                            return;
-                        }
-                    };
-                    loop {
-                        let next = rx.lock().recv();
-                        let Ok((index, data)) = next else { return };
-                        let encoded =
-                            EncodedChunk::encode(data, &mut compressor).map(|c| (index, c));
-                        if tx.send(encoded).is_err() {
-                            return;
-                        }
-                    }
-                });
+                let (rx, tx) = (Arc::clone(&raw_rx), enc_tx.clone());
+                scope.spawn(move || compress_chunks(&rx, &tx, opts.level));
             }
             drop(enc_tx);
             drop(raw_rx);
-            let writer_thread =
-                scope.spawn(move || -> Result<(LayerWriter<W>, Digest, Vec<u8>)> {
-                    let mut head = Vec::new();
-                    let mut pending = BTreeMap::new();
-                    let mut next = 0u64;
-                    for item in enc_rx.iter() {
-                        let (index, chunk) = item?;
-                        pending.insert(index, chunk);
-                        while let Some(chunk) = pending.remove(&next) {
-                            if head.len() < HEAD_BYTES {
-                                let take = (HEAD_BYTES - head.len()).min(chunk.data.len());
-                                head.extend_from_slice(&chunk.data[..take]);
-                            }
-                            writer.add_chunk(&chunk)?;
-                            next += 1;
-                        }
-                    }
-                    let digest = writer.end_file()?;
-                    Ok((writer, digest, head))
-                });
-
-            let path = &file.path;
-            let mut remaining = size;
-            let mut index = 0u64;
-            let mut read_error = None;
-            while remaining > 0 {
-                let want = remaining.min(chunk_size as u64) as usize;
-                let mut buf = vec![0u8; want];
-                let got = match read_full(&mut reader, &mut buf) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        read_error = Some(Error::io(format!("reading {path}"), e));
-                        break;
-                    }
-                };
-                if got != want {
-                    read_error = Some(Error::invalid(format!(
-                        "{path}: ended after {} of {size} bytes (truncated, or changed while read)",
-                        size - remaining + got as u64
-                    )));
-                    break;
-                }
-                if raw_tx.send((index, Arc::new(buf))).is_err() {
-                    break; // the writer stopped; its error is reported below
-                }
-                index += 1;
-                remaining -= want as u64;
-            }
-            drop(raw_tx);
+            let writer_thread = scope.spawn(move || write_in_order(writer, &enc_rx));
+            let read = read_chunks(&mut reader, &file.path, size, chunk_size, raw_tx);
             let written = writer_thread.join().expect("layer writer thread panicked");
-            match read_error {
-                Some(e) => Err(e),
-                None => written,
-            }
+            read.and(written)
         })?;
 
     let (summary, out) = writer.finish()?;
@@ -174,6 +106,87 @@ pub fn build_layer<R: Read, W: Write + Send>(
         },
         out,
     ))
+}
+
+/// A compression worker: chunks from `rx` compressed at `level` and sent on `tx` with their
+/// index, until either channel closes.
+fn compress_chunks(
+    rx: &Mutex<mpsc::Receiver<(u64, Arc<Vec<u8>>)>>,
+    tx: &mpsc::SyncSender<Result<(u64, EncodedChunk)>>,
+    level: i32,
+) {
+    let mut compressor = match zstd::bulk::Compressor::new(level) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = tx.send(Err(Error::io("zstd compressor", e)));
+            return;
+        }
+    };
+    loop {
+        let next = rx.lock().recv();
+        let Ok((index, data)) = next else { return };
+        let encoded = EncodedChunk::encode(data, &mut compressor).map(|c| (index, c));
+        if tx.send(encoded).is_err() {
+            return;
+        }
+    }
+}
+
+/// The writer: compressed chunks from `rx` added to the layer in their order (they arrive in
+/// any), the disk's first [`HEAD_BYTES`] kept; the file ended with its digest.
+fn write_in_order<W: Write>(
+    mut writer: LayerWriter<W>,
+    rx: &mpsc::Receiver<Result<(u64, EncodedChunk)>>,
+) -> Result<(LayerWriter<W>, Digest, Vec<u8>)> {
+    let mut head = Vec::new();
+    let mut pending = BTreeMap::new();
+    let mut next = 0u64;
+    for item in rx.iter() {
+        let (index, chunk) = item?;
+        pending.insert(index, chunk);
+        while let Some(chunk) = pending.remove(&next) {
+            if head.len() < HEAD_BYTES {
+                let take = (HEAD_BYTES - head.len()).min(chunk.data.len());
+                head.extend_from_slice(&chunk.data[..take]);
+            }
+            writer.add_chunk(&chunk)?;
+            next += 1;
+        }
+    }
+    let digest = writer.end_file()?;
+    Ok((writer, digest, head))
+}
+
+/// Reads the `size` bytes of file `path` from `reader` in chunks of `chunk_size`, each sent on
+/// `tx` with its index; stops early when the writer stopped (its error is the one reported).
+/// The channel closes when this returns, which ends the workers.
+fn read_chunks<R: Read>(
+    reader: &mut R,
+    path: &str,
+    size: u64,
+    chunk_size: usize,
+    tx: mpsc::SyncSender<(u64, Arc<Vec<u8>>)>,
+) -> Result<()> {
+    let mut remaining = size;
+    let mut index = 0u64;
+    while remaining > 0 {
+        let want = remaining.min(chunk_size as u64) as usize;
+        let mut buf = vec![0u8; want];
+        let got =
+            read_full(reader, &mut buf).map_err(|e| Error::io(format!("reading {path}"), e))?;
+        if got != want {
+            return Err(Error::invalid(format!(
+                "{path}: ended after {} of {size} bytes (truncated, or changed while read)",
+                size - remaining + got as u64
+            )));
+        }
+        if tx.send((index, Arc::new(buf))).is_err() {
+            break; // the writer stopped; its error is reported by the caller
+        }
+        index += 1;
+        remaining -= want as u64;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

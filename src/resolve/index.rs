@@ -198,6 +198,48 @@ async fn index_from(
             "the referrer is an index, not an artifact manifest",
         ));
     };
+    let (blob, windows) = artifact_blobs(&m, subject, expected)?;
+    if let Some(found) = kept_index(cache, repo, blob, expected, disk_path).await? {
+        return Ok(found);
+    }
+    let bytes = client
+        .get_blob(repo, blob, seekable::MAX_INDEX_BYTES)
+        .await?;
+    let expected = *expected;
+    let (bytes, index) = blocking(move || {
+        let index = SeekIndex::decode(&bytes, &expected)?;
+        if index.layout == Layout::Tar && index.disk_entry().is_none() {
+            return Err(Error::unsupported(
+                "the indexed layer has no regular file under /disk/ or /image/",
+            ));
+        }
+        if index.windows != windows {
+            return Err(Error::corrupt(format!(
+                "the index names the windows blob {:?}, the artifact holds {windows:?}",
+                index.windows
+            )));
+        }
+        Ok((bytes, index))
+    })
+    .await?;
+    Ok(FoundIndex {
+        repository: repo.clone(),
+        digest: blob.digest,
+        bytes,
+        compression: index.compression,
+        layout: index.layout,
+        diff_id: index.diff_id,
+    })
+}
+
+/// The index blob and the windows blob (if any) of seekable-index artifact `m`, after checking
+/// that it is one (its type), that it refers to image manifest `subject` and indexes the
+/// expected layer, and that its blobs are an index and its windows.
+fn artifact_blobs<'m>(
+    m: &'m oci::Manifest,
+    subject: Digest,
+    expected: &Expected,
+) -> Result<(&'m Descriptor, Option<seekable::Windows>)> {
     if m.artifact_type.as_deref() != Some(seekable::ARTIFACT_TYPE) {
         return Err(Error::corrupt(format!(
             "the artifact's type is {:?}, not {}",
@@ -255,59 +297,44 @@ async fn index_from(
         digest: w.digest,
         size: w.size,
     });
-    // A layer read through this index before is kept under its identity, which needs the
-    // digest of the stream: known here when the manifest pins it.
-    if let (Some(cache), Some(diff_id)) = (cache.cloned(), expected.diff_id) {
-        let key = LayerId {
-            layer: expected.layer,
-            size: expected.layer_size,
-            toc: blob.digest,
-            toc_offset: 0,
-            diff_id,
-            disk_path: disk_path.map(str::to_string),
-            format: LayerFormat::Indexed,
-        }
-        .key();
-        // Kept only after it was checked, and re-checked against its digest here.
-        if let Some((meta, bytes)) = blocking(move || Ok(cache.load_layer_meta(&key))).await? {
-            if let LayerKind::Indexed(source) = meta.kind {
-                return Ok(FoundIndex {
-                    repository: repo.clone(),
-                    digest: blob.digest,
-                    bytes,
-                    compression: source.compression,
-                    layout: source.layout,
-                    diff_id: meta.diff_id,
-                });
-            }
-        }
+    Ok((blob, windows))
+}
+
+/// The index `blob` as the cache keeps it for a layer read through it before: kept under the
+/// layer's identity, which needs the digest of the stream (known when the manifest pins it);
+/// kept only after it was checked, and re-checked against its digest when loaded.
+async fn kept_index(
+    cache: Option<&CacheRoot>,
+    repo: &Reference,
+    blob: &Descriptor,
+    expected: &Expected,
+    disk_path: Option<&str>,
+) -> Result<Option<FoundIndex>> {
+    let (Some(cache), Some(diff_id)) = (cache.cloned(), expected.diff_id) else {
+        return Ok(None);
+    };
+    let key = LayerId {
+        layer: expected.layer,
+        size: expected.layer_size,
+        toc: blob.digest,
+        toc_offset: 0,
+        diff_id,
+        disk_path: disk_path.map(str::to_string),
+        format: LayerFormat::Indexed,
     }
-    let bytes = client
-        .get_blob(repo, blob, seekable::MAX_INDEX_BYTES)
-        .await?;
-    let expected = *expected;
-    let (bytes, index) = blocking(move || {
-        let index = SeekIndex::decode(&bytes, &expected)?;
-        if index.layout == Layout::Tar && index.disk_entry().is_none() {
-            return Err(Error::unsupported(
-                "the indexed layer has no regular file under /disk/ or /image/",
-            ));
-        }
-        if index.windows != windows {
-            return Err(Error::corrupt(format!(
-                "the index names the windows blob {:?}, the artifact holds {windows:?}",
-                index.windows
-            )));
-        }
-        Ok((bytes, index))
-    })
-    .await?;
-    Ok(FoundIndex {
+    .key();
+    let Some((meta, bytes)) = blocking(move || Ok(cache.load_layer_meta(&key))).await? else {
+        return Ok(None);
+    };
+    let LayerKind::Indexed(source) = meta.kind else {
+        return Ok(None);
+    };
+    Ok(Some(FoundIndex {
         repository: repo.clone(),
         digest: blob.digest,
         bytes,
-        compression: index.compression,
-        layout: index.layout,
-        diff_id: index.diff_id,
-    })
+        compression: source.compression,
+        layout: source.layout,
+        diff_id: meta.diff_id,
+    }))
 }
