@@ -76,7 +76,7 @@ pub fn build_layer<R: Read, W: Write + Send>(
     }
     writer.begin_file(&file, size)?;
 
-    let (raw_tx, raw_rx) = mpsc::sync_channel::<(u64, Arc<Vec<u8>>)>(threads * 2);
+    let (raw_tx, raw_rx) = mpsc::sync_channel::<RawChunk>(threads * 2);
     // The scope owns the receiver and hands it to the workers only: when they stop (because
     // the writer failed), the channel disconnects and the reading loop stops instead of
     // blocking forever on a full channel.
@@ -108,10 +108,13 @@ pub fn build_layer<R: Read, W: Write + Send>(
     ))
 }
 
+/// A chunk of the disk read, with its index.
+type RawChunk = (u64, Arc<Vec<u8>>);
+
 /// A compression worker: chunks from `rx` compressed at `level` and sent on `tx` with their
 /// index, until either channel closes.
 fn compress_chunks(
-    rx: &Mutex<mpsc::Receiver<(u64, Arc<Vec<u8>>)>>,
+    rx: &Mutex<mpsc::Receiver<RawChunk>>,
     tx: &mpsc::SyncSender<Result<(u64, EncodedChunk)>>,
     level: i32,
 ) {
@@ -165,7 +168,7 @@ fn read_chunks<R: Read>(
     path: &str,
     size: u64,
     chunk_size: usize,
-    tx: mpsc::SyncSender<(u64, Arc<Vec<u8>>)>,
+    tx: mpsc::SyncSender<RawChunk>,
 ) -> Result<()> {
     let mut remaining = size;
     let mut index = 0u64;

@@ -282,30 +282,7 @@ impl RegistryClient {
         }
         let mut refused = Vec::new();
         loop {
-            let mut builder = client
-                .request(req.method.clone(), &req.url)
-                .headers(req.headers.clone());
-            for (k, v) in &ep.headers {
-                builder = builder.header(k.as_str(), v.as_str());
-            }
-            if let Some(a) = &header {
-                builder = builder.header(AUTHORIZATION, a);
-            }
-            if let Some(b) = &req.body {
-                builder = builder.body(b.clone());
-            }
-            let resp = builder.send().await.map_err(|e| {
-                let how = if e.is_connect() {
-                    "is unreachable"
-                } else {
-                    "did not answer"
-                };
-                Error::new(
-                    ErrorKind::Network,
-                    format!("{} {how} at {}", ep.describe(&r.registry), ep.base),
-                )
-                .with_source(e)
-            })?;
+            let resp = Self::send_once(&client, ep, r, req, header.as_deref()).await?;
             if resp.status() != StatusCode::UNAUTHORIZED {
                 return Ok(resp);
             }
@@ -362,6 +339,41 @@ impl RegistryClient {
                 ));
             }
         }
+    }
+
+    /// `req` sent to `ep` once with `client`, carrying authorization `header` if any: the
+    /// answer as it is, or a `Network` error naming the endpoint.
+    async fn send_once(
+        client: &reqwest::Client,
+        ep: &Endpoint,
+        r: &Reference,
+        req: &Req,
+        header: Option<&str>,
+    ) -> Result<reqwest::Response> {
+        let mut builder = client
+            .request(req.method.clone(), &req.url)
+            .headers(req.headers.clone());
+        for (k, v) in &ep.headers {
+            builder = builder.header(k.as_str(), v.as_str());
+        }
+        if let Some(a) = header {
+            builder = builder.header(AUTHORIZATION, a);
+        }
+        if let Some(b) = &req.body {
+            builder = builder.body(b.clone());
+        }
+        builder.send().await.map_err(|e| {
+            let how = if e.is_connect() {
+                "is unreachable"
+            } else {
+                "did not answer"
+            };
+            Error::new(
+                ErrorKind::Network,
+                format!("{} {how} at {}", ep.describe(&r.registry), ep.base),
+            )
+            .with_source(e)
+        })
     }
 
     /// [`RegistryClient::send`] of an idempotent request under the retry policy: a request

@@ -149,47 +149,7 @@ pub async fn disk_layer_id(
         .expect("disk_layer checked the TOC annotations");
     loc.check_within(layer.size)?;
     let disk_path = disk_path_of(layer)?;
-    let digest = manifest.config.digest;
-    let kept = match cache.cloned() {
-        Some(c) => blocking(move || Ok(c.load_blob(&digest, oci::MAX_CONFIG_SIZE))).await?,
-        None => None,
-    };
-    let (config, toc) = match kept {
-        Some(config) => (config, None),
-        None => {
-            let fetch_config = async {
-                client
-                    .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
-                    .await
-                    .map_err(|e| e.context(format!("fetching the image config of {reference}")))
-            };
-            // The TOC is what the layer's server needs next: with a cache to keep it in, it
-            // is fetched alongside the config rather than a round trip later. (A failure
-            // here is not this call's: the server fetches it again and says why.)
-            let (config, toc) = match cache {
-                Some(_) => {
-                    let mut config = std::pin::pin!(fetch_config);
-                    let mut toc = std::pin::pin!(fetch_toc(client, reference, &layer.digest, &loc));
-                    let (config, toc) = tokio::select! {
-                        c = &mut config => {
-                            // Waited for at most TOC_GRACE more: a slow TOC never holds up
-                            // the decision (the server then fetches it under its deadlines).
-                            let toc = match c {
-                                Ok(_) => tokio::time::timeout(TOC_GRACE, &mut toc).await.ok(),
-                                Err(_) => None,
-                            };
-                            (c, toc)
-                        }
-                        t = &mut toc => (config.await, Some(t)),
-                    };
-                    (config?, toc.and_then(|t| t.ok()))
-                }
-                None => (fetch_config.await?, None),
-            };
-            keep(cache, digest, config.clone()).await;
-            (config, toc)
-        }
-    };
+    let (config, toc) = config_and_toc(client, cache, reference, manifest, layer, &loc).await?;
     let position = manifest
         .layers
         .iter()
@@ -211,6 +171,56 @@ pub async fn disk_layer_id(
         keep_layer(cache, &meta, toc).await;
     }
     Ok((layer.clone(), meta))
+}
+
+/// The image config of `manifest` (kept, or fetched by its digest and kept) and, when it was
+/// fetched with a cache to keep it in, the TOC at `loc` of `layer`: what the layer's server
+/// needs next, fetched alongside the config rather than a round trip later. (A TOC that fails
+/// here is not this call's failure: the server fetches it again and says why.)
+async fn config_and_toc(
+    client: &dyn Registry,
+    cache: Option<&CacheRoot>,
+    reference: &Reference,
+    manifest: &oci::Manifest,
+    layer: &Descriptor,
+    loc: &TocLocation,
+) -> Result<(Vec<u8>, Option<Vec<u8>>)> {
+    let digest = manifest.config.digest;
+    if let Some(c) = cache.cloned() {
+        if let Some(config) =
+            blocking(move || Ok(c.load_blob(&digest, oci::MAX_CONFIG_SIZE))).await?
+        {
+            return Ok((config, None));
+        }
+    }
+    let fetch_config = async {
+        client
+            .get_blob(reference, &manifest.config, oci::MAX_CONFIG_SIZE)
+            .await
+            .map_err(|e| e.context(format!("fetching the image config of {reference}")))
+    };
+    let (config, toc) = match cache {
+        Some(_) => {
+            let mut config = std::pin::pin!(fetch_config);
+            let mut toc = std::pin::pin!(fetch_toc(client, reference, &layer.digest, loc));
+            let (config, toc) = tokio::select! {
+                c = &mut config => {
+                    // Waited for at most TOC_GRACE more: a slow TOC never holds up the
+                    // decision (the server then fetches it under its deadlines).
+                    let toc = match c {
+                        Ok(_) => tokio::time::timeout(TOC_GRACE, &mut toc).await.ok(),
+                        Err(_) => None,
+                    };
+                    (c, toc)
+                }
+                t = &mut toc => (config.await, Some(t)),
+            };
+            (config?, toc.and_then(|t| t.ok()))
+        }
+        None => (fetch_config.await?, None),
+    };
+    keep(cache, digest, config.clone()).await;
+    Ok((config, toc))
 }
 
 /// Keeps a layer's record and its TOC (or index) in `cache` for the mount server, unless there
