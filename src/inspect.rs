@@ -395,7 +395,7 @@ async fn inspect_layer(
     r: &Reference,
     desc: &Descriptor,
 ) -> Result<LayerReport> {
-    if let Some(toc) = desc.annotations.get(zstd_chunked::ANN_ESTARGZ_TOC) {
+    if let Some(toc) = desc.annotations.get(crate::format::estargz::ANN_TOC_DIGEST) {
         return match inspect_estargz(client, r, desc, toc).await {
             Err(e) if e.kind() != crate::error::ErrorKind::Network => {
                 let mut rep = LayerReport::new(desc, "estargz");
@@ -458,9 +458,12 @@ async fn inspect_estargz(
     toc: &str,
 ) -> Result<LayerReport> {
     let mut rep = LayerReport::new(desc, "estargz");
-    let digest = toc
-        .parse()
-        .map_err(|e: Error| e.context(format!("annotation {}", zstd_chunked::ANN_ESTARGZ_TOC)))?;
+    let digest = toc.parse().map_err(|e: Error| {
+        e.context(format!(
+            "annotation {}",
+            crate::format::estargz::ANN_TOC_DIGEST
+        ))
+    })?;
     let (offset, json) =
         crate::resolve::fetch_estargz_toc(client, r, desc.digest, desc.size, digest).await?;
     rep.toc_size = desc.size - crate::format::estargz::FOOTER_SIZE - offset;

@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vmdisk::format::zstd_chunked::{check_regular_frames, decode_region};
+use vmdisk::format::zstd_frames::{check_regular_frames, decode_region};
 
 fuzz_target!(|data: &[u8]| {
     let _ = check_regular_frames(data);

@@ -14,7 +14,7 @@ use crate::format::toc::Toc;
 use crate::format::tree::{Chunk, Node};
 
 /// The layer annotation pinning the TOC JSON's sha256.
-pub use crate::format::zstd_chunked::ANN_ESTARGZ_TOC as ANN_TOC_DIGEST;
+pub const ANN_TOC_DIGEST: &str = "containerd.io/snapshot/stargz/toc.digest";
 /// The footer of an eStargz layer: an empty gzip member whose extra field holds the TOC offset.
 pub const FOOTER_SIZE: u64 = 51;
 /// The TOC's name in its tar entry.

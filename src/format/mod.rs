@@ -27,6 +27,7 @@ pub mod tarsplit;
 pub mod toc;
 pub mod tree;
 pub mod zstd_chunked;
+pub mod zstd_frames;
 
 /// A reader of the uncompressed tar stream of a layer blob read from `blob`.
 pub fn layer_decoder<'a>(

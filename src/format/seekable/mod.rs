@@ -214,7 +214,7 @@ impl SeekIndex {
                 blob.len()
             )));
         }
-        let json = crate::format::zstd_chunked::decompress_bounded(blob, MAX_INDEX_JSON)
+        let json = crate::format::zstd_frames::decompress_bounded(blob, MAX_INDEX_JSON)
             .map_err(|e| e.context("decompressing the seekable index"))?;
         let index: SeekIndex = serde_json::from_slice(&json)
             .map_err(|e| Error::corrupt(format!("the seekable index is not valid JSON: {e}")))?;
@@ -427,7 +427,7 @@ impl SeekIndex {
     /// Span `i`'s window from its frame in the windows blob: exactly its length.
     pub fn decode_window(&self, i: usize, frame: &[u8]) -> Result<Vec<u8>> {
         let want = self.window_len(i);
-        let window = crate::format::zstd_chunked::decompress_bounded(frame, want as u64)
+        let window = crate::format::zstd_frames::decompress_bounded(frame, want as u64)
             .map_err(|e| e.context(format!("the window of span {i}")))?;
         if window.len() != want {
             return Err(Error::corrupt(format!(

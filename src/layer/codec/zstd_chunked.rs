@@ -9,7 +9,8 @@ use futures_util::future::BoxFuture;
 
 use super::{blob_pieces, decode_each, Regions};
 use crate::error::Result;
-use crate::format::zstd_chunked::{decode_chunk, decode_region, read_toc};
+use crate::format::zstd_chunked::{decode_chunk, read_toc};
+use crate::format::zstd_frames::decode_region;
 use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, MAX_REGION_DECODED};
 use crate::layer::{Layer, LayerMeta, Table};
 

@@ -1,0 +1,268 @@
+//! The zstd:chunked layer layout (containers/storage), written by `vmdisk push` and read by
+//! everything that fetches lazily.
+//!
+//! A layer is an ordinary `tar+zstd` stream made of many zstd frames: tar headers and padding
+//! sit in "metadata" frames, every chunk of file content is a frame of its own, so a chunk can
+//! be fetched with one HTTP Range request and decompressed alone. After the end-of-archive
+//! blocks come three zstd *skippable* frames, which every zstd decoder ignores:
+//!
+//! ```text
+//! [meta frame: tar header(s)] [chunk frame]... [meta frame: padding, next header]...
+//! [meta frame: padding + 1024 zero bytes]
+//! [skippable: zstd(TOC JSON)] [skippable: zstd(tar-split)] [skippable: 64-byte footer]
+//! ```
+//!
+//! The TOC (`{"version":1,"entries":[...]}`) lists every tar entry; a regular file is a `reg`
+//! entry followed by `chunk` entries, each with the compressed `offset` of its frame, its
+//! uncompressed `chunkOffset`/`chunkSize` and the sha256 `chunkDigest` of its content. Layer
+//! annotations locate the TOC and pin it by digest, so a reader trusts nothing it has not
+//! checked: the TOC against the annotation, every chunk against its `chunkDigest`.
+//! `docs/format.md` describes the bytes.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use super::toc::{parse_toc, Toc};
+use super::tree::{Chunk, Node};
+use super::zstd_frames::{check_regular_frames, decompress_bounded, SKIPPABLE_HEADER};
+use crate::digest::Digest;
+use crate::error::{Error, Result};
+
+/// TOC checksum annotation (current containers/storage).
+pub const ANN_TOC_CHECKSUM: &str = "io.github.containers.zstd-chunked.manifest-checksum";
+/// TOC position annotation, `offset:length:uncompressedLength:type`.
+pub const ANN_TOC_POSITION: &str = "io.github.containers.zstd-chunked.manifest-position";
+/// tar-split position annotation, `offset:length:uncompressedLength`.
+pub const ANN_TARSPLIT_POSITION: &str = "io.github.containers.zstd-chunked.tarsplit-position";
+/// TOC checksum annotation written by older containers/storage (Debian 12's skopeo 1.9).
+pub const ANN_TOC_CHECKSUM_OLD: &str = "io.containers.zstd-chunked.manifest-checksum";
+/// TOC position annotation written by older containers/storage.
+pub const ANN_TOC_POSITION_OLD: &str = "io.containers.zstd-chunked.manifest-position";
+
+/// The only TOC type defined ("CRFS").
+const MANIFEST_TYPE_CRFS: u64 = 1;
+/// Footer magic, "GNUlInUx".
+const FOOTER_MAGIC: &[u8; 8] = b"GNUlInUx";
+
+/// Largest compressed TOC we fetch.
+pub const MAX_TOC_COMPRESSED: u64 = 64 << 20;
+/// Largest TOC we decompress (a 50 GiB disk at 256 KiB chunks is about 50 MB).
+pub const MAX_TOC_UNCOMPRESSED: u64 = 128 << 20;
+/// Largest TOC (uncompressed) parsed from memory; larger ones are parsed as they are
+/// decompressed, so a TOC never takes more than this much memory (an 8 GiB disk's is 6 MB).
+pub const TOC_IN_MEMORY: u64 = 8 << 20;
+
+/// Where the TOC is in the blob and what it must hash to, from the layer annotations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TocLocation {
+    pub offset: u64,
+    pub length: u64,
+    pub uncompressed_length: u64,
+    pub checksum: Digest,
+}
+
+impl TocLocation {
+    /// Checks that the TOC lies inside a blob of `blob_size` bytes, after at least the 8 bytes
+    /// of the skippable frame header that precedes it.
+    pub fn check_within(&self, blob_size: u64) -> Result<()> {
+        if self.range().end > blob_size || self.offset < 8 {
+            return Err(Error::corrupt(format!(
+                "TOC range {:?} lies outside the {blob_size}-byte layer",
+                self.range()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reads the current or the older annotation generation; `Ok(None)` if neither is present.
+    pub fn from_annotations(ann: &BTreeMap<String, String>) -> Result<Option<Self>> {
+        let pair = [
+            (ANN_TOC_POSITION, ANN_TOC_CHECKSUM),
+            (ANN_TOC_POSITION_OLD, ANN_TOC_CHECKSUM_OLD),
+        ]
+        .into_iter()
+        .find_map(|(p, c)| ann.get(p).map(|pos| (p, pos, ann.get(c))));
+        let Some((key, position, checksum)) = pair else {
+            return Ok(None);
+        };
+        let bad = |why: &str| Error::corrupt(format!("layer annotation {key}={position:?}: {why}"));
+        let fields: Vec<u64> = position
+            .split(':')
+            .map(|f| f.parse::<u64>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| {
+                bad("expected offset:length:uncompressedLength:type as decimal numbers")
+            })?;
+        let [offset, length, uncompressed_length, kind] = fields[..] else {
+            return Err(bad("expected four fields"));
+        };
+        if kind != MANIFEST_TYPE_CRFS {
+            return Err(Error::unsupported(format!(
+                "zstd:chunked TOC type {kind} is not supported (only 1)"
+            )));
+        }
+        if length == 0 || length > MAX_TOC_COMPRESSED || uncompressed_length > MAX_TOC_UNCOMPRESSED
+        {
+            return Err(bad(&format!(
+                "TOC size {length} (uncompressed {uncompressed_length}) outside the accepted bounds ({MAX_TOC_COMPRESSED}, {MAX_TOC_UNCOMPRESSED})"
+            )));
+        }
+        offset
+            .checked_add(length)
+            .ok_or_else(|| bad("offset overflows"))?;
+        let checksum = checksum
+            .ok_or_else(|| {
+                bad("the TOC checksum annotation is missing; the TOC cannot be verified")
+            })?
+            .parse::<Digest>()
+            .map_err(|e| bad(&e.to_string()))?;
+        Ok(Some(TocLocation {
+            offset,
+            length,
+            uncompressed_length,
+            checksum,
+        }))
+    }
+
+    /// The byte range of the compressed TOC in the blob.
+    pub fn range(&self) -> Range<u64> {
+        self.offset..self.offset + self.length
+    }
+}
+
+/// Verifies the compressed TOC against its pinned checksum, decompresses it within bounds and
+/// parses it whole into its JSON model: for those who edit a TOC (the hostile-registry tests
+/// craft layers from one); a mount reads TOCs with [`read_toc`].
+pub fn decode_toc(compressed: &[u8], loc: &TocLocation) -> Result<Toc> {
+    loc.checksum.verify(compressed, "zstd:chunked TOC")?;
+    let limit = if loc.uncompressed_length > 0 {
+        loc.uncompressed_length
+    } else {
+        MAX_TOC_UNCOMPRESSED
+    };
+    let json =
+        decompress_bounded(compressed, limit).map_err(|e| e.context("decompressing the TOC"))?;
+    if loc.uncompressed_length > 0 && json.len() as u64 != loc.uncompressed_length {
+        return Err(Error::corrupt(format!(
+            "TOC decompressed to {} bytes, the annotation says {}",
+            json.len(),
+            loc.uncompressed_length
+        )));
+    }
+    let toc: Toc = serde_json::from_slice(&json)
+        .map_err(|e| Error::corrupt(format!("TOC is not valid JSON: {e}")))?;
+    if toc.version != 1 {
+        return Err(Error::unsupported(format!(
+            "TOC version {} is not supported (only 1)",
+            toc.version
+        )));
+    }
+    Ok(toc)
+}
+
+/// The content of `chunk` from its `frame` (the compressed range): the range must be whole
+/// regular zstd frames (what an ordinary decoder reads as file content), decompress within the
+/// chunk's size to exactly that size, and match the chunk's digest. Only the zstd:chunked
+/// codec (`layer::codec`) turns registry bytes into chunk content with it.
+pub fn decode_chunk(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
+    check_regular_frames(frame)?;
+    let data = decompress_bounded(frame, chunk.size)?;
+    if data.len() as u64 != chunk.size {
+        return Err(Error::corrupt(format!(
+            "chunk at {} decompressed to {} bytes, expected {}",
+            chunk.offset,
+            data.len(),
+            chunk.size
+        )));
+    }
+    match chunk.digest {
+        Some(d) => d.verify(&data, &format!("chunk at offset {}", chunk.offset))?,
+        None => {
+            return Err(Error::corrupt(format!(
+                "chunk at {} has no digest",
+                chunk.offset
+            )))
+        }
+    }
+    Ok(data)
+}
+
+/// Verifies a compressed TOC against its pinned checksum, then decompresses, parses and
+/// validates it in one pass: entries are checked and folded into nodes as they are decoded, so
+/// memory holds the chunk table and never the JSON or its parsed entries (a 50 GiB disk's TOC
+/// is about 40 MB of JSON). `data_end` is where the layer's data region ends (the TOC offset).
+pub fn read_toc(compressed: &[u8], loc: &TocLocation) -> Result<Vec<Node>> {
+    loc.checksum.verify(compressed, "zstd:chunked TOC")?;
+    let data_end = loc.offset.saturating_sub(SKIPPABLE_HEADER);
+    if loc.uncompressed_length > 0 && loc.uncompressed_length <= TOC_IN_MEMORY {
+        // Small enough to hold: parsing a slice is a third faster than parsing a stream.
+        let json = decompress_bounded(compressed, loc.uncompressed_length).map_err(|e| {
+            e.context(format!(
+                "decompressing the TOC (the annotation says {} bytes)",
+                loc.uncompressed_length
+            ))
+        })?;
+        if json.len() as u64 != loc.uncompressed_length {
+            return Err(Error::corrupt(format!(
+                "TOC decompressed to {} bytes, the annotation says {}",
+                json.len(),
+                loc.uncompressed_length
+            )));
+        }
+        return parse_toc(serde_json::Deserializer::from_slice(&json), data_end);
+    }
+    let decoder = zstd::stream::read::Decoder::with_buffer(compressed)
+        .map_err(|e| Error::io("starting the TOC decompressor", e))?;
+    let json = std::io::BufReader::with_capacity(
+        64 << 10,
+        Bounded {
+            inner: decoder,
+            read: 0,
+            expected: loc.uncompressed_length,
+        },
+    );
+    parse_toc(serde_json::Deserializer::from_reader(json), data_end)
+        .map_err(|e| e.context("reading the TOC"))
+}
+
+/// Decompressed TOC bytes, failing past [`MAX_TOC_UNCOMPRESSED`] or, when the annotation
+/// gives the uncompressed length (`expected` > 0), as soon as the length differs from it.
+struct Bounded<R> {
+    inner: R,
+    read: u64,
+    expected: u64,
+}
+
+impl<R: std::io::Read> std::io::Read for Bounded<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.read += n as u64;
+        let limit = if self.expected > 0 {
+            self.expected
+        } else {
+            MAX_TOC_UNCOMPRESSED
+        };
+        if self.read > limit || (n == 0 && self.expected > 0 && self.read != self.expected) {
+            return Err(std::io::Error::other(format!(
+                "the TOC decompresses to {} bytes, {}",
+                if n == 0 {
+                    self.read.to_string()
+                } else {
+                    format!("more than {limit}")
+                },
+                if self.expected > 0 {
+                    format!("the annotation says {}", self.expected)
+                } else {
+                    format!("the most accepted is {MAX_TOC_UNCOMPRESSED}")
+                }
+            )));
+        }
+        Ok(n)
+    }
+}
+
+mod write;
+pub use write::{EncodedChunk, EntryMeta, LayerSummary, LayerWriter};
+
+#[cfg(test)]
+pub(crate) mod tests;
