@@ -56,68 +56,13 @@ async fn handle(
 ) -> Response {
     server.seen.lock().push(format!("{method} /{rest}"));
     if rest == "token" {
-        let (token, userpass) = server.token.clone().unwrap();
-        use base64::Engine as _;
-        let want = format!(
-            "Basic {}",
-            base64::engine::general_purpose::STANDARD.encode(userpass)
-        );
-        let ok = headers
-            .get(header::AUTHORIZATION)
-            .is_some_and(|v| v == want.as_str());
-        return if ok {
-            respond(StatusCode::OK)
-                .body(Body::from(format!(r#"{{"token":"{token}"}}"#)))
-                .unwrap()
-        } else {
-            respond(StatusCode::UNAUTHORIZED)
-                .body(Body::empty())
-                .unwrap()
-        };
+        return token_answer(&server, &headers);
     }
-    if let Some((token, _)) = &server.token {
-        let bearer = format!("Bearer {token}");
-        if headers
-            .get(header::AUTHORIZATION)
-            .is_none_or(|v| v != bearer.as_str())
-        {
-            let host = headers.get(header::HOST).unwrap().to_str().unwrap();
-            return respond(StatusCode::UNAUTHORIZED)
-                .header(
-                    header::WWW_AUTHENTICATE,
-                    format!(r#"Bearer realm="http://{host}/token",service="test",scope="repository:vm/disk:pull""#),
-                )
-                .body(Body::empty())
-                .unwrap();
-        }
+    if let Some(refused) = unauthorized(&server, &headers) {
+        return refused;
     }
     if rest.contains("/manifests/") {
-        if server
-            .unavailable
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok()
-        {
-            return respond(StatusCode::SERVICE_UNAVAILABLE)
-                .body(Body::empty())
-                .unwrap();
-        }
-        if rest.ends_with("/missing") {
-            return respond(StatusCode::NOT_FOUND).body(Body::empty()).unwrap();
-        }
-        let body = if server.stall {
-            Body::from_stream(futures_util::stream::pending::<
-                Result<Vec<u8>, std::io::Error>,
-            >())
-        } else {
-            Body::from(MANIFEST)
-        };
-        return respond(StatusCode::OK)
-            .header(
-                header::CONTENT_TYPE,
-                "application/vnd.oci.image.manifest.v1+json",
-            )
-            .body(body)
-            .unwrap();
+        return manifest_answer(&server, &rest);
     }
     if let Some(digest) = rest
         .strip_prefix("vm/disk/blobs/")
@@ -127,6 +72,92 @@ async fn handle(
             return serve_blob(blob, &headers, true);
         }
     }
+    upload_answer(&server, &method, &rest, &uri, &headers, &body)
+}
+
+/// The token service: a token for the one user and password it knows.
+fn token_answer(server: &Server, headers: &HeaderMap) -> Response {
+    let (token, userpass) = server.token.clone().unwrap();
+    use base64::Engine as _;
+    let want = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(userpass)
+    );
+    let ok = headers
+        .get(header::AUTHORIZATION)
+        .is_some_and(|v| v == want.as_str());
+    if ok {
+        respond(StatusCode::OK)
+            .body(Body::from(format!(r#"{{"token":"{token}"}}"#)))
+            .unwrap()
+    } else {
+        respond(StatusCode::UNAUTHORIZED)
+            .body(Body::empty())
+            .unwrap()
+    }
+}
+
+/// A 401 with the Bearer challenge, when the server wants a token the request does not carry.
+fn unauthorized(server: &Server, headers: &HeaderMap) -> Option<Response> {
+    if let Some((token, _)) = &server.token {
+        let bearer = format!("Bearer {token}");
+        if headers
+            .get(header::AUTHORIZATION)
+            .is_none_or(|v| v != bearer.as_str())
+        {
+            let host = headers.get(header::HOST).unwrap().to_str().unwrap();
+            return Some(respond(StatusCode::UNAUTHORIZED)
+                .header(
+                    header::WWW_AUTHENTICATE,
+                    format!(r#"Bearer realm="http://{host}/token",service="test",scope="repository:vm/disk:pull""#),
+                )
+                .body(Body::empty())
+                .unwrap());
+        }
+    }
+    None
+}
+
+/// A manifest, unless the server is set to be unavailable for a while, or to stall its body.
+fn manifest_answer(server: &Server, rest: &str) -> Response {
+    if server
+        .unavailable
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+    {
+        return respond(StatusCode::SERVICE_UNAVAILABLE)
+            .body(Body::empty())
+            .unwrap();
+    }
+    if rest.ends_with("/missing") {
+        return respond(StatusCode::NOT_FOUND).body(Body::empty()).unwrap();
+    }
+    let body = if server.stall {
+        Body::from_stream(futures_util::stream::pending::<
+            Result<Vec<u8>, std::io::Error>,
+        >())
+    } else {
+        Body::from(MANIFEST)
+    };
+    respond(StatusCode::OK)
+        .header(
+            header::CONTENT_TYPE,
+            "application/vnd.oci.image.manifest.v1+json",
+        )
+        .body(body)
+        .unwrap()
+}
+
+/// The upload session's answers (POST, PATCH, GET, PUT; the first PATCH breaks part-way), or
+/// 404.
+fn upload_answer(
+    server: &Server,
+    method: &Method,
+    rest: &str,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Response {
     if rest.ends_with("/blobs/uploads/") && method == Method::POST {
         server.uploads.lock().insert("u1".into(), Vec::new());
         return respond(StatusCode::ACCEPTED)
@@ -141,7 +172,7 @@ async fn handle(
             b.header(header::LOCATION, "/v2/vm/disk/blobs/uploads/u1")
         };
         let range = |n: usize| format!("0-{}", n.saturating_sub(1));
-        match method {
+        match *method {
             Method::PATCH => {
                 let from: usize = headers[header::CONTENT_RANGE]
                     .to_str()
@@ -159,7 +190,7 @@ async fn handle(
                         .body(Body::empty())
                         .unwrap();
                 }
-                kept.extend_from_slice(&body);
+                kept.extend_from_slice(body);
                 return location(respond(StatusCode::ACCEPTED))
                     .header(header::RANGE, range(kept.len()))
                     .body(Body::empty())

@@ -433,8 +433,16 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
     assert_eq!(resolved.disk_path(), "disk/d.raw");
     assert_eq!(resolved.file_size(resolved.disk), data.len() as u64);
     assert!(resolved.codec().windows_blob().is_some());
+}
 
-    // Only lies: every refusal is named.
+#[tokio::test]
+async fn indexes_of_another_layer_or_image_are_refused_each_by_name() {
+    let layer = gzip_layer(&disk(400 << 10));
+    let other = gzip_layer(&disk(100 << 10));
+    let (layer_digest, tar_digest) = (Digest::of(&layer.blob), Digest::of(&layer.tar));
+    let r = reference("vm:1");
+    // Only lies: an index of another layer for this image, and one of this layer for
+    // another image. Every refusal is named.
     let lying = MemoryRegistry::default();
     let subject = image(
         &lying,
