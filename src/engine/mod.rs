@@ -507,34 +507,42 @@ impl Engine {
             })
         })?;
         for idx in failed {
-            let chunk = &self.layer.chunks[idx];
-            let (frame, window) = tokio::join!(
-                self.fetch_range(chunk.compressed.clone(), Ask::Registry),
-                self.fetch_window(idx, Ask::Registry)
-            );
-            let (frame, window) = (frame?, window?);
-            off_the_runtime(|| {
-                codec.decode_run(
-                    &self.layer,
-                    &[idx],
-                    &frame,
-                    Some(&window),
-                    &mut |idx, decoded| {
-                        let data = decoded.map_err(|e| {
-                            Stats::add(&self.stats.verify_failures, 1);
-                            let (file, chunk) = self.layer.chunk(idx);
-                            e.context(format!(
-                                "chunk {idx} (offset {} of {}) failed verification twice",
-                                chunk.offset,
-                                self.layer.file_path(file)
-                            ))
-                        })?;
-                        self.store(idx, data)
-                    },
-                )
-            })?;
+            let what = format!("chunk {idx} of layer {}", self.layer.meta.layer_digest);
+            crate::layer::fetch_checked_again(&what, || self.fetch_chunk_again(idx)).await?;
         }
         Ok(())
+    }
+
+    /// Chunk `idx`, whose bytes failed their check, fetched alone from the registry itself,
+    /// verified and kept; `Corrupt` if it fails its check again.
+    async fn fetch_chunk_again(&self, idx: usize) -> Result<()> {
+        let chunk = &self.layer.chunks[idx];
+        let (frame, window) = tokio::join!(
+            self.fetch_range(chunk.compressed.clone(), Ask::Registry),
+            self.fetch_window(idx, Ask::Registry)
+        );
+        let (frame, window) = (frame?, window?);
+        off_the_runtime(|| {
+            self.layer.codec().decode_run(
+                &self.layer,
+                &[idx],
+                &frame,
+                Some(&window),
+                &mut |idx, decoded| {
+                    let data = decoded.map_err(|e| {
+                        Stats::add(&self.stats.verify_failures, 1);
+                        let (file, chunk) = self.layer.chunk(idx);
+                        e.context(format!(
+                            "chunk {idx} (offset {} of {}) failed verification on each of {} fetches",
+                            chunk.offset,
+                            self.layer.file_path(file),
+                            crate::layer::VERIFY_TRIES
+                        ))
+                    })?;
+                    self.store(idx, data)
+                },
+            )
+        })
     }
 
     /// The window chunk `idx` decodes from when it starts a fetch ([`crate::layer::codec::Codec::window`]):
@@ -1298,12 +1306,12 @@ mod tests {
         assert!(err.chain().contains("span 5"), "{}", err.chain());
         assert_eq!(
             engine.stats.snapshot().verify_failures,
-            2,
-            "checked, refetched, checked"
+            u64::from(crate::layer::VERIFY_TRIES),
+            "checked, then refetched and checked until the tries ran out"
         );
-        assert!(source.calls.lock().len() >= 2);
+        assert!(source.calls.lock().len() >= 3);
         assert!(
-            windows_source.calls.lock().len() >= 2,
+            windows_source.calls.lock().len() >= 3,
             "its window refetched too"
         );
         // The rest of the disk still reads.
@@ -1706,12 +1714,14 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt, "{}", err.chain());
-        assert!(err.chain().contains("failed verification twice"));
+        assert!(err
+            .chain()
+            .contains("failed verification on each of 3 fetches"));
         assert!(
             !engine.cache.is_present(0),
             "unverified bytes are never cached"
         );
-        assert_eq!(calls(&source), 2);
+        assert_eq!(calls(&source), 3);
     }
 
     #[tokio::test]

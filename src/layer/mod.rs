@@ -330,21 +330,38 @@ pub const VERIFY_TRIES: u32 = 3;
 /// ([`RetryPolicy::checked`]): bytes that fail their check (`Corrupt`) are fetched again at
 /// once, [`VERIFY_TRIES`] tries in all, the first where `ask` says and the others from the
 /// registry itself; any other failure ends it (the fetch below retried it already).
+///
+/// [`RetryPolicy::checked`]: crate::retry::RetryPolicy::checked
 pub(crate) async fn fetch_checked<T, F, Fut>(what: &str, ask: Ask, attempt: F) -> Result<T>
 where
     F: Fn(Ask) -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
     let tries = std::sync::atomic::AtomicU32::new(0);
-    crate::retry::RetryPolicy::checked(VERIFY_TRIES)
-        .run_when(
-            what,
-            || {
-                let first = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0;
-                attempt(if first { ask } else { Ask::Registry })
-            },
-            |e| e.kind() == ErrorKind::Corrupt,
-        )
+    checked_tries(what, VERIFY_TRIES, || {
+        let first = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0;
+        attempt(if first { ask } else { Ask::Registry })
+    })
+    .await
+}
+
+/// [`fetch_checked`] for bytes whose first try (fetched with others, as part of a run) failed
+/// its check: the rest of the [`VERIFY_TRIES`], each from the registry itself.
+pub(crate) async fn fetch_checked_again<T, F, Fut>(what: &str, attempt: F) -> Result<T>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    checked_tries(what, VERIFY_TRIES - 1, attempt).await
+}
+
+async fn checked_tries<T, F, Fut>(what: &str, tries: u32, attempt: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    crate::retry::RetryPolicy::checked(tries)
+        .run_when(what, attempt, |e| e.kind() == ErrorKind::Corrupt)
         .await
 }
 
