@@ -22,6 +22,8 @@ pub mod error;
 pub mod format;
 pub mod fuse;
 pub mod inspect;
+#[cfg(test)]
+mod layering;
 pub mod layer;
 pub mod logging;
 pub mod oci;
