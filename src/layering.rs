@@ -12,14 +12,24 @@ const LAYERS: [(&str, &[&str]); 6] = [
     ("features", &["publish", "inspect", "trace", "setup"]),
     (
         "serving",
-        &["serve", "ready", "fuse", "view", "engine", "resolve", "policy"],
+        &[
+            "serve", "ready", "fuse", "view", "engine", "resolve", "policy",
+        ],
     ),
     ("model", &["layer", "cache", "registry"]),
     ("formats", &["format"]),
     (
         "vocabulary",
         &[
-            "error", "digest", "oci", "reference", "units", "task", "retry", "dirs", "logging",
+            "error",
+            "digest",
+            "oci",
+            "reference",
+            "units",
+            "task",
+            "retry",
+            "dirs",
+            "logging",
             "api",
         ],
     ),
@@ -35,7 +45,12 @@ fn imports(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
             continue;
         }
         let rel = path.strip_prefix(src).unwrap();
-        let top = rel.iter().next().unwrap().to_string_lossy().replace(".rs", "");
+        let top = rel
+            .iter()
+            .next()
+            .unwrap()
+            .to_string_lossy()
+            .replace(".rs", "");
         if path.extension().is_none_or(|e| e != "rs") || top == "lib" || top == "layering" {
             continue;
         }
@@ -102,7 +117,9 @@ fn modules_use_only_their_layer_and_those_below_and_no_two_use_each_other() {
             }
         }
         if reached(&graph, module).contains(module) {
-            wrong.push(format!("{module} reaches itself through the modules it uses"));
+            wrong.push(format!(
+                "{module} reaches itself through the modules it uses"
+            ));
         }
     }
     assert!(wrong.is_empty(), "{wrong:#?}");

@@ -22,9 +22,9 @@ pub mod error;
 pub mod format;
 pub mod fuse;
 pub mod inspect;
+pub mod layer;
 #[cfg(test)]
 mod layering;
-pub mod layer;
 pub mod logging;
 pub mod oci;
 pub mod policy;

@@ -1812,7 +1812,7 @@ mod tests {
     }
 
     fn honest(data: &[u8]) -> (Vec<u8>, crate::format::zstd_chunked::LayerSummary) {
-        let (summary, blob) = crate::format::zstd_chunked::tests::write_layer(data, CHUNK);
+        let (summary, blob) = crate::format::zstd_chunked::testing::write_layer(data, CHUNK);
         (blob, summary)
     }
 

@@ -73,7 +73,7 @@ fn image(registry: &MemoryRegistry, tag: &str, layers: &[TestLayer]) -> Digest {
 
 /// A zstd:chunked layer holding `disk/d.raw` = `data`: (blob, media type, annotations, diff_id).
 fn chunked_layer(data: &[u8]) -> TestLayer {
-    let (summary, blob) = crate::format::zstd_chunked::tests::write_layer(data, 64 << 10);
+    let (summary, blob) = crate::format::zstd_chunked::testing::write_layer(data, 64 << 10);
     (
         blob,
         oci::OCI_LAYER_ZSTD,

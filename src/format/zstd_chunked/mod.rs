@@ -265,4 +265,6 @@ mod write;
 pub use write::{EncodedChunk, EntryMeta, LayerSummary, LayerWriter};
 
 #[cfg(test)]
-pub(crate) mod tests;
+pub(crate) mod testing;
+#[cfg(test)]
+mod tests;

@@ -1,38 +1,11 @@
 //! The zstd:chunked reader and writer against each other and against hostile TOCs and layers.
 
-use std::sync::Arc;
-
+use super::testing::write_layer;
 use super::*;
 use crate::format::toc::TocEntry;
 use crate::format::toc::{MAX_PATH_DEPTH, MAX_TOC_ENTRIES, MAX_TOC_FILES};
 use crate::format::tree::clean_path;
 use crate::format::zstd_frames::{decode_region, decompress_bounded, SKIPPABLE_MAGIC};
-
-fn meta(path: &str, mode: u32) -> EntryMeta {
-    EntryMeta {
-        path: path.into(),
-        mode,
-        uid: 107,
-        gid: 107,
-        mtime: 1_700_000_000,
-    }
-}
-
-/// Writes a layer (directory `disk`, file `disk/d.raw`) with `content` cut into `chunk` byte
-/// chunks.
-pub(crate) fn write_layer(content: &[u8], chunk: usize) -> (LayerSummary, Vec<u8>) {
-    let mut w = LayerWriter::new(Vec::new(), 3).unwrap();
-    let mut c = zstd::bulk::Compressor::new(3).unwrap();
-    w.add_dir(&meta("disk", 0o755)).unwrap();
-    w.begin_file(&meta("disk/d.raw", 0o644), content.len() as u64)
-        .unwrap();
-    for part in content.chunks(chunk) {
-        w.add_chunk(&EncodedChunk::encode(Arc::new(part.to_vec()), &mut c).unwrap())
-            .unwrap();
-    }
-    w.end_file().unwrap();
-    w.finish().unwrap()
-}
 
 fn sample(len: usize) -> Vec<u8> {
     let mut v: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
