@@ -598,3 +598,74 @@ pub fn mount(fs: LayerFs, dir: &Path) -> Result<fuser::BackgroundSession> {
     fuser::spawn_mount(fs, dir, &config)
         .map_err(|e| Error::io(format!("mounting FUSE at {}", dir.display()), e))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roots() -> Vec<Inode> {
+        let dir = |ino| Inode {
+            attr: attr(
+                ino,
+                FileType::Directory,
+                0,
+                0o755,
+                0,
+                0,
+                SystemTime::UNIX_EPOCH,
+            ),
+            parent: ROOT,
+            content: Content::None,
+            link: OsString::new(),
+            children: Vec::new(),
+        };
+        vec![dir(0), dir(ROOT)]
+    }
+
+    #[test]
+    fn directories_the_toc_omits_are_made_once_with_their_parents() {
+        let mut inodes = roots();
+        let mut by_path = HashMap::from([(String::new(), ROOT)]);
+        let c = directory(&mut inodes, &mut by_path, "a/b/c");
+        assert_eq!(inodes.len(), 5, "a, a/b and a/b/c made");
+        let d = directory(&mut inodes, &mut by_path, "a/b/d");
+        assert_eq!(inodes.len(), 6, "only a/b/d made: its parents were there");
+        assert_eq!(directory(&mut inodes, &mut by_path, "a/b/c"), c);
+        let (a, b) = (by_path["a"], by_path["a/b"]);
+        assert_eq!(inodes[ROOT as usize].children, [(OsString::from("a"), a)]);
+        assert_eq!(
+            inodes[b as usize].children,
+            [(OsString::from("c"), c), (OsString::from("d"), d)]
+        );
+        assert_eq!(
+            (inodes[c as usize].parent, inodes[b as usize].parent),
+            (b, a)
+        );
+        let made = &inodes[c as usize].attr;
+        assert_eq!(
+            (made.kind, made.perm, made.uid, made.nlink, made.ino.0),
+            (FileType::Directory, 0o755, 0, 2, c)
+        );
+    }
+
+    #[test]
+    fn attributes_keep_only_permission_bits_and_times_fall_back_to_the_epoch() {
+        let file = attr(
+            7,
+            FileType::RegularFile,
+            5000,
+            0o104_644,
+            107,
+            107,
+            SystemTime::UNIX_EPOCH,
+        );
+        assert_eq!((file.perm, file.nlink, file.blocks), (0o4644, 1, 10));
+        assert_eq!(
+            mtime(Some("2024-01-02T03:04:05Z")),
+            SystemTime::UNIX_EPOCH + Duration::from_secs(1_704_164_645)
+        );
+        for bad in [None, Some("yesterday"), Some("1969-12-31T23:59:59Z")] {
+            assert_eq!(mtime(bad), SystemTime::UNIX_EPOCH, "{bad:?}");
+        }
+    }
+}

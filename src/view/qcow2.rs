@@ -364,3 +364,131 @@ pub async fn read_head(disk: &LayerFile) -> Result<()> {
     l1?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CLUSTER: u64 = 64 << 10;
+
+    /// A qcow2 image of a 4-cluster guest at 64 KiB clusters, in memory: header, L1 table
+    /// (cluster 1), refcount table (2), L2 table (3); guest cluster 0 at image cluster 4 (all
+    /// 0xaa), guest cluster 2 at image cluster 5 (0xbb); guest clusters 1 and 3 unallocated.
+    fn image() -> Vec<u8> {
+        let mut b = vec![0u8; 6 * CLUSTER as usize];
+        b[..4].copy_from_slice(&qcow2::MAGIC);
+        b[4..8].copy_from_slice(&3u32.to_be_bytes());
+        b[20..24].copy_from_slice(&16u32.to_be_bytes());
+        b[24..32].copy_from_slice(&(4 * CLUSTER).to_be_bytes());
+        b[36..40].copy_from_slice(&1u32.to_be_bytes());
+        b[40..48].copy_from_slice(&CLUSTER.to_be_bytes());
+        b[48..56].copy_from_slice(&(2 * CLUSTER).to_be_bytes());
+        b[56..60].copy_from_slice(&1u32.to_be_bytes());
+        b[100..104].copy_from_slice(&104u32.to_be_bytes());
+        let at = |n: u64| n as usize;
+        let copied = 1u64 << 63;
+        b[at(CLUSTER)..at(CLUSTER) + 8].copy_from_slice(&(copied | (3 * CLUSTER)).to_be_bytes());
+        let l2 = at(3 * CLUSTER);
+        b[l2..l2 + 8].copy_from_slice(&(copied | (4 * CLUSTER)).to_be_bytes());
+        b[l2 + 16..l2 + 24].copy_from_slice(&(copied | (5 * CLUSTER)).to_be_bytes());
+        b[at(4 * CLUSTER)..at(5 * CLUSTER)].fill(0xaa);
+        b[at(5 * CLUSTER)..].fill(0xbb);
+        b
+    }
+
+    /// An image whose bytes count as cached only once read or prefetched (in clusters), and
+    /// which counts what it was asked to fetch.
+    struct Fetched {
+        bytes: Vec<u8>,
+        cached: Mutex<Vec<bool>>,
+        fetches: AtomicU64,
+    }
+
+    impl Fetched {
+        fn new(bytes: Vec<u8>) -> Self {
+            let clusters = bytes.len().div_ceil(CLUSTER as usize);
+            Fetched {
+                bytes,
+                cached: Mutex::new(vec![false; clusters]),
+                fetches: AtomicU64::new(0),
+            }
+        }
+
+        fn clusters(range: Range<u64>) -> Range<usize> {
+            (range.start / CLUSTER) as usize..range.end.div_ceil(CLUSTER) as usize
+        }
+
+        fn fetch(&self, range: Range<u64>) {
+            self.fetches.fetch_add(1, Ordering::Relaxed);
+            self.cached.lock()[Self::clusters(range)].fill(true);
+        }
+    }
+
+    impl DiskView for Fetched {
+        fn size(&self) -> u64 {
+            self.bytes.len() as u64
+        }
+
+        fn read_cached(&self, offset: u64, len: u64) -> Option<Result<Vec<u8>>> {
+            let range = offset..offset + clipped(offset, len, self.size());
+            let cached = self.cached.lock()[Self::clusters(range.clone())]
+                .iter()
+                .all(|c| *c);
+            cached.then(|| Ok(self.bytes[range.start as usize..range.end as usize].to_vec()))
+        }
+
+        fn read(&self, offset: u64, len: u64) -> BoxFuture<'_, Result<Vec<u8>>> {
+            let range = offset..offset + clipped(offset, len, self.size());
+            self.fetch(range.clone());
+            let bytes = self.bytes[range.start as usize..range.end as usize].to_vec();
+            Box::pin(async move { Ok(bytes) })
+        }
+
+        fn prefetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<()>> {
+            self.fetch(range);
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    #[tokio::test]
+    async fn guest_bytes_come_from_the_clusters_the_tables_map_and_holes_are_zeros() {
+        let view = Qcow2View::open(Fetched::new(image())).await.unwrap();
+        assert_eq!(view.size(), 4 * CLUSTER);
+        // A read across all four guest clusters: data, hole, data, hole.
+        let got = view.read(CLUSTER - 10, 2 * CLUSTER + 20).await.unwrap();
+        assert_eq!(got.len() as u64, 2 * CLUSTER + 20);
+        assert!(got[..10].iter().all(|b| *b == 0xaa));
+        assert!(got[10..10 + CLUSTER as usize].iter().all(|b| *b == 0));
+        let (c, end) = (CLUSTER as usize, got.len());
+        assert!(got[10 + c..end - 10].iter().all(|b| *b == 0xbb));
+        assert!(got[end - 10..].iter().all(|b| *b == 0));
+        // Past the guest's end: fewer bytes, then none.
+        assert_eq!(view.read(4 * CLUSTER - 5, 100).await.unwrap(), [0; 5]);
+        assert!(view.read(4 * CLUSTER, 100).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_cached_read_fetches_nothing_and_answers_only_what_is_cached() {
+        let view = Qcow2View::open(Fetched::new(image())).await.unwrap();
+        let opened = view.inner().fetches.load(Ordering::Relaxed);
+        // Nothing of the L2 table or the data is cached yet: no answer, and no fetch.
+        assert!(view.read_cached(2 * CLUSTER, 4096).is_none());
+        assert_eq!(view.inner().fetches.load(Ordering::Relaxed), opened);
+        // Prefetching the guest range fetches its L2 table and data cluster; then the cached
+        // read answers the same bytes a read does, without fetching.
+        view.prefetch(2 * CLUSTER..2 * CLUSTER + 4096)
+            .await
+            .unwrap();
+        let fetched = view.inner().fetches.load(Ordering::Relaxed);
+        let cached = view.read_cached(2 * CLUSTER, 4096).unwrap().unwrap();
+        assert_eq!(cached, vec![0xbb; 4096]);
+        assert_eq!(view.inner().fetches.load(Ordering::Relaxed), fetched);
+        // A hole needs its L2 table only, which is kept now; guest cluster 0's data is not
+        // cached.
+        assert_eq!(
+            view.read_cached(CLUSTER, 4096).unwrap().unwrap(),
+            vec![0; 4096]
+        );
+        assert!(view.read_cached(0, 4096).is_none());
+    }
+}
