@@ -70,3 +70,78 @@ impl Codec for ZstdChunked {
         regions(layer, Extent::Structure).ranges(layer)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+    use crate::format::zstd_chunked::testing::write_layer;
+    use crate::layer::{LayerKind, Resolved};
+
+    const CHUNK: usize = 64 << 10;
+
+    /// A layer of `data` in 64 KiB chunks, opened from its TOC, and its blob.
+    fn layer(data: &[u8]) -> (Layer, Vec<u8>) {
+        let (summary, blob) = write_layer(data, CHUNK);
+        let loc = summary.toc_location;
+        let meta = LayerMeta {
+            reference: "r.example/vm:1".parse().unwrap(),
+            layer_digest: summary.digest,
+            layer_size: blob.len() as u64,
+            toc_offset: loc.offset,
+            toc_length: loc.length,
+            toc_uncompressed_length: loc.uncompressed_length,
+            toc_digest: loc.checksum,
+            disk_path: None,
+            diff_id: summary.diff_id,
+            kind: LayerKind::ZstdChunked,
+        };
+        let toc = &blob[loc.range().start as usize..loc.range().end as usize];
+        let layer = crate::layer::codec::open(meta.reference.clone(), meta, toc, Resolved::Offline)
+            .unwrap();
+        (layer, blob)
+    }
+
+    #[test]
+    fn a_run_hands_each_chunk_its_own_verdict() {
+        let data: Vec<u8> = (0..3 * CHUNK).map(|i| (i * 31 % 253) as u8).collect();
+        let (layer, blob) = layer(&data);
+        let run = [0, 1, 2];
+        let range = layer.chunks[0].compressed.start..layer.chunks[2].compressed.end;
+        let mut bytes = blob[range.start as usize..range.end as usize].to_vec();
+        // One byte of chunk 1's frame flipped: it fails, its neighbours do not.
+        let flip = (layer.chunks[1].compressed.start - range.start) as usize + 20;
+        bytes[flip] ^= 0x40;
+        let mut verdicts = Vec::new();
+        ZstdChunked
+            .decode_run(&layer, &run, &bytes, None, &mut |idx, decoded| {
+                verdicts.push((idx, decoded.map(<[u8]>::to_vec).map_err(|e| e.kind())));
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(verdicts.len(), 3);
+        assert_eq!(verdicts[0], (0, Ok(data[..CHUNK].to_vec())));
+        assert_eq!(verdicts[1], (1, Err(ErrorKind::Corrupt)));
+        assert_eq!(verdicts[2], (2, Ok(data[2 * CHUNK..].to_vec())));
+    }
+
+    #[test]
+    fn the_structure_check_reads_between_chunks_and_stops_before_the_toc() {
+        let data = vec![7u8; 2 * CHUNK];
+        let (layer, _) = layer(&data);
+        let ranges = ZstdChunked.structure_ranges(&layer).unwrap();
+        assert!(!ranges.is_empty());
+        let toc_frame = layer.meta.toc_offset - 8;
+        for r in &ranges {
+            assert!(r.end <= toc_frame, "{r:?} reaches into the TOC's frame");
+            for c in &layer.chunks {
+                assert!(
+                    r.end <= c.compressed.start || r.start >= c.compressed.end,
+                    "{r:?} overlaps a chunk ({:?})",
+                    c.compressed
+                );
+            }
+        }
+        assert_eq!(ranges.last().unwrap().end, toc_frame);
+    }
+}
