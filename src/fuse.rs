@@ -110,17 +110,9 @@ fn attr(
     }
 }
 
-/// The inode of directory `path`, created (with its missing parents) as a 0755 root-owned
-/// directory if the TOC did not list it. Each directory is created once, so building a tree
-/// is linear in the TOC.
-fn directory(inodes: &mut Vec<Inode>, by_path: &mut HashMap<String, u64>, path: &str) -> u64 {
-    if let Some(&ino) = by_path.get(path) {
-        return ino;
-    }
-    let (dir, leaf) = path.rsplit_once('/').unwrap_or(("", path));
-    let parent = directory(inodes, by_path, dir);
-    let ino = inodes.len() as u64;
-    inodes.push(Inode {
+/// A directory inode the TOC does not describe: 0755, root's, at the epoch.
+fn made_directory(ino: u64, parent: u64) -> Inode {
+    Inode {
         attr: attr(
             ino,
             FileType::Directory,
@@ -134,7 +126,20 @@ fn directory(inodes: &mut Vec<Inode>, by_path: &mut HashMap<String, u64>, path: 
         content: Content::None,
         link: OsString::new(),
         children: Vec::new(),
-    });
+    }
+}
+
+/// The inode of directory `path`, created (with its missing parents) as a 0755 root-owned
+/// directory if the TOC did not list it. Each directory is created once, so building a tree
+/// is linear in the TOC.
+fn directory(inodes: &mut Vec<Inode>, by_path: &mut HashMap<String, u64>, path: &str) -> u64 {
+    if let Some(&ino) = by_path.get(path) {
+        return ino;
+    }
+    let (dir, leaf) = path.rsplit_once('/').unwrap_or(("", path));
+    let parent = directory(inodes, by_path, dir);
+    let ino = inodes.len() as u64;
+    inodes.push(made_directory(ino, parent));
     inodes[parent as usize]
         .children
         .push((OsString::from(leaf), ino));
@@ -145,30 +150,8 @@ fn directory(inodes: &mut Vec<Inode>, by_path: &mut HashMap<String, u64>, path: 
 impl LayerFs {
     /// Builds the tree from the layer's TOC.
     pub fn new(engine: Arc<Engine>, runtime: tokio::runtime::Handle, passthrough: bool) -> Self {
-        let mut inodes = vec![
-            Inode {
-                attr: attr(0, FileType::Directory, 0, 0, 0, 0, SystemTime::UNIX_EPOCH),
-                parent: 0,
-                content: Content::None,
-                link: OsString::new(),
-                children: Vec::new(),
-            },
-            Inode {
-                attr: attr(
-                    ROOT,
-                    FileType::Directory,
-                    0,
-                    0o755,
-                    0,
-                    0,
-                    SystemTime::UNIX_EPOCH,
-                ),
-                parent: ROOT,
-                content: Content::None,
-                link: OsString::new(),
-                children: Vec::new(),
-            },
-        ];
+        // Inode 0 is never used (numbers are positions; FUSE's root is 1).
+        let mut inodes = vec![made_directory(0, 0), made_directory(ROOT, ROOT)];
         let mut by_path: HashMap<String, u64> = HashMap::from([(String::new(), ROOT)]);
         let layer = &engine.layer;
         for (n, node) in layer.nodes.iter().enumerate() {
@@ -604,22 +587,7 @@ mod tests {
     use super::*;
 
     fn roots() -> Vec<Inode> {
-        let dir = |ino| Inode {
-            attr: attr(
-                ino,
-                FileType::Directory,
-                0,
-                0o755,
-                0,
-                0,
-                SystemTime::UNIX_EPOCH,
-            ),
-            parent: ROOT,
-            content: Content::None,
-            link: OsString::new(),
-            children: Vec::new(),
-        };
-        vec![dir(0), dir(ROOT)]
+        vec![made_directory(0, 0), made_directory(ROOT, ROOT)]
     }
 
     #[test]

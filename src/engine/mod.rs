@@ -990,20 +990,7 @@ mod tests {
         summary: &crate::format::zstd_chunked::LayerSummary,
         opts: EngineOptions,
     ) -> (Arc<Engine>, Arc<FakeBlob>, tempfile::TempDir) {
-        let loc = summary.toc_location;
-        let meta = LayerMeta {
-            reference: "127.0.0.1:1/test/t:1".parse().unwrap(),
-            layer_digest: summary.digest,
-            layer_size: blob.len() as u64,
-            toc_offset: loc.offset,
-            toc_length: loc.length,
-            toc_uncompressed_length: loc.uncompressed_length,
-            toc_digest: loc.checksum,
-            disk_path: None,
-            diff_id: summary.diff_id,
-            kind: LayerKind::ZstdChunked,
-        };
-        let toc = blob[loc.offset as usize..(loc.offset + loc.length) as usize].to_vec();
+        let (meta, toc) = crate::layer::testing::zstd_chunked_meta(summary, &blob);
         engine_of_layer(blob, meta, &toc, opts)
     }
 

@@ -9,6 +9,8 @@
 
 pub mod codec;
 mod record;
+#[cfg(test)]
+pub(crate) mod testing;
 
 use std::ops::Range;
 

@@ -76,29 +76,17 @@ mod tests {
     use super::*;
     use crate::error::ErrorKind;
     use crate::format::zstd_chunked::testing::write_layer;
-    use crate::layer::{LayerKind, Resolved};
+    use crate::layer::Resolved;
 
     const CHUNK: usize = 64 << 10;
 
     /// A layer of `data` in 64 KiB chunks, opened from its TOC, and its blob.
     fn layer(data: &[u8]) -> (Layer, Vec<u8>) {
         let (summary, blob) = write_layer(data, CHUNK);
-        let loc = summary.toc_location;
-        let meta = LayerMeta {
-            reference: "r.example/vm:1".parse().unwrap(),
-            layer_digest: summary.digest,
-            layer_size: blob.len() as u64,
-            toc_offset: loc.offset,
-            toc_length: loc.length,
-            toc_uncompressed_length: loc.uncompressed_length,
-            toc_digest: loc.checksum,
-            disk_path: None,
-            diff_id: summary.diff_id,
-            kind: LayerKind::ZstdChunked,
-        };
-        let toc = &blob[loc.range().start as usize..loc.range().end as usize];
-        let layer = crate::layer::codec::open(meta.reference.clone(), meta, toc, Resolved::Offline)
-            .unwrap();
+        let (meta, toc) = crate::layer::testing::zstd_chunked_meta(&summary, &blob);
+        let layer =
+            crate::layer::codec::open(meta.reference.clone(), meta, &toc, Resolved::Offline)
+                .unwrap();
         (layer, blob)
     }
 
