@@ -32,20 +32,7 @@ impl Engine {
             );
         }
         // Runs of chunks adjacent in `order` and in the blob, one request each.
-        let mut runs: Vec<Range<usize>> = Vec::new();
-        for &c in &order {
-            let chunk = &self.layer.chunks[c];
-            match runs.last_mut() {
-                Some(run)
-                    if run.end == c
-                        && chunk.compressed.end - self.layer.chunks[run.start].compressed.start
-                            <= self.opts.max_request_bytes =>
-                {
-                    run.end += 1
-                }
-                _ => runs.push(c..c + 1),
-            }
-        }
+        let runs = self.request_runs(order.iter().copied());
         let mut fetches = futures_util::stream::iter(runs.into_iter().map(|r| self.ensure(r)))
             .buffered(in_flight.max(1));
         while let Some(result) = fetches.next().await {
@@ -78,12 +65,8 @@ impl Engine {
     pub async fn hydrate(&self, concurrency: usize, bytes_per_second: Option<u64>) -> Result<()> {
         self.usable()?;
         use futures_util::StreamExt;
-        let total = self.layer.chunks.len();
-        let batch = 16;
-        let batches: Vec<Range<usize>> = (0..total)
-            .step_by(batch)
-            .map(|s| s..(s + batch).min(total))
-            .collect();
+        // A batch is what one request covers (16 chunks of 256 KiB at the default 4 MiB).
+        let batches = self.request_runs(0..self.layer.chunks.len());
         // The pace of a rate-limited hydration: since when, and the bytes started since; a
         // wait for the readers starts it anew (the rest does not let it catch up).
         let pace = Mutex::new((Instant::now(), 0u64));

@@ -398,30 +398,41 @@ impl Engine {
         }
     }
 
-    /// Groups claimed chunk indices into runs that one Range request can fetch: adjacent in
-    /// the blob, same file, bounded size.
+    /// Whether chunk `next` joins the run `first..=last` in one Range request: the next chunk
+    /// of the same file, adjacent in the blob, and the request within `max_request_bytes`.
+    /// The one place that decides what a request covers (demand runs, ranges in order,
+    /// hydration's batches).
+    fn joins_run(&self, first: usize, last: usize, next: usize) -> bool {
+        let (last_file, last_chunk) = self.layer.chunk(last);
+        let (file, chunk) = self.layer.chunk(next);
+        last + 1 == next
+            && last_file == file
+            && adjacent(&last_chunk.compressed, &chunk.compressed)
+            && chunk.compressed.end - self.layer.chunks[first].compressed.start
+                <= self.opts.max_request_bytes
+    }
+
+    /// Chunk indices in `order` grouped into runs one Range request each can fetch
+    /// ([`Engine::joins_run`]).
+    fn request_runs(&self, order: impl IntoIterator<Item = usize>) -> Vec<Range<usize>> {
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for idx in order {
+            match runs.last_mut() {
+                Some(run) if self.joins_run(run.start, run.end - 1, idx) => run.end += 1,
+                _ => runs.push(idx..idx + 1),
+            }
+        }
+        runs
+    }
+
+    /// Claimed chunk indices in runs that one Range request can fetch.
     fn runs(&self, claimed: &[usize]) -> Vec<Vec<usize>> {
         let mut sorted = claimed.to_vec();
         sorted.sort_unstable();
-        let mut runs: Vec<Vec<usize>> = Vec::new();
-        for idx in sorted {
-            let (file, chunk) = self.layer.chunk(idx);
-            if let Some(run) = runs.last_mut() {
-                let last = *run.last().expect("runs are never empty");
-                let (last_file, last_chunk) = self.layer.chunk(last);
-                let first = &self.layer.chunks[run[0]];
-                if last + 1 == idx
-                    && last_file == file
-                    && adjacent(&last_chunk.compressed, &chunk.compressed)
-                    && chunk.compressed.end - first.compressed.start <= self.opts.max_request_bytes
-                {
-                    run.push(idx);
-                    continue;
-                }
-            }
-            runs.push(vec![idx]);
-        }
-        runs
+        self.request_runs(sorted)
+            .into_iter()
+            .map(|run| run.collect())
+            .collect()
     }
 
     /// Fetches one run: copies what another cached layer has, fetches the rest.
