@@ -9,6 +9,9 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{Engine, Priority, HYDRATE_WHEN_FULL, READERS_REST};
+
+/// Chunks in one batch of hydration (4 MiB of 256 KiB chunks).
+const HYDRATE_BATCH: usize = 16;
 use crate::error::Result;
 
 impl Engine {
@@ -65,8 +68,14 @@ impl Engine {
     pub async fn hydrate(&self, concurrency: usize, bytes_per_second: Option<u64>) -> Result<()> {
         self.usable()?;
         use futures_util::StreamExt;
-        // A batch is what one request covers (16 chunks of 256 KiB at the default 4 MiB).
-        let batches = self.request_runs(0..self.layer.chunks.len());
+        // A batch is the unit hydration paces and runs `concurrency` of (what each request of it
+        // covers is `Engine::joins_run`'s to say): a fixed count of chunks, so a batch of a
+        // sparse disk's zero chunks is not gigabytes the pace must then wait for.
+        let total = self.layer.chunks.len();
+        let batches: Vec<Range<usize>> = (0..total)
+            .step_by(HYDRATE_BATCH)
+            .map(|s| s..(s + HYDRATE_BATCH).min(total))
+            .collect();
         // The pace of a rate-limited hydration: since when, and the bytes started since; a
         // wait for the readers starts it anew (the rest does not let it catch up).
         let pace = Mutex::new((Instant::now(), 0u64));

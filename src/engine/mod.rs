@@ -400,8 +400,8 @@ impl Engine {
 
     /// Whether chunk `next` joins the run `first..=last` in one Range request: the next chunk
     /// of the same file, adjacent in the blob, and the request within `max_request_bytes`.
-    /// The one place that decides what a request covers (demand runs, ranges in order,
-    /// hydration's batches).
+    /// The one place that decides what a request covers (demand runs, ranges in order, and so
+    /// hydration's batches, which are claimed as demand runs are).
     fn joins_run(&self, first: usize, last: usize, next: usize) -> bool {
         let (last_file, last_chunk) = self.layer.chunk(last);
         let (file, chunk) = self.layer.chunk(next);

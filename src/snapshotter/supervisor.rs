@@ -533,3 +533,37 @@ impl LayerServers {
         Ok(Some(status))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_layers_lock_holds_back_only_that_layer_and_the_map_keeps_only_live_locks() {
+        let locks = LayerLocks::default();
+        let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
+        let held = locks.lock(&a).await;
+        // Another layer is not held back by it.
+        let other = tokio::time::timeout(Duration::from_secs(5), locks.lock(&b))
+            .await
+            .expect("another layer's lock waits for nothing");
+        drop(other);
+        // The same layer waits until the holder lets go.
+        let waiting = tokio::time::timeout(Duration::from_millis(100), locks.lock(&a)).await;
+        assert!(
+            waiting.is_err(),
+            "a second lock of the same layer did not wait"
+        );
+        drop(held);
+        let again = tokio::time::timeout(Duration::from_secs(5), locks.lock(&a))
+            .await
+            .expect("the lock is free once let go");
+        // Locks nobody holds or waits for are forgotten at the next lock: `b`'s is gone.
+        let kept = |locks: &LayerLocks| locks.locks.lock().keys().copied().collect::<Vec<_>>();
+        assert_eq!(kept(&locks), [a]);
+        drop(again);
+        let c = Digest::of(b"c");
+        let _c = locks.lock(&c).await;
+        assert_eq!(kept(&locks), [c], "only the live lock is kept");
+    }
+}
