@@ -519,7 +519,21 @@ impl Engine {
         })?;
         for idx in failed {
             let what = format!("chunk {idx} of layer {}", self.layer.meta.layer_digest);
-            crate::layer::fetch_checked_again(&what, || self.fetch_chunk_again(idx)).await?;
+            crate::layer::fetch_checked_again(&what, || self.fetch_chunk_again(idx))
+                .await
+                .map_err(|e| match e.kind() {
+                    // Named once the tries ran out (each failed try is logged as it happens).
+                    ErrorKind::Corrupt => {
+                        let (file, chunk) = self.layer.chunk(idx);
+                        e.context(format!(
+                            "chunk {idx} (offset {} of {}) failed verification on each of {} fetches",
+                            chunk.offset,
+                            self.layer.file_path(file),
+                            crate::layer::VERIFY_TRIES
+                        ))
+                    }
+                    _ => e,
+                })?;
         }
         Ok(())
     }
@@ -540,16 +554,8 @@ impl Engine {
                 &frame,
                 Some(&window),
                 &mut |idx, decoded| {
-                    let data = decoded.map_err(|e| {
-                        Stats::add(&self.stats.verify_failures, 1);
-                        let (file, chunk) = self.layer.chunk(idx);
-                        e.context(format!(
-                            "chunk {idx} (offset {} of {}) failed verification on each of {} fetches",
-                            chunk.offset,
-                            self.layer.file_path(file),
-                            crate::layer::VERIFY_TRIES
-                        ))
-                    })?;
+                    let data =
+                        decoded.inspect_err(|_| Stats::add(&self.stats.verify_failures, 1))?;
                     self.store(idx, data)
                 },
             )

@@ -155,12 +155,17 @@ impl Outcome {
         }
     }
 
-    /// The name it is counted under: `decision/<decision>[:<reason>]`.
-    pub fn counter(self) -> String {
+    /// Its name among the decisions: `<decision>[:<reason>]` (as `vmdisk stats` shows it).
+    pub fn name(self) -> String {
         match self.reason() {
-            "" => format!("decision/{}", self.decision()),
-            reason => format!("decision/{}:{reason}", self.decision()),
+            "" => self.decision().to_string(),
+            reason => format!("{}:{reason}", self.decision()),
         }
+    }
+
+    /// The name it is counted under: `decision/` and its [`Outcome::name`].
+    pub fn counter(self) -> String {
+        format!("decision/{}", self.name())
     }
 }
 

@@ -57,9 +57,9 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
 /// and each registry endpoint's.
 fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     let decisions = Family::<Labels, Counter>::default();
+    let counted = s.counters.with_prefix("decision/");
     for outcome in Outcome::all() {
-        let v = s.counters.get(&outcome.counter());
-        if v > 0 {
+        if let Some(&v) = counted.get(&outcome.name()) {
             decisions
                 .get_or_create(&vec![
                     ("decision", outcome.decision().to_string()),
