@@ -448,8 +448,16 @@ pub fn parse_or_exit(name: &str) -> Cli {
     use clap::error::ErrorKind as Kind;
     match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) if matches!(e.kind(), Kind::DisplayHelp | Kind::DisplayVersion) => e.exit(),
-        Err(e) if e.kind() == Kind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+        Err(e)
+            if matches!(
+                e.kind(),
+                Kind::DisplayHelp
+                    | Kind::DisplayVersion
+                    | Kind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) =>
+        {
+            e.exit()
+        }
         Err(e) => {
             let text = e.render().to_string();
             let first = text.lines().next().unwrap_or_default();
