@@ -429,6 +429,10 @@ pub struct CriContainerd {
     pub dir: PathBuf,
     pub socket: PathBuf,
     pub log: PathBuf,
+    config: PathBuf,
+    /// The process whose mount and PID namespaces containerd runs in (a node of its own,
+    /// entered with nsenter), if not this machine's.
+    node: Option<u32>,
 }
 
 impl CriContainerd {
@@ -565,28 +569,55 @@ state = "{d}/state"
 
     /// Starts containerd `release` with `dir/config.toml` and waits for its CRI to answer.
     fn launch(release: Release, dir: PathBuf, socket: PathBuf, env: &[(&str, String)]) -> Self {
+        let config = dir.join("config.toml");
+        Self::launch_in(release, dir, socket, config, None, env)
+    }
+
+    /// containerd `release` with configuration `config` (whose `grpc.address` is `socket`, as
+    /// `node` sees it), in the namespaces of process `node` if given; its log in `dir`.
+    pub fn launch_in(
+        release: Release,
+        dir: PathBuf,
+        socket: PathBuf,
+        config: PathBuf,
+        node: Option<u32>,
+        env: &[(&str, String)],
+    ) -> Self {
+        std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join("containerd.log");
-        let child = Self::spawn(release, &dir, &log, env);
-        let c = CriContainerd {
-            child,
+        let mut c = CriContainerd {
+            child: Command::new("true").spawn().unwrap(),
             release,
             dir,
             socket,
             log,
+            config,
+            node,
         };
+        c.child = c.spawn(env);
         c.wait_ready();
         c
     }
 
-    fn spawn(release: Release, dir: &Path, log: &Path, env: &[(&str, String)]) -> Child {
+    fn spawn(&self, env: &[(&str, String)]) -> Child {
         let path = format!(
             "{}:{}",
-            release.bin_dir().display(),
+            self.release.bin_dir().display(),
             std::env::var("PATH").unwrap_or_default()
         );
-        Command::new(release.bin_dir().join("containerd"))
+        let containerd = self.release.bin_dir().join("containerd");
+        let mut command = match self.node {
+            Some(pid) => {
+                let mut c = Command::new("nsenter");
+                c.args(["-t", &pid.to_string(), "-m", "-p", "--"])
+                    .arg(containerd);
+                c
+            }
+            None => Command::new(containerd),
+        };
+        command
             .arg("--config")
-            .arg(dir.join("config.toml"))
+            .arg(&self.config)
             .env("PATH", path)
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdout(Stdio::null())
@@ -594,11 +625,20 @@ state = "{d}/state"
                 std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
-                    .open(log)
+                    .open(&self.log)
                     .unwrap(),
             )
             .spawn()
             .expect("start containerd")
+    }
+
+    /// containerd's own process (nsenter's child when it runs in a node of its own).
+    fn pid(&self) -> u32 {
+        let id = self.child.id();
+        match self.node {
+            None => id,
+            Some(_) => children(id).first().copied().unwrap_or(id),
+        }
     }
 
     fn wait_ready(&self) {
@@ -625,10 +665,10 @@ state = "{d}/state"
     /// Stops containerd (SIGTERM, as systemd does) and starts it again with the same
     /// configuration; containers keep running under their shims.
     pub fn restart(&mut self) {
-        run_quiet("kill", &["-TERM", &self.child.id().to_string()]);
+        run_quiet("kill", &["-TERM", &self.pid().to_string()]);
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.socket);
-        self.child = Self::spawn(self.release, &self.dir, &self.log, &[]);
+        self.child = self.spawn(&[]);
         self.wait_ready();
     }
 
@@ -923,10 +963,20 @@ impl Drop for CriContainerd {
         let _ = Command::new("pkill")
             .args(["-KILL", "-f", &self.dir.display().to_string()])
             .status();
+        run_quiet("kill", &["-KILL", &self.pid().to_string()]);
         let _ = self.child.kill();
         let _ = self.child.wait();
         unmount_under(&self.dir);
     }
+}
+
+/// The children of process `pid`.
+pub fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
 }
 
 /// The lines a container wrote, from a CRI log file (`<time> stdout F <line>`).

@@ -8,6 +8,7 @@ mod cli;
 mod conformance;
 mod cri;
 mod daemon;
+mod daemonset;
 mod fleet;
 mod harness;
 mod hostile;

@@ -34,7 +34,7 @@ fn run_in(
 
 /// Runs container `name` of `image` (a containerDisk) in `sandbox`, KubeVirt's way: it reads
 /// `/disk/disk.qcow2` whole, and what it read has the digest `want`.
-fn reads_the_disk(
+pub(crate) fn reads_the_disk(
     ctd: &CriContainerd,
     sandbox: &(String, cri::PodSandboxConfig),
     logs: &Path,

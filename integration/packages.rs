@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::harness::*;
 
 /// The directory of the binaries under test (target/debug or target/release).
-fn bin_dir() -> PathBuf {
+pub(crate) fn bin_dir() -> PathBuf {
     Path::new(env!("CARGO_BIN_EXE_vmdisk-snapshotter"))
         .parent()
         .unwrap()
@@ -25,7 +25,7 @@ fn repo() -> PathBuf {
 }
 
 /// Runs `packaging/<script>` with `args` (it must succeed); the last line it printed.
-fn packaging(script: &str, args: &[&str]) -> String {
+pub(crate) fn packaging(script: &str, args: &[&str]) -> String {
     let out = run(
         repo().join("packaging").join(script).to_str().unwrap(),
         args,
@@ -290,7 +290,7 @@ fn rt_version(ctd: &crate::cri::CriContainerd) {
 }
 
 /// The YAML documents of `file`, as JSON values.
-fn yaml_documents(file: &Path) -> Vec<serde_json::Value> {
+pub(crate) fn yaml_documents(file: &Path) -> Vec<serde_json::Value> {
     let out = run(
         "python3",
         &[

@@ -1,0 +1,529 @@
+//! The shipped DaemonSet run as kubelet runs it, on a node of its own: a mount and PID
+//! namespace whose `/etc`, `/var/lib` and `/run` are this machine's under a writable overlay,
+//! with the node's containerd configuration, trust store (Debian's roots and a test CA, the
+//! "public" CA of an HTTPS registry) and group file (its `kvm` group) bound in. The node's
+//! containerd (1.7, 2.x; overlayfs) pulls the image `make image` builds; the pod spec of
+//! `packaging/kubernetes/vmdisk.yaml` becomes the CRI calls kubelet makes for it (sandbox on the
+//! host network, the init container to its end, the privileged daemon with its volumes as
+//! kubelet mounts them, the readiness probe by exec); then, as install.md says, containerd is
+//! restarted once and a KubeVirt-style pod (the `kubevirt` RuntimeClass and the annotation)
+//! starts from a containerDisk pulled lazily over HTTPS and reads `/disk` identical.
+//!
+//! The node ends with its PID namespace: every process of it (containerd, shims, the pods, the
+//! mount servers) is killed with its first process.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_cri::v1 as cri;
+use serde_json::Value;
+
+use crate::cri::{children, labels, rt, CriContainerd, Release};
+use crate::harness::*;
+
+/// The group the node's hypervisor runs in, as the node's `/etc/group` names it.
+const KVM_GID: u32 = 4242;
+
+/// A node: the first process of its PID namespace holds its mounts.
+struct Node {
+    holder: Child,
+    /// The node's first process, as this machine numbers it.
+    init: u32,
+    /// Where the node's own directories live on this machine.
+    root: PathBuf,
+}
+
+/// The node's directories bound over this machine's paths.
+const BINDS: [(&str, &str); 7] = [
+    ("run-containerd", "/run/containerd"),
+    ("run-vmdisk", "/run/vmdisk"),
+    ("state", "/var/lib/vmdisk-snapshotter"),
+    ("etc-containerd", "/etc/containerd"),
+    ("etc-vmdisk", "/etc/vmdisk"),
+    ("usr-local-bin", "/usr/local/bin"),
+    ("certs", "/etc/ssl/certs"),
+];
+
+impl Node {
+    /// A node whose trust store also trusts `ca` (a PEM file).
+    fn start(scratch: &Scratch, ca: &Path) -> Self {
+        require("unshare");
+        require("nsenter");
+        let root = scratch.path("node");
+        for (dir, _) in BINDS {
+            std::fs::create_dir_all(root.join(dir)).unwrap();
+        }
+        let mut roots = std::fs::read_to_string("/etc/ssl/certs/ca-certificates.crt").unwrap();
+        roots.push_str(&std::fs::read_to_string(ca).unwrap());
+        std::fs::write(root.join("certs/ca-certificates.crt"), roots).unwrap();
+        let mut group: String = std::fs::read_to_string("/etc/group")
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with("kvm:"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        group.push_str(&format!("kvm:x:{KVM_GID}:\n"));
+        std::fs::write(root.join("group"), group).unwrap();
+        let binds: String = BINDS
+            .iter()
+            .map(|(dir, at)| format!("mkdir -p {at}; mount --bind \"$N/{dir}\" {at}\n"))
+            .collect();
+        let script = format!(
+            r#"set -eu
+mount --make-rshared /
+for d in etc var/lib run; do
+  mkdir -p "$N/overlay/$d/upper" "$N/overlay/$d/work"
+  mount -t overlay overlay -o "lowerdir=/$d,upperdir=$N/overlay/$d/upper,workdir=$N/overlay/$d/work" "/$d"
+done
+{binds}mount --bind "$N/group" /etc/group
+touch "$N/up"
+exec sleep infinity
+"#
+        );
+        let holder = Command::new("unshare")
+            .args([
+                "--mount",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                &script,
+            ])
+            .env("N", &root)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !root.join("up").exists() {
+            assert!(Instant::now() < deadline, "the node's mounts were not made");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let init = children(holder.id())[0];
+        Node { holder, init, root }
+    }
+
+    /// Runs `script` in the node's mount namespace; whether it succeeded.
+    fn sh(&self, script: &str) -> bool {
+        Command::new("nsenter")
+            .args(["-t", &self.init.to_string(), "-m", "--", "sh", "-c", script])
+            .status()
+            .unwrap()
+            .success()
+    }
+
+    /// The path on this machine of the node's path `at` (one of [`BINDS`]).
+    fn path(&self, at: &str) -> PathBuf {
+        let (dir, rest) = BINDS
+            .iter()
+            .find_map(|(dir, b)| Path::new(at).strip_prefix(b).ok().map(|r| (dir, r)))
+            .unwrap_or_else(|| panic!("{at} is not one of the node's own paths"));
+        self.root.join(dir).join(rest)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        run_quiet_kill(self.init);
+        let _ = self.holder.wait();
+    }
+}
+
+fn run_quiet_kill(pid: u32) {
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+}
+
+/// kubelet's part: the CRI calls for a pod spec's containers.
+struct Kubelet<'a> {
+    ctd: &'a CriContainerd,
+    node: &'a Node,
+    /// Where configMap volumes are written (kubelet's pods directory).
+    pods: PathBuf,
+    logs: PathBuf,
+}
+
+impl Kubelet<'_> {
+    /// The sandbox of `pod` (named `name` in `namespace`) on `handler`, as kubelet asks for it.
+    fn run_sandbox(
+        &self,
+        namespace: &str,
+        name: &str,
+        pod: &Value,
+    ) -> (String, cri::PodSandboxConfig) {
+        let privileged = containers(pod)
+            .iter()
+            .any(|c| c["securityContext"]["privileged"] == true);
+        let network = match pod["hostNetwork"] == true {
+            true => cri::NamespaceMode::Node,
+            false => cri::NamespaceMode::Pod,
+        };
+        let config = cri::PodSandboxConfig {
+            metadata: Some(cri::PodSandboxMetadata {
+                name: name.into(),
+                uid: format!("uid-{name}"),
+                namespace: namespace.into(),
+                attempt: 0,
+            }),
+            log_directory: self.logs.display().to_string(),
+            linux: Some(cri::LinuxPodSandboxConfig {
+                security_context: Some(cri::LinuxSandboxSecurityContext {
+                    namespace_options: Some(cri::NamespaceOption {
+                        network: network as i32,
+                        ..Default::default()
+                    }),
+                    privileged,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let id = rt().block_on(async {
+            self.ctd
+                .runtime()
+                .await
+                .unwrap()
+                .run_pod_sandbox(cri::RunPodSandboxRequest {
+                    config: Some(config.clone()),
+                    runtime_handler: String::new(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", self.ctd.log_text()))
+                .into_inner()
+                .pod_sandbox_id
+        });
+        (id, config)
+    }
+
+    /// The mounts kubelet makes for container `c`'s volumeMounts: a hostPath as it is (checked
+    /// or created as its `type` says, on the node), a configMap's data written to a directory
+    /// and mounted read-only (kubelet mounts those read-only whatever the spec says).
+    fn mounts(&self, pod: &Value, c: &Value) -> Vec<cri::Mount> {
+        let volumes = pod["volumes"].as_array().unwrap();
+        let mut out = Vec::new();
+        for m in c["volumeMounts"].as_array().into_iter().flatten() {
+            let v = volumes
+                .iter()
+                .find(|v| v["name"] == m["name"])
+                .unwrap_or_else(|| panic!("no volume {}", m["name"]));
+            let (host_path, forced_ro) = if let Some(map) = v["configMap"]["name"].as_str() {
+                let dir = self.pods.join(map);
+                std::fs::create_dir_all(&dir).unwrap();
+                let data = self.config_map(map);
+                for (key, text) in data.as_object().unwrap() {
+                    std::fs::write(dir.join(key), text.as_str().unwrap()).unwrap();
+                }
+                (dir.display().to_string(), true)
+            } else {
+                let path = v["hostPath"]["path"].as_str().unwrap();
+                let check = match v["hostPath"]["type"].as_str().unwrap_or("") {
+                    "DirectoryOrCreate" => format!("mkdir -p {path}"),
+                    "Directory" => format!("test -d {path}"),
+                    "File" => format!("test -f {path}"),
+                    "CharDevice" => format!("test -c {path}"),
+                    other => panic!("hostPath type {other:?}"),
+                };
+                assert!(
+                    self.node.sh(&check),
+                    "hostPath {path}: `{check}` failed on the node"
+                );
+                (path.to_string(), false)
+            };
+            let propagation = match m["mountPropagation"].as_str().unwrap_or("None") {
+                "Bidirectional" => cri::MountPropagation::PropagationBidirectional,
+                "HostToContainer" => cri::MountPropagation::PropagationHostToContainer,
+                _ => cri::MountPropagation::PropagationPrivate,
+            };
+            out.push(cri::Mount {
+                container_path: m["mountPath"].as_str().unwrap().into(),
+                host_path,
+                readonly: forced_ro || m["readOnly"] == true,
+                propagation: propagation as i32,
+                ..Default::default()
+            });
+        }
+        out
+    }
+
+    fn config_map(&self, name: &str) -> Value {
+        manifest()
+            .into_iter()
+            .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no ConfigMap {name}"))["data"]
+            .clone()
+    }
+
+    /// Creates and starts container `c` of `pod` in `sandbox` from `image`; its id.
+    fn start(
+        &self,
+        sandbox: &(String, cri::PodSandboxConfig),
+        pod: &Value,
+        c: &Value,
+        image: &str,
+    ) -> String {
+        let name = c["name"].as_str().unwrap();
+        let strings = |v: &Value| -> Vec<String> {
+            v.as_array()
+                .into_iter()
+                .flatten()
+                .map(|s| s.as_str().unwrap().to_string())
+                .collect()
+        };
+        let config = cri::ContainerConfig {
+            metadata: Some(cri::ContainerMetadata {
+                name: name.into(),
+                attempt: 0,
+            }),
+            image: Some(cri::ImageSpec {
+                image: image.into(),
+                ..Default::default()
+            }),
+            command: strings(&c["command"]),
+            args: strings(&c["args"]),
+            log_path: format!("{name}.log"),
+            mounts: self.mounts(pod, c),
+            linux: Some(cri::LinuxContainerConfig {
+                security_context: Some(cri::LinuxContainerSecurityContext {
+                    privileged: c["securityContext"]["privileged"] == true,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        rt().block_on(async {
+            let mut r = self.ctd.runtime().await.unwrap();
+            let id = r
+                .create_container(cri::CreateContainerRequest {
+                    pod_sandbox_id: sandbox.0.clone(),
+                    config: Some(config),
+                    sandbox_config: Some(sandbox.1.clone()),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("CreateContainer {name}: {e}\n{}", self.ctd.log_text()))
+                .into_inner()
+                .container_id;
+            r.start_container(cri::StartContainerRequest {
+                container_id: id.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("StartContainer {name}: {e}\n{}", self.ctd.log_text()));
+            id
+        })
+    }
+
+    /// Runs `probe`'s exec command in container `id` until it succeeds (kubelet's readiness),
+    /// within `within`.
+    fn wait_ready(&self, id: &str, probe: &Value, within: Duration) {
+        let cmd: Vec<String> = probe["exec"]["command"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap().to_string())
+            .collect();
+        let timeout = probe["timeoutSeconds"].as_i64().unwrap_or(1);
+        let deadline = Instant::now() + within;
+        loop {
+            let answer = rt().block_on(async {
+                self.ctd
+                    .runtime()
+                    .await
+                    .unwrap()
+                    .exec_sync(cri::ExecSyncRequest {
+                        container_id: id.into(),
+                        cmd: cmd.clone(),
+                        timeout,
+                    })
+                    .await
+            });
+            let last = match answer {
+                Ok(r) if r.get_ref().exit_code == 0 => return,
+                Ok(r) => String::from_utf8_lossy(&r.into_inner().stderr).into_owned(),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                Instant::now() < deadline,
+                "the readiness probe {cmd:?} did not pass: {last}\n{}",
+                std::fs::read_to_string(self.logs.join("snapshotter.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+}
+
+/// The manifest's documents.
+fn manifest() -> Vec<Value> {
+    crate::packages::yaml_documents(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes/vmdisk.yaml"),
+    )
+}
+
+/// A pod spec's init containers then its containers.
+fn containers(pod: &Value) -> Vec<&Value> {
+    ["initContainers", "containers"]
+        .iter()
+        .filter_map(|k| pod[k].as_array())
+        .flatten()
+        .collect()
+}
+
+fn daemonset(release: Release) {
+    release.require();
+    require("skopeo");
+    let scratch = Scratch::new();
+    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
+    // The node image as `make image` builds it, in the registry the node reaches over HTTPS.
+    let docs = manifest();
+    let ds = docs.iter().find(|d| d["kind"] == "DaemonSet").unwrap();
+    let pod = &ds["spec"]["template"]["spec"];
+    let shipped = containers(pod)[0]["image"].as_str().unwrap().to_string();
+    crate::packages::packaging(
+        "image.sh",
+        &[
+            crate::packages::bin_dir().to_str().unwrap(),
+            &format!("docker://{}/{shipped}", reg.host()),
+        ],
+    );
+    let (front, ca) = reg.tls_front(&scratch);
+    let https = front.host();
+    let node = Node::start(&scratch, &ca);
+
+    // The node as the installer left it: containerd on overlayfs, a hosts.toml for the
+    // registry that names no CA (its certificate is checked against the trust store).
+    let certs = node.path("/etc/containerd/certs.d");
+    let hosts = certs.join(&https);
+    std::fs::create_dir_all(&hosts).unwrap();
+    std::fs::write(
+        hosts.join("hosts.toml"),
+        format!("server = \"https://{https}\"\n[host.\"https://{https}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+    )
+    .unwrap();
+    let ctd_dir = scratch.path("ctd");
+    let config = node.path("/etc/containerd/config.toml");
+    let text = crate::matrix::node_config(
+        release,
+        &ctd_dir,
+        &format!("{https}/pause:1"),
+        Path::new("/etc/containerd/certs.d"),
+    )
+    .replace(
+        &format!("{}/containerd.sock", ctd_dir.display()),
+        "/run/containerd/containerd.sock",
+    )
+    // This machine runs no systemd: kubelet's cgroupfs driver.
+    .replace("SystemdCgroup = true", "SystemdCgroup = false");
+    std::fs::write(&config, text).unwrap();
+    let mut ctd = CriContainerd::launch_in(
+        release,
+        ctd_dir,
+        node.path("/run/containerd/containerd.sock"),
+        config,
+        Some(node.init),
+        &[],
+    );
+
+    // kubelet: the image, the sandbox, the init container to its end, the daemon, its probe.
+    let image = format!("{https}/{shipped}");
+    ctd.pull(&image)
+        .unwrap_or_else(|e| panic!("{release:?} pulling {image}: {e}\n{}", ctd.log_text()));
+    let kubelet = Kubelet {
+        ctd: &ctd,
+        node: &node,
+        pods: scratch.path("kubelet/pods"),
+        logs: scratch.path("kubelet/logs"),
+    };
+    std::fs::create_dir_all(&kubelet.logs).unwrap();
+    let sandbox = kubelet.run_sandbox("vmdisk-system", "vmdisk-snapshotter-node", pod);
+    let init = pod["initContainers"].as_array().unwrap();
+    for c in init {
+        let id = kubelet.start(&sandbox, pod, c, &image);
+        let code = ctd.wait_exit(&id, Duration::from_secs(60));
+        let log = std::fs::read_to_string(
+            kubelet
+                .logs
+                .join(format!("{}.log", c["name"].as_str().unwrap())),
+        )
+        .unwrap_or_default();
+        assert_eq!(code, 0, "{release:?} init container {}: {log}", c["name"]);
+    }
+    let daemon = &pod["containers"][0];
+    let id = kubelet.start(&sandbox, pod, daemon, &image);
+    kubelet.wait_ready(&id, &daemon["readinessProbe"], Duration::from_secs(60));
+    // The hypervisor's group is the node's (the image names none but root).
+    let ready_dir = node.path("/run/vmdisk/disks");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::gid(&std::fs::metadata(&ready_dir).unwrap()),
+        KVM_GID,
+        "{release:?}: the ready-disk directory's group"
+    );
+    // What install.md says next: restart containerd once.
+    ctd.restart();
+
+    // A virt-launcher pod: the kubevirt RuntimeClass's handler and the annotation.
+    let disk_image = format!("{https}/disk:1");
+    let annotations = [("io.containerd.cri.runtime-handler", "kubevirt")];
+    rt().block_on(async {
+        ctd.images()
+            .await
+            .unwrap()
+            .pull_image(cri::PullImageRequest {
+                image: Some(cri::ImageSpec {
+                    image: disk_image.clone(),
+                    ..Default::default()
+                }),
+                sandbox_config: Some(cri::PodSandboxConfig {
+                    metadata: Some(cri::PodSandboxMetadata {
+                        name: "virt-launcher".into(),
+                        namespace: "default".into(),
+                        uid: "u".into(),
+                        attempt: 0,
+                    }),
+                    annotations: labels(&annotations),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{release:?} PullImage: {e}\n{}", ctd.log_text()));
+    });
+    // Pulled lazily: the disk is vmdisk's, and little of it came with the pull.
+    let manage = node.path("/run/vmdisk/manage.sock");
+    let listed = || -> Vec<Value> {
+        let out = vmdisk_ok(&["ls", "--manage", manage.to_str().unwrap(), "--json"]);
+        serde_json::from_str(&out).unwrap()
+    };
+    let pulled = listed();
+    assert_eq!(pulled.len(), 1, "{release:?}: {pulled:?}");
+    assert!(
+        pulled[0]["chunks_cached"].as_u64().unwrap() * 4 < pulled[0]["chunks"].as_u64().unwrap(),
+        "{release:?}: the pull fetched the disk: {pulled:?}"
+    );
+    let logs = scratch.path("pod-logs");
+    let sandbox = ctd
+        .try_run_sandbox("virt-launcher", &logs, "kubevirt", &annotations)
+        .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
+    let want = sha256_file(&disk);
+    crate::matrix::reads_the_disk(&ctd, &sandbox, &logs, "compute", &disk_image, &want);
+    // Every byte of it through vmdisk, over HTTPS checked against the node's trust store.
+    let read = listed();
+    eprintln!("{release:?} vmdisk ls: {read:?}");
+    assert!(
+        read[0]["registry_bytes"].as_u64().unwrap() >= 8 << 20,
+        "{release:?}: {read:?}"
+    );
+}
+
+#[test]
+fn the_shipped_daemonset_serves_a_kubevirt_pod_on_containerd_1_7() {
+    daemonset(Release::V1_7);
+}
+
+#[test]
+fn the_shipped_daemonset_serves_a_kubevirt_pod_on_containerd_2() {
+    daemonset(Release::V2);
+}
