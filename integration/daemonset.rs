@@ -389,6 +389,15 @@ fn daemonset(release: Release) {
             &format!("docker://{}/{shipped}", reg.host()),
         ],
     );
+    // A second disk (layers of their own: a pull of it asks vmdisk again).
+    let other_disk = scratch.path("disk-b.qcow2");
+    std::fs::copy(&disk, &other_disk).unwrap();
+    write_random(&other_disk, 0, 1 << 20, 12);
+    vmdisk_ok(&[
+        "push",
+        other_disk.to_str().unwrap(),
+        &format!("{}/disk-b:1", reg.host()),
+    ]);
     let (front, ca) = reg.tls_front(&scratch);
     let https = front.host();
     let node = Node::start(&scratch, &ca);
@@ -516,6 +525,101 @@ fn daemonset(release: Release) {
         read[0]["registry_bytes"].as_u64().unwrap() >= 8 << 20,
         "{release:?}: {read:?}"
     );
+
+    // A pod with the annotation but no RuntimeClass (runc's sandbox): its pull is lazy, its
+    // containers cannot use it (containerd refuses them), and the daemon says so, naming the
+    // pod and the cure.
+    let other = format!("{https}/disk-b:1");
+    let sandbox = ctd
+        .try_run_sandbox("annotated-only", &logs, "", &annotations)
+        .unwrap_or_else(|e| {
+            panic!(
+                "{release:?} RunPodSandbox: {e}
+{}",
+                ctd.log_text()
+            )
+        });
+    pull_for(&ctd, &other, &sandbox.1);
+    let log = scratch.path("kubelet/logs/snapshotter.log");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let warned = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(line) = text
+            .lines()
+            .find(|l| l.contains("pod default/annotated-only"))
+        {
+            break line.to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{release:?}: no warning for the annotated pod on runc:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("{release:?}: {warned}");
+    assert!(
+        warned.contains("WARN")
+            && warned.contains("\"kubevirt\"")
+            && warned.contains("RuntimeClass"),
+        "{release:?}: {warned}"
+    );
+    let made = rt().block_on(async {
+        let mut r = ctd.runtime().await.unwrap();
+        r.create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: sandbox.0.clone(),
+            config: Some(cri::ContainerConfig {
+                metadata: Some(cri::ContainerMetadata {
+                    name: "compute".into(),
+                    attempt: 0,
+                }),
+                image: Some(cri::ImageSpec {
+                    image: other.clone(),
+                    ..Default::default()
+                }),
+                command: vec!["/busybox".into(), "true".into()],
+                ..Default::default()
+            }),
+            sandbox_config: Some(sandbox.1.clone()),
+        })
+        .await
+    });
+    // What the warning foretells (containerd 1.7 and 2.x alike).
+    let refused = made.expect_err("a container of an annotated pod on runc was made");
+    assert!(
+        refused.message().contains("not found"),
+        "{release:?}: {refused:?}"
+    );
+    // The pods set up as install.md says are not warned of.
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !text.contains("virt-launcher") && !text.contains("vmdisk-snapshotter-node"),
+        "{release:?}: {text}"
+    );
+}
+
+/// CRI `PullImage` of `image` for a pod of `sandbox` (kubelet sends the pod's config).
+fn pull_for(ctd: &CriContainerd, image: &str, sandbox: &cri::PodSandboxConfig) {
+    rt().block_on(async {
+        ctd.images()
+            .await
+            .unwrap()
+            .pull_image(cri::PullImageRequest {
+                image: Some(cri::ImageSpec {
+                    image: image.into(),
+                    ..Default::default()
+                }),
+                sandbox_config: Some(sandbox.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{:?} PullImage {image}: {e}\n{}",
+                    ctd.release,
+                    ctd.log_text()
+                )
+            });
+    });
 }
 
 #[test]

@@ -205,7 +205,8 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
 }
 
 /// What the daemon runs beside its APIs: the metrics endpoint, the CRI image service (when
-/// configured) and the servers' counters collection each [`COLLECT_EVERY`].
+/// configured), the servers' counters collection each [`COLLECT_EVERY`] and the look for pods
+/// whose containers will not use their lazy pulls ([`super::pods`]).
 struct Background {
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -241,11 +242,23 @@ impl Background {
                 }
             })
         };
+        let pods_task = {
+            let (containerd, pulled) = (
+                config.cri.containerd_address.clone(),
+                Arc::clone(&snapshotter.lazily_pulled),
+            );
+            tokio::spawn(async move { super::pods::watch(&containerd, pulled).await })
+        };
         Ok(Background {
-            tasks: [Some(metrics_task), cri_task, Some(collect_task)]
-                .into_iter()
-                .flatten()
-                .collect(),
+            tasks: [
+                Some(metrics_task),
+                cri_task,
+                Some(collect_task),
+                Some(pods_task),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
         })
     }
 

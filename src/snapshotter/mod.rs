@@ -26,6 +26,7 @@ mod disks;
 pub mod filter;
 pub mod grpc;
 pub mod metrics;
+pub mod pods;
 mod remote;
 pub mod server;
 mod servers;
@@ -75,6 +76,8 @@ pub struct Snapshotter {
     pub tenants: Tenants,
     /// What each layer's server said last ([`Snapshotter::statuses`]).
     recent: parking_lot::Mutex<HashMap<crate::digest::Digest, control::LayerStatus>>,
+    /// Notified at each lazy pull ([`pods::watch`] looks for pods it will not serve).
+    pub lazily_pulled: std::sync::Arc<tokio::sync::Notify>,
 }
 
 /// How long to wait for the statuses of layers' servers.
@@ -147,6 +150,7 @@ impl Snapshotter {
             cache,
             tenants,
             recent: parking_lot::Mutex::new(HashMap::new()),
+            lazily_pulled: Default::default(),
         })
     }
 

@@ -115,6 +115,7 @@ impl Snapshotter {
                         self.counters.add(&outcome.counter(), 1);
                         let ms = started.elapsed().as_millis() as u64;
                         tracing::info!(%layer, %reference, outcome = outcome.decision(), ms, "layer is served lazily");
+                        self.lazily_pulled.notify_one();
                         return Ok(true);
                     }
                     Err(e) => {
