@@ -1,6 +1,7 @@
 //! The daemon under load and across restarts: a stuck mount holds up only its own layer,
 //! counters only go up, List filters are RE2 and linear, hydration can be asked for again
-//! after it failed, and servers are driven through their control sockets.
+//! after it failed, servers are driven through their control sockets, and the daemon's
+//! threads run ahead of its servers'.
 //!
 //! Real daemon, real mount servers and FUSE, the in-process registry of [`crate::hostile`]
 //! (which can trickle or garble Range answers).
@@ -381,4 +382,45 @@ fn a_sequential_read_of_the_raw_view_reads_ahead() {
     let want = scratch.path("seq.raw");
     qemu_img_raw(&qcow2, &want);
     assert_eq!(sha256_file(Path::new(raw.trim())), sha256_file(&want));
+}
+
+/// The nice level of each thread of process `pid`.
+fn thread_levels(pid: u32) -> Vec<i64> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+        // Fields after the command's closing parenthesis; the nice level is the 17th.
+        .map(|stat| {
+            let rest = &stat[stat.rfind(')').unwrap() + 2..];
+            rest.split_whitespace().nth(16).unwrap().parse().unwrap()
+        })
+        .collect()
+}
+
+/// The control plane answers ahead of the disks' reads: every thread of the daemon runs
+/// `control_priority` (5) nice levels above the level it was started at, every thread of its
+/// mount server (a process it started) at that level.
+#[test]
+fn the_daemons_threads_run_ahead_of_its_servers() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let layer = CraftedLayer::honest(&[("disk/disk.img", &random(4 * CHUNK, 41))], CHUNK);
+    let reference = reg.publish("nice/disk", "1", &layer, Claim::default());
+    let daemon = Daemon::start(&scratch, "");
+    daemon.vmdisk_ok(&["path", &reference]);
+    let base: i64 = thread_levels(std::process::id())[0];
+    let daemon_levels = thread_levels(daemon.pid());
+    let boost = 5;
+    assert!(
+        daemon_levels.iter().all(|&n| n == (base - boost).max(-20)),
+        "daemon threads at {daemon_levels:?}, started at {base}"
+    );
+    let servers = daemon.server_pids();
+    assert_eq!(servers.len(), 1);
+    let server_levels = thread_levels(servers[0]);
+    assert!(
+        server_levels.len() > 1 && server_levels.iter().all(|&n| n == base),
+        "server threads at {server_levels:?}, started at {base}"
+    );
 }

@@ -36,6 +36,15 @@ fn main() -> std::process::ExitCode {
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // h2 and tower log every connection at debug; keep them at warn unless asked.
     let directives = format!("{},h2=warn,tower=warn", config.log_level);
+    // A mount server runs below the daemon that started it, from before its threads exist.
+    if let Some(Internal::ServeLayer {
+        nice: Some(level), ..
+    }) = &args.command
+    {
+        if let Err(e) = vmdisk::snapshotter::priority::lower_to(*level) {
+            eprintln!("vmdisk-snapshotter: cannot run at nice level {level}: {e}");
+        }
+    }
     vmdisk::cli::main_with("vmdisk-snapshotter", &directives, || async move {
         match args.command {
             None => vmdisk::snapshotter::daemon::run(config, args.config).await,
@@ -45,6 +54,7 @@ fn main() -> std::process::ExitCode {
                 alias,
                 need,
                 handover,
+                nice: _,
             }) => {
                 let job = vmdisk::snapshotter::server::Assignment {
                     reference,

@@ -52,5 +52,8 @@ pub enum Internal {
         /// (kubelet's).
         #[arg(long)]
         handover: bool,
+        /// The nice level to run at, below the daemon's ([`super::priority`]).
+        #[arg(long, allow_hyphen_values = true)]
+        nice: Option<i32>,
     },
 }

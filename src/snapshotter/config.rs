@@ -28,6 +28,9 @@ pub struct Config {
     /// The group the VMs' hypervisor runs in (a name or a numeric gid): it alone, with root,
     /// may read the ready disks. Everything else the daemon keeps is root's only.
     pub vmm_group: String,
+    /// Nice levels the daemon's threads run above its mount servers ([`super::priority`]):
+    /// the control plane answers ahead of the disks' reads. 0: one priority.
+    pub control_priority: u8,
     pub cache: CacheConfig,
     pub registry: RegistrySettings,
     pub metrics: MetricsConfig,
@@ -148,6 +151,7 @@ impl Default for Config {
             log_level: "info".into(),
             ready_dir: PathBuf::from("/run/vmdisk/disks"),
             vmm_group: "kvm".into(),
+            control_priority: 5,
             cache: CacheConfig::default(),
             registry: RegistrySettings::default(),
             metrics: MetricsConfig::default(),
@@ -231,6 +235,12 @@ impl Config {
     /// under PATH_MAX for what the daemon makes in them. Nothing is created before this passes.
     pub fn validate(&self) -> Result<()> {
         crate::logging::filter(&self.log_level).map_err(|e| e.context("log_level"))?;
+        if self.control_priority > 20 {
+            return Err(Error::invalid(format!(
+                "control_priority {} is more than the 20 nice levels a thread can be raised by; use 0 to 20",
+                self.control_priority
+            )));
+        }
         let metrics = match self.metrics_address()? {
             MetricsAddress::Unix(p) => Some(p),
             _ => None,

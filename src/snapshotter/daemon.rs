@@ -173,6 +173,8 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
         // Read once here, for the daemon's clients and every server it starts.
         tls_roots: super::blocking(|| Ok(crate::registry::roots::Roots::default().certificates()))
             .await?,
+        // The daemon's threads ahead of the servers' reads, from before the first is started.
+        nice: super::priority::raise(config.control_priority),
     });
     let (root, cache) = (
         config.root.clone(),

@@ -27,6 +27,7 @@ pub mod filter;
 pub mod grpc;
 pub mod metrics;
 pub mod pods;
+pub mod priority;
 mod remote;
 pub mod server;
 mod servers;

@@ -45,6 +45,8 @@ pub struct ServerCommand {
     pub mount_timeout: Duration,
     /// The TLS roots the daemon read, handed to every server it starts.
     pub tls_roots: Arc<[rustls_pki_types::CertificateDer<'static>]>,
+    /// The nice level servers run at when it is not the daemon's ([`super::priority`]).
+    pub nice: Option<i32>,
 }
 
 /// The blob bytes a server about to be started will read first, being fetched by the daemon
@@ -368,6 +370,9 @@ impl LayerServers {
         if let Some(alias) = alias {
             cmd.arg("--alias").arg(alias);
         }
+        if let Some(level) = command.nice {
+            cmd.arg(format!("--nice={level}"));
+        }
         // The daemon's TLS roots and the credentials of pulls of this image go to the server
         // over a pipe, never in its arguments or environment (both readable in /proc).
         cmd.arg("--handover").stdin(std::process::Stdio::piped());
@@ -382,6 +387,7 @@ impl LayerServers {
             // Its own process group: a signal to the daemon's group does not stop it.
             .process_group(0)
             .kill_on_drop(false);
+
         let mut child = cmd
             .spawn()
             .map_err(|e| Error::io(format!("starting {}", command.exe.display()), e))?;
