@@ -118,14 +118,13 @@ fi
 # meanwhile `vmdisk ls`, `vmdisk stats` and /metrics are timed every 0.2 s. Then the same
 # questions with no load (baseline).
 if part control; then
-NODE_HYDRATE=background start_node "$B" node "[metrics]
-address = \"unix:$B/node/metrics.sock\""
-export VMDISK_MANAGE=$B/node/manage.sock
-DISKS=()
+# control NODE PRIORITY: a node whose daemon runs PRIORITY nice levels above its servers
+# (`control_priority`; 0: one priority), 16 disks, 64 readers for 64 s; the CLI asks alone for
+# the first 30 s, the long-lived client alone for the next 30 (one load generator at a time:
+# the client's calls, at its pace, would take the CPU the CLI's processes need to start).
 for i in $(seq 1 16); do
   head -c 64M /dev/urandom > "$B/d.raw"
   "$VMDISK" push --format raw "$B/d.raw" "$REG/bench/load$i:1" > /dev/null
-  DISKS+=("$("$VMDISK" path "$REG/bench/load$i:1")")
 done
 rm -f "$B/d.raw"
 ask_times() {  # ask_times SECONDS OUT: times of ls, stats and a scrape, every 0.1 s; and of
@@ -139,7 +138,7 @@ ask_times() {  # ask_times SECONDS OUT: times of ls, stats and a scrape, every 0
         version) "$VMDISK" --version > /dev/null ;;
         ls) "$VMDISK" ls > /dev/null ;;
         stats) "$VMDISK" stats > /dev/null ;;
-        metrics) curl -sf --unix-socket "$B/node/metrics.sock" http://localhost/metrics > /dev/null ;;
+        metrics) curl -sf --unix-socket "$N/metrics.sock" http://localhost/metrics > /dev/null ;;
       esac
       t1=$EPOCHREALTIME
       echo "$what $t0 $t1" >> "$2"
@@ -148,24 +147,28 @@ ask_times() {  # ask_times SECONDS OUT: times of ls, stats and a scrape, every 0
   done
 }
 PROBE=${PROBE:-$PWD/target/release/examples/control-probe}
-ask_times 5 "$B/idle.times"
-"$PROBE" "$B/node/manage.sock" "$B/node/metrics.sock" 5 > "$B/idle.probe"
-READERS=()
-for d in "${DISKS[@]}"; do
-  for r in 1 2 3 4; do
-    fio --name=r --filename="$d" --readonly --rw=randread --bs=64k --ioengine=psync --direct=1 --runtime=40 --time_based --output-format=json > "$B/fio-$r-$(basename "$(dirname "$d")").json" 2>/dev/null &
-    READERS+=($!)
+control() {
+  local node=$1 priority=$2 d r
+  N=$B/$node
+  NODE_TOP="control_priority = $priority" NODE_HYDRATE=background start_node "$B" "$node" "[metrics]
+address = \"unix:$N/metrics.sock\""
+  export VMDISK_MANAGE=$N/manage.sock
+  local disks=()
+  for i in $(seq 1 16); do disks+=("$("$VMDISK" path "$REG/bench/load$i:1")"); done
+  ask_times 5 "$N/idle.times"
+  "$PROBE" "$N/manage.sock" "$N/metrics.sock" 5 > "$N/idle.probe"
+  local readers=()
+  for d in "${disks[@]}"; do
+    for r in 1 2 3 4; do
+      fio --name=r --filename="$d" --readonly --rw=randread --bs=64k --ioengine=psync --direct=1 --runtime=64 --time_based --output-format=json > "$N/fio-$r-$(basename "$(dirname "$d")").json" 2>/dev/null &
+      readers+=($!)
+    done
   done
-done
-sleep 2
-# The same questions from a long-lived client (examples/control-probe.rs) at the same time:
-# the daemon's answer without a process start per question.
-"$PROBE" "$B/node/manage.sock" "$B/node/metrics.sock" 35 > "$B/load.probe" &
-PROBE_PID=$!
-ask_times 35 "$B/load.times"
-wait "$PROBE_PID"
-for p in "${READERS[@]}"; do wait "$p" || true; done
-python3 - "$B/idle.times" "$B/load.times" "$B/idle.probe" "$B/load.probe" <<'PY' | tee -a "$RESULTS"
+  sleep 2
+  ask_times 30 "$N/load.times"
+  "$PROBE" "$N/manage.sock" "$N/metrics.sock" 30 > "$N/load.probe"
+  for p in "${readers[@]}"; do wait "$p" || true; done
+  python3 - "$N/idle.times" "$N/load.times" "$N/idle.probe" "$N/load.probe" "$priority" <<'PY' | tee -a "$RESULTS"
 import sys
 def pcts(path):
     by = {}
@@ -179,7 +182,7 @@ def pcts(path):
     return out
 idle, load = pcts(sys.argv[1]), pcts(sys.argv[2])
 print()
-print("the control plane with 16 disks served, idle and while 64 readers (4 per disk, random 64 KiB, O_DIRECT) read them")
+print(f"the control plane (control_priority = {sys.argv[5]}) with 16 disks served, idle and while 64 readers (4 per disk, random 64 KiB, O_DIRECT) read them")
 print("(version: `vmdisk --version`, which asks nothing: the cost of starting the CLI on that machine):")
 print(f"  {'':10} {'idle n':>7} {'p50 ms':>8} {'p99 ms':>8} {'load n':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
 for what in ("version", "ls", "stats", "metrics"):
@@ -187,9 +190,14 @@ for what in ("version", "ls", "stats", "metrics"):
     print(f"  {what:10} {i[0]:7d} {i[1]*1000:8.0f} {i[2]*1000:8.0f} {l[0]:7d} {l[1]*1000:8.0f} {l[2]*1000:8.0f} {l[3]*1000:8.0f}")
 # The long-lived client's lines: NAME COUNT P50 P99 MAX FAILED (ms).
 probe = [{l.split()[0]: l.split()[1:] for l in open(p)} for p in sys.argv[3:5]]
-print("the same from a long-lived client (examples/control-probe.rs: one connection, no process start):")
+print("the same from a long-lived client (examples/control-probe.rs: one connection, no process start), after the CLI:")
 for what in ("ls", "stats", "metrics"):
     (n, p50, p99, _, f), (ln, lp50, lp99, lmax, lf) = probe[0][what], probe[1][what]
     print(f"  {what + ' (client)':16} {n:>7} {p50:>8} {p99:>8} {ln:>7} {lp50:>8} {lp99:>8} {lmax:>8}  failed {int(f) + int(lf)}")
 PY
+  kill "${PIDS[-1]}" 2>/dev/null || true
+  stop_mount_servers "$N"
+  { grep -o " $N[^ ]*" /proc/self/mounts || true; } | sort -r | while read -r m; do umount -l "$m"; done
+}
+for p in ${CONTROL_PRIORITIES:-0 5}; do control "node-p$p" "$p"; done
 fi

@@ -156,6 +156,7 @@ registry_bytes_since() {
 # hydrate` is $NODE_HYDRATE, `off` unless set: the benches and the demo measure what a boot or a
 # pull fetches and how long it takes, and background hydration (the daemon's default) would
 # fetch the rest meanwhile and share the link; bench-baddays.sh measures what it costs.
+# $NODE_TOP: top-level settings added to its configuration.
 start_node() {
   local dir=$1/$2 ctd_root=${4:-$1/$2/no-containerd}
   mkdir -p "$dir"
@@ -165,6 +166,7 @@ ready_dir = "$dir/vmdisk/disks"
 address = "$dir/vmdisk.sock"
 manage_address = "$dir/manage.sock"
 log_level = "info"
+${NODE_TOP:-}
 [registry]
 hosts_dir = "$dir/no-hosts.d"
 [containerd]
