@@ -708,6 +708,32 @@ state = "{d}/state"
         })
     }
 
+    /// CRI `PullImage` of `image` for a pod of config `sandbox` (kubelet sends the pod's
+    /// config, whose annotations may choose the snapshotter).
+    pub fn pull_for(&self, image: &str, sandbox: &cri::PodSandboxConfig) {
+        rt().block_on(async {
+            self.images()
+                .await
+                .unwrap()
+                .pull_image(cri::PullImageRequest {
+                    image: Some(cri::ImageSpec {
+                        image: image.into(),
+                        ..Default::default()
+                    }),
+                    sandbox_config: Some(sandbox.clone()),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{:?} PullImage {image}: {e}\n{}",
+                        self.release,
+                        self.log_text()
+                    )
+                });
+        });
+    }
+
     /// CRI `RemoveImage`.
     pub fn remove_image(&self, image: &str) {
         rt().block_on(async {

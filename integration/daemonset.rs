@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use k8s_cri::v1 as cri;
 use serde_json::Value;
 
-use crate::cri::{children, labels, rt, CriContainerd, Release};
+use crate::cri::{children, rt, CriContainerd, Release};
 use crate::harness::*;
 
 /// The group the node's hypervisor runs in, as the node's `/etc/group` names it.
@@ -473,33 +473,15 @@ fn daemonset(release: Release) {
     // What install.md says next: restart containerd once.
     ctd.restart();
 
-    // A virt-launcher pod: the kubevirt RuntimeClass's handler and the annotation.
+    // A virt-launcher pod: the kubevirt RuntimeClass's handler and the annotation; kubelet
+    // runs its sandbox, then pulls its image with the pod's config.
     let disk_image = format!("{https}/disk:1");
     let annotations = [("io.containerd.cri.runtime-handler", "kubevirt")];
-    rt().block_on(async {
-        ctd.images()
-            .await
-            .unwrap()
-            .pull_image(cri::PullImageRequest {
-                image: Some(cri::ImageSpec {
-                    image: disk_image.clone(),
-                    ..Default::default()
-                }),
-                sandbox_config: Some(cri::PodSandboxConfig {
-                    metadata: Some(cri::PodSandboxMetadata {
-                        name: "virt-launcher".into(),
-                        namespace: "default".into(),
-                        uid: "u".into(),
-                        attempt: 0,
-                    }),
-                    annotations: labels(&annotations),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{release:?} PullImage: {e}\n{}", ctd.log_text()));
-    });
+    let logs = scratch.path("pod-logs");
+    let sandbox = ctd
+        .try_run_sandbox("virt-launcher", &logs, "kubevirt", &annotations)
+        .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
+    ctd.pull_for(&disk_image, &sandbox.1);
     // Pulled lazily: the disk is vmdisk's, and little of it came with the pull.
     let manage = node.path("/run/vmdisk/manage.sock");
     let listed = || -> Vec<Value> {
@@ -512,10 +494,6 @@ fn daemonset(release: Release) {
         pulled[0]["chunks_cached"].as_u64().unwrap() * 4 < pulled[0]["chunks"].as_u64().unwrap(),
         "{release:?}: the pull fetched the disk: {pulled:?}"
     );
-    let logs = scratch.path("pod-logs");
-    let sandbox = ctd
-        .try_run_sandbox("virt-launcher", &logs, "kubevirt", &annotations)
-        .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
     let want = sha256_file(&disk);
     crate::matrix::reads_the_disk(&ctd, &sandbox, &logs, "compute", &disk_image, &want);
     // Every byte of it through vmdisk, over HTTPS checked against the node's trust store.
@@ -539,7 +517,7 @@ fn daemonset(release: Release) {
                 ctd.log_text()
             )
         });
-    pull_for(&ctd, &other, &sandbox.1);
+    ctd.pull_for(&other, &sandbox.1);
     let log = scratch.path("kubelet/logs/snapshotter.log");
     let deadline = Instant::now() + Duration::from_secs(15);
     let warned = loop {
@@ -595,31 +573,6 @@ fn daemonset(release: Release) {
         !text.contains("virt-launcher") && !text.contains("vmdisk-snapshotter-node"),
         "{release:?}: {text}"
     );
-}
-
-/// CRI `PullImage` of `image` for a pod of `sandbox` (kubelet sends the pod's config).
-fn pull_for(ctd: &CriContainerd, image: &str, sandbox: &cri::PodSandboxConfig) {
-    rt().block_on(async {
-        ctd.images()
-            .await
-            .unwrap()
-            .pull_image(cri::PullImageRequest {
-                image: Some(cri::ImageSpec {
-                    image: image.into(),
-                    ..Default::default()
-                }),
-                sandbox_config: Some(sandbox.clone()),
-                ..Default::default()
-            })
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{:?} PullImage {image}: {e}\n{}",
-                    ctd.release,
-                    ctd.log_text()
-                )
-            });
-    });
 }
 
 #[test]

@@ -645,46 +645,12 @@ fn daemonset_setup(release: Release) {
         "overlayfs"
     );
 
-    // A virt-launcher pod of the kubevirt handler with the annotation: a lazy pull.
+    // A virt-launcher pod as kubelet runs one whose runtimeClassName is the DaemonSet's
+    // `kubevirt` RuntimeClass (KubeVirt's defaultRuntimeClass), with the annotation: its sandbox
+    // on the kubevirt handler, then its image pulled with the pod's config (a lazy pull); its
+    // containers' snapshotter is the one the pull used, and the containerDisk reads whole and
+    // right.
     let image = format!("{}/disk:1", reg.host());
-    rt().block_on(async {
-        ctd.images()
-            .await
-            .unwrap()
-            .pull_image(cri::PullImageRequest {
-                image: Some(cri::ImageSpec {
-                    image: image.clone(),
-                    ..Default::default()
-                }),
-                sandbox_config: Some(cri::PodSandboxConfig {
-                    metadata: Some(cri::PodSandboxMetadata {
-                        name: "virt-launcher".into(),
-                        namespace: "default".into(),
-                        uid: "u".into(),
-                        attempt: 0,
-                    }),
-                    annotations: [(
-                        "io.containerd.cri.runtime-handler".to_string(),
-                        "kubevirt".to_string(),
-                    )]
-                    .into(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{release:?} PullImage: {e}\n{}", ctd.log_text()));
-    });
-    assert_eq!(
-        daemon.decisions().get("remote"),
-        Some(&1),
-        "{release:?}: {:?}\n{}",
-        daemon.decisions(),
-        ctd.log_text()
-    );
-    // The pod itself, as kubelet runs one whose runtimeClassName is the DaemonSet's `kubevirt`
-    // RuntimeClass (KubeVirt's defaultRuntimeClass): its sandbox on the kubevirt handler, so its
-    // containers' snapshotter is the one the pull used; the containerDisk reads whole and right.
     let logs = scratch.path("pod-logs");
     let sandbox = ctd
         .try_run_sandbox(
@@ -694,6 +660,14 @@ fn daemonset_setup(release: Release) {
             &[("io.containerd.cri.runtime-handler", "kubevirt")],
         )
         .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
+    ctd.pull_for(&image, &sandbox.1);
+    assert_eq!(
+        daemon.decisions().get("remote"),
+        Some(&1),
+        "{release:?}: {:?}\n{}",
+        daemon.decisions(),
+        ctd.log_text()
+    );
     let want = crate::harness::sha256_file(&disk);
     reads_the_disk(&ctd, &sandbox, &logs, "compute", &image, &want);
 }

@@ -174,7 +174,10 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
         tls_roots: super::blocking(|| Ok(crate::registry::roots::Roots::default().certificates()))
             .await?,
         // The daemon's threads ahead of the servers' reads, from before the first is started.
-        nice: super::priority::raise(config.control_priority),
+        nice: {
+            let boost = config.control_priority;
+            super::blocking(move || Ok(super::priority::raise(boost))).await?
+        },
     });
     let (root, cache) = (
         config.root.clone(),

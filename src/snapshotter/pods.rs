@@ -5,9 +5,10 @@
 //! sandbox runs on. A pod annotated for a VM handler (whose snapshotter is vmdisk) but left on
 //! another (no RuntimeClass: runc on overlayfs) is pulled lazily into vmdisk, then its
 //! containers are made on the other snapshotter from content containerd never downloaded —
-//! containerd 1.7 and 2.x fail them (`content digest … not found`). vmdisk sees only the pull; after
-//! each lazy pull it asks containerd's CRI for the running sandboxes and warns, once per pod,
-//! of each whose annotation names a handler of another snapshotter than the one it runs on.
+//! containerd 1.7 and 2.x fail them (`content digest … not found`). vmdisk sees only the pull;
+//! after each lazy pull it asks containerd's CRI for the running sandboxes and warns, once per
+//! pod, of each whose annotation names a handler of another snapshotter than the one it runs
+//! on.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -22,7 +23,8 @@ use tokio::sync::Notify;
 pub const ANN_RUNTIME_HANDLER: &str = "io.containerd.cri.runtime-handler";
 /// How long one look at containerd may take.
 const DEADLINE: Duration = Duration::from_secs(5);
-/// Sandboxes warned of, at most (the oldest are forgotten).
+/// Sandboxes remembered as warned of, at most (then all are forgotten, and a pod still
+/// misplaced is warned of again).
 const WARNED_MAX: usize = 4096;
 
 /// Which snapshotter each runtime handler uses, from containerd's CRI configuration (its

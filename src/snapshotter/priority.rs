@@ -3,21 +3,17 @@
 //! The daemon answers containerd (Prepare), kubelet's probes, `vmdisk ls`/`stats` and metric
 //! scrapes; its mount servers — processes of their own — serve the disks' reads and can keep
 //! every CPU busy. The daemon's threads run `control_priority` nice levels (5 by default)
-//! above the level it was started at and its servers at that level (Linux keeps a nice level per thread, and a thread
-//! starts at its creator's; a server is told its level and takes it before its threads
-//! start), so a loaded node still answers its control calls promptly while the reads keep the
-//! share they had. Raising a priority needs `CAP_SYS_NICE` (root, a privileged pod); without
+//! above the level it was started at and its servers at that level (Linux keeps a nice level
+//! per thread, and a thread starts at its creator's; a server is told its level and takes it
+//! before its threads start), so a loaded node still answers its control calls promptly while
+//! the reads keep the share they had. Raising a priority needs `CAP_SYS_NICE` (root, a privileged pod); without
 //! it everything runs at the start level.
 
 use rustix::process::{getpriority_process, setpriority_process, Pid};
 
-/// Thread `tid` (`None`: the calling thread).
-fn thread(tid: Option<i32>) -> Option<Pid> {
-    tid.and_then(Pid::from_raw)
-}
-
-/// Raises every thread of this process `boost` levels; the level its servers are to run at
-/// (the one it was started at), or `None` if it did not raise them.
+/// Raises every thread of this process `boost` levels (those it starts later start there);
+/// the level its servers are to run at (the one it was started at), or `None` if it did not
+/// raise them. Blocking (reads `/proc/self/task`).
 pub fn raise(boost: u8) -> Option<i32> {
     let base = getpriority_process(None).ok()?;
     let level = (base - i32::from(boost)).max(-20);
@@ -30,10 +26,10 @@ pub fn raise(boost: u8) -> Option<i32> {
         .filter_map(|t| t.file_name().to_str()?.parse().ok())
         .collect();
     for &tid in &tids {
-        if let Err(e) = setpriority_process(thread(Some(tid)), level) {
+        if let Err(e) = setpriority_process(Pid::from_raw(tid), level) {
             tracing::info!(error = %e, "the daemon cannot run its control plane ahead of its mount servers (needs CAP_SYS_NICE); both run at one priority");
             for &tid in &tids {
-                let _ = setpriority_process(thread(Some(tid)), base);
+                let _ = setpriority_process(Pid::from_raw(tid), base);
             }
             return None;
         }
