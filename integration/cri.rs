@@ -690,6 +690,26 @@ state = "{d}/state"
 
     /// CRI `PullImage`; returns the image id and the time it took.
     pub fn pull(&self, image: &str) -> Result<(String, Duration), tonic::Status> {
+        self.pull_with(image, None)
+    }
+
+    /// CRI `PullImage` of `image` for a pod of config `sandbox` (kubelet sends the pod's
+    /// config, whose annotations may choose the snapshotter); it must succeed.
+    pub fn pull_for(&self, image: &str, sandbox: &cri::PodSandboxConfig) {
+        if let Err(e) = self.pull_with(image, Some(sandbox)) {
+            panic!(
+                "{:?} PullImage {image}: {e}\n{}",
+                self.release,
+                self.log_text()
+            )
+        }
+    }
+
+    fn pull_with(
+        &self,
+        image: &str,
+        sandbox: Option<&cri::PodSandboxConfig>,
+    ) -> Result<(String, Duration), tonic::Status> {
         rt().block_on(async {
             let t = Instant::now();
             let r = self
@@ -701,37 +721,12 @@ state = "{d}/state"
                         image: image.into(),
                         ..Default::default()
                     }),
+                    sandbox_config: sandbox.cloned(),
                     ..Default::default()
                 })
                 .await?;
             Ok((r.into_inner().image_ref, t.elapsed()))
         })
-    }
-
-    /// CRI `PullImage` of `image` for a pod of config `sandbox` (kubelet sends the pod's
-    /// config, whose annotations may choose the snapshotter).
-    pub fn pull_for(&self, image: &str, sandbox: &cri::PodSandboxConfig) {
-        rt().block_on(async {
-            self.images()
-                .await
-                .unwrap()
-                .pull_image(cri::PullImageRequest {
-                    image: Some(cri::ImageSpec {
-                        image: image.into(),
-                        ..Default::default()
-                    }),
-                    sandbox_config: Some(sandbox.clone()),
-                    ..Default::default()
-                })
-                .await
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "{:?} PullImage {image}: {e}\n{}",
-                        self.release,
-                        self.log_text()
-                    )
-                });
-        });
     }
 
     /// CRI `RemoveImage`.
