@@ -127,15 +127,10 @@ exec sleep infinity
 
 impl Drop for Node {
     fn drop(&mut self) {
-        run_quiet_kill(self.init);
+        // The PID namespace's first process: every process of the node ends with it.
+        crate::cri::run_quiet("kill", &["-KILL", &self.init.to_string()]);
         let _ = self.holder.wait();
     }
-}
-
-fn run_quiet_kill(pid: u32) {
-    let _ = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status();
 }
 
 /// kubelet's part: the CRI calls for a pod spec's containers.
@@ -372,40 +367,10 @@ fn containers(pod: &Value) -> Vec<&Value> {
         .collect()
 }
 
-fn daemonset(release: Release) {
-    release.require();
-    require("skopeo");
-    let scratch = Scratch::new();
-    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
-    // The node image as `make image` builds it, in the registry the node reaches over HTTPS.
-    let docs = manifest();
-    let ds = docs.iter().find(|d| d["kind"] == "DaemonSet").unwrap();
-    let pod = &ds["spec"]["template"]["spec"];
-    let shipped = containers(pod)[0]["image"].as_str().unwrap().to_string();
-    crate::packages::packaging(
-        "image.sh",
-        &[
-            crate::packages::bin_dir().to_str().unwrap(),
-            &format!("docker://{}/{shipped}", reg.host()),
-        ],
-    );
-    // A second disk (layers of their own: a pull of it asks vmdisk again).
-    let other_disk = scratch.path("disk-b.qcow2");
-    std::fs::copy(&disk, &other_disk).unwrap();
-    write_random(&other_disk, 0, 1 << 20, 12);
-    vmdisk_ok(&[
-        "push",
-        other_disk.to_str().unwrap(),
-        &format!("{}/disk-b:1", reg.host()),
-    ]);
-    let (front, ca) = reg.tls_front(&scratch);
-    let https = front.host();
-    let node = Node::start(&scratch, &ca);
-
-    // The node as the installer left it: containerd on overlayfs, a hosts.toml for the
-    // registry that names no CA (its certificate is checked against the trust store).
-    let certs = node.path("/etc/containerd/certs.d");
-    let hosts = certs.join(&https);
+/// The node's containerd (overlayfs) as the installer left it, with a `hosts.toml` for the
+/// registry `https` that names no CA (its certificate is checked against the trust store).
+fn node_containerd(release: Release, scratch: &Scratch, node: &Node, https: &str) -> CriContainerd {
+    let hosts = node.path("/etc/containerd/certs.d").join(https);
     std::fs::create_dir_all(&hosts).unwrap();
     std::fs::write(
         hosts.join("hosts.toml"),
@@ -427,101 +392,94 @@ fn daemonset(release: Release) {
     // This machine runs no systemd: kubelet's cgroupfs driver.
     .replace("SystemdCgroup = true", "SystemdCgroup = false");
     std::fs::write(&config, text).unwrap();
-    let mut ctd = CriContainerd::launch_in(
+    CriContainerd::launch_in(
         release,
         ctd_dir,
         node.path("/run/containerd/containerd.sock"),
         config,
         Some(node.init),
         &[],
-    );
+    )
+}
 
-    // kubelet: the image, the sandbox, the init container to its end, the daemon, its probe.
-    let image = format!("{https}/{shipped}");
-    ctd.pull(&image)
+/// kubelet's part for the DaemonSet's `pod` from `image`: the image, the sandbox, the init
+/// containers to their end, the daemon until its readiness probe passes.
+fn run_daemonset_pod(kubelet: &Kubelet, pod: &Value, image: &str) {
+    let (ctd, release) = (kubelet.ctd, kubelet.ctd.release);
+    ctd.pull(image)
         .unwrap_or_else(|e| panic!("{release:?} pulling {image}: {e}\n{}", ctd.log_text()));
-    let kubelet = Kubelet {
-        ctd: &ctd,
-        node: &node,
-        pods: scratch.path("kubelet/pods"),
-        logs: scratch.path("kubelet/logs"),
-    };
-    std::fs::create_dir_all(&kubelet.logs).unwrap();
     let sandbox = kubelet.run_sandbox("vmdisk-system", "vmdisk-snapshotter-node", pod);
-    let init = pod["initContainers"].as_array().unwrap();
-    for c in init {
-        let id = kubelet.start(&sandbox, pod, c, &image);
+    for c in pod["initContainers"].as_array().unwrap() {
+        let id = kubelet.start(&sandbox, pod, c, image);
         let code = ctd.wait_exit(&id, Duration::from_secs(60));
-        let log = std::fs::read_to_string(
-            kubelet
-                .logs
-                .join(format!("{}.log", c["name"].as_str().unwrap())),
-        )
-        .unwrap_or_default();
-        assert_eq!(code, 0, "{release:?} init container {}: {log}", c["name"]);
+        let name = c["name"].as_str().unwrap();
+        let log = std::fs::read_to_string(kubelet.logs.join(format!("{name}.log")));
+        assert_eq!(code, 0, "{release:?} init container {name}: {log:?}");
     }
     let daemon = &pod["containers"][0];
-    let id = kubelet.start(&sandbox, pod, daemon, &image);
+    let id = kubelet.start(&sandbox, pod, daemon, image);
     kubelet.wait_ready(&id, &daemon["readinessProbe"], Duration::from_secs(60));
-    // The hypervisor's group is the node's (the image names none but root).
-    let ready_dir = node.path("/run/vmdisk/disks");
-    assert_eq!(
-        std::os::unix::fs::MetadataExt::gid(&std::fs::metadata(&ready_dir).unwrap()),
-        KVM_GID,
-        "{release:?}: the ready-disk directory's group"
-    );
-    // What install.md says next: restart containerd once.
-    ctd.restart();
+}
 
-    // A virt-launcher pod: the kubevirt RuntimeClass's handler and the annotation; kubelet
-    // runs its sandbox, then pulls its image with the pod's config.
-    let disk_image = format!("{https}/disk:1");
-    let annotations = [("io.containerd.cri.runtime-handler", "kubevirt")];
-    let logs = scratch.path("pod-logs");
-    let sandbox = ctd
-        .try_run_sandbox("virt-launcher", &logs, "kubevirt", &annotations)
-        .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
-    ctd.pull_for(&disk_image, &sandbox.1);
-    // Pulled lazily: the disk is vmdisk's, and little of it came with the pull.
+/// The node's disks, as `vmdisk ls --json` on its management socket lists them.
+fn listed(node: &Node) -> Vec<Value> {
     let manage = node.path("/run/vmdisk/manage.sock");
-    let listed = || -> Vec<Value> {
-        let out = vmdisk_ok(&["ls", "--manage", manage.to_str().unwrap(), "--json"]);
-        serde_json::from_str(&out).unwrap()
-    };
-    let pulled = listed();
+    let out = vmdisk_ok(&["ls", "--manage", manage.to_str().unwrap(), "--json"]);
+    serde_json::from_str(&out).unwrap()
+}
+
+/// The annotation that makes containerd pull with the kubevirt handler's snapshotter.
+const KUBEVIRT_PULL: [(&str, &str); 1] = [("io.containerd.cri.runtime-handler", "kubevirt")];
+
+/// A virt-launcher pod as install.md sets it up (the kubevirt RuntimeClass's handler and the
+/// annotation): kubelet runs its sandbox, pulls `image` with the pod's config — lazily, into
+/// vmdisk — and its container reads `/disk` with `disk`'s digest, every byte through vmdisk.
+fn kubevirt_pod_reads_the_disk(
+    ctd: &CriContainerd,
+    node: &Node,
+    logs: &Path,
+    image: &str,
+    disk: &Path,
+) {
+    let release = ctd.release;
+    let sandbox = ctd
+        .try_run_sandbox("virt-launcher", logs, "kubevirt", &KUBEVIRT_PULL)
+        .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
+    ctd.pull_for(image, &sandbox.1);
+    let pulled = listed(node);
     assert_eq!(pulled.len(), 1, "{release:?}: {pulled:?}");
     assert!(
         pulled[0]["chunks_cached"].as_u64().unwrap() * 4 < pulled[0]["chunks"].as_u64().unwrap(),
         "{release:?}: the pull fetched the disk: {pulled:?}"
     );
-    let want = sha256_file(&disk);
-    crate::matrix::reads_the_disk(&ctd, &sandbox, &logs, "compute", &disk_image, &want);
-    // Every byte of it through vmdisk, over HTTPS checked against the node's trust store.
-    let read = listed();
+    let want = sha256_file(disk);
+    crate::matrix::reads_the_disk(ctd, &sandbox, logs, "compute", image, &want);
+    // Over HTTPS, checked against the node's trust store (the image's own roots lack the CA).
+    let read = listed(node);
     eprintln!("{release:?} vmdisk ls: {read:?}");
     assert!(
         read[0]["registry_bytes"].as_u64().unwrap() >= 8 << 20,
         "{release:?}: {read:?}"
     );
+}
 
-    // A pod with the annotation but no RuntimeClass (runc's sandbox): its pull is lazy, its
-    // containers cannot use it (containerd refuses them), and the daemon says so, naming the
-    // pod and the cure.
-    let other = format!("{https}/disk-b:1");
+/// A pod with the annotation but no RuntimeClass (runc's sandbox): its pull of `image` is lazy,
+/// its containers cannot use it (containerd refuses them), and the daemon, whose log is
+/// `daemon_log`, says so, naming the pod and the cure — and only of it.
+fn annotated_only_pod_is_warned_of(
+    ctd: &CriContainerd,
+    logs: &Path,
+    daemon_log: &Path,
+    image: &str,
+) {
+    let release = ctd.release;
     let sandbox = ctd
-        .try_run_sandbox("annotated-only", &logs, "", &annotations)
-        .unwrap_or_else(|e| {
-            panic!(
-                "{release:?} RunPodSandbox: {e}
-{}",
-                ctd.log_text()
-            )
-        });
-    ctd.pull_for(&other, &sandbox.1);
-    let log = scratch.path("kubelet/logs/snapshotter.log");
+        .try_run_sandbox("annotated-only", logs, "", &KUBEVIRT_PULL)
+        .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
+    ctd.pull_for(image, &sandbox.1);
     let deadline = Instant::now() + Duration::from_secs(15);
     let warned = loop {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let text = std::fs::read_to_string(daemon_log).unwrap_or_default();
         if let Some(line) = text
             .lines()
             .find(|l| l.contains("pod default/annotated-only"))
@@ -551,7 +509,7 @@ fn daemonset(release: Release) {
                     attempt: 0,
                 }),
                 image: Some(cri::ImageSpec {
-                    image: other.clone(),
+                    image: image.into(),
                     ..Default::default()
                 }),
                 command: vec!["/busybox".into(), "true".into()],
@@ -567,11 +525,69 @@ fn daemonset(release: Release) {
         refused.message().contains("not found"),
         "{release:?}: {refused:?}"
     );
-    // The pods set up as install.md says are not warned of.
-    let text = std::fs::read_to_string(&log).unwrap();
+    let text = std::fs::read_to_string(daemon_log).unwrap();
     assert!(
         !text.contains("virt-launcher") && !text.contains("vmdisk-snapshotter-node"),
-        "{release:?}: {text}"
+        "{release:?}: pods set up as install.md says were warned of: {text}"
+    );
+}
+
+fn daemonset(release: Release) {
+    release.require();
+    require("skopeo");
+    let scratch = Scratch::new();
+    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
+    // The node image as `make image` builds it, in the registry the node reaches over HTTPS.
+    let docs = manifest();
+    let ds = docs.iter().find(|d| d["kind"] == "DaemonSet").unwrap();
+    let pod = &ds["spec"]["template"]["spec"];
+    let shipped = containers(pod)[0]["image"].as_str().unwrap().to_string();
+    crate::packages::packaging(
+        "image.sh",
+        &[
+            crate::packages::bin_dir().to_str().unwrap(),
+            &format!("docker://{}/{shipped}", reg.host()),
+        ],
+    );
+    // A second disk (layers of their own: a pull of it asks vmdisk again).
+    let other_disk = scratch.path("disk-b.qcow2");
+    std::fs::copy(&disk, &other_disk).unwrap();
+    write_random(&other_disk, 0, 1 << 20, 12);
+    vmdisk_ok(&[
+        "push",
+        other_disk.to_str().unwrap(),
+        &format!("{}/disk-b:1", reg.host()),
+    ]);
+    let (front, ca) = reg.tls_front(&scratch);
+    let https = front.host();
+    let node = Node::start(&scratch, &ca);
+    let mut ctd = node_containerd(release, &scratch, &node, &https);
+
+    let kubelet = Kubelet {
+        ctd: &ctd,
+        node: &node,
+        pods: scratch.path("kubelet/pods"),
+        logs: scratch.path("kubelet/logs"),
+    };
+    std::fs::create_dir_all(&kubelet.logs).unwrap();
+    run_daemonset_pod(&kubelet, pod, &format!("{https}/{shipped}"));
+    // The hypervisor's group is the node's (the image names none but root).
+    let ready_dir = node.path("/run/vmdisk/disks");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::gid(&std::fs::metadata(&ready_dir).unwrap()),
+        KVM_GID,
+        "{release:?}: the ready-disk directory's group"
+    );
+    // What install.md says next: restart containerd once.
+    ctd.restart();
+
+    let logs = scratch.path("pod-logs");
+    kubevirt_pod_reads_the_disk(&ctd, &node, &logs, &format!("{https}/disk:1"), &disk);
+    annotated_only_pod_is_warned_of(
+        &ctd,
+        &logs,
+        &scratch.path("kubelet/logs/snapshotter.log"),
+        &format!("{https}/disk-b:1"),
     );
 }
 
