@@ -113,10 +113,10 @@ for round in 1 2 3; do boot off; boot background; done
 
 fi
 # ---------------------------------------------------------------------------------------
-# The control plane under load: one daemon serving 16 disks (64 MiB of random data each,
-# `vmdisk path`), 64 readers (4 per disk, random 64 KiB reads, cold then cached) for 40 s;
-# meanwhile `vmdisk ls`, `vmdisk stats` and /metrics are timed every 0.2 s. Then the same
-# questions with no load (baseline).
+# The control plane under load: a daemon serving 16 disks (64 MiB of random data each,
+# `vmdisk path`), idle, then while 64 readers (4 per disk, random 64 KiB reads) read them;
+# `vmdisk ls`, `vmdisk stats` and /metrics timed from the CLI, then from a long-lived client.
+# Once per `control_priority` in CONTROL_PRIORITIES (default: 0 and 5), each a node of its own.
 if part control; then
 # control NODE PRIORITY: a node whose daemon runs PRIORITY nice levels above its servers
 # (`control_priority`; 0: one priority), 16 disks, 64 readers for 64 s; the CLI asks alone for
@@ -197,7 +197,7 @@ for what in ("ls", "stats", "metrics"):
 PY
   kill "${PIDS[-1]}" 2>/dev/null || true
   stop_mount_servers "$N"
-  { grep -o " $N[^ ]*" /proc/self/mounts || true; } | sort -r | while read -r m; do umount -l "$m"; done
+  unmount_under "$N"
 }
 for p in ${CONTROL_PRIORITIES:-0 5}; do control "node-p$p" "$p"; done
 fi

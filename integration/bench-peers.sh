@@ -188,7 +188,7 @@ lazy_check() {  # lazy_check DIR KIND: the layer is served by a FUSE mount under
   fi
 }
 stop_node() {  # stop_node DIR
-  grep -o " $1[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" 2> /dev/null || true; done
+  unmount_under "$1"
   stop_mount_servers "$1"
   local p mine=()
   for p in "${PIDS[@]}"; do

@@ -45,7 +45,7 @@ measure() {
   unset VMDISK_MANAGE
   kill "${PIDS[-1]}" 2>/dev/null; wait "${PIDS[-1]}" 2>/dev/null || true
   stop_mount_servers "$B"
-  grep -o " $B/$node[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
+  unmount_under "$B/$node"
   echo "$seq ${iops[0]} ${iops[1]}"
 }
 

@@ -20,8 +20,12 @@ bench_cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   stop_mount_servers "$B"
-  grep -o " $B[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
+  unmount_under "$B"
   [ -n "${BENCH_KEEP:-}" ] || rm -rf "$B"
+}
+# unmount_under DIR: lazily unmounts every mount at or below DIR, deepest first.
+unmount_under() {
+  { grep -o " $1[^ ]*" /proc/self/mounts || true; } | sort -r | while read -r m; do umount -l "$m" 2> /dev/null || true; done
 }
 now() { date +%s.%N; }
 secs() { python3 -c "print(f'{$2 - $1:.2f}')"; }

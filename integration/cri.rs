@@ -585,8 +585,8 @@ state = "{d}/state"
     ) -> Self {
         std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join("containerd.log");
-        let mut c = CriContainerd {
-            child: Command::new("true").spawn().unwrap(),
+        let c = CriContainerd {
+            child: spawn_containerd(release, &config, &log, node, env),
             release,
             dir,
             socket,
@@ -594,42 +594,8 @@ state = "{d}/state"
             config,
             node,
         };
-        c.child = c.spawn(env);
         c.wait_ready();
         c
-    }
-
-    fn spawn(&self, env: &[(&str, String)]) -> Child {
-        let path = format!(
-            "{}:{}",
-            self.release.bin_dir().display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
-        let containerd = self.release.bin_dir().join("containerd");
-        let mut command = match self.node {
-            Some(pid) => {
-                let mut c = Command::new("nsenter");
-                c.args(["-t", &pid.to_string(), "-m", "-p", "--"])
-                    .arg(containerd);
-                c
-            }
-            None => Command::new(containerd),
-        };
-        command
-            .arg("--config")
-            .arg(&self.config)
-            .env("PATH", path)
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .stdout(Stdio::null())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&self.log)
-                    .unwrap(),
-            )
-            .spawn()
-            .expect("start containerd")
     }
 
     /// containerd's own process (nsenter's child when it runs in a node of its own).
@@ -668,7 +634,7 @@ state = "{d}/state"
         run_quiet("kill", &["-TERM", &self.pid().to_string()]);
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.socket);
-        self.child = self.spawn(&[]);
+        self.child = spawn_containerd(self.release, &self.config, &self.log, self.node, &[]);
         self.wait_ready();
     }
 
@@ -989,6 +955,47 @@ impl Drop for CriContainerd {
         let _ = self.child.wait();
         unmount_under(&self.dir);
     }
+}
+
+/// Starts containerd `release` with `config`, logging to `log`, in the namespaces of process
+/// `node` (entered with nsenter) if given.
+fn spawn_containerd(
+    release: Release,
+    config: &Path,
+    log: &Path,
+    node: Option<u32>,
+    env: &[(&str, String)],
+) -> Child {
+    let path = format!(
+        "{}:{}",
+        release.bin_dir().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let containerd = release.bin_dir().join("containerd");
+    let mut command = match node {
+        Some(pid) => {
+            let mut c = Command::new("nsenter");
+            c.args(["-t", &pid.to_string(), "-m", "-p", "--"])
+                .arg(containerd);
+            c
+        }
+        None => Command::new(containerd),
+    };
+    command
+        .arg("--config")
+        .arg(config)
+        .env("PATH", path)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log)
+                .unwrap(),
+        )
+        .spawn()
+        .expect("start containerd")
 }
 
 /// The children of process `pid`.

@@ -431,6 +431,22 @@ fn listed(node: &Node) -> Vec<Value> {
 /// The annotation that makes containerd pull with the kubevirt handler's snapshotter.
 const KUBEVIRT_PULL: [(&str, &str); 1] = [("io.containerd.cri.runtime-handler", "kubevirt")];
 
+/// A pod `name` annotated for the kubevirt handler's pull, on runtime `handler`, as kubelet
+/// starts it: its sandbox, then `image` pulled with the pod's config.
+fn annotated_pod(
+    ctd: &CriContainerd,
+    logs: &Path,
+    name: &str,
+    handler: &str,
+    image: &str,
+) -> (String, cri::PodSandboxConfig) {
+    let sandbox = ctd
+        .try_run_sandbox(name, logs, handler, &KUBEVIRT_PULL)
+        .unwrap_or_else(|e| panic!("{:?} RunPodSandbox: {e}\n{}", ctd.release, ctd.log_text()));
+    ctd.pull_for(image, &sandbox.1);
+    sandbox
+}
+
 /// A virt-launcher pod as install.md sets it up (the kubevirt RuntimeClass's handler and the
 /// annotation): kubelet runs its sandbox, pulls `image` with the pod's config — lazily, into
 /// vmdisk — and its container reads `/disk` with `disk`'s digest, every byte through vmdisk.
@@ -442,10 +458,7 @@ fn kubevirt_pod_reads_the_disk(
     disk: &Path,
 ) {
     let release = ctd.release;
-    let sandbox = ctd
-        .try_run_sandbox("virt-launcher", logs, "kubevirt", &KUBEVIRT_PULL)
-        .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
-    ctd.pull_for(image, &sandbox.1);
+    let sandbox = annotated_pod(ctd, logs, "virt-launcher", "kubevirt", image);
     let pulled = listed(node);
     assert_eq!(pulled.len(), 1, "{release:?}: {pulled:?}");
     assert!(
@@ -473,10 +486,7 @@ fn annotated_only_pod_is_warned_of(
     image: &str,
 ) {
     let release = ctd.release;
-    let sandbox = ctd
-        .try_run_sandbox("annotated-only", logs, "", &KUBEVIRT_PULL)
-        .unwrap_or_else(|e| panic!("{release:?} RunPodSandbox: {e}\n{}", ctd.log_text()));
-    ctd.pull_for(image, &sandbox.1);
+    let sandbox = annotated_pod(ctd, logs, "annotated-only", "", image);
     let deadline = Instant::now() + Duration::from_secs(15);
     let warned = loop {
         let text = std::fs::read_to_string(daemon_log).unwrap_or_default();

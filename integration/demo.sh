@@ -29,7 +29,7 @@ cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
   wait 2>/dev/null || true
   stop_mount_servers "$S"
-  grep -o " $S[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
+  unmount_under "$S"
   true
 }
 trap 'status=$?; cleanup || true; exit $status' EXIT
