@@ -116,6 +116,67 @@ fn bytes_flipped_in_the_cache_are_never_served() {
     assert_eq!(counter(&stats, "read_errors"), 0, "{stats}");
 }
 
+/// Bytes changed in a complete, verified layer's data file while it is mounted and handed to
+/// the kernel (FUSE passthrough) never reach a new open: the open is served by the daemon,
+/// which notices the change, checks the chunks again and fetches the changed ones; the verified
+/// bytes are written back into the data file (what an open held across the change reads), and
+/// later opens go to passthrough again.
+#[test]
+fn bytes_changed_under_a_passthrough_mount_never_reach_a_new_open() {
+    let scratch = Scratch::new();
+    let (_reg, disk, reference) = random_raw_image(&scratch, 32 << 20, 22, "vm/changed:1");
+    let (cache, mnt) = (scratch.path("cache"), scratch.path("mnt"));
+    let mut mount = Mount::start(&reference, &cache, &mnt, &["--hydrate", "eager"]);
+    let hydrated = mount.wait_for("hydrated", Duration::from_secs(60));
+    assert!(hydrated.contains("integrity verified"), "{hydrated}");
+    assert!(
+        files_identical(&mount.disk, &disk),
+        "read through passthrough"
+    );
+
+    let data = layer_dir(&cache).join("data/0");
+    let changed = [5 * CHUNK + 11, 77 * CHUNK + 4000];
+    flip(&data, &changed);
+    assert!(
+        files_identical(&mount.disk, &disk),
+        "a new open after the change reads the published bytes"
+    );
+
+    let (original, data) = (
+        std::fs::File::open(&disk).unwrap(),
+        std::fs::File::open(&data).unwrap(),
+    );
+    let mended = || {
+        changed.iter().all(|&at| {
+            let (mut want, mut got) = ([0u8; 1], [0u8; 1]);
+            original.read_exact_at(&mut want, at).unwrap();
+            data.read_exact_at(&mut got, at).unwrap();
+            want == got
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !mended() {
+        assert!(
+            Instant::now() < deadline,
+            "the changed bytes were not written back into the data file"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop_caches();
+    assert!(
+        files_identical(&mount.disk, &disk),
+        "an open after the repair"
+    );
+    let stats = mount.stop();
+    eprintln!("complete layer, 2 bytes changed under a passthrough mount: {stats}");
+    assert_eq!(counter(&stats, "cache_damaged"), 2, "{stats}");
+    assert_eq!(counter(&stats, "read_errors"), 0, "{stats}");
+    assert!(
+        counter(&stats, "passthrough_opens") >= 2,
+        "passthrough before the change and after the repair: {stats}"
+    );
+}
+
 /// With the registry gone, a buffered read of a chunk nobody cached fails with EIO within
 /// `--fetch-timeout` (the kernel reads the page again at once after its read-ahead failed:
 /// that second read must not wait as long again).

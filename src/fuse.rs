@@ -288,18 +288,25 @@ impl LayerFs {
         self.inodes.get(ino.0 as usize).filter(|_| ino.0 >= ROOT)
     }
 
-    /// The passthrough backing id of inode `ino`'s view once it has a backing file
-    /// ([`DiskView::backing_file`]), registered with the kernel on first use. Disables
-    /// passthrough for the mount if the kernel refuses.
+    /// The passthrough backing id of inode `ino`'s view while it has a backing file
+    /// ([`DiskView::backing_file`]), registered with the kernel on first use. Asked at every
+    /// open: a file whose data file was changed since it was checked has none until it is
+    /// checked (and repaired) again, so its registration is dropped and this open reads
+    /// through the daemon, which serves only verified bytes. Disables passthrough for the
+    /// mount if the kernel refuses.
     fn backing(&self, ino: u64, view: &dyn DiskView, reply: &ReplyOpen) -> Option<Arc<BackingId>> {
         if !self.passthrough.load(Ordering::Relaxed) {
             return None;
         }
+        let Some(file) = view.backing_file() else {
+            // Opens that hold it keep reading it; the kernel closes it after the last one.
+            self.backing.lock().remove(&ino);
+            return None;
+        };
         let mut backing = self.backing.lock();
         if let Some(id) = backing.get(&ino) {
             return Some(Arc::clone(id));
         }
-        let file = view.backing_file()?;
         match reply.open_backing(file) {
             Ok(id) => {
                 let id = Arc::new(id);

@@ -259,8 +259,16 @@ async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool) {
         if checking_cache.as_ref().is_none_or(|c| c.is_finished()) {
             let e = Arc::clone(&e);
             let first = checking_cache.is_none();
-            checking_cache = Some(tokio::task::spawn_blocking(move || {
-                let (checked, damaged) = e.check_cache();
+            checking_cache = Some(tokio::spawn(async move {
+                let checking = Arc::clone(&e);
+                let Ok(found) = tokio::task::spawn_blocking(move || checking.check_cache()).await
+                else {
+                    return;
+                };
+                let (checked, damaged) = (found.checked, found.damaged.len());
+                // Damaged chunks are fetched again at once: readers holding a passthrough
+                // open read the data file without asking, so it is mended where they read.
+                e.repair(&found.damaged).await;
                 if checked > 0 || first {
                     if announce {
                         println!(

@@ -81,6 +81,12 @@ impl Default for EngineOptions {
 /// memory on a full disk) before it fails.
 const READ_TRIES: u32 = 3;
 
+/// How long a read may run past the fetch deadline ([`EngineOptions::fetch_deadline`]): about
+/// one more try of a request. Whatever fails under it — fetches retried on network errors,
+/// bytes fetched again after they failed their check, chunks read back damaged — a read ends
+/// within the deadline and this ([`Engine::read_unrecorded`]).
+pub const READ_GRACE: Duration = Duration::from_secs(2);
+
 /// How long a chunk whose fetch failed fails again at once ([`Engine::recently_failed`]).
 const FAILED_RECENTLY: Duration = Duration::from_secs(1);
 
@@ -100,6 +106,16 @@ const READERS_REST: Duration = Duration::from_secs(5);
 const HYDRATE_WHEN_FULL: Duration = Duration::from_secs(5);
 
 /// Where a chunk with a given digest can be copied from.
+/// What a pass over the cache ([`Engine::check_cache`]) found.
+#[derive(Debug, Default)]
+pub struct CacheCheck {
+    /// Present chunks it checked (those not checked in this process before).
+    pub checked: usize,
+    /// The chunks among them whose bytes were not what was verified: now missing, to be
+    /// fetched again ([`Engine::repair`]).
+    pub damaged: Vec<usize>,
+}
+
 struct DedupSource {
     path: PathBuf,
     offset: u64,
@@ -659,21 +675,46 @@ impl Engine {
     ///
     /// It goes from the end of each file backwards: a reader reading from the start meets it
     /// in the middle instead of checking the same chunks beside it.
-    pub fn check_cache(&self) -> (usize, usize) {
-        let (mut checked, mut damaged) = (0, 0);
+    pub fn check_cache(&self) -> CacheCheck {
+        let mut found = CacheCheck::default();
         for file in 0..self.layer.files.len() {
-            let chunks = self.layer.chunks_of(file);
-            if self.cache.changed_since_checked(file, chunks.clone()) {
-                tracing::warn!(layer = %self.layer.meta.layer_digest, file = %self.layer.file_path(file), "the cache's data file was changed by someone else; its chunks are checked again");
-            }
-            for idx in chunks.rev() {
+            self.noticed_change(file);
+            for idx in self.layer.chunks_of(file).rev() {
                 if self.cache.is_present(idx) && !self.cache.is_checked(idx) {
-                    checked += 1;
-                    damaged += usize::from(!self.check_cached(idx));
+                    found.checked += 1;
+                    if !self.check_cached(idx) {
+                        found.damaged.push(idx);
+                    }
                 }
             }
         }
-        (checked, damaged)
+        found
+    }
+
+    /// Whether data file `file` was changed by someone else since this process last wrote or
+    /// checked it ([`LayerCache::changed_since_checked`]: one `fstat`), logged when it was: its
+    /// chunks are then checked again before they are served or the file goes to passthrough.
+    /// Asked wherever cached bytes are about to be trusted (a read through the daemon, an
+    /// open, the background check), so a change is noticed when it matters.
+    fn noticed_change(&self, file: usize) -> bool {
+        let changed = self
+            .cache
+            .changed_since_checked(file, self.layer.chunks_of(file));
+        if changed {
+            tracing::warn!(layer = %self.layer.meta.layer_digest, file = %self.layer.file_path(file), cache = %self.cache.dir().display(), "the cache's data file was changed by someone else; its chunks are checked again before they are served");
+        }
+        changed
+    }
+
+    /// Fetches chunks found damaged in the cache again, so their verified bytes are written
+    /// back where the kernel reads them: into the data file that readers holding a
+    /// passthrough open read without asking the daemon.
+    pub async fn repair(&self, damaged: &[usize]) {
+        for &idx in damaged {
+            if let Err(e) = self.ensure(idx..idx + 1).await {
+                tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, error = %e.chain(), "a damaged cached chunk could not be fetched again; it is fetched when next read");
+            }
+        }
     }
 
     /// The data file of file `file` for FUSE passthrough, where the kernel reads it without
@@ -683,7 +724,7 @@ impl Engine {
     pub fn passthrough_file(&self, file: usize) -> Option<&std::fs::File> {
         let chunks = self.layer.chunks_of(file);
         let ready = self.integrity() == Integrity::Verified
-            && !self.cache.changed_since_checked(file, chunks.clone())
+            && !self.noticed_change(file)
             && chunks
                 .into_iter()
                 .all(|i| self.cache.is_present(i) && self.cache.is_checked(i));
@@ -829,12 +870,40 @@ impl Engine {
         self.read_unrecorded(file, offset, size).await
     }
 
-    /// [`Engine::read`] for reads of our own (qcow2 metadata), which are not a boot's.
+    /// [`Engine::read`] for reads of our own (qcow2 metadata), which are not a boot's. One
+    /// deadline bounds the whole read, every retry under it included: the fetch deadline and
+    /// [`READ_GRACE`]. A read that runs out of it fails, and its missing chunks fail again at
+    /// once for a moment ([`Engine::recently_failed`]), as after a fetch that ran out.
     pub async fn read_unrecorded(&self, file: usize, offset: u64, size: u64) -> Result<Vec<u8>> {
         let end = (offset + size).min(self.layer.file_size(file));
         if offset >= end {
             return Ok(Vec::new());
         }
+        let deadline = self.opts.fetch_deadline + READ_GRACE;
+        match tokio::time::timeout(deadline, self.read_range(file, offset, end)).await {
+            Ok(read) => read,
+            Err(_) => {
+                let e = Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "reading bytes {offset}..{end} of {} did not finish within {} s (the fetch deadline and one more try)",
+                        self.layer.file_path(file),
+                        deadline.as_secs_f32()
+                    ),
+                );
+                let missing: Vec<usize> = self
+                    .layer
+                    .chunks_for(file, offset..end)
+                    .filter(|&i| !self.cache.is_kept(i))
+                    .collect();
+                self.note_failed(&missing, &e);
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Engine::read_unrecorded`] of bytes `offset..end`, with no deadline of its own.
+    async fn read_range(&self, file: usize, offset: u64, end: u64) -> Result<Vec<u8>> {
         let chunks = self.layer.chunks_for(file, offset..end);
         // A cached chunk found damaged, or one the disk had no room for and memory let go, is
         // fetched again (through the one retry policy, at once): a few times, then the read
@@ -847,6 +916,7 @@ impl Engine {
                     self.ensure(chunks.clone()).await?;
                     let mut buf = vec![0u8; (end - offset) as usize];
                     let done = off_the_runtime(|| {
+                        self.noticed_change(file);
                         if !self.check_present(chunks.clone()) {
                             return Ok(false);
                         }
@@ -892,7 +962,11 @@ impl Engine {
             return Some(Ok(()));
         }
         let chunks = self.layer.chunks_for(file, offset..end);
-        if !chunks.clone().all(|i| self.cache.is_kept(i)) || !self.check_present(chunks.clone()) {
+        if !chunks.clone().all(|i| self.cache.is_kept(i)) {
+            return None;
+        }
+        self.noticed_change(file);
+        if !self.check_present(chunks.clone()) {
             return None;
         }
         let start = out.len();
@@ -1608,6 +1682,37 @@ mod tests {
         );
     }
 
+    /// A registry whose every answer fails its check, each answer slow: the read ends within
+    /// the fetch deadline and one more try, however many fetches its retries would make (they
+    /// nested: three fetches of nearly a deadline each).
+    #[tokio::test(start_paused = true)]
+    async fn a_read_from_a_registry_that_fails_every_check_ends_within_its_deadline() {
+        let data = content(4);
+        let opts = EngineOptions {
+            fetch_deadline: Duration::from_secs(10),
+            ..EngineOptions::default()
+        };
+        let (engine, source, _dir) = engine(&data, opts);
+        *source.corruptions.lock() = u32::MAX;
+        *source.delay.lock() = Duration::from_secs(9);
+        let started = tokio::time::Instant::now();
+        let e = engine.read(engine.layer.disk, 0, 100).await.unwrap_err();
+        let took = started.elapsed();
+        assert!(
+            took <= Duration::from_secs(10) + READ_GRACE,
+            "{took:?}: {}",
+            e.chain()
+        );
+        assert!(
+            source.calls.lock().len() >= 2,
+            "fetched again after the failed check"
+        );
+        // The kernel's read of the same page right after fails at once.
+        let again = tokio::time::Instant::now();
+        engine.read(engine.layer.disk, 0, 100).await.unwrap_err();
+        assert_eq!(again.elapsed(), Duration::ZERO);
+    }
+
     #[tokio::test(flavor = "multi_thread")]
     async fn a_complete_file_is_fit_for_passthrough_only_once_checked_and_unchanged() {
         let data = content(4);
@@ -1620,7 +1725,7 @@ mod tests {
         damage(dir.path(), 3);
         assert!(engine.passthrough_file(disk).is_none());
         assert_eq!(
-            engine.check_cache(),
+            counts(engine.check_cache()),
             (4, 1),
             "the changed file is checked again"
         );
@@ -1634,9 +1739,56 @@ mod tests {
         let engine = reopened(&engine, dir.path(), &source);
         let _ = engine.integrity.set(Integrity::Verified);
         assert!(engine.passthrough_file(disk).is_none());
-        assert_eq!(engine.check_cache(), (4, 0));
+        assert_eq!(counts(engine.check_cache()), (4, 0));
         assert!(engine.passthrough_file(disk).is_some());
-        assert_eq!(engine.check_cache(), (0, 0), "nothing left to check");
+        assert_eq!(
+            counts(engine.check_cache()),
+            (0, 0),
+            "nothing left to check"
+        );
+    }
+
+    fn counts(found: CacheCheck) -> (usize, usize) {
+        (found.checked, found.damaged.len())
+    }
+
+    /// Bytes changed in a checked data file while it is served are noticed by the next read
+    /// through the daemon (not only by the background pass): that read is answered with the
+    /// verified bytes, and the repair writes them back where passthrough readers read.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_change_to_a_checked_data_file_is_noticed_by_the_next_read_and_repaired() {
+        let data = content(4);
+        let (engine, source, dir) = engine(&data, EngineOptions::default());
+        let disk = engine.layer.disk;
+        engine.read(disk, 0, data.len() as u64).await.unwrap();
+        let fetched = source.calls.lock().len();
+        damage(dir.path(), CHUNK as u64 + 9);
+        assert!(
+            engine.read_cached(disk, CHUNK as u64, 16).is_none(),
+            "the changed chunk is not answered from the cache"
+        );
+        assert_eq!(
+            engine.read(disk, CHUNK as u64, 16).await.unwrap(),
+            data[CHUNK..CHUNK + 16]
+        );
+        assert_eq!(engine.stats.snapshot().cache_damaged, 1);
+        assert!(source.calls.lock().len() > fetched, "fetched again");
+        // Written back: the data file holds the verified bytes again.
+        let mut back = vec![0u8; 16];
+        engine.cache.read_at(disk, &mut back, CHUNK as u64).unwrap();
+        assert_eq!(back, data[CHUNK..CHUNK + 16]);
+
+        // Found by the background pass instead: repaired without a reader.
+        damage(dir.path(), 2 * CHUNK as u64 + 1);
+        let found = engine.check_cache();
+        assert_eq!(found.damaged, [2]);
+        engine.repair(&found.damaged).await;
+        engine
+            .cache
+            .read_at(disk, &mut back, 2 * CHUNK as u64)
+            .unwrap();
+        assert_eq!(back, data[2 * CHUNK..2 * CHUNK + 16]);
+        assert!(engine.all_present(0..4));
     }
 
     #[tokio::test(start_paused = true)]
