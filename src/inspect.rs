@@ -440,12 +440,7 @@ async fn inspect_chunked(
     rep.toc_size = loc.length;
     rep.toc_uncompressed_size = loc.uncompressed_length;
     loc.check_within(desc.size)?;
-    let compressed = client
-        .retry_policy()
-        .run("the layer's TOC", || {
-            client.get_blob_range(r, &desc.digest, loc.range(), Ask::AnyEndpoint)
-        })
-        .await?;
+    let compressed = crate::resolve::fetch_toc(client, r, &desc.digest, loc).await?;
     let nodes = zstd_chunked::read_toc(&compressed, loc)?;
     inspect_nodes(client, r, desc, rep, &nodes, false).await
 }

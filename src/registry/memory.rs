@@ -35,6 +35,11 @@ pub struct Images {
     pub ranges: AtomicU32,
     /// Referrers lookups asked.
     pub lookups: AtomicU32,
+    /// A mirror before the registry that damages every range it answers: a range asked of
+    /// any endpoint comes as zeros, one asked of the registry itself is sound.
+    pub lying_mirror: AtomicBool,
+    /// Ranges asked of the registry itself ([`crate::registry::Ask::Registry`]).
+    pub registry_ranges: AtomicU32,
 }
 
 /// A client of [`Images`]: the node's (no credentials) or one with grants.
@@ -150,11 +155,16 @@ impl Registry for MemoryRegistry {
         r: &'a Reference,
         digest: &'a Digest,
         range: std::ops::Range<u64>,
-        _ask: crate::registry::Ask,
+        ask: crate::registry::Ask,
     ) -> BoxFuture<'a, Result<bytes::Bytes>> {
         Box::pin(async move {
             self.check(r)?;
             self.ranges.fetch_add(1, Ordering::SeqCst);
+            if ask == crate::registry::Ask::Registry {
+                self.registry_ranges.fetch_add(1, Ordering::SeqCst);
+            }
+            let lie = ask == crate::registry::Ask::AnyEndpoint
+                && self.lying_mirror.load(Ordering::SeqCst);
             let blobs = self.blobs.lock();
             let blob = blobs
                 .get(digest)
@@ -162,6 +172,7 @@ impl Registry for MemoryRegistry {
             // Exactly the bytes asked for, as the client's answers are (a range past the end is
             // refused, as a registry's 416 is).
             match blob.get(range.start as usize..range.end as usize) {
+                Some(bytes) if lie => Ok(bytes::Bytes::from(vec![0u8; bytes.len()])),
                 Some(bytes) => Ok(bytes::Bytes::copy_from_slice(bytes)),
                 None => Err(Error::invalid(format!(
                     "bytes {range:?} of blob {digest}: past its end ({} bytes)",

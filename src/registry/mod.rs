@@ -33,7 +33,7 @@ use parking_lot::Mutex;
 use self::auth::{Challenge, CredentialStore};
 use self::hosts::Endpoint;
 use crate::digest::Digest;
-use crate::error::Result;
+use crate::error::{ErrorKind, Result};
 use crate::oci::{Descriptor, ManifestKind};
 use crate::reference::Reference;
 
@@ -55,6 +55,34 @@ pub enum Ask {
     /// The registry itself, passing by its mirrors: for bytes that failed verification once
     /// (a mirror may have sent them).
     Registry,
+}
+
+/// Whom the tries of one fetch ask when its bytes are checked after they came (a TOC by its
+/// pinned checksum): any endpoint until bytes failed their check, then the registry itself —
+/// the mirror that sent them is not asked for them again, though it answered (and so counts
+/// as healthy).
+#[derive(Debug, Default)]
+pub struct AskUntilChecksFail {
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl AskUntilChecksFail {
+    /// Whom the next try asks.
+    pub fn ask(&self) -> Ask {
+        match self.failed.load(std::sync::atomic::Ordering::Acquire) {
+            false => Ask::AnyEndpoint,
+            true => Ask::Registry,
+        }
+    }
+
+    /// Passes a try's outcome on, noting bytes that failed their check.
+    pub fn noted<T>(&self, tried: Result<T>) -> Result<T> {
+        if matches!(&tried, Err(e) if e.kind() == ErrorKind::Corrupt) {
+            self.failed
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+        tried
+    }
 }
 
 /// Client settings; the defaults are safe (HTTPS except on loopback).

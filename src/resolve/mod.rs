@@ -21,7 +21,7 @@ pub mod toc;
 
 use self::choose::{disk_path_of, estargz_toc_digest};
 use self::index::seekable_layer_id;
-use self::toc::{fetch_toc, fetch_toc_of};
+use self::toc::fetch_toc_of;
 use crate::cache::{CacheRoot, RefRecord};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
@@ -35,7 +35,7 @@ use crate::task::blocking;
 
 pub use self::choose::{disk_layer, index_target, indexable_layer, IndexTarget};
 pub use self::index::seekable_layer;
-pub use self::toc::{fetch_estargz_toc, fetch_structure_ahead};
+pub use self::toc::{fetch_estargz_toc, fetch_structure_ahead, fetch_toc};
 
 /// The manifest or index `reference` names, and its digest: when `reference` is by digest
 /// and `cache` keeps that blob, from there (re-verified, no round trip); otherwise from the

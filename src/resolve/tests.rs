@@ -596,3 +596,46 @@ async fn an_estargz_layers_structure_check_reads_the_bytes_the_daemon_fetched_ah
         assert_eq!(ranges(), before, "checked already: nothing fetched ahead");
     }
 }
+
+/// A mirror that damages the TOCs it serves answered, so it counts as healthy and is asked
+/// first: the bytes that failed their pinned digest are fetched from the registry itself next,
+/// and the layer resolves (a zstd:chunked TOC and an eStargz footer and TOC alike).
+#[tokio::test]
+async fn a_toc_a_mirror_damaged_is_fetched_from_the_registry_itself() {
+    let registry = MemoryRegistry::default();
+    registry.lying_mirror.store(true, Ordering::SeqCst);
+    let data = disk(300 << 10);
+    image(&registry, "1", &[chunked_layer(&data)]);
+    let dir = tempfile::tempdir().unwrap();
+    let cache = CacheRoot::open(dir.path()).unwrap();
+    let (layer, _) = resolve(
+        &registry,
+        &cache,
+        &Verifier::none(),
+        Wanted::image(&reference("vm:1")),
+    )
+    .await
+    .unwrap();
+    assert_eq!(layer.file_size(layer.disk), data.len() as u64);
+    assert!(registry.registry_ranges.load(Ordering::SeqCst) >= 1);
+
+    let (blob, _, annotations, _) = estargz_layer(&disk(1 << 20), 64 << 10);
+    let toc: Digest = annotations.values().next().unwrap().parse().unwrap();
+    let digest = registry.put_blob(blob.clone());
+    let before = registry.registry_ranges.load(Ordering::SeqCst);
+    let (_, json) = fetch_estargz_toc(
+        &registry,
+        &reference("vm:t"),
+        digest,
+        blob.len() as u64,
+        toc,
+    )
+    .await
+    .unwrap();
+    toc.verify(&json, "TOC").unwrap();
+    assert_eq!(
+        registry.registry_ranges.load(Ordering::SeqCst) - before,
+        1,
+        "one try of the registry itself after the mirror's"
+    );
+}

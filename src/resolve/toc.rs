@@ -12,7 +12,7 @@ use crate::format::zstd_chunked::TocLocation;
 use crate::layer::{Held, LayerKind, LayerMeta};
 use crate::oci::Descriptor;
 use crate::reference::Reference;
-use crate::registry::{Ask, Registry};
+use crate::registry::{Ask, AskUntilChecksFail, Registry};
 use crate::task::blocking;
 
 /// How much of an eStargz blob's end one request fetches: the footer and, when it fits, the
@@ -33,42 +33,63 @@ pub async fn fetch_estargz_toc(
             "the layer is too short for an eStargz footer",
         ));
     }
-    let footer_at = size - estargz::FOOTER_SIZE;
-    let tail_at = size.saturating_sub(ESTARGZ_TAIL);
     // Footer and TOC member are fetched and checked again if what came does not hold up (cut,
-    // flipped): the TOC's digest is pinned, so only the published TOC passes.
+    // flipped), from the registry itself: the TOC's digest is pinned, so only the published
+    // TOC passes.
+    let asking = AskUntilChecksFail::default();
+    let asking = &asking;
     client
         .retry_policy()
-        .run(&format!("the eStargz TOC of layer {layer}"), || async {
-            let tail = client
-                .get_blob_range(reference, &layer, tail_at..size, Ask::AnyEndpoint)
-                .await?;
-            let footer = &tail[(footer_at - tail_at) as usize..];
-            let offset = estargz::toc_offset(footer, size)?;
-            if footer_at - offset > estargz::MAX_TOC_MEMBER {
-                return Err(Error::corrupt(format!(
-                    "the eStargz footer puts a {}-byte TOC member before it, more than the {} accepted",
-                    footer_at - offset,
-                    estargz::MAX_TOC_MEMBER
-                )));
-            }
-            let before_footer = &tail[..(footer_at - tail_at) as usize];
-            let member = match offset.checked_sub(tail_at) {
-                Some(start) => before_footer[start as usize..].to_vec(),
-                // The member begins before the tail: its head is fetched, the rest is here.
-                None => {
-                    let mut head = client
-                        .get_blob_range(reference, &layer, offset..tail_at, Ask::AnyEndpoint)
-                        .await?
-                        .to_vec();
-                    head.extend_from_slice(before_footer);
-                    head
-                }
-            };
-            let json = blocking(move || estargz::toc_json(&member, &digest)).await?;
-            Ok((offset, json))
-        })
+        .run(
+            &format!("the eStargz TOC of layer {layer}"),
+            || async move {
+                asking.noted(
+                    estargz_toc_once(client, reference, layer, size, digest, asking.ask()).await,
+                )
+            },
+        )
         .await
+}
+
+/// One try of [`fetch_estargz_toc`], asking `ask`: the blob's tail (footer and, usually, the
+/// TOC member), the member's head if it begins before the tail, the TOC checked.
+async fn estargz_toc_once(
+    client: &dyn Registry,
+    reference: &Reference,
+    layer: Digest,
+    size: u64,
+    digest: Digest,
+    ask: Ask,
+) -> Result<(u64, Vec<u8>)> {
+    let footer_at = size - estargz::FOOTER_SIZE;
+    let tail_at = size.saturating_sub(ESTARGZ_TAIL);
+    let tail = client
+        .get_blob_range(reference, &layer, tail_at..size, ask)
+        .await?;
+    let footer = &tail[(footer_at - tail_at) as usize..];
+    let offset = estargz::toc_offset(footer, size)?;
+    if footer_at - offset > estargz::MAX_TOC_MEMBER {
+        return Err(Error::corrupt(format!(
+            "the eStargz footer puts a {}-byte TOC member before it, more than the {} accepted",
+            footer_at - offset,
+            estargz::MAX_TOC_MEMBER
+        )));
+    }
+    let before_footer = &tail[..(footer_at - tail_at) as usize];
+    let member = match offset.checked_sub(tail_at) {
+        Some(start) => before_footer[start as usize..].to_vec(),
+        // The member begins before the tail: its head is fetched, the rest is here.
+        None => {
+            let mut head = client
+                .get_blob_range(reference, &layer, offset..tail_at, ask)
+                .await?
+                .to_vec();
+            head.extend_from_slice(before_footer);
+            head
+        }
+    };
+    let json = blocking(move || estargz::toc_json(&member, &digest)).await?;
+    Ok((offset, json))
 }
 
 /// The TOC (or seekable index) `meta` pins, verified against its digest, and the blob's bytes
@@ -121,7 +142,7 @@ pub(super) async fn fetch_toc_of(
 }
 
 /// The TOC that `loc` places in blob `layer`, verified against its pinned checksum.
-pub(super) async fn fetch_toc(
+pub async fn fetch_toc(
     client: &dyn Registry,
     reference: &Reference,
     layer: &Digest,
@@ -250,17 +271,24 @@ async fn fetch_toc_from(
 ) -> Result<(Vec<u8>, bytes::Bytes)> {
     let range = from..loc.range().end;
     let before = (loc.offset - from) as usize;
+    // Bytes that fail the pinned checksum are fetched again from the registry itself.
+    let asking = AskUntilChecksFail::default();
     client
         .retry_policy()
         .run(
             &format!("the zstd:chunked TOC of layer {layer}"),
             || async {
-                let bytes = client
-                    .get_blob_range(reference, layer, range.clone(), Ask::AnyEndpoint)
-                    .await?;
-                let toc = &bytes[before..];
-                loc.checksum.verify(toc, "zstd:chunked TOC")?;
-                Ok((toc.to_vec(), bytes.slice(..before)))
+                asking.noted(
+                    async {
+                        let bytes = client
+                            .get_blob_range(reference, layer, range.clone(), asking.ask())
+                            .await?;
+                        let toc = &bytes[before..];
+                        loc.checksum.verify(toc, "zstd:chunked TOC")?;
+                        Ok((toc.to_vec(), bytes.slice(..before)))
+                    }
+                    .await,
+                )
             },
         )
         .await
