@@ -93,6 +93,11 @@ pub enum Hydrate {
     Eager,
 }
 
+/// How fast chunks cached before a server started are read back and checked by default, MB/s
+/// ([`ServeOptions::verify_rate`]): about a quarter of a SATA SSD's read rate, so guests that
+/// boot meanwhile keep most of the disk.
+pub const DEFAULT_VERIFY_RATE: u64 = 128;
+
 /// What [`start`] runs besides the FUSE session.
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
@@ -101,6 +106,9 @@ pub struct ServeOptions {
     pub hydrate_rate: u64,
     /// Hand complete files to the kernel with FUSE passthrough.
     pub passthrough: bool,
+    /// How fast chunks cached before this process started are read back and checked in the
+    /// background, MB/s (one layer of the cache at a time; 0: as fast as the disk goes).
+    pub verify_rate: u64,
     /// Print `hydrated: …` on stdout when hydration completes (the interactive mount does).
     pub announce: bool,
     /// The layer's ready-disk directory, mounted when asked ([`Serving::mount_ready`]).
@@ -229,6 +237,7 @@ pub async fn start(
         Arc::clone(&engine),
         cache.clone(),
         opts.announce,
+        opts.verify_rate * 1_000_000,
     )));
     let e = Arc::clone(&engine);
     let index_cache = cache.clone();
@@ -246,11 +255,14 @@ pub async fn start(
 }
 
 /// What a served layer needs each second while it is mounted: cached chunks not checked in
-/// this process checked in the background, the integrity check once the layer is complete,
+/// this process checked in the background (those of a changed data file at once, the rest at
+/// `verify_rate` bytes/s in the node's turn), the integrity check once the layer is complete,
 /// unused layers evicted when the cache's disk is full, the cache flushed.
-async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool) {
+async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool, verify_rate: u64) {
     let mut checking: Option<tokio::task::JoinHandle<()>> = None;
     let mut checking_cache: Option<tokio::task::JoinHandle<()>> = None;
+    // Whether a pass left every present chunk checked once (announced then).
+    let all_checked_once = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut unstored = 0;
     loop {
         // Chunks cached before this process started (and those of a data file someone
@@ -258,18 +270,28 @@ async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool) {
         // passthrough; reads check what they touch first.
         if checking_cache.as_ref().is_none_or(|c| c.is_finished()) {
             let e = Arc::clone(&e);
-            let first = checking_cache.is_none();
+            let (checking, root) = (Arc::clone(&e), cache.clone());
+            let all_checked_once = Arc::clone(&all_checked_once);
             checking_cache = Some(tokio::spawn(async move {
-                let checking = Arc::clone(&e);
-                let Ok(found) = tokio::task::spawn_blocking(move || checking.check_cache()).await
-                else {
+                let check = move || {
+                    // Chunks cached before this process started are read back one layer of
+                    // the node at a time, at the verify rate.
+                    let turn = match checking.cache.all_checked() {
+                        true => None,
+                        false => root.verify_turn(),
+                    };
+                    checking.check_cache(turn.as_ref().map(|_| verify_rate))
+                };
+                let Ok(found) = tokio::task::spawn_blocking(check).await else {
                     return;
                 };
                 let (checked, damaged) = (found.checked, found.damaged.len());
                 // Damaged chunks are fetched again at once: readers holding a passthrough
                 // open read the data file without asking, so it is mended where they read.
                 e.repair(&found.damaged).await;
-                if checked > 0 || first {
+                let first_complete = found.complete
+                    && !all_checked_once.swap(true, std::sync::atomic::Ordering::AcqRel);
+                if checked > 0 || first_complete {
                     if announce {
                         println!(
                             "checked: {} cached chunks sound, {damaged} damaged",

@@ -7,7 +7,8 @@ use crate::error::{Error, ErrorKind, Result};
 /// mmap threshold after the first such buffer is freed and from then on keeps them in
 /// per-thread arenas, so a process that served a 10 GiB disk held 71 MiB at its peak; with a
 /// fixed threshold and two arenas it held 28 MiB and went back to 15 MiB. Called once at start,
-/// before the runtime's threads exist. (The crate's one `unsafe`: glibc has no safe binding.)
+/// before the runtime's threads exist. (One of the crate's two `unsafe`: glibc has no safe
+/// binding.)
 #[allow(unsafe_code)]
 pub fn return_large_buffers() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -17,6 +18,29 @@ pub fn return_large_buffers() {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
         libc::mallopt(libc::M_ARENA_MAX, 2);
     }
+}
+
+/// Runs `work` on this thread in the idle I/O priority class: its disk reads wait while
+/// others' are queued (the BFQ scheduler honours the class; others take it as a hint), so
+/// background reads of the cache (re-verification after a restart) do not slow a guest's.
+/// The thread's class is put back afterwards: blocking threads are reused. (The crate's other
+/// `unsafe`: neither libc nor rustix binds ioprio safely.)
+#[allow(unsafe_code)]
+pub fn at_idle_io<T>(work: impl FnOnce() -> T) -> T {
+    // IOPRIO_WHO_PROCESS with 0: the calling thread (I/O priorities are per thread).
+    const THIS_THREAD: [libc::c_long; 2] = [1, 0];
+    const IDLE: libc::c_long = 3 << 13;
+    // SAFETY: ioprio_get takes two integers and returns one; it touches no memory of ours.
+    let before = unsafe { libc::syscall(libc::SYS_ioprio_get, THIS_THREAD[0], THIS_THREAD[1]) };
+    // SAFETY: ioprio_set takes three integers; it touches no memory of ours.
+    let set =
+        unsafe { libc::syscall(libc::SYS_ioprio_set, THIS_THREAD[0], THIS_THREAD[1], IDLE) } == 0;
+    let out = work();
+    if set && before >= 0 {
+        // SAFETY: as above; `before` is the class this thread had.
+        unsafe { libc::syscall(libc::SYS_ioprio_set, THIS_THREAD[0], THIS_THREAD[1], before) };
+    }
+    out
 }
 
 /// Runs blocking file-system, store or CPU-heavy work on the runtime's blocking threads.

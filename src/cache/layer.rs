@@ -115,6 +115,9 @@ pub struct LayerCache {
     checked: Vec<AtomicU64>,
     /// Per data file: its stamp after this process's last write or check.
     stamps: Vec<Mutex<Option<Stamp>>>,
+    /// Per data file: changed by someone else since the last pass over the cache took note
+    /// ([`LayerCache::take_changed`]).
+    changed: Vec<AtomicBool>,
     /// The digests of stored chunks that carry none of their own (a part of a seekable
     /// index's span), 32 bytes per chunk, synced with the data before the bitmap.
     sums: File,
@@ -229,6 +232,7 @@ impl LayerCache {
                 .collect()
         };
         let stamps = data.iter().map(|f| Mutex::new(stamp_of(f))).collect();
+        let changed = data.iter().map(|_| AtomicBool::new(false)).collect();
         let cache = LayerCache {
             dir: dir.to_path_buf(),
             data,
@@ -236,6 +240,7 @@ impl LayerCache {
             present_count: AtomicUsize::new(0),
             checked: zeroed(),
             stamps,
+            changed,
             sums,
             spill: Mutex::new(Spill::default()),
             full: AtomicBool::new(false),
@@ -400,7 +405,22 @@ impl LayerCache {
         for idx in chunks {
             self.checked[idx / 64].fetch_and(!(1 << (idx % 64)), Ordering::AcqRel);
         }
+        self.changed[file].store(true, Ordering::Release);
         true
+    }
+
+    /// Whether data file `file` was found changed by someone else since this was last asked
+    /// ([`LayerCache::changed_since_checked`]); the note is taken.
+    pub fn take_changed(&self, file: usize) -> bool {
+        self.changed[file].swap(false, Ordering::AcqRel)
+    }
+
+    /// Whether every present chunk was checked in this process.
+    pub fn all_checked(&self) -> bool {
+        self.present
+            .iter()
+            .zip(&self.checked)
+            .all(|(p, c)| p.load(Ordering::Acquire) & !c.load(Ordering::Acquire) == 0)
     }
 
     /// The digest kept for chunk `idx` when it was written ([`LayerCache::write_chunk`]), if

@@ -100,6 +100,10 @@ pub mod names {
     pub const LAST_USED: &str = "last-used";
 }
 
+/// The file in a cache's root whose lock is the turn to re-verify a layer's cached chunks in
+/// the background ([`CacheRoot::verify_turn`]).
+const VERIFY_TURN: &str = "verify-turn";
+
 /// The data file of the layer's regular file number `n`, in its cache directory `layer_dir`.
 pub fn data_file(layer_dir: &Path, n: usize) -> PathBuf {
     layer_dir.join(names::DATA).join(n.to_string())
@@ -141,6 +145,21 @@ impl CacheRoot {
         Ok(CacheRoot {
             root: root.to_path_buf(),
         })
+    }
+
+    /// The turn to re-verify a layer's cached chunks in the background, held while the
+    /// returned file is open; `None` while another process (another layer's server) holds it.
+    /// One layer at a time reads its cache back after a restart, so a node full of cached
+    /// disks does not read them all at once while its guests boot.
+    pub fn verify_turn(&self) -> Option<std::fs::File> {
+        let turn = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(self.root.join(VERIFY_TURN))
+            .ok()?;
+        turn.try_lock().ok()?;
+        Some(turn)
     }
 
     /// The directory of the layer with key `key` ([`crate::layer::LayerId::key`]).
@@ -333,6 +352,16 @@ impl CacheRoot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_layer_at_a_time_holds_the_turn_to_re_verify() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = CacheRoot::open(dir.path()).unwrap();
+        let turn = root.verify_turn().expect("free");
+        assert!(root.verify_turn().is_none(), "held by the first");
+        drop(turn);
+        assert!(root.verify_turn().is_some(), "free again");
+    }
 
     fn fill_layer(root: &CacheRoot, name: &[u8], bytes: usize) -> (Digest, PathBuf) {
         let digest = Digest::of(name);

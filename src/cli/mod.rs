@@ -306,6 +306,10 @@ pub struct MountArgs {
     /// Bandwidth limit of background hydration, in MB/s of disk data.
     #[arg(long, default_value_t = 50, value_name = "MB/S")]
     pub hydrate_rate: u64,
+    /// How fast chunks cached by an earlier mount are read back and checked in the
+    /// background, MB/s (one layer of the cache at a time, idle I/O class); 0: no limit.
+    #[arg(long, default_value_t = crate::serve::DEFAULT_VERIFY_RATE, value_name = "MB/S")]
+    pub verify_rate: u64,
     /// Evict cached layers that are not mounted, least recently used first, until the cache
     /// holds at most this much (e.g. 20G).
     #[arg(long, value_name = "SIZE")]
@@ -657,6 +661,7 @@ async fn mount(args: MountArgs) -> Result<()> {
             hydrate: args.hydrate,
             hydrate_rate: args.hydrate_rate,
             passthrough: !args.no_passthrough,
+            verify_rate: args.verify_rate,
             announce: true,
             ready: None,
         },
@@ -715,6 +720,7 @@ async fn trace_record(args: TraceRecordArgs) -> Result<()> {
             hydrate: Hydrate::Off,
             hydrate_rate: 0,
             passthrough: false,
+            verify_rate: 0,
             announce: false,
             ready: None,
         },

@@ -14,6 +14,40 @@ use super::{Engine, Priority, HYDRATE_WHEN_FULL, READERS_REST};
 const HYDRATE_BATCH: usize = 16;
 use crate::error::Result;
 
+/// The pace of background work at a byte rate (hydration's fetches, the re-verification of a
+/// cache after a restart): when the next piece of work may start, given the bytes started
+/// since the pace began. A rate of 0 sets no pace.
+pub(super) struct Pace {
+    rate: u64,
+    since: Instant,
+    bytes: u64,
+}
+
+impl Pace {
+    pub(super) fn new(rate: u64) -> Self {
+        Pace {
+            rate,
+            since: Instant::now(),
+            bytes: 0,
+        }
+    }
+
+    /// Begins anew from now (after a pause, which the work does not catch up on).
+    pub(super) fn restart(&mut self) {
+        *self = Pace::new(self.rate);
+    }
+
+    /// When work of `bytes` may start; counts them.
+    pub(super) fn start(&mut self, bytes: u64) -> Instant {
+        if self.rate == 0 {
+            return Instant::now();
+        }
+        let at = self.since + Duration::from_secs_f64(self.bytes as f64 / self.rate as f64);
+        self.bytes += bytes;
+        at
+    }
+}
+
 impl Engine {
     /// Fetches the chunks of file `file` that `ranges` (file byte ranges) cover, in that
     /// order, `in_flight` requests at a time; each chunk once, present ones skipped. Returns
@@ -76,9 +110,9 @@ impl Engine {
             .step_by(HYDRATE_BATCH)
             .map(|s| s..(s + HYDRATE_BATCH).min(total))
             .collect();
-        // The pace of a rate-limited hydration: since when, and the bytes started since; a
-        // wait for the readers starts it anew (the rest does not let it catch up).
-        let pace = Mutex::new((Instant::now(), 0u64));
+        // The pace of a rate-limited hydration; a wait for the readers starts it anew (the
+        // rest does not let it catch up).
+        let pace = Mutex::new(Pace::new(bytes_per_second.unwrap_or(0)));
         let mut stream = futures_util::stream::iter(batches.into_iter().map(|r| {
             let bytes: u64 = self.layer.chunks[r.clone()].iter().map(|c| c.size).sum();
             let pace = &pace;
@@ -88,19 +122,12 @@ impl Engine {
                 if self.cache.full() {
                     tokio::time::sleep(HYDRATE_WHEN_FULL).await;
                 }
-                if let Some(rate) = bytes_per_second {
+                if bytes_per_second.is_some() {
                     if self.wait_until_readers_rest().await {
-                        *pace.lock() = (Instant::now(), 0);
+                        pace.lock().restart();
                     }
-                    if rate > 0 {
-                        let start_at = {
-                            let mut p = pace.lock();
-                            let at = p.0 + Duration::from_secs_f64(p.1 as f64 / rate as f64);
-                            p.1 += bytes;
-                            at
-                        };
-                        tokio::time::sleep_until(start_at).await;
-                    }
+                    let start_at = pace.lock().start(bytes);
+                    tokio::time::sleep_until(start_at).await;
                 }
                 self.ensure_as(r, Priority::Hydration).await
             }

@@ -114,6 +114,8 @@ pub struct CacheCheck {
     /// The chunks among them whose bytes were not what was verified: now missing, to be
     /// fetched again ([`Engine::repair`]).
     pub damaged: Vec<usize>,
+    /// Whether every present chunk is now checked (none left for a later pass).
+    pub complete: bool,
 }
 
 struct DedupSource {
@@ -668,27 +670,63 @@ impl Engine {
         sound
     }
 
-    /// Checks the present chunks of every file not checked in this process, and again those
-    /// of a data file someone else changed: what makes a complete file fit for passthrough
-    /// ([`Engine::passthrough_file`]). Blocking; returns how many chunks it checked and how
-    /// many of them were damaged.
+    /// Checks the present chunks not checked in this process: what makes a complete file fit
+    /// for passthrough ([`Engine::passthrough_file`]). Blocking. First, at once, the chunks of
+    /// data files someone else changed (an incident: readers holding them with passthrough
+    /// read them); then, with `bulk_rate` (bytes/s, 0 for no pace) — the caller holds the
+    /// node's turn ([`crate::cache::CacheRoot::verify_turn`]) — every other one, paced and in
+    /// the idle I/O class: chunks cached before this process started, re-verified after a
+    /// restart without slowing the guests that boot from the same disk meanwhile (their reads
+    /// check what they touch first). Without it, those wait for a later pass.
     ///
     /// It goes from the end of each file backwards: a reader reading from the start meets it
     /// in the middle instead of checking the same chunks beside it.
-    pub fn check_cache(&self) -> CacheCheck {
+    pub fn check_cache(&self, bulk_rate: Option<u64>) -> CacheCheck {
         let mut found = CacheCheck::default();
+        let mut rest = Vec::new();
         for file in 0..self.layer.files.len() {
             self.noticed_change(file);
-            for idx in self.layer.chunks_of(file).rev() {
-                if self.cache.is_present(idx) && !self.cache.is_checked(idx) {
-                    found.checked += 1;
-                    if !self.check_cached(idx) {
-                        found.damaged.push(idx);
-                    }
-                }
+            match self.cache.take_changed(file) {
+                true => self.check_file(file, None, &mut found),
+                false => rest.push(file),
             }
         }
+        if let Some(rate) = bulk_rate {
+            let mut pace = hydrate::Pace::new(rate);
+            crate::task::at_idle_io(|| {
+                for file in rest {
+                    self.check_file(file, Some(&mut pace), &mut found);
+                }
+            });
+        }
+        found.complete = self.cache.all_checked();
         found
+    }
+
+    /// [`Engine::check_cache`] of the unchecked present chunks of file `file`, at `pace`.
+    fn check_file(
+        &self,
+        file: usize,
+        mut pace: Option<&mut hydrate::Pace>,
+        found: &mut CacheCheck,
+    ) {
+        for idx in self.layer.chunks_of(file).rev() {
+            if !self.cache.is_present(idx) || self.cache.is_checked(idx) {
+                continue;
+            }
+            if let Some(pace) = pace.as_deref_mut() {
+                let at = pace.start(self.layer.chunks[idx].size);
+                std::thread::sleep(at.saturating_duration_since(tokio::time::Instant::now()));
+                // A reader may have checked it meanwhile.
+                if !self.cache.is_present(idx) || self.cache.is_checked(idx) {
+                    continue;
+                }
+            }
+            found.checked += 1;
+            if !self.check_cached(idx) {
+                found.damaged.push(idx);
+            }
+        }
     }
 
     /// Whether data file `file` was changed by someone else since this process last wrote or
@@ -1725,7 +1763,7 @@ mod tests {
         damage(dir.path(), 3);
         assert!(engine.passthrough_file(disk).is_none());
         assert_eq!(
-            counts(engine.check_cache()),
+            counts(engine.check_cache(Some(0))),
             (4, 1),
             "the changed file is checked again"
         );
@@ -1739,17 +1777,52 @@ mod tests {
         let engine = reopened(&engine, dir.path(), &source);
         let _ = engine.integrity.set(Integrity::Verified);
         assert!(engine.passthrough_file(disk).is_none());
-        assert_eq!(counts(engine.check_cache()), (4, 0));
+        assert_eq!(counts(engine.check_cache(Some(0))), (4, 0));
         assert!(engine.passthrough_file(disk).is_some());
         assert_eq!(
-            counts(engine.check_cache()),
+            counts(engine.check_cache(Some(0))),
             (0, 0),
             "nothing left to check"
         );
     }
 
-    fn counts(found: CacheCheck) -> (usize, usize) {
+    /// After a restart, the chunks cached before are read back at the verify rate (in the
+    /// node's turn); without the turn a pass checks only data files someone changed.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn chunks_cached_before_a_restart_are_checked_at_the_verify_rate_in_the_nodes_turn() {
+        let data = content(8);
+        let (engine, source, dir) = engine(&data, EngineOptions::default());
+        let disk = engine.layer.disk;
+        engine.read(disk, 0, data.len() as u64).await.unwrap();
+        let engine = reopened(&engine, dir.path(), &source);
+        // No turn: nothing changed, nothing checked.
+        let found = engine.check_cache(None);
+        assert_eq!((found.checked, found.complete), (0, false));
+        // A file changed by someone else is checked at once, turn or not.
+        damage(dir.path(), 1);
+        let found = engine.check_cache(None);
+        assert_eq!(counts_of(&found), (8, 1), "the changed file, at once");
+        engine.repair(&found.damaged).await;
+
+        let engine = reopened(&engine, dir.path(), &source);
+        let rate = 8 * CHUNK as u64; // 8 chunks a second
+        let started = std::time::Instant::now();
+        let found = engine.check_cache(Some(rate));
+        let took = started.elapsed();
+        assert_eq!(counts_of(&found), (8, 0));
+        assert!(found.complete);
+        assert!(
+            took >= Duration::from_millis(800),
+            "8 chunks at 8 a second start over 0.875 s: {took:?}"
+        );
+    }
+
+    fn counts_of(found: &CacheCheck) -> (usize, usize) {
         (found.checked, found.damaged.len())
+    }
+
+    fn counts(found: CacheCheck) -> (usize, usize) {
+        counts_of(&found)
     }
 
     /// Bytes changed in a checked data file while it is served are noticed by the next read
@@ -1780,7 +1853,7 @@ mod tests {
 
         // Found by the background pass instead: repaired without a reader.
         damage(dir.path(), 2 * CHUNK as u64 + 1);
-        let found = engine.check_cache();
+        let found = engine.check_cache(Some(0));
         assert_eq!(found.damaged, [2]);
         engine.repair(&found.damaged).await;
         engine

@@ -105,6 +105,9 @@ pub struct CacheConfig {
     pub hydrate_rate: u64,
     /// Hand complete files to the kernel with FUSE passthrough.
     pub passthrough: bool,
+    /// How fast cached chunks are read back and checked after a restart, MB/s: one layer of
+    /// the node at a time, in the idle I/O class; 0: as fast as the disk goes.
+    pub verify_rate: u64,
     /// Fetch the chunks of a boot trace published beside the image first when a layer that is
     /// not complete is mounted (`vmdisk trace record --push`).
     pub boot_traces: bool,
@@ -170,6 +173,7 @@ impl Default for CacheConfig {
             hydrate: Hydrate::Background,
             hydrate_rate: 50,
             passthrough: true,
+            verify_rate: crate::serve::DEFAULT_VERIFY_RATE,
             boot_traces: true,
         }
     }

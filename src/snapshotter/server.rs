@@ -480,6 +480,7 @@ async fn start(
             hydrate: config.cache.hydrate,
             hydrate_rate: config.cache.hydrate_rate,
             passthrough: config.cache.passthrough,
+            verify_rate: config.cache.verify_rate,
             announce: false,
             ready: Some(ready),
         },
