@@ -90,7 +90,7 @@ fn wait_until_it_serves_ranges(registry: &Registry, digest: &str) {
 }
 
 /// A hosts.toml directory (for `--hosts-dir`) in which `registry` lists `mirror` before itself.
-fn hosts_dir(scratch: &Scratch, registry: &str, mirror: &str) -> std::path::PathBuf {
+pub(crate) fn hosts_dir(scratch: &Scratch, registry: &str, mirror: &str) -> std::path::PathBuf {
     let hosts = scratch.path("hosts.d");
     std::fs::create_dir_all(hosts.join(registry)).unwrap();
     std::fs::write(

@@ -36,6 +36,9 @@ pub(crate) enum Answer {
     WrongContentRange,
     /// 206 with the bytes asked for and more.
     ExtraBytes,
+    /// 206 with the bytes asked for, the last one flipped, after a wait (a registry or mirror
+    /// whose every answer fails its check; slowly, with a wait).
+    LateAndDamaged(Duration),
 }
 
 #[derive(Clone)]
@@ -139,6 +142,13 @@ async fn serve(
             let mut more = slice;
             more.extend_from_slice(b"and then some");
             partial(honest_range, Body::from(more))
+        }
+        Answer::LateAndDamaged(wait) => {
+            tokio::time::sleep(wait).await;
+            let mut damaged = slice;
+            let last = damaged.len() - 1;
+            damaged[last] ^= 0x10;
+            partial(honest_range, Body::from(damaged))
         }
         Answer::Trickle(every) => {
             let bytes = futures_util::stream::unfold(slice.into_iter(), move |mut it| async move {
@@ -862,6 +872,79 @@ fn misbehaving_range_answers_fail_the_read_within_the_fetch_timeout() {
         let stats = mount.stop();
         assert!(stats["read_errors"].as_u64().unwrap() >= 1, "{stats}");
     }
+}
+
+/// A registry whose every answer for a chunk fails its check, each answer nearly a fetch
+/// timeout late: the read still ends within the fetch timeout and one more try (before, the
+/// fetches of a chunk that failed its check were retried around the deadline's own loop: three
+/// late answers, about three timeouts).
+#[test]
+fn a_registry_that_fails_every_check_ends_the_read_within_the_fetch_timeout() {
+    let scratch = Scratch::new();
+    let reg = HostileRegistry::start();
+    let data = random(4 * CHUNK, 10);
+    let layer = CraftedLayer::honest(&[("disk/disk.img", &data)], CHUNK);
+    let mut area = layer.chunk_area();
+    area.start += 1;
+    let reference = reg.publish(
+        "late/disk",
+        "1",
+        &layer,
+        Claim {
+            answer: Answer::LateAndDamaged(Duration::from_millis(2800)),
+            at: area,
+            ..Claim::default()
+        },
+    );
+    let mount = Mount::start(
+        &reference,
+        &scratch.path("cache"),
+        &scratch.path("mnt"),
+        &["--fetch-timeout", "3"],
+    );
+    let (bad, took) = direct_read(&mount.disk, 2 * CHUNK as u64, 4096);
+    eprintln!("every answer late and damaged: the read failed after {took:?}");
+    assert!(bad.is_err(), "damaged bytes were served");
+    let bound = Duration::from_secs(3) + vmdisk::engine::READ_GRACE + Duration::from_secs(1);
+    assert!(
+        took <= bound,
+        "the read was held {took:?} (bound {bound:?})"
+    );
+    let stats = mount.stop();
+    assert!(stats["read_errors"].as_u64().unwrap() >= 1, "{stats}");
+}
+
+/// A mirror that damages every range it serves, TOCs included, yet answers (so it counts as
+/// healthy and is asked first): the TOC that failed its pinned checksum is fetched from the
+/// registry itself next, the mount becomes ready, and every byte read is the published one.
+#[test]
+fn a_mirror_serving_a_damaged_toc_does_not_keep_the_mount_from_the_registry() {
+    let scratch = Scratch::new();
+    let (origin, mirror) = (HostileRegistry::start(), HostileRegistry::start());
+    let data = random(4 * CHUNK, 11);
+    let layer = CraftedLayer::honest(&[("disk/disk.img", &data)], CHUNK);
+    let reference = origin.publish("vm/disk", "1", &layer, Claim::default());
+    mirror.publish(
+        "vm/disk",
+        "1",
+        &layer,
+        Claim {
+            answer: Answer::LateAndDamaged(Duration::ZERO),
+            at: 0..u64::MAX,
+            ..Claim::default()
+        },
+    );
+    let hosts = crate::fleet::hosts_dir(&scratch, &origin.host(), &mirror.host());
+    let mount = Mount::start(
+        &reference,
+        &scratch.path("cache"),
+        &scratch.path("mnt"),
+        &["--hosts-dir", hosts.to_str().unwrap(), "--plain-http"],
+    );
+    let (read, _) = direct_read(&mount.disk, 0, data.len());
+    assert!(read.unwrap() == data, "the published bytes");
+    let stats = mount.stop();
+    assert_eq!(stats["read_errors"].as_u64(), Some(0), "{stats}");
 }
 
 /// A registry whose Range answers contradict the request (Content-Range shifted by one byte,
