@@ -36,6 +36,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::tree::{clean_path, NodeKind};
 use crate::layer::Layer;
 use crate::layer::{Ask, Extent, Held, Piece, StreamKind};
+use crate::registry::AskUntilChecksFail;
 use crate::task::blocking;
 
 /// What a tar entry of the rebuilt stream says.
@@ -73,25 +74,30 @@ impl Engine {
         // The regions between chunks carry no digest: bytes cut or flipped on the way fail the
         // check as a lie would, so a failed check is made again from the registry itself
         // before it counts.
-        let tries = std::sync::atomic::AtomicU32::new(0);
+        let asking = AskUntilChecksFail::default();
+        let (asking, cache) = (&asking, &cache);
         self.check_policy()
-            .run("the layer's structure check", || async {
-                let ask = ask_on(tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            .run("the layer's structure check", || async move {
                 let engine = Arc::clone(self);
                 let cache = cache.clone();
-                let pieces = engine.pieces(Extent::Structure, ask, held).await?;
-                blocking(move || {
-                    let mut stream = Stream::new(&engine, pieces, false);
-                    let entries = read_entries(&mut stream)?;
-                    compare(&engine.layer, &entries, &stream.chunk_starts)?;
-                    if let Some(cache) = cache {
-                        if let Err(e) = cache.save_structure_checked(&key) {
-                            tracing::warn!(error = %e.chain(), "recording the layer's structure check failed; it runs again next time");
+                let checked = async {
+                    let pieces = engine
+                        .pieces(Extent::Structure, asking.ask(), held)
+                        .await?;
+                    blocking(move || {
+                        let mut stream = Stream::new(&engine, pieces, false);
+                        let entries = read_entries(&mut stream)?;
+                        compare(&engine.layer, &entries, &stream.chunk_starts)?;
+                        if let Some(cache) = cache {
+                            if let Err(e) = cache.save_structure_checked(&key) {
+                                tracing::warn!(error = %e.chain(), "recording the layer's structure check failed; it runs again next time");
+                            }
                         }
-                    }
-                    Ok(())
-                })
-                .await
+                        Ok(())
+                    })
+                    .await
+                };
+                asking.noted(checked.await)
             })
             .await
             .map_err(|e| match e.kind() {
@@ -117,12 +123,12 @@ impl Engine {
         }
         // As for the structure check: a mismatch counts only once the regions fetched again
         // from the registry itself say the same.
-        let tries = std::sync::atomic::AtomicU32::new(0);
+        let asking = AskUntilChecksFail::default();
+        let asking = &asking;
         let rebuilt = self
             .check_policy()
-            .run("the layer's integrity check", || {
-                let ask = ask_on(tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-                self.rebuild_and_compare(ask)
+            .run("the layer's integrity check", || async move {
+                asking.noted(self.rebuild_and_compare(asking.ask()).await)
             })
             .await;
         let outcome = match rebuilt {
@@ -211,14 +217,6 @@ impl Engine {
             max_delay: std::time::Duration::from_secs(1),
             deadline: self.opts.fetch_deadline,
         }
-    }
-}
-
-/// Whom a check's `attempt`-th try (from 0) asks: the registry itself once one failed.
-fn ask_on(attempt: u32) -> Ask {
-    match attempt {
-        0 => Ask::AnyEndpoint,
-        _ => Ask::Registry,
     }
 }
 

@@ -339,10 +339,10 @@ where
     F: Fn(Ask) -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
-    let tries = std::sync::atomic::AtomicU32::new(0);
-    checked_tries(what, VERIFY_TRIES, || {
-        let first = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0;
-        attempt(if first { ask } else { Ask::Registry })
+    let asking = crate::registry::AskUntilChecksFail::new(ask);
+    let (asking, attempt) = (&asking, &attempt);
+    checked_tries(what, VERIFY_TRIES, || async move {
+        asking.noted(attempt(asking.ask()).await)
     })
     .await
 }

@@ -57,20 +57,36 @@ pub enum Ask {
     Registry,
 }
 
-/// Whom the tries of one fetch ask when its bytes are checked after they came (a TOC by its
-/// pinned checksum): any endpoint until bytes failed their check, then the registry itself —
-/// the mirror that sent them is not asked for them again, though it answered (and so counts
-/// as healthy).
-#[derive(Debug, Default)]
+/// Whom the tries of one fetch ask when its bytes are checked after they came (a chunk, a
+/// region between chunks, a span, a TOC by its pinned checksum, a layer's structure): where
+/// the caller says (any endpoint, by default) until bytes failed their check, then the
+/// registry itself — the mirror that sent them is not asked for them again, though it answered
+/// (and so counts as healthy). The one place that rule is written.
+#[derive(Debug)]
 pub struct AskUntilChecksFail {
+    first: Ask,
     failed: std::sync::atomic::AtomicBool,
 }
 
+impl Default for AskUntilChecksFail {
+    fn default() -> Self {
+        AskUntilChecksFail::new(Ask::AnyEndpoint)
+    }
+}
+
 impl AskUntilChecksFail {
+    /// Tries that ask `first` until bytes failed their check.
+    pub fn new(first: Ask) -> Self {
+        AskUntilChecksFail {
+            first,
+            failed: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
     /// Whom the next try asks.
     pub fn ask(&self) -> Ask {
         match self.failed.load(std::sync::atomic::Ordering::Acquire) {
-            false => Ask::AnyEndpoint,
+            false => self.first,
             true => Ask::Registry,
         }
     }
