@@ -995,14 +995,36 @@ impl Mount {
         }
     }
 
-    /// Unmounts with SIGINT and returns the counters it printed.
+    /// Unmounts with SIGINT and returns the counters it printed. A mount that is busy stays
+    /// until it is signalled again (`vmdisk mount` says so): a file this test process just
+    /// closed can still be held by a child it is starting (between fork and exec the child has
+    /// a copy of every descriptor), so the signal is sent again each second, for a minute.
     pub fn stop(mut self) -> serde_json::Value {
         let mut child = self.child.take().unwrap();
-        let _ = Command::new("kill")
-            .arg("-INT")
-            .arg(child.id().to_string())
-            .status();
+        let mut status = None;
+        for _ in 0..60 {
+            let _ = Command::new("kill")
+                .arg("-INT")
+                .arg(child.id().to_string())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(1);
+            while status.is_none() && Instant::now() < deadline {
+                status = child.try_wait().unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if status.is_some() {
+                break;
+            }
+        }
+        let stopped = status.is_some();
+        if !stopped {
+            let _ = child.kill();
+        }
         let status = child.wait().unwrap();
+        assert!(
+            stopped,
+            "vmdisk mount did not stop within a minute of SIGINTs"
+        );
         assert!(status.success(), "vmdisk mount exited with {status}");
         let last = self.lines.iter().last().expect("stats line");
         serde_json::from_str(&last).unwrap_or_else(|e| panic!("stats line {last:?}: {e}"))
