@@ -357,6 +357,11 @@ impl CraftedLayer {
         }
     }
 
+    /// The digest of the layer's tar stream (its diff_id).
+    pub(crate) fn diff_id(&self) -> Digest {
+        self.diff_id
+    }
+
     /// The blob (tar data, then the TOC in a skippable frame) and the annotations pinning it.
     pub(crate) fn blob(&self) -> (Vec<u8>, serde_json::Value) {
         let json = match &self.toc_json {

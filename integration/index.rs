@@ -41,7 +41,7 @@ pub fn bootable_raw(dir: &Path, size: &str) -> PathBuf {
 
 /// Pushes the OCI layout `layout` to `dest` as it is (an uncompressed layer stays so; skopeo
 /// would compress it).
-fn push_layout_as_is(layout: &Path, dest: &str) {
+pub(crate) fn push_layout_as_is(layout: &Path, dest: &str) {
     let r: Reference = dest.parse().unwrap();
     let index: serde_json::Value =
         serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();

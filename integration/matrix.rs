@@ -71,6 +71,51 @@ fn image_filesystems(ctd: &CriContainerd) -> Vec<cri::FilesystemUsage> {
     })
 }
 
+/// An application image (busybox, its config runs a shell) in the registry as zstd:chunked
+/// (skopeo) and as eStargz: each layer with a TOC of its own, neither published by vmdisk. The
+/// references, with their formats.
+fn ordinary_images_with_tocs(
+    scratch: &Scratch,
+    reg: &crate::harness::Registry,
+) -> [(String, &'static str); 2] {
+    // zstd:chunked as containers/storage writes it (skopeo 1.9's conversion leaves the
+    // config's diff_id that of the gzip layer, which containerd then refuses).
+    let busybox = std::fs::read("/bin/busybox").unwrap();
+    let layer = crate::hostile::CraftedLayer::honest(&[("bin/busybox", &busybox)], 256 << 10);
+    let (blob, annotations) = layer.blob();
+    let layout = scratch.path("busybox-chunked");
+    crate::harness::write_layout(
+        &layout,
+        &[(
+            blob,
+            "application/vnd.oci.image.layer.v1.tar+zstd",
+            layer.diff_id().to_string(),
+            annotations,
+        )],
+        "amd64",
+        serde_json::json!({"Cmd": ["/bin/busybox", "sh"]}),
+    );
+    let chunked = format!("{}/busybox-chunked:1", reg.host());
+    crate::index::push_layout_as_is(&layout, &chunked);
+    let estargz = format!("{}/busybox-estargz:1", reg.host());
+    let layout = scratch.path("busybox-estargz");
+    let busybox = std::fs::read("/bin/busybox").unwrap();
+    let layer = vmdisk_testing::estargz::layer(&[("bin/busybox", busybox)], 1 << 20);
+    crate::harness::write_layout(
+        &layout,
+        &[(
+            layer.blob,
+            vmdisk::oci::OCI_LAYER_GZIP,
+            layer.diff_id.to_string(),
+            serde_json::json!({ vmdisk::format::estargz::ANN_TOC_DIGEST: layer.toc_digest.to_string() }),
+        )],
+        "amd64",
+        serde_json::json!({"Cmd": ["/bin/busybox", "sh"]}),
+    );
+    crate::index::push_layout_as_is(&layout, &estargz);
+    [(chunked, "zstd:chunked"), (estargz, "eStargz")]
+}
+
 fn matrix(release: Release) {
     release.require();
     let scratch = Scratch::new();
@@ -111,6 +156,29 @@ fn matrix(release: Release) {
     assert_eq!(
         daemon.decisions().get("ordinary:not_disk_image"),
         Some(&1),
+        "{release:?}: {:?}",
+        daemon.decisions()
+    );
+    // So does one whose layer carries a TOC of its own (podman's zstd:chunked, eStargz): its
+    // config runs a program, so no TOC is fetched and no mount server starts.
+    for (image, format) in ordinary_images_with_tocs(&scratch, &reg) {
+        let logged = std::fs::read_to_string(&registry_log).unwrap().len();
+        ctd.pull(&image).unwrap_or_else(|e| {
+            panic!("{release:?} PullImage {format}: {e}\n{}", daemon.log_text())
+        });
+        let asked = vmdisk_asked(logged);
+        assert!(
+            asked.is_empty(),
+            "{release:?}: vmdisk asked the registry for an ordinary {format} image: {asked:?}"
+        );
+        assert!(
+            daemon.server_pids().is_empty(),
+            "{release:?}: a mount server started for an ordinary {format} image"
+        );
+    }
+    assert_eq!(
+        daemon.decisions().get("ordinary:not_disk_image"),
+        Some(&3),
         "{release:?}: {:?}",
         daemon.decisions()
     );

@@ -331,9 +331,11 @@ impl Classifier {
         Ok(manifest)
     }
 
-    /// Why `manifest`'s image (one with no TOC) is not searched for a seekable index, if it is
-    /// not: under [`IndexSearch::DataImages`], an image whose config (containerd holds it
-    /// before it unpacks) sets a program to run is an ordinary container image.
+    /// Why `manifest`'s image is not served lazily, if it is not: under
+    /// [`IndexSearch::DataImages`], an image whose config (containerd holds it before it
+    /// unpacks) sets a program to run is an ordinary container image — whether its layers
+    /// carry no TOC (no seekable index is searched for) or a TOC vmdisk did not publish
+    /// (zstd:chunked from podman, eStargz: no TOC is fetched).
     async fn not_a_disk_image(
         &self,
         client: &dyn Registry,
@@ -412,6 +414,15 @@ impl Classifier {
         };
         if disk.digest != layer {
             return ordinary(Reason::NotDiskLayer, "another layer holds the disk".into());
+        }
+        // A layer with a TOC that vmdisk did not publish (podman's zstd:chunked, eStargz) in an
+        // image that runs a program is an ordinary container image's: no TOC is fetched for it.
+        if !candidate {
+            if let Some((reason, detail)) =
+                self.not_a_disk_image(client, &reference, &manifest).await
+            {
+                return ordinary(reason, detail);
+            }
         }
         let searched = reference.to_string();
         if let Some(ago) = self.searched_in_vain(&searched) {
