@@ -102,17 +102,20 @@ test: deps lint
 bench: deps build
 	integration/bench.sh
 
-# Each fuzz target for FUZZ_SECONDS (nightly toolchain and cargo-fuzz, installed if missing),
-# from the committed corpus (copied: new inputs are not written into the tree). 1 GiB of RSS
-# or one allocation over 1 GiB is a failure: an allocation bomb fails the run.
+# Each fuzz target for FUZZ_SECONDS (cargo-fuzz, installed if missing), from the committed
+# corpus (copied: new inputs are not written into the tree). 1 GiB of RSS or one allocation over
+# 1 GiB is a failure: an allocation bomb fails the run. cargo-fuzz needs nightly features: the
+# nightly toolchain where the machine has one, else the stable one with RUSTC_BOOTSTRAP=1 (no
+# toolchain can be downloaded on these machines).
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS := toc qcow2 manifest text_parsers layer_regions seekable_index
+FUZZ_CARGO := $(if $(shell rustup toolchain list 2>/dev/null | grep '^nightly'),cargo +nightly,RUSTC_BOOTSTRAP=1 cargo +stable)
 fuzz:
-	@cargo +nightly fuzz --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-fuzz
+	@$(FUZZ_CARGO) fuzz --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-fuzz
 	@work=$$(mktemp -d) && trap 'rm -rf "$$work"' EXIT && cp -r fuzz/corpus/. "$$work"/ && \
 	cd fuzz && for t in $(FUZZ_TARGETS); do \
 		echo "fuzz: $$t for $(FUZZ_SECONDS) s"; \
-		cargo +nightly fuzz run $$t "$$work/$$t" -- -max_total_time=$(FUZZ_SECONDS) \
+		$(FUZZ_CARGO) fuzz run $$t "$$work/$$t" -- -max_total_time=$(FUZZ_SECONDS) \
 			-rss_limit_mb=1024 -malloc_limit_mb=1024 -print_final_stats=1 2>&1 | \
 			grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|==|SUMMARY|Done)|panicked|ERROR' ; \
 		test $${PIPESTATUS[0]} -eq 0 || exit 1; done
