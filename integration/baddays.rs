@@ -255,6 +255,93 @@ fn a_full_cache_disk_still_answers_every_read_with_the_right_bytes() {
     );
 }
 
+/// Two disks served by the daemon (a mount server each) on a cache file system with no room:
+/// what both hold in memory together stays within the node's `memory_budget` and one read
+/// burst each (before, each server held up to 96 MiB of its own), every read is answered with
+/// the published bytes, and `vmdisk ls` says how much each holds.
+#[test]
+fn disks_on_a_full_cache_share_one_memory_budget() {
+    let scratch = Scratch::new();
+    let size: u64 = 48 << 20;
+    let reg = crate::harness::Registry::start(&scratch);
+    let disks: Vec<(PathBuf, String)> = (0..2u64)
+        .map(|i| {
+            let disk = scratch.path(&format!("d{i}.raw"));
+            random_file(&disk, size, 40 + i);
+            let reference = crate::mount::push_raw(&reg.host(), &format!("vm/full{i}:1"), &disk);
+            (disk, reference)
+        })
+        .collect();
+    let cache = scratch.path("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let mounted_fs = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
+        .arg(&cache)
+        .status()
+        .unwrap();
+    assert!(mounted_fs.success());
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(cache.clone());
+    let budget: u64 = 24 << 20;
+    let daemon = crate::cri::Daemon::start(
+        &scratch,
+        &format!(
+            "[cache]\ndir = \"{}\"\nhydrate = \"off\"\nmemory_budget = \"24M\"\n",
+            cache.display()
+        ),
+    );
+    let paths: Vec<String> = disks
+        .iter()
+        .map(|(_, reference)| daemon.vmdisk_ok(&["path", reference]).trim().to_string())
+        .collect();
+    let held = || -> Vec<u64> {
+        let ls: serde_json::Value =
+            serde_json::from_str(&daemon.vmdisk_ok(&["ls", "--json"])).unwrap();
+        ls.as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["memory_held"].as_u64().unwrap())
+            .collect()
+    };
+    let mib = 1u64 << 20;
+    let mut most = 0;
+    // Both disks read at once, 1 MiB at a time, in turns.
+    let files: Vec<(std::fs::File, std::fs::File)> = disks
+        .iter()
+        .zip(&paths)
+        .map(|((disk, _), path)| {
+            (
+                std::fs::File::open(path).unwrap(),
+                std::fs::File::open(disk).unwrap(),
+            )
+        })
+        .collect();
+    for i in 0..size / mib {
+        for (mounted, original) in &files {
+            assert_same_range(mounted, original, i * mib, mib as usize);
+        }
+        if i % 8 == 7 {
+            most = most.max(held().iter().sum::<u64>());
+        }
+    }
+    let burst = vmdisk::cache::memory::READ_BURST;
+    eprintln!("two 48 MiB disks on an 8 MiB cache: at most {most} bytes held in memory together (budget {budget})");
+    assert!(
+        most > 0,
+        "the cache had no room: chunks were held in memory"
+    );
+    assert!(
+        most <= budget + 2 * burst,
+        "{most} bytes held, budget {budget} and a read burst each"
+    );
+    assert!(daemon.vmdisk_ok(&["ls"]).contains("bytes held"));
+}
+
 /// SIGTERM right after reads, while read-ahead and hydration fetches are still running (chunks
 /// being decoded and written): the mount ends without a panic, every time.
 #[test]

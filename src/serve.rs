@@ -257,7 +257,8 @@ pub async fn start(
 /// What a served layer needs each second while it is mounted: cached chunks not checked in
 /// this process checked in the background (those of a changed data file at once, the rest at
 /// `verify_rate` bytes/s in the node's turn), the integrity check once the layer is complete,
-/// unused layers evicted when the cache's disk is full, the cache flushed.
+/// unused layers evicted when the cache's disk is full (and what it holds in memory meanwhile
+/// kept counted in the node's budget), the cache flushed.
 async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool, verify_rate: u64) {
     let mut checking: Option<tokio::task::JoinHandle<()>> = None;
     let mut checking_cache: Option<tokio::task::JoinHandle<()>> = None;
@@ -328,7 +329,11 @@ async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool, verify_rate: u
             }
         }
         let flushing = Arc::clone(&e);
-        let flushed = tokio::task::spawn_blocking(move || flushing.cache.flush()).await;
+        let flushed = tokio::task::spawn_blocking(move || {
+            flushing.cache.renew_memory_note();
+            flushing.cache.flush()
+        })
+        .await;
         if let Ok(Err(err)) = flushed {
             tracing::warn!(error = %err.chain(), "flushing the cache failed");
         }

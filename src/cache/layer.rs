@@ -8,8 +8,8 @@
 //! *checked* once this process wrote it from verified bytes or read it back and found its
 //! digest ([`LayerCache::mark_checked`]); the engine checks every other present chunk before it
 //! serves it. A data file changed by anyone else ([`LayerCache::changed_since_checked`]) loses
-//! its checks. A chunk that cannot be written (a full disk) is kept in memory, bounded
-//! ([`Spill`]), and answered from there.
+//! its checks. A chunk that cannot be written (a full disk) is kept in memory, bounded by the
+//! node's budget ([`Spill`], [`MemoryBudget`]), and answered from there.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::memory::MemoryBudget;
 use crate::digest::Digest;
 use crate::error::{Error, Result};
 
@@ -58,41 +59,50 @@ fn stamp_of(file: &File) -> Option<Stamp> {
 }
 
 /// Verified chunks that could not be written to their data file (no space left), kept in
-/// memory so the reads waiting for them are answered; the oldest go first past
-/// [`Spill::MAX_BYTES`].
-#[derive(Default)]
+/// memory so the reads waiting for them are answered; the oldest go first past what the node's
+/// budget leaves this layer ([`MemoryBudget::room`]).
 struct Spill {
     chunks: HashMap<usize, Arc<[u8]>>,
     order: VecDeque<usize>,
-    bytes: usize,
+    bytes: u64,
+    budget: Arc<MemoryBudget>,
 }
 
 impl Spill {
-    /// Room for a few read bursts and a sequential reader's read-ahead window.
-    const MAX_BYTES: usize = 96 << 20;
-
-    fn put(&mut self, idx: usize, bytes: &[u8]) {
-        if self.chunks.contains_key(&idx) {
-            return;
+    fn new(budget: Arc<MemoryBudget>) -> Self {
+        Spill {
+            chunks: HashMap::new(),
+            order: VecDeque::new(),
+            bytes: 0,
+            budget,
         }
-        self.bytes += bytes.len();
-        self.chunks.insert(idx, Arc::from(bytes));
-        self.order.push_back(idx);
-        while self.bytes > Self::MAX_BYTES {
+    }
+
+    /// Keeps chunk `idx` within `room` bytes for this layer (the oldest go first); what it
+    /// holds now, for the budget's ledger (noted by the caller, outside the lock).
+    fn put(&mut self, idx: usize, bytes: &[u8], room: u64) -> u64 {
+        if !self.chunks.contains_key(&idx) {
+            self.bytes += bytes.len() as u64;
+            self.chunks.insert(idx, Arc::from(bytes));
+            self.order.push_back(idx);
+        }
+        while self.bytes > room {
             let Some(old) = self.order.pop_front() else {
                 break;
             };
             if let Some(gone) = self.chunks.remove(&old) {
-                self.bytes -= gone.len();
+                self.bytes -= gone.len() as u64;
             }
         }
+        self.bytes
     }
 
-    fn take(&mut self, idx: usize) {
-        if let Some(gone) = self.chunks.remove(&idx) {
-            self.bytes -= gone.len();
-            self.order.retain(|&i| i != idx);
-        }
+    /// Lets chunk `idx` go (it reached its data file); what it holds now, if that changed.
+    fn take(&mut self, idx: usize) -> Option<u64> {
+        let gone = self.chunks.remove(&idx)?;
+        self.bytes -= gone.len() as u64;
+        self.order.retain(|&i| i != idx);
+        Some(self.bytes)
     }
 }
 
@@ -242,7 +252,9 @@ impl LayerCache {
             stamps,
             changed,
             sums,
-            spill: Mutex::new(Spill::default()),
+            spill: Mutex::new(Spill::new(Arc::new(MemoryBudget::alone(
+                super::memory::DEFAULT_BUDGET,
+            )))),
             full: AtomicBool::new(false),
             unstored: AtomicU64::new(0),
             chunks,
@@ -321,17 +333,23 @@ impl LayerCache {
                 if self.full.swap(false, Ordering::AcqRel) {
                     tracing::info!(cache = %self.dir.display(), "the cache has room again; chunks are stored");
                 }
-                self.spill.lock().take(idx);
+                let held = self.spill.lock().take(idx);
+                if let Some(held) = held {
+                    self.memory_budget().note(held);
+                }
                 self.now_present(idx, file);
                 self.mark_checked(idx);
                 Ok(())
             }
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
                 if !self.full.swap(true, Ordering::AcqRel) {
-                    tracing::warn!(cache = %self.dir.display(), chunk = idx, "no space left for the cache: verified chunks are answered from memory (at most {} MiB) until there is room; unused layers are evicted", Spill::MAX_BYTES >> 20);
+                    tracing::warn!(cache = %self.dir.display(), chunk = idx, "no space left for the cache: verified chunks are answered from memory (the node's budget: {} MiB for all layers) until there is room; unused layers are evicted", self.memory_budget().bytes() >> 20);
                 }
                 self.unstored.fetch_add(1, Ordering::AcqRel);
-                self.spill.lock().put(idx, bytes);
+                // The ledger is read and written outside the lock reads take.
+                let budget = self.memory_budget();
+                let held = self.spill.lock().put(idx, bytes, budget.room());
+                budget.note(held);
                 Ok(())
             }
             Err(e) => Err(Error::io(
@@ -339,6 +357,29 @@ impl LayerCache {
                 e,
             )),
         }
+    }
+
+    /// Shares the node's budget `budget` for chunks kept in memory (by default this layer has
+    /// one of [`super::memory::DEFAULT_BUDGET`] of its own). Called before anything is kept.
+    pub fn with_memory_budget(self, budget: Arc<MemoryBudget>) -> Self {
+        *self.spill.lock() = Spill::new(budget);
+        self
+    }
+
+    /// Bytes of verified chunks held in memory because the disk had no room
+    /// (`memory_held`).
+    pub fn memory_held(&self) -> u64 {
+        self.spill.lock().bytes
+    }
+
+    /// Keeps what this layer holds in memory counted in the node's budget
+    /// ([`MemoryBudget::renew`]); each second.
+    pub fn renew_memory_note(&self) {
+        self.memory_budget().renew();
+    }
+
+    fn memory_budget(&self) -> Arc<MemoryBudget> {
+        Arc::clone(&self.spill.lock().budget)
     }
 
     /// Whether the last chunk written found no space left (`cache_full`).

@@ -35,6 +35,7 @@
 //! ([`layer`], the engine's read path).
 
 pub mod layer;
+pub mod memory;
 
 use std::path::{Path, PathBuf};
 

@@ -304,7 +304,7 @@ pub(super) async fn ls(args: LsArgs) -> Result<()> {
                     "registry_bytes": d.registry_bytes, "snapshots": d.snapshots,
                     "serving": d.serving, "server_pid": d.server_pid,
                     "server": d.server_state, "hydration": d.hydration,
-                    "cache_full": d.cache_full,
+                    "cache_full": d.cache_full, "memory_held": d.memory_held,
                     "registry_needed_since": d.registry_needed_since,
                 })
             })
@@ -346,7 +346,10 @@ pub(super) async fn ls(args: LsArgs) -> Result<()> {
             ready_path(&d, Handed::AsPublished),
             match (d.serving, d.cache_full) {
                 (false, _) => format!(" (server {})", d.server_state),
-                (true, true) => " (cache_full: answered from memory)".to_string(),
+                (true, true) => format!(
+                    " (cache_full: answered from memory, {} bytes held)",
+                    d.memory_held
+                ),
                 (true, false) => String::new(),
             }
         );

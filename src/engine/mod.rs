@@ -46,6 +46,7 @@ use tokio::time::Instant;
 use self::source::{BlobSource, Sources};
 use self::stats::Stats;
 use crate::cache::layer::Kept;
+use crate::cache::memory::MemoryBudget;
 use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
@@ -64,6 +65,12 @@ pub struct EngineOptions {
     /// Most bytes fetched ahead of a sequential reader ([`readahead`]); 0 turns read-ahead
     /// off. Keep it above the link's bandwidth-delay product.
     pub readahead_bytes: u64,
+    /// The node's budget for verified chunks a full disk keeps in memory
+    /// ([`crate::cache::memory`]), in bytes.
+    pub memory_budget: u64,
+    /// The ledger directory through which the layers of the node share that budget; none: this
+    /// process alone (`vmdisk mount`).
+    pub memory_ledger: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineOptions {
@@ -73,6 +80,8 @@ impl Default for EngineOptions {
             max_concurrent_fetches: 4,
             max_request_bytes: 4 << 20,
             readahead_bytes: 32 << 20,
+            memory_budget: crate::cache::memory::DEFAULT_BUDGET,
+            memory_ledger: None,
         }
     }
 }
@@ -235,8 +244,14 @@ impl Engine {
         let sizes: Vec<u64> = (0..layer.files.len()).map(|f| layer.file_size(f)).collect();
         let chunks = layer.chunks.len();
         let c = cache.clone();
+        let (budget, ledger) = (opts.memory_budget, opts.memory_ledger.clone());
         let (layer_cache, integrity) = crate::task::blocking(move || {
-            LayerCache::open(&dir, &sizes, chunks).map(|lc| (lc, c.load_integrity(&key)))
+            let budget = Arc::new(match ledger {
+                Some(ledger) => MemoryBudget::shared(budget, ledger, key.hex()),
+                None => MemoryBudget::alone(budget),
+            });
+            LayerCache::open(&dir, &sizes, chunks)
+                .map(|lc| (lc.with_memory_budget(budget), c.load_integrity(&key)))
         })
         .await?;
         tracing::info!(reference = %layer.reference, layer = %layer.meta.layer_digest, %key, chunks, present = layer_cache.present_count(), resolved = ?layer.resolved, integrity = %integrity.clone().unwrap_or(Integrity::Pending), "layer opened");
@@ -620,6 +635,7 @@ impl Engine {
     pub fn counters(&self) -> stats::StatsSnapshot {
         stats::StatsSnapshot {
             cache_full: u64::from(self.cache.full()),
+            memory_held: self.cache.memory_held(),
             ..self.stats.snapshot()
         }
     }

@@ -69,6 +69,10 @@ pub struct StatsSnapshot {
     /// 0: a gauge the engine fills in ([`crate::engine::Engine::counters`]), not kept here.
     #[serde(default)]
     pub cache_full: u64,
+    /// Bytes of verified chunks held in memory because the cache's disk had no room: a gauge
+    /// the engine fills in, like `cache_full`.
+    #[serde(default)]
+    pub memory_held: u64,
 }
 
 impl Stats {
@@ -98,6 +102,7 @@ impl Stats {
             integrity_failures: g(&self.integrity_failures),
             cache_damaged: g(&self.cache_damaged),
             cache_full: 0,
+            memory_held: 0,
         }
     }
 }

@@ -108,6 +108,9 @@ pub struct CacheConfig {
     /// How fast cached chunks are read back and checked after a restart, MB/s: one layer of
     /// the node at a time, in the idle I/O class; 0: as fast as the disk goes.
     pub verify_rate: u64,
+    /// The node's budget (e.g. "256M") for verified chunks held in memory while the cache's
+    /// disk has no room for them, all layers together ([`crate::cache::memory`]).
+    pub memory_budget: String,
     /// Fetch the chunks of a boot trace published beside the image first when a layer that is
     /// not complete is mounted (`vmdisk trace record --push`).
     pub boot_traces: bool,
@@ -174,6 +177,7 @@ impl Default for CacheConfig {
             hydrate_rate: 50,
             passthrough: true,
             verify_rate: crate::serve::DEFAULT_VERIFY_RATE,
+            memory_budget: "256M".into(),
             boot_traces: true,
         }
     }
@@ -231,6 +235,12 @@ impl Config {
             crate::units::parse_size(&config.cache.size)
                 .map_err(|e| e.context(format!("configuration {}: cache.size", path.display())))?;
         }
+        config.memory_budget().map_err(|e| {
+            e.context(format!(
+                "configuration {}: cache.memory_budget",
+                path.display()
+            ))
+        })?;
         Ok(config)
     }
 
@@ -324,6 +334,20 @@ impl Config {
             return Ok(None);
         }
         Ok(Some(crate::units::parse_size(&self.cache.size)? as u64))
+    }
+
+    /// The node's budget for verified chunks held in memory on a full disk, in bytes.
+    pub fn memory_budget(&self) -> Result<u64> {
+        Ok(crate::units::parse_size(&self.cache.memory_budget)? as u64)
+    }
+
+    /// The ledger through which the mount servers share that budget: beside the daemon's
+    /// sockets (`/run/vmdisk`: tmpfs, never the cache's full disk).
+    pub fn memory_ledger(&self) -> PathBuf {
+        self.address
+            .parent()
+            .unwrap_or(Path::new("/run/vmdisk"))
+            .join("memory-held")
     }
 
     /// The gid of `vmm_group`.

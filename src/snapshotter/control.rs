@@ -336,6 +336,7 @@ impl From<StatsSnapshot> for LayerCounters {
             integrity_failures: s.integrity_failures,
             cache_damaged: s.cache_damaged,
             cache_full: s.cache_full,
+            memory_held: s.memory_held,
             endpoints: Vec::new(),
         }
     }

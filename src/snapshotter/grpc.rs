@@ -368,6 +368,7 @@ pub async fn disks(s: &Arc<Snapshotter>, fresh: Freshness) -> crate::error::Resu
             chunks_cached: st.chunks_cached,
             registry_bytes: st.counters.as_ref().map_or(0, |c| c.bytes_fetched),
             cache_full: st.counters.as_ref().is_some_and(|c| c.cache_full > 0),
+            memory_held: st.counters.as_ref().map_or(0, |c| c.memory_held),
             registry_needed_since: st.registry_needed_since,
             snapshots,
             serving,

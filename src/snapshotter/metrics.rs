@@ -163,6 +163,11 @@ fn register_state(
     let sum =
         |f: fn(&crate::api::vmdisk::v1::Disk) -> u64| disks.iter().map(f).sum::<u64>() as usize;
     registry.register(
+        "vmdisk_memory_held_bytes",
+        "Bytes of verified chunks held in memory because the cache's disk had no room, all layers together (bounded by [cache] memory_budget and one read burst per layer).",
+        gauge(sum(|d| d.memory_held)),
+    );
+    registry.register(
         "vmdisk_chunks",
         "Chunks of the remote layers being served.",
         gauge(sum(|d| d.chunks)),

@@ -423,6 +423,8 @@ async fn start(
     let (cache, client, trust) = open_parts(config, roots, granted).await?;
     let opts = crate::engine::EngineOptions {
         fetch_deadline: Duration::from_secs(config.registry.fetch_timeout),
+        memory_budget: config.memory_budget()?,
+        memory_ledger: Some(config.memory_ledger()),
         ..Default::default()
     };
     // The ready directory, when wanted at once, is described right after serving: its head
