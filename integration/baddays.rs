@@ -50,6 +50,29 @@ fn read_chunks_randomly(mounted: &Path, original: &std::fs::File, chunks: u64) {
     }
 }
 
+/// A tmpfs of `size` (e.g. "64m") at `dir`, unmounted when dropped: a cache disk with little
+/// room.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, size: &str) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .unwrap();
+        assert!(mounted.success(), "mounting a tmpfs at {}", dir.display());
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
 fn counter(stats: &serde_json::Value, name: &str) -> u64 {
     stats[name]
         .as_u64()
@@ -222,20 +245,7 @@ fn a_full_cache_disk_still_answers_every_read_with_the_right_bytes() {
     let size: u64 = 192 << 20;
     let (_reg, disk, reference) = random_raw_image(&scratch, size, 23, "vm/full:1");
     let cache = scratch.path("cache");
-    std::fs::create_dir_all(&cache).unwrap();
-    let mounted_fs = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
-        .arg(&cache)
-        .status()
-        .unwrap();
-    assert!(mounted_fs.success());
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-        }
-    }
-    let _unmount = Unmount(cache.clone());
+    let _fs = Tmpfs::mount(&cache, "64m");
 
     let mount = Mount::start(&reference, &cache, &scratch.path("mnt"), &[]);
     let mounted = std::fs::File::open(&mount.disk).unwrap();
@@ -273,20 +283,7 @@ fn disks_on_a_full_cache_share_one_memory_budget() {
         })
         .collect();
     let cache = scratch.path("cache");
-    std::fs::create_dir_all(&cache).unwrap();
-    let mounted_fs = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
-        .arg(&cache)
-        .status()
-        .unwrap();
-    assert!(mounted_fs.success());
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-        }
-    }
-    let _unmount = Unmount(cache.clone());
+    let _fs = Tmpfs::mount(&cache, "8m");
     let budget: u64 = 24 << 20;
     let daemon = crate::cri::Daemon::start(
         &scratch,

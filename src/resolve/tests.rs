@@ -264,25 +264,27 @@ fn estargz_layer(data: &[u8], chunk: usize) -> TestLayer {
     )
 }
 
+/// Stores an eStargz layer of `chunk`-byte chunks and fetches its TOC, which must pass its
+/// digest: the blob's length and the TOC's offset.
+async fn estargz_toc_fetched(registry: &MemoryRegistry, chunk: usize) -> (u64, u64) {
+    let (blob, _, annotations, _) = estargz_layer(&disk(1 << 20), chunk);
+    let toc: Digest = annotations.values().next().unwrap().parse().unwrap();
+    let digest = registry.put_blob(blob.clone());
+    let (offset, json) =
+        fetch_estargz_toc(registry, &reference("vm:t"), digest, blob.len() as u64, toc)
+            .await
+            .unwrap();
+    toc.verify(&json, "TOC").unwrap();
+    (blob.len() as u64, offset)
+}
+
 #[tokio::test]
 async fn an_estargz_toc_that_fits_the_tail_costs_one_request_and_a_larger_one_two() {
     let registry = MemoryRegistry::default();
     for (chunk, requests) in [(64 << 10, 1), (256, 2)] {
-        let (blob, _, annotations, _) = estargz_layer(&disk(1 << 20), chunk);
-        let toc: Digest = annotations.values().next().unwrap().parse().unwrap();
-        let digest = registry.put_blob(blob.clone());
         let before = registry.ranges.load(Ordering::SeqCst);
-        let (offset, json) = fetch_estargz_toc(
-            &registry,
-            &reference("vm:t"),
-            digest,
-            blob.len() as u64,
-            toc,
-        )
-        .await
-        .unwrap();
-        toc.verify(&json, "TOC").unwrap();
-        let footer_at = blob.len() as u64 - crate::format::estargz::FOOTER_SIZE;
+        let (blob_len, offset) = estargz_toc_fetched(&registry, chunk).await;
+        let footer_at = blob_len - crate::format::estargz::FOOTER_SIZE;
         assert_eq!(
             footer_at - offset > toc::ESTARGZ_TAIL,
             requests == 2,
@@ -619,20 +621,8 @@ async fn a_toc_a_mirror_damaged_is_fetched_from_the_registry_itself() {
     assert_eq!(layer.file_size(layer.disk), data.len() as u64);
     assert!(registry.registry_ranges.load(Ordering::SeqCst) >= 1);
 
-    let (blob, _, annotations, _) = estargz_layer(&disk(1 << 20), 64 << 10);
-    let toc: Digest = annotations.values().next().unwrap().parse().unwrap();
-    let digest = registry.put_blob(blob.clone());
     let before = registry.registry_ranges.load(Ordering::SeqCst);
-    let (_, json) = fetch_estargz_toc(
-        &registry,
-        &reference("vm:t"),
-        digest,
-        blob.len() as u64,
-        toc,
-    )
-    .await
-    .unwrap();
-    toc.verify(&json, "TOC").unwrap();
+    estargz_toc_fetched(&registry, 64 << 10).await;
     assert_eq!(
         registry.registry_ranges.load(Ordering::SeqCst) - before,
         1,
