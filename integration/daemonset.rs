@@ -7,7 +7,9 @@
 //! host network, the init container to its end, the privileged daemon with its volumes as
 //! kubelet mounts them, the readiness probe by exec); then, as install.md says, containerd is
 //! restarted once and a KubeVirt-style pod (the `kubevirt` RuntimeClass and the annotation)
-//! starts from a containerDisk pulled lazily over HTTPS and reads `/disk` identical.
+//! starts from a containerDisk pulled lazily over HTTPS and reads `/disk` identical. Then the
+//! DaemonSet's pod is replaced under that disk (every process of its cgroup killed, the pod run
+//! again) while a reader and qemu-img read the raw view: no error, no wrong byte.
 //!
 //! The node ends with its PID namespace: every process of it (containerd, shims, the pods, the
 //! mount servers) is killed with its first process.
@@ -115,6 +117,26 @@ exec sleep infinity
             .success()
     }
 
+    /// This machine's number of the node's process `pid` (the node has a PID namespace).
+    fn host_pid(&self, pid: u64) -> u64 {
+        let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/pid")).ok();
+        let node_ns = ns(&self.init.to_string());
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok())
+            .find(|host| {
+                let status =
+                    std::fs::read_to_string(format!("/proc/{host}/status")).unwrap_or_default();
+                let inner = status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("NSpid:"))
+                    .and_then(|ids| ids.split_whitespace().last()?.parse::<u64>().ok());
+                inner == Some(pid) && ns(&host.to_string()) == node_ns
+            })
+            .unwrap_or_else(|| panic!("no process {pid} in the node"))
+    }
+
     /// The path on this machine of the node's path `at` (one of [`BINDS`]).
     fn path(&self, at: &str) -> PathBuf {
         let (dir, rest) = BINDS
@@ -131,6 +153,20 @@ impl Drop for Node {
         crate::cri::run_quiet("kill", &["-KILL", &self.init.to_string()]);
         let _ = self.holder.wait();
     }
+}
+
+/// The network and PID namespaces kubelet asks for a pod spec's containers: the node's with
+/// `hostNetwork` and `hostPID`, else the pod's network and a PID namespace per container.
+fn namespaces(pod: &Value) -> (cri::NamespaceMode, cri::NamespaceMode) {
+    let network = match pod["hostNetwork"] == true {
+        true => cri::NamespaceMode::Node,
+        false => cri::NamespaceMode::Pod,
+    };
+    let pid = match pod["hostPID"] == true {
+        true => cri::NamespaceMode::Node,
+        false => cri::NamespaceMode::Container,
+    };
+    (network, pid)
 }
 
 /// kubelet's part: the CRI calls for a pod spec's containers.
@@ -153,10 +189,7 @@ impl Kubelet<'_> {
         let privileged = containers(pod)
             .iter()
             .any(|c| c["securityContext"]["privileged"] == true);
-        let network = match pod["hostNetwork"] == true {
-            true => cri::NamespaceMode::Node,
-            false => cri::NamespaceMode::Pod,
-        };
+        let (network, pid) = namespaces(pod);
         let config = cri::PodSandboxConfig {
             metadata: Some(cri::PodSandboxMetadata {
                 name: name.into(),
@@ -169,6 +202,7 @@ impl Kubelet<'_> {
                 security_context: Some(cri::LinuxSandboxSecurityContext {
                     namespace_options: Some(cri::NamespaceOption {
                         network: network as i32,
+                        pid: pid as i32,
                         ..Default::default()
                     }),
                     privileged,
@@ -285,6 +319,11 @@ impl Kubelet<'_> {
             linux: Some(cri::LinuxContainerConfig {
                 security_context: Some(cri::LinuxContainerSecurityContext {
                     privileged: c["securityContext"]["privileged"] == true,
+                    namespace_options: Some(cri::NamespaceOption {
+                        network: namespaces(pod).0 as i32,
+                        pid: namespaces(pod).1 as i32,
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -404,7 +443,7 @@ fn node_containerd(release: Release, scratch: &Scratch, node: &Node, https: &str
 
 /// kubelet's part for the DaemonSet's `pod` from `image`: the image, the sandbox, the init
 /// containers to their end, the daemon until its readiness probe passes.
-fn run_daemonset_pod(kubelet: &Kubelet, pod: &Value, image: &str) {
+fn run_daemonset_pod(kubelet: &Kubelet, pod: &Value, image: &str) -> String {
     let (ctd, release) = (kubelet.ctd, kubelet.ctd.release);
     ctd.pull(image)
         .unwrap_or_else(|e| panic!("{release:?} pulling {image}: {e}\n{}", ctd.log_text()));
@@ -419,6 +458,202 @@ fn run_daemonset_pod(kubelet: &Kubelet, pod: &Value, image: &str) {
     let daemon = &pod["containers"][0];
     let id = kubelet.start(&sandbox, pod, daemon, image);
     kubelet.wait_ready(&id, &daemon["readinessProbe"], Duration::from_secs(60));
+    sandbox.0
+}
+
+/// What a reader of a disk saw while it read it over and over.
+#[derive(Debug, Default)]
+struct ReaderSaw {
+    reads: u64,
+    /// Reads that failed (ENOTCONN, EIO, …).
+    errors: u64,
+    /// Reads that returned other bytes, or fewer, than the disk holds there.
+    wrong_or_short: u64,
+    /// The longest one read took.
+    longest: Duration,
+}
+
+/// Reads `path` (through the node's first process's view, so its FUSE mounts) in 1 MiB pieces
+/// from one open file, in order and over again, comparing each with `want`, until `stop`.
+fn read_until(path: PathBuf, want: Vec<u8>, stop: &std::sync::atomic::AtomicBool) -> ReaderSaw {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut saw = ReaderSaw::default();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0usize;
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let started = Instant::now();
+        let read = file.read_at(&mut buf, at as u64);
+        saw.longest = saw.longest.max(started.elapsed());
+        saw.reads += 1;
+        let end = (at + buf.len()).min(want.len());
+        match read {
+            Err(_) => saw.errors += 1,
+            Ok(n) if n != end - at || buf[..n] != want[at..end] => saw.wrong_or_short += 1,
+            Ok(_) => {}
+        }
+        at = if end == want.len() { 0 } else { end };
+    }
+    saw
+}
+
+/// The DaemonSet's pod replaced under a running VM's disk, as a rolling update, a crash or an
+/// OOM kill does it: every process of the pod's cgroup killed (what the runtime does), the pod
+/// removed and run again. A reader holding the raw view open and qemu reading it see no error
+/// and no wrong byte, and the new daemon adopts the mount server. The servers left the pod's
+/// cgroup (`server_cgroup`) in the node's PID namespace (`hostPID`).
+fn replacing_the_pod_leaves_the_disk_served(
+    kubelet: &Kubelet,
+    pod: &Value,
+    image: &str,
+    sandbox: &str,
+    disk_image: &str,
+    disk: &Path,
+) {
+    let (ctd, node, release) = (kubelet.ctd, kubelet.node, kubelet.ctd.release);
+    // Asked on the node, as a runtime there asks: the ready disk is the node's mount.
+    let asked = Command::new("nsenter")
+        .args(["-t", &node.init.to_string(), "-m", "--"])
+        .arg(env!("CARGO_BIN_EXE_vmdisk"))
+        .args([
+            "path",
+            "--raw",
+            "--manage",
+            "/run/vmdisk/manage.sock",
+            disk_image,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        asked.status.success(),
+        "{release:?}: vmdisk path --raw: {}",
+        String::from_utf8_lossy(&asked.stderr)
+    );
+    let raw = String::from_utf8(asked.stdout).unwrap();
+    let raw = PathBuf::from(format!("/proc/{}/root{}", node.init, raw.trim()));
+    let want_file = disk.with_extension("raw");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "raw",
+            disk.to_str().unwrap(),
+            want_file.to_str().unwrap(),
+        ],
+    );
+    let want = std::fs::read(&want_file).unwrap();
+    let server = listed(node)
+        .iter()
+        .find(|d| {
+            d["reference"]
+                .as_str()
+                .is_some_and(|r| r.contains("/disk:1"))
+        })
+        .map(|d| d["server_pid"].as_u64().unwrap())
+        .unwrap_or_else(|| panic!("{release:?}: no server of {disk_image}: {:?}", listed(node)));
+    // The daemon: the server's parent, whose cgroup is the pod's.
+    let status = |pid: u64, field: &str| -> String {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .unwrap_or_else(|| panic!("no {field} for process {pid}"))
+            .trim()
+            .to_string()
+    };
+    // (This machine's /proc numbers the parent as this machine does.)
+    let daemon = status(node.host_pid(server), "PPid:");
+    let pod_cgroup = cgroup_procs(&daemon);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (saw, compares, took) = std::thread::scope(|s| {
+        let reader = s.spawn(|| read_until(raw.clone(), want.clone(), &stop));
+        let qemu = s.spawn(|| {
+            let mut failed = Vec::new();
+            let mut runs = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let out = Command::new("qemu-img")
+                    .args(["compare", "-f", "raw", "-F", "raw"])
+                    .arg(&raw)
+                    .arg(&want_file)
+                    .output()
+                    .unwrap();
+                runs += 1;
+                if !out.status.success() {
+                    failed.push(String::from_utf8_lossy(&out.stdout).to_string());
+                }
+            }
+            (runs, failed)
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        let started = Instant::now();
+        // Every process of the pod's cgroup, killed as the runtime kills them.
+        let pids = std::fs::read_to_string(&pod_cgroup).unwrap();
+        for pid in pids.split_whitespace() {
+            crate::cri::run_quiet("kill", &["-KILL", pid]);
+        }
+        ctd.remove_sandbox(sandbox);
+        run_daemonset_pod(kubelet, pod, image);
+        let took = started.elapsed();
+        std::thread::sleep(Duration::from_secs(1));
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        (reader.join().unwrap(), qemu.join().unwrap(), took)
+    });
+    eprintln!(
+        "{release:?}: pod replaced in {took:?}; the reader saw {saw:?}; qemu-img compared {} times",
+        compares.0
+    );
+    assert!(
+        saw.reads > 0 && compares.0 > 0,
+        "{release:?}: nothing was read"
+    );
+    assert_eq!(
+        (saw.errors, saw.wrong_or_short),
+        (0, 0),
+        "{release:?}: the reader through the pod's replacement: {saw:?}"
+    );
+    assert!(
+        compares.1.is_empty(),
+        "{release:?}: qemu-img compare: {:?}",
+        compares.1
+    );
+    assert!(
+        saw.longest < Duration::from_secs(5),
+        "{release:?}: a read waited {:?}",
+        saw.longest
+    );
+    // The new daemon adopted the server that kept serving.
+    let after = listed(node);
+    assert!(
+        after
+            .iter()
+            .any(|d| d["server_pid"].as_u64() == Some(server) && d["serving"] == true),
+        "{release:?}: the server {server} was not adopted: {after:?}"
+    );
+}
+
+/// The `cgroup.procs` of process `pid`'s cgroup in the v1 devices hierarchy (runc lists a
+/// container's processes there), or its cgroup v2.
+fn cgroup_procs(pid: &str) -> PathBuf {
+    let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let (root, path) = own
+        .lines()
+        .find_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            controllers
+                .split(',')
+                .any(|c| c == "devices")
+                .then_some(("/sys/fs/cgroup/devices", path))
+        })
+        .or_else(|| {
+            own.lines()
+                .find_map(|l| l.strip_prefix("0::").map(|p| ("/sys/fs/cgroup", p)))
+        })
+        .unwrap_or_else(|| panic!("no cgroup of {pid}: {own}"));
+    Path::new(root)
+        .join(path.trim_start_matches('/'))
+        .join("cgroup.procs")
 }
 
 /// The node's disks, as `vmdisk ls --json` on its management socket lists them.
@@ -580,7 +815,7 @@ fn daemonset(release: Release) {
         logs: scratch.path("kubelet/logs"),
     };
     std::fs::create_dir_all(&kubelet.logs).unwrap();
-    run_daemonset_pod(&kubelet, pod, &format!("{https}/{shipped}"));
+    let sandbox = run_daemonset_pod(&kubelet, pod, &format!("{https}/{shipped}"));
     // The hypervisor's group is the node's (the image names none but root).
     let ready_dir = node.path("/run/vmdisk/disks");
     assert_eq!(
@@ -593,6 +828,20 @@ fn daemonset(release: Release) {
 
     let logs = scratch.path("pod-logs");
     kubevirt_pod_reads_the_disk(&ctd, &node, &logs, &format!("{https}/disk:1"), &disk);
+    let kubelet = Kubelet {
+        ctd: &ctd,
+        node: &node,
+        pods: scratch.path("kubelet/pods"),
+        logs: scratch.path("kubelet/logs"),
+    };
+    replacing_the_pod_leaves_the_disk_served(
+        &kubelet,
+        pod,
+        &format!("{https}/{shipped}"),
+        &sandbox,
+        &format!("{https}/disk:1"),
+        &disk,
+    );
     annotated_only_pod_is_warned_of(
         &ctd,
         &logs,

@@ -406,6 +406,11 @@ fn the_manifests_name_the_node_image_and_the_paths_it_has() {
     );
     assert_eq!(pod["hostNetwork"], true);
     assert_eq!(pod["automountServiceAccountToken"], false);
+    // Its mount servers outlive it (an update, a crash): they leave its cgroup, in the node's
+    // PID namespace, and it updates rolling.
+    assert_eq!(pod["hostPID"], true);
+    assert!(!config.server_cgroup.is_empty(), "no server_cgroup");
+    assert_eq!(docs[5]["spec"]["updateStrategy"]["type"], "RollingUpdate");
     for probe in ["readinessProbe", "livenessProbe"] {
         let command = snapshotter[probe]["exec"]["command"].as_array().unwrap();
         assert!(

@@ -45,6 +45,22 @@ fn main() -> std::process::ExitCode {
             eprintln!("vmdisk-snapshotter: cannot run at nice level {level}: {e}");
         }
     }
+    // A mount server leaves the daemon's pod, when asked, from before its threads exist.
+    if matches!(args.command, Some(Internal::ServeLayer { .. })) && !config.server_cgroup.is_empty()
+    {
+        match vmdisk::snapshotter::cgroup::leave_pod(&config.server_cgroup) {
+            Ok(moved) => eprintln!(
+                "vmdisk-snapshotter: serving from cgroup {} ({})",
+                config.server_cgroup,
+                moved.join(" ")
+            ),
+            Err(e) => eprintln!(
+                "vmdisk-snapshotter: warning: cannot leave the daemon's cgroup for {}: {}; this disk is served only as long as the daemon's pod lives",
+                config.server_cgroup,
+                e.chain()
+            ),
+        }
+    }
     vmdisk::cli::main_with("vmdisk-snapshotter", &directives, || async move {
         match args.command {
             None => vmdisk::snapshotter::daemon::run(config, args.config).await,

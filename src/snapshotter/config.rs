@@ -31,6 +31,11 @@ pub struct Config {
     /// Nice levels the daemon's threads run above its mount servers ([`super::priority`]):
     /// the control plane answers ahead of the disks' reads. 0: one priority.
     pub control_priority: u8,
+    /// The cgroup (a path from each hierarchy's root, e.g. `/vmdisk-servers`) every mount
+    /// server moves into before it serves, leaving the daemon's: set in a pod (the DaemonSet),
+    /// so that replacing the pod leaves running VMs' disks served ([`super::cgroup`]). Empty:
+    /// servers stay in the daemon's cgroup (the Debian package's unit keeps them alive).
+    pub server_cgroup: String,
     pub cache: CacheConfig,
     pub registry: RegistrySettings,
     pub metrics: MetricsConfig,
@@ -158,6 +163,7 @@ impl Default for Config {
             ready_dir: PathBuf::from("/run/vmdisk/disks"),
             vmm_group: "kvm".into(),
             control_priority: 5,
+            server_cgroup: String::new(),
             cache: CacheConfig::default(),
             registry: RegistrySettings::default(),
             metrics: MetricsConfig::default(),

@@ -16,6 +16,7 @@
 //! ([`supervisor::LayerLocks`]), never under a lock other layers wait for.
 
 pub mod args;
+pub mod cgroup;
 pub mod classify;
 pub mod config;
 pub mod control;
