@@ -424,3 +424,35 @@ fn the_daemons_threads_run_ahead_of_its_servers() {
         "server threads at {server_levels:?}, started at {base}"
     );
 }
+
+/// The package's daemon crashes (SIGKILL, as `systemctl restart` with `KillMode=process` or an
+/// upgrade leaves it) and is started again while a VM reads its disk: a reader holding the raw
+/// view open and qemu-img reading it whole see no error and no wrong byte (the mount server
+/// keeps serving), and the new daemon adopts the server.
+#[test]
+fn a_daemon_restart_under_a_read_raw_view_costs_its_readers_nothing() {
+    let scratch = Scratch::new();
+    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
+    let mut daemon = Daemon::start(&scratch, "");
+    let image = format!("{}/disk:1", reg.host());
+    let raw = PathBuf::from(daemon.vmdisk_ok(&["path", "--raw", &image]).trim());
+    let want_file = scratch.path("disk.raw");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "raw",
+            disk.to_str().unwrap(),
+            want_file.to_str().unwrap(),
+        ],
+    );
+    let server = daemon.server_pids();
+    let (saw, qemu, ()) = read_through(&raw, &want_file, || {
+        daemon.kill();
+        std::thread::sleep(Duration::from_millis(300));
+        daemon.restart();
+    });
+    assert_served_through("the daemon's crash and restart", &saw, &qemu);
+    assert_eq!(daemon.server_pids(), server, "the server was adopted");
+}

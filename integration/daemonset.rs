@@ -461,42 +461,6 @@ fn run_daemonset_pod(kubelet: &Kubelet, pod: &Value, image: &str) -> String {
     sandbox.0
 }
 
-/// What a reader of a disk saw while it read it over and over.
-#[derive(Debug, Default)]
-struct ReaderSaw {
-    reads: u64,
-    /// Reads that failed (ENOTCONN, EIO, …).
-    errors: u64,
-    /// Reads that returned other bytes, or fewer, than the disk holds there.
-    wrong_or_short: u64,
-    /// The longest one read took.
-    longest: Duration,
-}
-
-/// Reads `path` (through the node's first process's view, so its FUSE mounts) in 1 MiB pieces
-/// from one open file, in order and over again, comparing each with `want`, until `stop`.
-fn read_until(path: PathBuf, want: Vec<u8>, stop: &std::sync::atomic::AtomicBool) -> ReaderSaw {
-    use std::os::unix::fs::FileExt;
-    let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let mut saw = ReaderSaw::default();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut at = 0usize;
-    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-        let started = Instant::now();
-        let read = file.read_at(&mut buf, at as u64);
-        saw.longest = saw.longest.max(started.elapsed());
-        saw.reads += 1;
-        let end = (at + buf.len()).min(want.len());
-        match read {
-            Err(_) => saw.errors += 1,
-            Ok(n) if n != end - at || buf[..n] != want[at..end] => saw.wrong_or_short += 1,
-            Ok(_) => {}
-        }
-        at = if end == want.len() { 0 } else { end };
-    }
-    saw
-}
-
 /// The DaemonSet's pod replaced under a running VM's disk, as a rolling update, a crash or an
 /// OOM kill does it: every process of the pod's cgroup killed (what the runtime does), the pod
 /// removed and run again. A reader holding the raw view open and qemu reading it see no error
@@ -542,7 +506,6 @@ fn replacing_the_pod_leaves_the_disk_served(
             want_file.to_str().unwrap(),
         ],
     );
-    let want = std::fs::read(&want_file).unwrap();
     let server = listed(node)
         .iter()
         .find(|d| {
@@ -565,27 +528,7 @@ fn replacing_the_pod_leaves_the_disk_served(
     // (This machine's /proc numbers the parent as this machine does.)
     let daemon = status(node.host_pid(server), "PPid:");
     let pod_cgroup = cgroup_procs(&daemon);
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let (saw, compares, took) = std::thread::scope(|s| {
-        let reader = s.spawn(|| read_until(raw.clone(), want.clone(), &stop));
-        let qemu = s.spawn(|| {
-            let mut failed = Vec::new();
-            let mut runs = 0;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                let out = Command::new("qemu-img")
-                    .args(["compare", "-f", "raw", "-F", "raw"])
-                    .arg(&raw)
-                    .arg(&want_file)
-                    .output()
-                    .unwrap();
-                runs += 1;
-                if !out.status.success() {
-                    failed.push(String::from_utf8_lossy(&out.stdout).to_string());
-                }
-            }
-            (runs, failed)
-        });
-        std::thread::sleep(Duration::from_secs(1));
+    let (saw, qemu, took) = read_through(&raw, &want_file, || {
         let started = Instant::now();
         // Every process of the pod's cgroup, killed as the runtime kills them.
         let pids = std::fs::read_to_string(&pod_cgroup).unwrap();
@@ -594,34 +537,10 @@ fn replacing_the_pod_leaves_the_disk_served(
         }
         ctd.remove_sandbox(sandbox);
         run_daemonset_pod(kubelet, pod, image);
-        let took = started.elapsed();
-        std::thread::sleep(Duration::from_secs(1));
-        stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        (reader.join().unwrap(), qemu.join().unwrap(), took)
+        started.elapsed()
     });
-    eprintln!(
-        "{release:?}: pod replaced in {took:?}; the reader saw {saw:?}; qemu-img compared {} times",
-        compares.0
-    );
-    assert!(
-        saw.reads > 0 && compares.0 > 0,
-        "{release:?}: nothing was read"
-    );
-    assert_eq!(
-        (saw.errors, saw.wrong_or_short),
-        (0, 0),
-        "{release:?}: the reader through the pod's replacement: {saw:?}"
-    );
-    assert!(
-        compares.1.is_empty(),
-        "{release:?}: qemu-img compare: {:?}",
-        compares.1
-    );
-    assert!(
-        saw.longest < Duration::from_secs(5),
-        "{release:?}: a read waited {:?}",
-        saw.longest
-    );
+    eprintln!("{release:?}: pod replaced in {took:?}");
+    assert_served_through(&format!("{release:?}: the pod's replacement"), &saw, &qemu);
     // The new daemon adopted the server that kept serving.
     let after = listed(node);
     assert!(

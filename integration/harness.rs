@@ -1122,3 +1122,116 @@ pub fn files_identical(a: &Path, b: &Path) -> bool {
         .expect("run cmp")
         .success()
 }
+
+/// What a reader of a disk saw while it read it over and over.
+#[derive(Debug, Default)]
+pub struct ReaderSaw {
+    pub reads: u64,
+    /// Reads that failed (ENOTCONN, EIO, …).
+    pub errors: u64,
+    /// Reads that returned other bytes, or fewer, than the disk holds there.
+    pub wrong_or_short: u64,
+    /// The longest one read took.
+    pub longest: Duration,
+}
+
+/// Reads `path` in 1 MiB pieces from one open file, in order and over again, comparing each
+/// with `want`, until `stop`.
+pub fn read_until(path: PathBuf, want: Vec<u8>, stop: &std::sync::atomic::AtomicBool) -> ReaderSaw {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut saw = ReaderSaw::default();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0usize;
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let started = Instant::now();
+        let read = file.read_at(&mut buf, at as u64);
+        saw.longest = saw.longest.max(started.elapsed());
+        saw.reads += 1;
+        let end = (at + buf.len()).min(want.len());
+        match read {
+            Err(_) => saw.errors += 1,
+            Ok(n) if n != end - at || buf[..n] != want[at..end] => saw.wrong_or_short += 1,
+            Ok(_) => {}
+        }
+        at = if end == want.len() { 0 } else { end };
+    }
+    saw
+}
+
+/// What qemu saw comparing a disk with the bytes it must hold, over and over.
+#[derive(Debug, Default)]
+pub struct QemuSaw {
+    pub compares: u64,
+    /// What `qemu-img compare` said when it did not find them identical.
+    pub differences: Vec<String>,
+}
+
+/// A disk that must stay served while `during` runs (a restart or a replacement of what
+/// serves it): a reader holding the raw disk `raw` open reads it in order, comparing with
+/// `want_file`, and `qemu-img compare` reads it whole, over and over, from a second before
+/// `during` to a second after. What each saw, and what `during` returned.
+pub fn read_through<T>(
+    raw: &Path,
+    want_file: &Path,
+    during: impl FnOnce() -> T,
+) -> (ReaderSaw, QemuSaw, T) {
+    let want = std::fs::read(want_file).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let reader = s.spawn(|| read_until(raw.to_path_buf(), want, &stop));
+        let qemu = s.spawn(|| {
+            let mut saw = QemuSaw::default();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let out = Command::new("qemu-img")
+                    .args(["compare", "-f", "raw", "-F", "raw"])
+                    .arg(raw)
+                    .arg(want_file)
+                    .output()
+                    .unwrap();
+                saw.compares += 1;
+                if !out.status.success() {
+                    saw.differences.push(format!(
+                        "{}{}",
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    ));
+                }
+            }
+            saw
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        let result = during();
+        std::thread::sleep(Duration::from_secs(1));
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        (reader.join().unwrap(), qemu.join().unwrap(), result)
+    })
+}
+
+/// Asserts that a disk read through `what` ([`read_through`]) was read, with no error, no wrong
+/// or short read, no difference qemu found, and no read waiting 5 s or more.
+pub fn assert_served_through(what: &str, saw: &ReaderSaw, qemu: &QemuSaw) {
+    eprintln!(
+        "{what}: the reader saw {saw:?}; qemu-img compared {} times",
+        qemu.compares
+    );
+    assert!(
+        saw.reads > 0 && qemu.compares > 0,
+        "{what}: nothing was read"
+    );
+    assert_eq!(
+        (saw.errors, saw.wrong_or_short),
+        (0, 0),
+        "{what}: the reader saw {saw:?}"
+    );
+    assert!(
+        qemu.differences.is_empty(),
+        "{what}: qemu-img compare: {:?}",
+        qemu.differences
+    );
+    assert!(
+        saw.longest < Duration::from_secs(5),
+        "{what}: a read waited {:?}",
+        saw.longest
+    );
+}
