@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make bench`, a node's bad days: what checking the cache costs warm reads, what background
-# hydration (the daemon's default) costs a boot on the cluster link, and how fast the node's
-# control plane answers while 16 disks are read by 64 readers. Each figure beside its baseline
+# hydration (the daemon's default) costs a boot on the cluster link, how fast the node's
+# control plane answers while 16 disks are read by 64 readers, what a reboot with a big cache
+# costs a boot, and the memory a full cache disk costs with 16 disks. Each figure beside its baseline
 # from the same run; BASE_BIN (a directory with an earlier build's `vmdisk`) adds that build's
 # warm reads. Appends to scratch/bench/results.txt. Needs root (FUSE).
 set -euo pipefail
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
-PARTS=${BADDAYS_PARTS:-warm boot control}
+PARTS=${BADDAYS_PARTS:-warm boot control restart memory}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 source integration/containerd.sh
 bench_scratch baddays
@@ -200,4 +201,124 @@ PY
   unmount_under "$N"
 }
 for p in ${CONTROL_PRIORITIES:-0 5}; do control "node-p$p" "$p"; done
+fi
+# ---------------------------------------------------------------------------------------
+# A reboot with a big cache: 8 disks of RESTART_GIB (2) GiB of random data, all cached; then
+# every disk mounted again at once (new processes: nothing checked yet) and one disk's boot
+# read set (400 scattered 64 KiB O_DIRECT reads, fio, the same offsets each time) timed while
+# the others' chunks are re-verified in the background, beside the same read set with that
+# disk mounted alone (nothing else to re-verify); then the time until every cached chunk is
+# checked and the rate that makes. BASE_BIN adds the build before (each mount hashing its
+# whole layer at once, at the disk's speed). The page cache is dropped before each round.
+if part restart; then
+GIB=${RESTART_GIB:-2}
+for i in $(seq 1 8); do
+  head -c "${GIB}G" /dev/urandom > "$B/r.raw"
+  "$VMDISK" push --format raw "$B/r.raw" "$REG/bench/restart$i:1" > /dev/null
+done
+rm -f "$B/r.raw"
+RCACHE=$B/cache-restart
+for i in $(seq 1 8); do
+  mkdir -p "$B/mr$i"
+  "$VMDISK" mount --cache "$RCACHE" --hydrate eager "$REG/bench/restart$i:1" "$B/mr$i" > "$B/r$i.out" 2>&1 &
+  MPID=$!; PIDS+=($MPID)
+  for _ in $(seq 3000); do grep -q '^hydrated' "$B/r$i.out" && break; sleep 0.1; done
+  kill -INT $MPID; wait $MPID || true
+done
+bootset_ms() {
+  fio --name=boot --filename="$1" --readonly --rw=randread --bs=64k --number_ios=400 --randrepeat=1 \
+    --randseed=7 --ioengine=psync --direct=1 --output-format=json 2>/dev/null |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["jobs"][0]["read"]["runtime"])'
+}
+RESTART_ROWS=()
+restart() {  # restart LABEL BINARY DISKS: DISKS (1 or 8) mounted at once, then the boot set
+  local label=$1 bin=$2 n=$3 pids=() t0 boot all=- rate=-
+  drop
+  t0=$(now)
+  for i in $(seq 1 "$n"); do
+    "$bin" mount --cache "$RCACHE" "$REG/bench/restart$i:1" "$B/mr$i" > "$B/r$i.out" 2>&1 &
+    pids+=($!); PIDS+=($!)
+  done
+  for i in $(seq 1 "$n"); do
+    for _ in $(seq 3000); do grep -q '^ready' "$B/r$i.out" && break; sleep 0.01; done
+  done
+  boot=$(bootset_ms "$B/mr1/disk/r.raw")
+  if [ "$n" -gt 1 ]; then
+    # Every mount says `checked:` once its cached chunks are all checked.
+    for _ in $(seq 6000); do
+      [ "$(cat "$B"/r[1-8].out | grep -c '^checked: ')" -ge "$n" ] && break; sleep 0.1
+    done
+    all=$(secs "$t0" "$(now)")
+    rate=$(python3 -c "print(f'{8 * $GIB * 1073.741824 / $all:.0f}')")
+  fi
+  for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" || true; done
+  RESTART_ROWS+=("$label|$boot|$all|$rate")
+}
+for round in 1 2; do
+  restart "alone (nothing else to re-verify)" "$VMDISK" 1
+  restart "8 disks re-verified" "$VMDISK" 8
+  if [ -n "${BASE_BIN:-}" ]; then restart "before: 8 disks, each hashed at once" "$BASE_BIN/vmdisk" 8; fi
+done
+{
+  echo
+  echo "a reboot with $((8 * GIB)) GiB cached over 8 disks (random data), page cache dropped; one disk's boot set (400 x 64 KiB scattered, O_DIRECT)"
+  local_dev=$(basename "$(df --output=source "$B" | tail -1)")
+  echo "while the node re-verifies its cache (verify_rate 128 MB/s, idle I/O class; the cache disk's scheduler: $(cat "/sys/class/block/$local_dev/queue/scheduler" "/sys/class/block/$local_dev/../queue/scheduler" 2>/dev/null | head -1)):"
+  printf '  %-40s %12s %26s %20s\n' "" "boot set ms" "all cached bytes checked s" "re-verify MB/s"
+  for row in "${RESTART_ROWS[@]}"; do
+    IFS='|' read -r label boot all rate <<< "$row"
+    printf '  %-40s %12s %26s %20s\n' "$label" "$boot" "$all" "$rate"
+  done
+} | tee -a "$RESULTS"
+rm -rf "$RCACHE"
+fi
+# ---------------------------------------------------------------------------------------
+# The memory a full cache disk costs: a daemon serving 16 disks (64 MiB of random data each,
+# `vmdisk path`) from a cache on a 16 MiB tmpfs, all 16 read at once in order; the most that
+# `vmdisk ls` says they hold in memory together, and the most the mount servers' RSS adds up to
+# (BASE_BIN: the build before, whose servers held up to 96 MiB each).
+if part memory; then
+for i in $(seq 1 16); do
+  head -c 64M /dev/urandom > "$B/m.raw"
+  "$VMDISK" push --format raw "$B/m.raw" "$REG/bench/mem$i:1" > /dev/null
+done
+rm -f "$B/m.raw"
+MEMORY_ROWS=()
+memory() {  # memory LABEL SNAPSHOTTER VMDISK-CLI EXTRA-CACHE-CONFIG
+  local label=$1 node=node-mem-$RANDOM held=0 rss=0 readers=() h r
+  local N=$B/$node
+  mkdir -p "$N/cache"
+  mount -t tmpfs -o size=16m tmpfs "$N/cache"
+  SNAPSHOTTER=$2 start_node "$B" "$node" "dir = \"$N/cache\"
+$4"
+  local disks=()
+  for i in $(seq 1 16); do disks+=("$(VMDISK_MANAGE=$N/manage.sock "$3" path "$REG/bench/mem$i:1")"); done
+  for d in "${disks[@]}"; do dd if="$d" of=/dev/null bs=1M 2>/dev/null & readers+=($!); done
+  alive() { for p in "${readers[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+  while alive; do
+    h=$(VMDISK_MANAGE=$N/manage.sock "$3" ls --json 2>/dev/null | python3 -c 'import json,sys; print(sum(d.get("memory_held", 0) for d in json.load(sys.stdin)))' 2>/dev/null || echo 0)
+    r=$(ps -o rss= -C vmdisk-snapshotter | awk '{s += $1} END {print s * 1024}')
+    [ "$h" -gt "$held" ] && held=$h
+    [ "$r" -gt "$rss" ] && rss=$r
+    sleep 0.2
+  done
+  for p in "${readers[@]}"; do wait "$p" || true; done
+  kill "${PIDS[-1]}" 2>/dev/null || true
+  stop_mount_servers "$N"
+  unmount_under "$N"
+  MEMORY_ROWS+=("$label|$((held >> 20))|$((rss >> 20))")
+}
+memory "memory_budget 256M (default)" "$SNAPSHOTTER" "$VMDISK" ""
+memory "memory_budget 64M" "$SNAPSHOTTER" "$VMDISK" 'memory_budget = "64M"'
+if [ -n "${BASE_BIN:-}" ]; then memory "before: 96 MiB per layer" "$BASE_BIN/vmdisk-snapshotter" "$BASE_BIN/vmdisk" ""; fi
+{
+  echo
+  echo "16 disks (64 MiB of random data each) read at once in order from a cache on a 16 MiB tmpfs (no room): the most held in memory"
+  printf '  %-34s %28s %34s\n' "" "held (vmdisk ls), MiB" "all processes' RSS (daemon and servers), MiB"
+  for row in "${MEMORY_ROWS[@]}"; do
+    IFS='|' read -r label held rss <<< "$row"
+    printf '  %-34s %28s %34s\n' "$label" "$held" "$rss"
+  done
+} | tee -a "$RESULTS"
 fi
