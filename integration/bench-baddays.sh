@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
-PARTS=${BADDAYS_PARTS:-warm boot control restart memory}
+PARTS=${BADDAYS_PARTS:-warm boot control restart memory replace}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 source integration/containerd.sh
 bench_scratch baddays
@@ -320,5 +320,18 @@ if [ -n "${BASE_BIN:-}" ]; then memory "before: 96 MiB per layer" "$BASE_BIN/vmd
     IFS='|' read -r label held rss <<< "$row"
     printf '  %-34s %28s %34s\n' "$label" "$held" "$rss"
   done
+} | tee -a "$RESULTS"
+fi
+# ---------------------------------------------------------------------------------------
+# The DaemonSet's pod replaced under a read disk (containerd 1.7 and 2.x, the pod spec run as
+# kubelet runs it, every process of the pod's cgroup killed, the pod run again): the longest
+# wait of a reader holding the raw view open, its errors and wrong reads, as the integration
+# test measures them (`daemonset::the_shipped_daemonset_serves_a_kubevirt_pod_on_containerd_*`).
+if part replace; then
+{
+  echo
+  echo "the DaemonSet's pod replaced while a reader holds a disk's raw view open (1 MiB reads in order) and qemu-img compares it:"
+  cargo nextest run --locked --test integration -E 'test(/^daemonset::/)' --no-capture 2>&1 |
+    grep -E "pod replaced in|the pod's replacement: the reader saw" | sed 's/^/  /'
 } | tee -a "$RESULTS"
 fi
