@@ -436,17 +436,7 @@ fn a_daemon_restart_under_a_read_raw_view_costs_its_readers_nothing() {
     let mut daemon = Daemon::start(&scratch, "");
     let image = format!("{}/disk:1", reg.host());
     let raw = PathBuf::from(daemon.vmdisk_ok(&["path", "--raw", &image]).trim());
-    let want_file = scratch.path("disk.raw");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-O",
-            "raw",
-            disk.to_str().unwrap(),
-            want_file.to_str().unwrap(),
-        ],
-    );
+    let want_file = guest_bytes(&disk);
     let server = daemon.server_pids();
     let (saw, qemu, ()) = read_through(&raw, &want_file, || {
         daemon.kill();

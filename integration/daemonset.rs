@@ -495,17 +495,7 @@ fn replacing_the_pod_leaves_the_disk_served(
     );
     let raw = String::from_utf8(asked.stdout).unwrap();
     let raw = PathBuf::from(format!("/proc/{}/root{}", node.init, raw.trim()));
-    let want_file = disk.with_extension("raw");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-O",
-            "raw",
-            disk.to_str().unwrap(),
-            want_file.to_str().unwrap(),
-        ],
-    );
+    let want_file = guest_bytes(disk);
     let server = listed(node)
         .iter()
         .find(|d| {

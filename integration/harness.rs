@@ -1123,6 +1123,23 @@ pub fn files_identical(a: &Path, b: &Path) -> bool {
         .success()
 }
 
+/// The guest's bytes of qcow2 disk `qcow2` (what its raw view must read), converted by qemu-img
+/// into a file beside it.
+pub fn guest_bytes(qcow2: &Path) -> PathBuf {
+    let raw = qcow2.with_extension("guest.raw");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-O",
+            "raw",
+            qcow2.to_str().unwrap(),
+            raw.to_str().unwrap(),
+        ],
+    );
+    raw
+}
+
 /// What a reader of a disk saw while it read it over and over.
 #[derive(Debug, Default)]
 pub struct ReaderSaw {
