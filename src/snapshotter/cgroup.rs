@@ -20,21 +20,37 @@ pub fn leave_pod(target: &str) -> Result<Vec<String>> {
     enter_nodes_cgroup_namespace()?;
     let own = std::fs::read_to_string("/proc/self/cgroup")
         .map_err(|e| Error::io("reading /proc/self/cgroup", e))?;
-    let mut moved = Vec::new();
+    // Every hierarchy is tried: one that cannot be joined leaves the others joined.
+    let (mut moved, mut failed) = (Vec::new(), Vec::new());
     for line in own.lines().take(64) {
         let mut parts = line.splitn(3, ':');
-        let (_, controllers) = match (parts.next(), parts.next()) {
-            (Some(id), Some(controllers)) => (id, controllers),
+        let controllers = match (parts.next(), parts.next()) {
+            (Some(_), Some(controllers)) => controllers,
             _ => continue,
         };
         let hierarchy = match controllers {
             "" => Hierarchy::V2,
             named => Hierarchy::V1(named.to_string()),
         };
-        move_in(&hierarchy, target).map_err(|e| e.context(format!("cgroup {hierarchy:?}")))?;
-        moved.push(hierarchy.name());
+        match move_in(&hierarchy, target) {
+            Ok(()) => moved.push(hierarchy.name()),
+            Err(e) => failed.push(format!("{}: {}", hierarchy.name(), e.chain())),
+        }
     }
-    Ok(moved)
+    match failed.is_empty() {
+        true => Ok(moved),
+        false => Err(Error::io(
+            format!(
+                "joining cgroup {target} (joined in {})",
+                if moved.is_empty() {
+                    "none".to_string()
+                } else {
+                    moved.join(" ")
+                }
+            ),
+            std::io::Error::other(failed.join("; ")),
+        )),
+    }
 }
 
 #[derive(Debug)]
