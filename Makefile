@@ -20,14 +20,20 @@ APT_PACKAGES := containerd docker-registry skopeo openssl qemu-utils/bookworm qe
 APT_COMMANDS := containerd ctr runc docker-registry skopeo openssl qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
 	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip go lintian
 
-# containerd 1.7 (Debian 13) and 2.x (Debian unstable), unpacked beside Debian 12's 1.6 without
+# containerd 1.7 (Debian 13) and 2.1 (Debian unstable), unpacked beside Debian 12's 1.6 without
 # installing them (integration/debs.sh): the containerd matrix of the tests. The versions the
 # tests were written against first; the suite's current one if the archive has moved on. Their
 # Go sources with their Go compilers too: containerd's own snapshotter conformance suite of each
 # release, built offline (integration/conformance/).
 DEPS_DIR := $(CURDIR)/target/deps
 CONTAINERD_17 := containerd=1.7.24~ds1-6+deb13u1
-CONTAINERD_2 := containerd=2.1.9+ds1-5
+CONTAINERD_21 := containerd=2.1.9+ds1-5
+# containerd 2.3 (the long-term-support line) and 2.4 (the newest), which no Debian release
+# carries: built from the Go module proxy by module version with the machine's Go
+# (integration/containerd-go.sh); their conformance suites the same way, when a test first runs
+# them (integration/conformance/build.sh --module).
+CONTAINERD_23 := v2.3.7
+CONTAINERD_24 := v2.4.2
 # The signing tools of the signature-policy test (Debian unstable's cosign and notation, Go
 # programs that need only libc6 >= 2.34), unpacked the same way.
 SIGNERS := cosign/sid notation/sid
@@ -54,16 +60,20 @@ deps:
 	@[ -x $(DEPS_DIR)/containerd-1.7/usr/bin/containerd ] || \
 		integration/debs.sh $(DEPS_DIR)/containerd-1.7 $(CONTAINERD_17) || \
 		integration/debs.sh $(DEPS_DIR)/containerd-1.7 containerd/trixie
-	@[ -x $(DEPS_DIR)/containerd-2/usr/bin/containerd ] || \
-		integration/debs.sh $(DEPS_DIR)/containerd-2 $(CONTAINERD_2) || \
-		integration/debs.sh $(DEPS_DIR)/containerd-2 containerd/sid
+	@[ -x $(DEPS_DIR)/containerd-2.1/usr/bin/containerd ] || \
+		integration/debs.sh $(DEPS_DIR)/containerd-2.1 $(CONTAINERD_21) || \
+		integration/debs.sh $(DEPS_DIR)/containerd-2.1 containerd/sid
+	@$(DEPS_DIR)/containerd-2.3/usr/bin/containerd --version 2>/dev/null | grep -qE ' $(subst .,[.],$(CONTAINERD_23:v%=%))( |$$)' || \
+		integration/containerd-go.sh $(DEPS_DIR)/containerd-2.3 $(CONTAINERD_23)
+	@$(DEPS_DIR)/containerd-2.4/usr/bin/containerd --version 2>/dev/null | grep -qE ' $(subst .,[.],$(CONTAINERD_24:v%=%))( |$$)' || \
+		integration/containerd-go.sh $(DEPS_DIR)/containerd-2.4 $(CONTAINERD_24)
 	@[ -x $(DEPS_DIR)/signers/usr/bin/cosign ] && [ -x $(DEPS_DIR)/signers/usr/bin/notation ] || \
 		integration/debs.sh $(DEPS_DIR)/signers $(SIGNERS)
 	@[ -x $(DEPS_DIR)/nginx/usr/sbin/nginx ] || integration/debs.sh $(DEPS_DIR)/nginx $(NGINX)
 	@[ -d $(DEPS_DIR)/suite-1.7/usr/share/gocode ] || \
 		integration/debs.sh --go-sources trixie $(DEPS_DIR)/suite-1.7 golang-github-containerd-containerd-dev golang-go
-	@[ -d $(DEPS_DIR)/suite-2/usr/share/gocode ] || \
-		integration/debs.sh --go-sources sid $(DEPS_DIR)/suite-2 golang-github-containerd-containerd-dev golang-go
+	@[ -d $(DEPS_DIR)/suite-2.1/usr/share/gocode ] || \
+		integration/debs.sh --go-sources sid $(DEPS_DIR)/suite-2.1 golang-github-containerd-containerd-dev golang-go
 
 build:
 	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link --example estargz-layout --example control-probe

@@ -1,6 +1,7 @@
 //! containerd's own snapshotter conformance suite (`snapshots/testsuite`) of each release —
-//! 1.6.20 (Debian 12), 1.7 (Debian 13) and 2.x (Debian unstable), built offline from Debian's
-//! packaged Go sources by `integration/conformance/build.sh` — against vmdisk-snapshotter, over
+//! 1.6.20 (Debian 12), 1.7 (Debian 13) and 2.1 (Debian unstable), built offline from Debian's
+//! packaged Go sources, and 2.3 and 2.4, built from the Go module proxy by module version, by
+//! `integration/conformance/build.sh` — against vmdisk-snapshotter, over
 //! the Snapshots API as containerd's proxy plugin reaches it. Each of its subtests starts a
 //! daemon with the suite's own fresh root; those roots are made long here (k3s nests
 //! containerd's state under `/var/lib/rancher/k3s/agent/containerd/`), far past what a socket
@@ -18,17 +19,24 @@ fn suite_binary(release: Release) -> PathBuf {
     let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/conformance");
     let mut source = std::fs::read(here.join("conformance_test.go")).unwrap();
     source.extend(std::fs::read(here.join("build.sh")).unwrap());
+    // Debian's sources are of one release each; 2.3 and 2.4 are built from the Go module
+    // proxy at the version `make deps` built their containerd at.
+    let module = matches!(release, Release::V2_3 | Release::V2_4).then(|| release.version());
+    if let Some(version) = &module {
+        source.extend(version.as_bytes());
+    }
     let tag = &sha256(&source)[7..19];
     let out =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("conformance-{release:?}-{tag}.test"));
     if !out.exists() {
         let deps = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/deps");
+        let mut args = vec![out.to_str().unwrap().to_string()];
         let root = match release {
             Release::V1_6 => None,
             Release::V1_7 => Some(deps.join("suite-1.7")),
-            Release::V2 => Some(deps.join("suite-2")),
+            Release::V2_1 => Some(deps.join("suite-2.1")),
+            Release::V2_3 | Release::V2_4 => None,
         };
-        let mut args = vec![out.to_str().unwrap().to_string()];
         if let Some(root) = root {
             assert!(
                 root.join("usr/share/gocode").is_dir(),
@@ -36,6 +44,9 @@ fn suite_binary(release: Release) -> PathBuf {
                 root.display()
             );
             args.push(root.display().to_string());
+        }
+        if let Some(version) = module {
+            args.extend(["--module".to_string(), format!("v{version}")]);
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         run(here.join("build.sh").to_str().unwrap(), &args);
@@ -92,7 +103,7 @@ fn run_suite(release: Release) -> (Vec<String>, Vec<String>, Vec<String>, String
 #[test]
 fn containerds_snapshotter_suites_pass_with_long_roots() {
     require("go");
-    for release in [Release::V1_6, Release::V1_7, Release::V2] {
+    for release in Release::ALL {
         let (passed, skipped, failed, text) = run_suite(release);
         eprintln!(
             "{release:?}: {} passed, {} skipped ({skipped:?}), {} failed",

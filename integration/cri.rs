@@ -337,23 +337,38 @@ pub fn prepare_req(key: &str, parent: &str, l: &[(&str, &str)]) -> pb::PrepareSn
     }
 }
 
-/// A containerd release the tests run: Debian 12's 1.6 (installed), or 1.7 and 2.x from newer
-/// Debian releases, which `make deps` unpacks into `target/deps` (integration/debs.sh).
+/// A containerd release the tests run: Debian 12's 1.6 (installed); 1.7 and 2.1 from newer
+/// Debian releases, which `make deps` unpacks into `target/deps` (integration/debs.sh); 2.3 (the
+/// long-term-support line) and 2.4, which `make deps` builds there from the Go module proxy
+/// (integration/containerd-go.sh).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Release {
     V1_6,
     V1_7,
-    V2,
+    V2_1,
+    V2_3,
+    V2_4,
 }
 
 impl Release {
+    /// Every release, oldest first.
+    pub const ALL: [Release; 5] = [
+        Release::V1_6,
+        Release::V1_7,
+        Release::V2_1,
+        Release::V2_3,
+        Release::V2_4,
+    ];
+
     /// The directory of its `containerd`, `ctr` and shims (1.6: the system's).
     pub fn bin_dir(self) -> PathBuf {
         let deps = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/deps");
         match self {
             Release::V1_6 => PathBuf::from("/usr/bin"),
             Release::V1_7 => deps.join("containerd-1.7/usr/bin"),
-            Release::V2 => deps.join("containerd-2/usr/bin"),
+            Release::V2_1 => deps.join("containerd-2.1/usr/bin"),
+            Release::V2_3 => deps.join("containerd-2.3/usr/bin"),
+            Release::V2_4 => deps.join("containerd-2.4/usr/bin"),
         }
     }
 
@@ -362,7 +377,7 @@ impl Release {
         let name = match self {
             Release::V1_6 => "containerd-1.6.toml",
             Release::V1_7 => "containerd-1.7.toml",
-            Release::V2 => "containerd-2.x.toml",
+            Release::V2_1 | Release::V2_3 | Release::V2_4 => "containerd-2.x.toml",
         };
         Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("config")
@@ -374,14 +389,29 @@ impl Release {
         let containerd = self.bin_dir().join("containerd");
         assert!(
             containerd.is_file(),
-            "{} is missing: `make deps` unpacks containerd 1.7 and 2.x into target/deps",
+            "{} is missing: `make deps` unpacks containerd 1.7 and 2.1 and builds 2.3 and 2.4 into \
+             target/deps",
             containerd.display()
         );
     }
 
+    /// Its version as its `containerd --version` prints it (`2.3.7`).
+    pub fn version(self) -> String {
+        self.require();
+        let out = Command::new(self.bin_dir().join("containerd"))
+            .arg("--version")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.split_whitespace()
+            .nth(2)
+            .unwrap_or_else(|| panic!("{self:?}: containerd --version printed {text:?}"))
+            .to_string()
+    }
+
     /// Whether its configuration is version 3 (containerd 2.x's plugin names).
     pub fn v3(self) -> bool {
-        self == Release::V2
+        matches!(self, Release::V2_1 | Release::V2_3 | Release::V2_4)
     }
 }
 
@@ -720,6 +750,34 @@ state = "{d}/state"
             .args(args)
             .output()
             .unwrap()
+    }
+
+    /// What this containerd warns of as deprecated: the warnings its deprecation service lists
+    /// (1.7 and later: `ctr deprecations list`, "<id>: <message>") and its log's warnings that
+    /// name a deprecation.
+    pub fn deprecations(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        if self.release != Release::V1_6 {
+            let out = self.ctr(&["deprecations", "list", "--format", "json"]);
+            assert!(
+                out.status.success(),
+                "{:?} ctr deprecations list: {}",
+                self.release,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let listed: serde_json::Value =
+                serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+            for w in listed.as_array().into_iter().flatten() {
+                found.push(format!("{}: {}", w["id"], w["message"]));
+            }
+        }
+        found.extend(
+            self.log_text()
+                .lines()
+                .filter(|l| l.contains("level=warn") && l.to_ascii_lowercase().contains("deprecat"))
+                .map(str::to_string),
+        );
+        found
     }
 
     /// A host-network pod sandbox; returns its id and config.

@@ -765,6 +765,6 @@ fn the_shipped_daemonset_serves_a_kubevirt_pod_on_containerd_1_7() {
 }
 
 #[test]
-fn the_shipped_daemonset_serves_a_kubevirt_pod_on_containerd_2() {
-    daemonset(Release::V2);
+fn the_shipped_daemonset_serves_a_kubevirt_pod_on_containerd_2_3() {
+    daemonset(Release::V2_3);
 }

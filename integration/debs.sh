@@ -6,7 +6,7 @@
 # oras, cosign, notation) need only libc6 >= 2.34, which Debian 12 has. bookworm's nginx (the
 # fleet tests' regional cache) is unpacked the same way, so no service is started on the machine.
 #
-# Usage: debs.sh OUT PKG[/SUITE|=VERSION]...     e.g. debs.sh target/deps/containerd-2 containerd/sid
+# Usage: debs.sh OUT PKG[/SUITE|=VERSION]...     e.g. debs.sh target/deps/containerd-2.1 containerd/sid
 #        debs.sh --go-sources SUITE OUT PKG...  the Go source packages PKG of SUITE (trixie, sid)
 #                                               with every golang-* package they depend on, the
 #                                               Go compiler included: a GOPATH to build them in

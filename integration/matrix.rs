@@ -1,4 +1,5 @@
-//! The containerd matrix: Debian 12's containerd 1.6, Debian 13's 1.7 and Debian unstable's 2.x,
+//! The containerd matrix: Debian 12's containerd 1.6, Debian 13's 1.7, Debian unstable's 2.1, and
+//! 2.3 (long-term support) and 2.4 built from the Go module proxy,
 //! each started with the snippet vmdisk ships for it (`config/containerd-*.toml`), unchanged but
 //! for paths. For each: a CRI pull of a containerDisk, as a pod of the documented setup makes
 //! it, is a remote snapshot (under 1% of the disk from the registry); a KubeVirt-style container
@@ -116,6 +117,25 @@ fn ordinary_images_with_tocs(
     [(chunked, "zstd:chunked"), (estargz, "eStargz")]
 }
 
+/// Deprecations this machine itself causes, whatever containerd's configuration: its cgroup v1
+/// hierarchies (containerd 2.2 and later warn of them).
+const HOST_DEPRECATIONS: [&str; 1] = ["\"io.containerd.deprecation/cgroup-v1\""];
+
+/// Fails when `ctd` warns of a deprecation that is not the machine's own: nothing vmdisk wrote
+/// into its configuration is deprecated in that release.
+fn no_deprecation_from_vmdisk(ctd: &CriContainerd, when: &str) {
+    let warned: Vec<String> = ctd
+        .deprecations()
+        .into_iter()
+        .filter(|w| !HOST_DEPRECATIONS.iter().any(|host| w.starts_with(host)))
+        .collect();
+    assert!(
+        warned.is_empty(),
+        "{:?} {when}: containerd warns of deprecations: {warned:#?}",
+        ctd.release
+    );
+}
+
 fn matrix(release: Release) {
     release.require();
     let scratch = Scratch::new();
@@ -130,6 +150,7 @@ fn matrix(release: Release) {
         &pause,
         &[reg.port, proxy.port],
     );
+    no_deprecation_from_vmdisk(&ctd, "with the shipped snippet");
     let image = format!("127.0.0.1:{}/disk:1", proxy.port);
     let disk_len = std::fs::metadata(&disk).unwrap().len();
     let want = sha256_file(&disk);
@@ -274,7 +295,7 @@ fn matrix(release: Release) {
         "{release:?}: the restart refetched the disk"
     );
 
-    if release == Release::V2 {
+    if release.v3() {
         transfer_service_and_image_volumes(
             &scratch, &ctd, &daemon, &proxy, &sandbox, &logs, &pause,
         );
@@ -334,7 +355,10 @@ fn transfer_service_and_image_volumes(
         ctd.log_text()
     );
     let pulled = proxy.bytes_to_client() - before;
-    eprintln!("V2: ctr pull through the transfer service moved {pulled} bytes for {len}");
+    eprintln!(
+        "{:?}: ctr pull through the transfer service moved {pulled} bytes for {len}",
+        ctd.release
+    );
     assert!(
         pulled < len / 100,
         "the transfer service's pull moved {pulled} bytes"
@@ -420,7 +444,10 @@ fn transfer_service_and_image_volumes(
         id
     });
     let at_create = proxy.bytes_to_client() - before;
-    eprintln!("V2: image volume created with {at_create} registry bytes");
+    eprintln!(
+        "{:?}: image volume created with {at_create} registry bytes",
+        ctd.release
+    );
     assert!(
         at_create < len / 100,
         "the image volume fetched {at_create} bytes to start"
@@ -459,8 +486,18 @@ fn containerd_1_7_with_the_shipped_snippet() {
 }
 
 #[test]
-fn containerd_2_with_the_shipped_snippet() {
-    matrix(Release::V2);
+fn containerd_2_1_with_the_shipped_snippet() {
+    matrix(Release::V2_1);
+}
+
+#[test]
+fn containerd_2_3_with_the_shipped_snippet() {
+    matrix(Release::V2_3);
+}
+
+#[test]
+fn containerd_2_4_with_the_shipped_snippet() {
+    matrix(Release::V2_4);
 }
 
 /// A node's containerd configuration as installers leave it (systemd cgroups, a sandbox image,
@@ -624,7 +661,7 @@ fn daemonset_setup(release: Release) {
     assert!(ok && from_binary.starts_with("--- "), "{release:?}: {err}");
     let (ok, from_config, err) = dry_run("/nonexistent");
     match release {
-        Release::V2 => assert!(ok && from_config == from_binary, "{err}"),
+        r if r.v3() => assert!(ok && from_config == from_binary, "{err}"),
         _ => assert!(!ok && err.contains("--release"), "{release:?}: {err}"),
     }
 
@@ -673,6 +710,7 @@ fn daemonset_setup(release: Release) {
         "{release:?}: the dry run and the write differ"
     );
     ctd.restart();
+    no_deprecation_from_vmdisk(&ctd, "after the install step");
     // containerd loaded it; writing again changes nothing.
     let out = install(&ctd);
     assert!(
@@ -751,8 +789,18 @@ fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_1_7() {
 }
 
 #[test]
-fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_2() {
-    daemonset_setup(Release::V2);
+fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_2_1() {
+    daemonset_setup(Release::V2_1);
+}
+
+#[test]
+fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_2_3() {
+    daemonset_setup(Release::V2_3);
+}
+
+#[test]
+fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_2_4() {
+    daemonset_setup(Release::V2_4);
 }
 
 /// A node where vmdisk starts before containerd has ever run (a fresh install's unit order, a
@@ -761,7 +809,7 @@ fn the_daemonset_install_step_keeps_the_nodes_cri_config_on_2() {
 /// kubelet's image filesystem stats find vmdisk's root (containerd first: the matrix tests).
 #[test]
 fn the_image_filesystem_link_appears_when_containerd_starts_after_vmdisk() {
-    for release in [Release::V1_7, Release::V2] {
+    for release in [Release::V1_7, Release::V2_1, Release::V2_3, Release::V2_4] {
         release.require();
         let scratch = Scratch::new();
         let mut daemon = Daemon::start(&scratch, "");
