@@ -141,7 +141,7 @@ fn matrix(release: Release) {
     let scratch = Scratch::new();
     let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 96);
     let proxy = FaultProxy::counting(reg.port);
-    let daemon = Daemon::start(&scratch, "");
+    let mut daemon = Daemon::start(&scratch, "");
     let pause = format!("{}/pause:1", reg.host());
     let mut ctd = CriContainerd::start_release(
         &scratch,
@@ -296,9 +296,10 @@ fn matrix(release: Release) {
     );
 
     if release.v3() {
-        transfer_service_and_image_volumes(
+        let volume = transfer_service_and_image_volumes(
             &scratch, &ctd, &daemon, &proxy, &sandbox, &logs, &pause,
         );
+        unservable_volume_is_never_empty(&ctd, &mut daemon, &reg.root, &logs, &pause, &volume);
     }
 }
 
@@ -320,7 +321,7 @@ fn walk_size(dir: &Path) -> u64 {
 }
 
 /// containerd 2.x: `ctr images pull` through the transfer service unpacks into vmdisk lazily,
-/// and that image mounted as an image volume is read lazily, identical.
+/// and that image mounted as an image volume is read lazily, identical. The image's id.
 fn transfer_service_and_image_volumes(
     scratch: &Scratch,
     ctd: &CriContainerd,
@@ -329,7 +330,7 @@ fn transfer_service_and_image_volumes(
     sandbox: &(String, cri::PodSandboxConfig),
     logs: &Path,
     pause: &str,
-) {
+) -> String {
     let second = scratch.path("second.qcow2");
     make_qcow2(&second, "256M", &[]);
     write_random(&second, 8 << 20, 64 << 20, 41);
@@ -390,59 +391,13 @@ fn transfer_service_and_image_volumes(
             .id
     });
     let before = proxy.bytes_to_client();
-    let container = rt().block_on(async {
-        let mut r = ctd.runtime().await.unwrap();
-        let config = cri::ContainerConfig {
-            metadata: Some(cri::ContainerMetadata {
-                name: "volume".into(),
-                attempt: 0,
-            }),
-            image: Some(cri::ImageSpec {
-                image: pause.to_string(),
-                ..Default::default()
-            }),
-            command: vec![
-                "/busybox".into(),
-                "sha256sum".into(),
-                "/vol/disk/second.qcow2".into(),
-            ],
-            log_path: "volume.log".into(),
-            mounts: vec![
-                cri::Mount {
-                    container_path: "/busybox".into(),
-                    host_path: "/bin/busybox".into(),
-                    readonly: true,
-                    ..Default::default()
-                },
-                cri::Mount {
-                    container_path: "/vol".into(),
-                    image: Some(cri::ImageSpec {
-                        image: id.clone(),
-                        ..Default::default()
-                    }),
-                    readonly: true,
-                    ..Default::default()
-                },
-            ],
-            ..Default::default()
-        };
-        let id = r
-            .create_container(cri::CreateContainerRequest {
-                pod_sandbox_id: sandbox.0.clone(),
-                config: Some(config),
-                sandbox_config: Some(sandbox.1.clone()),
-            })
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "CreateContainer with an image volume: {e}\n{}",
-                    ctd.log_text()
-                )
-            })
-            .into_inner()
-            .container_id;
-        id
-    });
+    let container =
+        create_with_image_volume(ctd, sandbox, pause, &id, "volume").unwrap_or_else(|e| {
+            panic!(
+                "CreateContainer with an image volume: {e}\n{}",
+                ctd.log_text()
+            )
+        });
     let at_create = proxy.bytes_to_client() - before;
     eprintln!(
         "{:?}: image volume created with {at_create} registry bytes",
@@ -473,6 +428,157 @@ fn transfer_service_and_image_volumes(
         same_digest(out.first(), &sha256_file(&second)),
         "the image volume read {out:?}"
     );
+    id
+}
+
+/// A layer vmdisk cannot serve is never handed to containerd as the empty directory its
+/// mountpoint is then: the node rebooted (the volume's server and mount gone) while the layer's
+/// bytes are neither in the cache (a replaced cache disk) nor in the registry (its garbage
+/// collection); a new image volume of it fails naming the layer and the cause, where an empty
+/// `/vol` would start the container (and a VM reading it would find no disk).
+fn unservable_volume_is_never_empty(
+    ctd: &CriContainerd,
+    daemon: &mut Daemon,
+    registry_root: &Path,
+    logs: &Path,
+    pause: &str,
+    id: &str,
+) {
+    let disk = daemon
+        .disks()
+        .into_iter()
+        .find(|d| d.reference.contains("/volume"))
+        .unwrap_or_else(|| panic!("no image volume disk in {:?}", daemon.disks()));
+    daemon.stop();
+    run("kill", &["-KILL", &disk.server_pid.to_string()]);
+    let dead = std::time::Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{}", disk.server_pid)).exists()
+        && std::time::Instant::now() < dead
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    run("umount", &["-l", &disk.mountpoint]);
+    let key: vmdisk::digest::Digest = disk.layer_key.parse().unwrap();
+    let cache = vmdisk::cache::CacheRoot::open(&daemon.root.join("cache"))
+        .unwrap()
+        .layer_dir(&key);
+    std::fs::remove_dir_all(&cache).unwrap();
+    let hex = disk.layer_digest.trim_start_matches("sha256:");
+    let blob = registry_root.join(format!(
+        "data/docker/registry/v2/blobs/sha256/{}/{hex}",
+        &hex[..2]
+    ));
+    std::fs::remove_dir_all(&blob).unwrap_or_else(|e| panic!("{}: {e}", blob.display()));
+    daemon.restart();
+    // A pod of after the reboot (containerd keeps an image volume mounted per pod: the old
+    // pod's would still show the dead mount).
+    let sandbox = &ctd.run_sandbox("after-reboot", logs);
+    // containerd redials the restarted daemon after a back-off; kubelet retries a pod's
+    // containers until it has.
+    let redialled = std::time::Instant::now() + Duration::from_secs(20);
+    let created = loop {
+        match create_with_image_volume(ctd, sandbox, pause, id, "unservable") {
+            Err(e)
+                if e.message().contains("connection error")
+                    && std::time::Instant::now() < redialled =>
+            {
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            created => break created,
+        }
+    };
+    match created {
+        Ok(container) => {
+            let started = rt().block_on(async {
+                ctd.runtime()
+                    .await
+                    .unwrap()
+                    .start_container(cri::StartContainerRequest {
+                        container_id: container.clone(),
+                    })
+                    .await
+            });
+            let code = started
+                .is_ok()
+                .then(|| ctd.wait_exit(&container, Duration::from_secs(60)));
+            panic!(
+                "{:?}: an image volume of a layer vmdisk cannot serve was created (started: \
+                 {started:?}, exit {code:?}); it read {:?}",
+                ctd.release,
+                container_output(&logs.join("unservable.log"))
+            );
+        }
+        Err(e) => {
+            eprintln!(
+                "{:?}: the unservable image volume failed: {}",
+                ctd.release,
+                e.message()
+            );
+            assert!(
+                e.message().contains(&disk.layer_key) && e.message().contains("not served"),
+                "{:?}: {}\n{}",
+                ctd.release,
+                e.message(),
+                daemon.log_text()
+            );
+        }
+    }
+}
+
+/// Creates a container (of `pause`, with the host's busybox) that reads
+/// `/vol/disk/second.qcow2` from an image volume of image `id` at `/vol`, as kubelet asks for
+/// one: the image by its id.
+fn create_with_image_volume(
+    ctd: &CriContainerd,
+    sandbox: &(String, cri::PodSandboxConfig),
+    pause: &str,
+    id: &str,
+    name: &str,
+) -> Result<String, tonic::Status> {
+    rt().block_on(async {
+        let mut r = ctd.runtime().await.unwrap();
+        let config = cri::ContainerConfig {
+            metadata: Some(cri::ContainerMetadata {
+                name: name.into(),
+                attempt: 0,
+            }),
+            image: Some(cri::ImageSpec {
+                image: pause.to_string(),
+                ..Default::default()
+            }),
+            command: vec![
+                "/busybox".into(),
+                "sha256sum".into(),
+                "/vol/disk/second.qcow2".into(),
+            ],
+            log_path: format!("{name}.log"),
+            mounts: vec![
+                cri::Mount {
+                    container_path: "/busybox".into(),
+                    host_path: "/bin/busybox".into(),
+                    readonly: true,
+                    ..Default::default()
+                },
+                cri::Mount {
+                    container_path: "/vol".into(),
+                    image: Some(cri::ImageSpec {
+                        image: id.to_string(),
+                        ..Default::default()
+                    }),
+                    readonly: true,
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        r.create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: sandbox.0.clone(),
+            config: Some(config),
+            sandbox_config: Some(sandbox.1.clone()),
+        })
+        .await
+        .map(|r| r.into_inner().container_id)
+    })
 }
 
 #[test]

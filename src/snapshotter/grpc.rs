@@ -87,6 +87,22 @@ impl SnapshotsService {
         }
         r
     }
+    /// [`Self::run`] once every remote layer under snapshot `under` is served
+    /// ([`Snapshotter::serve_chain`]): mounts that use a layer are never handed out while its
+    /// mountpoint is empty.
+    async fn run_served<T: Send + 'static>(
+        &self,
+        method: &'static str,
+        under: &str,
+        f: impl FnOnce(Arc<Snapshotter>) -> crate::error::Result<T> + Send + 'static,
+    ) -> Result<T, Status> {
+        if let Err(e) = self.snapshotter.serve_chain(under).await {
+            let r = Err(Status::from(e));
+            count_call(&self.snapshotter, method, &r);
+            return r;
+        }
+        self.run(method, f).await
+    }
 }
 
 #[tonic::async_trait]
@@ -119,8 +135,9 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
         request: Request<pb::ViewSnapshotRequest>,
     ) -> Result<Response<pb::ViewSnapshotResponse>, Status> {
         let req = request.into_inner();
+        let parent = req.parent.clone();
         let m = self
-            .run("View", move |s| {
+            .run_served("View", &parent, move |s| {
                 s.create(&req.key, &req.parent, Kind::View, sorted(req.labels))
             })
             .await?;
@@ -134,7 +151,10 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
         request: Request<pb::MountsRequest>,
     ) -> Result<Response<pb::MountsResponse>, Status> {
         let key = request.into_inner().key;
-        let m = self.run("Mounts", move |s| s.mounts(&key)).await?;
+        let under = key.clone();
+        let m = self
+            .run_served("Mounts", &under, move |s| s.mounts(&key))
+            .await?;
         Ok(Response::new(pb::MountsResponse { mounts: mounts(m) }))
     }
 

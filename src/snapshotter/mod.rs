@@ -250,6 +250,17 @@ impl Snapshotter {
         self.mounts_of(key, &record)
     }
 
+    /// The remote layers of `key` and its parents whose files are not mounted now.
+    fn unserved_layers(&self, key: &str) -> Result<Vec<RemoteLayerRef>> {
+        let own = self.store.must_get(key)?;
+        let parents = self.store.ancestors(key)?.into_iter().map(|(_, r)| r);
+        Ok(std::iter::once(own)
+            .chain(parents)
+            .filter_map(|r| r.remote)
+            .filter(|r| !self.servers.mounted(&r.layer))
+            .collect())
+    }
+
     /// containerd's overlayfs rules: no parent → a bind mount of the own directory; a view of
     /// one parent → a read-only bind of it; otherwise overlay with the chain as lower dirs.
     fn mounts_of(&self, key: &str, record: &Record) -> Result<Vec<Mount>> {

@@ -58,6 +58,7 @@ impl Snapshotter {
                 return Ok(None);
             }
         }
+        self.serve_chain(parent).await?;
         let me = Arc::clone(self);
         let (key, parent) = (key.to_string(), parent.to_string());
         blocking(move || me.create(&key, &parent, Kind::Active, labels))

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{blocking, control, Freshness, Snapshotter, PIN_USER};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::registry::granted::Grant;
 
 impl Snapshotter {
@@ -163,5 +163,54 @@ impl Snapshotter {
         });
         futures_util::future::join_all(mounted).await;
         Ok(layers.len())
+    }
+
+    /// Makes sure every remote layer under snapshot `key` (its own and its parents') is served
+    /// before containerd is handed mounts that use it. An unserved layer's mountpoint is an
+    /// empty directory (after a reboot) or a dead connection (after its server died): a
+    /// container or an image volume on it would start on an empty filesystem, and a VM would
+    /// find no disk. Such a layer is served again, as at the daemon's start; one that cannot
+    /// be fails the call, naming the layer and why. `key` "" has no layers.
+    pub async fn serve_chain(self: &Arc<Self>, key: &str) -> Result<()> {
+        if key.is_empty() {
+            return Ok(());
+        }
+        let me = Arc::clone(self);
+        let key = key.to_string();
+        let unserved = blocking(move || me.unserved_layers(&key)).await?;
+        for remote in unserved {
+            let layer = remote.layer;
+            let _lock = self.layer_locks.lock(&layer).await;
+            let served = self
+                .servers
+                .ensure(
+                    &layer,
+                    &remote.reference,
+                    remote.alias.as_deref(),
+                    &[],
+                    control::Need::Layer,
+                    None,
+                )
+                .await;
+            match served {
+                Ok(mnt) => {
+                    tracing::warn!(%layer, mountpoint = %mnt.display(), "a remote snapshot's layer was not served; it is served again")
+                }
+                Err(e) => {
+                    return Err(Error::new(
+                        ErrorKind::FailedPrecondition,
+                        format!(
+                            "layer {layer} of {} is not served and cannot be served again ({}); \
+                             vmdisk does not hand containerd its empty mountpoint, on which a \
+                             container or image volume would start with no files: make the \
+                             registry serve the image again, or remove the image and pull it",
+                            remote.reference,
+                            e.chain()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 }

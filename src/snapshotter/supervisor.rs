@@ -88,6 +88,10 @@ impl Drop for Ahead {
 pub trait Supervisor: Send + Sync {
     /// Where `layer`'s files are mounted.
     fn mountpoint(&self, layer: &Digest) -> PathBuf;
+    /// Whether `layer`'s files are mounted and answer now (a look at the mountpoint, no call
+    /// to its server). Unmounted, the mountpoint is an empty directory (after a reboot) or a
+    /// dead connection (after its server died). Blocks on the mount: call it off the runtime.
+    fn mounted(&self, layer: &Digest) -> bool;
     /// The ready-disk directory of the image `reference` (repository@manifest digest).
     fn ready_dir(&self, reference: &Reference) -> Option<PathBuf>;
     /// What `layer`'s server says about itself, if one answers in time.
@@ -124,6 +128,9 @@ pub trait Supervisor: Send + Sync {
 impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
     fn mountpoint(&self, layer: &Digest) -> PathBuf {
         (**self).mountpoint(layer)
+    }
+    fn mounted(&self, layer: &Digest) -> bool {
+        (**self).mounted(layer)
     }
     fn ready_dir(&self, reference: &Reference) -> Option<PathBuf> {
         (**self).ready_dir(reference)
@@ -214,6 +221,13 @@ impl LayerServers {
 impl Supervisor for LayerServers {
     fn mountpoint(&self, layer: &Digest) -> PathBuf {
         self.paths(layer).mountpoint
+    }
+
+    fn mounted(&self, layer: &Digest) -> bool {
+        let mountpoint = self.paths(layer).mountpoint;
+        nix::sys::statfs::statfs(&mountpoint)
+            .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::FUSE_SUPER_MAGIC)
+            && std::fs::metadata(&mountpoint).is_ok()
     }
 
     fn hand_grant<'a>(&'a self, layer: &'a Digest, grant: &'a Grant) -> BoxFuture<'a, Result<()>> {

@@ -78,6 +78,11 @@ impl Supervisor for FakeSupervisor {
         self.root.join(layer.hex())
     }
 
+    /// Mounted once `ensure` made its directory (a test removes it to unmount).
+    fn mounted(&self, layer: &Digest) -> bool {
+        self.mountpoint(layer).is_dir()
+    }
+
     fn ready_dir(&self, _reference: &Reference) -> Option<PathBuf> {
         None
     }
@@ -272,6 +277,57 @@ async fn a_disk_layer_is_served_remotely_then_reused() {
         .expect("a remote layer");
     assert_eq!(f.snapshotter.stop_unused(vec![layer]).await.unwrap(), 1);
     assert_eq!(*f.supervisor.stopped.lock(), [layer]);
+}
+
+/// A remote layer found unmounted when a container or view is made on it (a reboot, a dead
+/// server) is served again first; one that cannot be fails the call naming the layer, never an
+/// empty mountpoint handed to containerd.
+#[tokio::test]
+async fn a_layer_not_served_is_served_again_before_its_mounts_are_handed_out() {
+    let f = fixture();
+    let (manifest, layers) = f.registry.image(&[(ZSTD, chunked())]);
+    let disk = f
+        .snapshotter
+        .prepare("extract-0", "", cri_labels("disk", &manifest, &layers[0]))
+        .await
+        .unwrap();
+    assert!(disk.is_none());
+    let layer = f.snapshotter.stat("disk").unwrap().remote.unwrap().layer;
+    let ensured = || f.supervisor.ensured.lock().len();
+    assert_eq!(ensured(), 1);
+    // Served: a container's Prepare asks nothing of the supervisor.
+    f.snapshotter
+        .prepare("rootfs-0", "disk", BTreeMap::new())
+        .await
+        .unwrap()
+        .expect("an active snapshot");
+    assert_eq!(ensured(), 1);
+    // Unmounted: served again, then the mounts.
+    std::fs::remove_dir(f.supervisor.mountpoint(&layer)).unwrap();
+    f.snapshotter
+        .prepare("rootfs-1", "disk", BTreeMap::new())
+        .await
+        .unwrap()
+        .expect("an active snapshot");
+    assert_eq!(ensured(), 2);
+    // Unmounted and unservable: the Prepare fails naming the layer and creates nothing.
+    std::fs::remove_dir(f.supervisor.mountpoint(&layer)).unwrap();
+    f.supervisor.fail.store(true, Ordering::SeqCst);
+    let err = f
+        .snapshotter
+        .prepare("rootfs-2", "disk", BTreeMap::new())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{}", err.chain());
+    assert!(
+        err.chain().contains(&layer.to_string()) && err.chain().contains("not served"),
+        "{}",
+        err.chain()
+    );
+    assert!(f.snapshotter.stat("rootfs-2").is_err());
+    // So does the mounts of a snapshot made while it was served.
+    let err = f.snapshotter.serve_chain("rootfs-0").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition);
 }
 
 #[tokio::test]
