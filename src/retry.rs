@@ -57,6 +57,37 @@ impl RetryPolicy {
         }
     }
 
+    /// For registry requests (manifests, blobs, a Range of an endpoint) of a client whose
+    /// requests may take `deadline` in all: the default tries and waits.
+    pub fn registry(deadline: Duration) -> Self {
+        RetryPolicy::default().with_deadline(deadline)
+    }
+
+    /// For one range of a blob a read needs: tried until `deadline` (a read's fetch deadline),
+    /// however many tries that takes, waiting at most 2 s between them — a reader waits for a
+    /// flaky link rather than fail.
+    pub fn demand_range(deadline: Duration) -> Self {
+        RetryPolicy {
+            attempts: u32::MAX,
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(2),
+            deadline,
+        }
+    }
+
+    /// For a check of bytes with no digest of their own (the regions between chunks, a
+    /// layer's whole stream): bytes flipped on the way fail a try as a lie would, but a fault is
+    /// random and a lie the same every time, so a check fails only after six tries, all within
+    /// `deadline`.
+    pub fn recheck(deadline: Duration) -> Self {
+        RetryPolicy {
+            attempts: 6,
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(1),
+            deadline,
+        }
+    }
+
     /// This policy with another overall deadline.
     pub fn with_deadline(&self, deadline: Duration) -> Self {
         RetryPolicy {

@@ -126,10 +126,9 @@ async fn checked_reference(args: &PathArgs) -> Result<String> {
         .unwrap_or_else(|| PathBuf::from("/etc/containerd/certs.d"));
     let client = RegistryClient::new(RegistryConfig {
         hosts_dir: Some(hosts).filter(|d| d.is_dir()),
-        retry: crate::retry::RetryPolicy {
-            deadline: std::time::Duration::from_secs(args.daemon.timeout),
-            ..Default::default()
-        },
+        retry: crate::retry::RetryPolicy::registry(std::time::Duration::from_secs(
+            args.daemon.timeout,
+        )),
         ..RegistryConfig::default()
     })?;
     let (_, digest, _) = crate::resolve::platform_manifest(&client, None, &reference).await?;

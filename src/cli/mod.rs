@@ -68,10 +68,9 @@ impl RegistryArgs {
                 .iter()
                 .map(|r| repository(r, "--index-repository"))
                 .collect::<Result<_>>()?,
-            retry: crate::retry::RetryPolicy {
-                deadline: std::time::Duration::from_secs(self.timeout),
-                ..Default::default()
-            },
+            retry: crate::retry::RetryPolicy::registry(std::time::Duration::from_secs(
+                self.timeout,
+            )),
             ..RegistryConfig::default()
         })
     }

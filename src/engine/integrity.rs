@@ -205,18 +205,11 @@ impl Engine {
             .await
     }
 
-    /// How a check is made again. The regions between chunks carry no digest, so bytes flipped
-    /// on the way fail a try as a lie would; a fault is random and a lie is the same every
-    /// time, so a check fails only after six tries (from the registry itself after the first),
-    /// all within the one fetch deadline. An answer that contradicts its request is not
-    /// retried ([`crate::retry::transient`]).
+    /// How a check is made again ([`crate::retry::RetryPolicy::recheck`]: six tries, from the
+    /// registry itself after the first, within the one fetch deadline). An answer that
+    /// contradicts its request is not retried ([`crate::retry::transient`]).
     fn check_policy(&self) -> crate::retry::RetryPolicy {
-        crate::retry::RetryPolicy {
-            attempts: 6,
-            base_delay: std::time::Duration::from_millis(100),
-            max_delay: std::time::Duration::from_secs(1),
-            deadline: self.opts.fetch_deadline,
-        }
+        crate::retry::RetryPolicy::recheck(self.opts.fetch_deadline)
     }
 }
 

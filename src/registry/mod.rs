@@ -24,14 +24,12 @@ mod token;
 mod transport;
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::path::PathBuf;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use self::auth::{Challenge, CredentialStore};
-use self::hosts::Endpoint;
+use self::auth::CredentialStore;
 use crate::digest::Digest;
 use crate::error::{ErrorKind, Result};
 use crate::oci::{Descriptor, ManifestKind};
@@ -39,8 +37,8 @@ use crate::reference::Reference;
 
 pub use self::push::{BlobUpload, UPLOAD_SEGMENT};
 pub use self::read::BlobReader;
-use self::token::{Access, CachedAuth, Principal};
-use self::transport::{Candidate, Req, TlsSettings};
+use self::token::{CachedAuth, Principal};
+use self::transport::TlsSettings;
 pub use crate::retry::RetryPolicy;
 
 /// The name of the file in a cache where what clients learnt about mirrors is kept.

@@ -6,7 +6,11 @@ use reqwest::header::{CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, LOCATION, RAN
 use reqwest::{Method, StatusCode};
 
 use super::token::scope;
-use super::*;
+
+use super::hosts::Endpoint;
+use super::token::Access;
+use super::transport::Req;
+use super::RegistryClient;
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::oci::{self, Descriptor};

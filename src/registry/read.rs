@@ -6,11 +6,15 @@ use bytes::Bytes;
 use reqwest::header::{ACCEPT, CONTENT_RANGE, CONTENT_TYPE, RANGE};
 use reqwest::{Method, StatusCode};
 
-use super::*;
+use super::hosts::Endpoint;
+use super::transport::Req;
+use super::{Ask, FetchedManifest, RegistryClient};
 use crate::digest::{Digest, Hasher};
 use crate::error::{Error, ErrorKind, Result};
+use crate::oci::ManifestKind;
 use crate::oci::{self, Descriptor};
 use crate::reference::Reference;
+use std::io::Read;
 
 /// The manifest and index media types asked for (`Accept`).
 pub(super) const MANIFEST_TYPES: [&str; 4] = [

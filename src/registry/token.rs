@@ -7,7 +7,11 @@ use std::time::{Duration, Instant};
 use reqwest::header::AUTHORIZATION;
 
 use super::transport::{read_limited, registry_error_text};
-use super::*;
+
+use super::auth::{self, Challenge};
+use super::hosts::Endpoint;
+use super::transport::Candidate;
+use super::RegistryClient;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::{is_loopback_host, Reference};
 

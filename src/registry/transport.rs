@@ -11,10 +11,15 @@ use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, WWW_AUTHENTICATE};
 use reqwest::{Method, StatusCode};
 
 use super::token::scope;
-use super::*;
+
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::{is_loopback_host, Reference};
+use std::path::PathBuf;
+
+use super::hosts::Endpoint;
+use super::token::{Access, Principal};
+use super::{auth, health, roots, Ask, RegistryClient};
 
 /// One credential a request may try, in the order they are tried.
 pub(super) struct Candidate {

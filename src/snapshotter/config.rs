@@ -391,10 +391,9 @@ impl Config {
             plain_http_hosts: self.registry.plain_http_hosts.clone(),
             hosts_dir: Some(self.registry.hosts_dir.clone()).filter(|d| d.is_dir()),
             auth_files: Some(self.registry.auth_files.clone()).filter(|f| !f.is_empty()),
-            retry: crate::retry::RetryPolicy {
-                deadline: std::time::Duration::from_secs(self.registry.fetch_timeout),
-                ..Default::default()
-            },
+            retry: crate::retry::RetryPolicy::registry(std::time::Duration::from_secs(
+                self.registry.fetch_timeout,
+            )),
             notes: Some(self.cache_dir().join(crate::registry::MIRROR_NOTES)),
             ..RegistryConfig::default()
         }

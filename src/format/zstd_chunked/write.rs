@@ -5,7 +5,10 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::Arc;
 
-use super::*;
+use super::{
+    TocLocation, ANN_TARSPLIT_POSITION, ANN_TOC_CHECKSUM, ANN_TOC_CHECKSUM_OLD, ANN_TOC_POSITION,
+    ANN_TOC_POSITION_OLD, FOOTER_MAGIC, MANIFEST_TYPE_CRFS,
+};
 use crate::digest::{Digest, Hasher};
 use crate::error::{Error, Result};
 use crate::format::tarsplit::{TarSplitWriter, CRC64_ISO};
