@@ -23,12 +23,17 @@
 //! asking it for a blob it does not hold — a Range GET or a HEAD — makes it fetch the whole
 //! blob from the origin, which on a node's first reads of a disk costs the origin a blob and
 //! the node's reads the link's bandwidth. (A blob it was asked for is being fetched there
-//! anyway: it is asked again after its rest, and used once it answers with ranges.) What was learnt is kept in a notes file when the client has one (the node's
-//! cache), so the daemon's mount servers, each a process of its own, and later starts know it.
+//! anyway: it is asked again after its rest, and used once it answers with ranges.) What was
+//! learnt is kept in a notes file when the client has one (the node's cache), so the daemon's
+//! mount servers, each a process of its own, and later starts know it. It holds for
+//! [`NOTE_LIFETIME`] from when it was learnt: the address may come to serve something else (a
+//! slice cache put where the pull-through cache was), and a note that never expired would pass
+//! it by for good. After that the mirror is asked again, and a whole-blob answer teaches it
+//! again.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -45,6 +50,9 @@ pub const BLOB_REST: Duration = Duration::from_secs(30);
 pub const MAX_BLOB_REST: Duration = Duration::from_secs(600);
 /// Most blob rests (and blobs known held) kept per mirror: the expired are forgotten first.
 const MAX_BLOB_RESTS: usize = 4096;
+/// How long what was learnt of a mirror (that it fills whole blobs) holds, in this process and
+/// in the notes file.
+pub const NOTE_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 /// Most mirrors a notes file names (it is the node's file, and untrusted: more are ignored).
 const MAX_NOTED: usize = 64;
 /// Longest line of a notes file.
@@ -84,8 +92,38 @@ struct State {
     /// Blobs resting here: a Range request for each was answered with the whole blob.
     blob_rests: HashMap<Digest, BlobRest>,
     /// Set when this mirror is known to fetch a whole blob when asked for one it lacks (a
-    /// pull-through registry cache): the blobs it answered a range of in this process.
-    fills: Option<HashSet<Digest>>,
+    /// pull-through registry cache).
+    fills: Option<Fills>,
+}
+
+/// What is known of a mirror that fetches whole blobs it lacks.
+#[derive(Debug)]
+struct Fills {
+    /// When it stops holding: [`NOTE_LIFETIME`] after it was learnt (here, or by the process
+    /// whose note this is).
+    expires: Instant,
+    /// When it was learnt, on the wall clock, for the notes file.
+    noted: SystemTime,
+    /// The blobs it answered a range of in this process.
+    held: HashSet<Digest>,
+}
+
+impl Fills {
+    fn learnt_at(noted: SystemTime) -> Fills {
+        let age = SystemTime::now()
+            .duration_since(noted)
+            .unwrap_or(Duration::ZERO);
+        Fills {
+            expires: Instant::now() + NOTE_LIFETIME.saturating_sub(age),
+            noted,
+            held: HashSet::new(),
+        }
+    }
+
+    /// Whether it still holds at `now`.
+    fn current(&self, now: Instant) -> bool {
+        now < self.expires
+    }
 }
 
 impl State {
@@ -108,10 +146,10 @@ impl State {
             + BLOB_REST
                 .saturating_mul(1 << (rest.times - 1).min(10))
                 .min(MAX_BLOB_REST);
-        if self.fills.is_some() {
+        if self.fills.as_ref().is_some_and(|f| f.current(now)) {
             return false;
         }
-        self.fills = Some(HashSet::new());
+        self.fills = Some(Fills::learnt_at(SystemTime::now()));
         true
     }
 
@@ -121,21 +159,50 @@ impl State {
             // Asked before and answered whole: it has been fetching the blob since.
             Some(rest) => rest.until > now,
             // Never asked: a pull-through cache would fetch it whole for the asking.
-            None => self.fills.as_ref().is_some_and(|held| !held.contains(blob)),
+            None => self
+                .fills
+                .as_ref()
+                .is_some_and(|f| f.current(now) && !f.held.contains(blob)),
         }
     }
 }
 
-/// The mirrors a notes file names as pull-through caches (the node's file, and untrusted:
-/// bounded in lines and their length).
-fn read_notes(notes: &Path) -> Vec<String> {
-    std::fs::read_to_string(notes)
-        .unwrap_or_default()
-        .lines()
+/// The mirrors a notes file names as pull-through caches, with when each was learnt, those
+/// still current (the node's file, and untrusted: bounded in lines and their length; a line
+/// `<base> <unix seconds>`; a time to come is taken as now, a line with no time, from before
+/// notes had one, as the file's own).
+fn read_notes(notes: &Path) -> Vec<(String, SystemTime)> {
+    let Ok(text) = std::fs::read_to_string(notes) else {
+        return Vec::new();
+    };
+    let now = SystemTime::now();
+    let written = std::fs::metadata(notes)
+        .and_then(|m| m.modified())
+        .unwrap_or(now);
+    text.lines()
         .filter(|l| !l.is_empty() && l.len() <= MAX_NOTE)
         .take(MAX_NOTED)
-        .map(str::to_string)
+        .filter_map(|l| {
+            let (base, noted) = match l.split_once(' ') {
+                Some((base, secs)) => {
+                    let secs = secs.trim().parse::<u64>().ok()?;
+                    (base, SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+                }
+                None => (l, written),
+            };
+            let noted = noted.min(now);
+            let current = now.duration_since(noted).unwrap_or(Duration::ZERO) < NOTE_LIFETIME;
+            current.then(|| (base.to_string(), noted))
+        })
         .collect()
+}
+
+/// A notes file's line for mirror `base`, learnt at `noted`.
+fn note_line(base: &str, noted: SystemTime) -> String {
+    let secs = noted
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format!("{base} {secs}\n")
 }
 
 /// A blob a mirror cannot serve ranges of yet.
@@ -158,9 +225,9 @@ impl Health {
     pub fn with_notes(notes: &Path) -> Self {
         let states = read_notes(notes)
             .into_iter()
-            .map(|base| {
+            .map(|(base, noted)| {
                 let state = State {
-                    fills: Some(HashSet::new()),
+                    fills: Some(Fills::learnt_at(noted)),
                     ..State::default()
                 };
                 (base, state)
@@ -216,8 +283,8 @@ impl Health {
             s.resting_until = None;
             if let Some(blob) = ranges_of {
                 s.blob_rests.remove(blob);
-                if let Some(held) = s.fills.as_mut().filter(|h| h.len() < MAX_BLOB_RESTS) {
-                    held.insert(*blob);
+                if let Some(f) = s.fills.as_mut().filter(|f| f.held.len() < MAX_BLOB_RESTS) {
+                    f.held.insert(*blob);
                 }
             }
         });
@@ -253,10 +320,11 @@ impl Health {
     /// Whether mirror `base` is known to fetch whole blobs it is asked for and lacks.
     #[cfg(test)]
     fn fills_whole_blobs(&self, base: &str) -> bool {
+        let now = Instant::now();
         self.states
             .lock()
             .get(base)
-            .is_some_and(|s| s.fills.is_some())
+            .is_some_and(|s| s.fills.as_ref().is_some_and(|f| f.current(now)))
     }
 
     /// Keeps in the notes file (off the async workers) that mirror `base` fetches whole blobs
@@ -266,25 +334,32 @@ impl Health {
         let Some(notes) = self.notes.clone() else {
             return;
         };
-        let noted: Vec<String> = {
+        let noted: Vec<(String, SystemTime)> = {
+            let now = Instant::now();
             let states = self.states.lock();
             states
                 .iter()
-                .filter(|(b, s)| s.fills.is_some() && b.len() <= MAX_NOTE)
-                .map(|(b, _)| b.clone())
+                .filter(|(b, _)| b.len() <= MAX_NOTE)
+                .filter_map(|(b, s)| {
+                    let f = s.fills.as_ref().filter(|f| f.current(now))?;
+                    Some((b.clone(), f.noted))
+                })
                 .take(MAX_NOTED)
                 .collect()
         };
         let keep = move || {
             // Other processes of the node (its mount servers) keep what they learnt here too:
-            // theirs stay, and each writes its own temporary file.
+            // theirs stay (the later of two notes of one mirror), and each writes its own
+            // temporary file.
             let mut all = read_notes(&notes);
-            for base in noted {
-                if !all.contains(&base) && all.len() < MAX_NOTED {
-                    all.push(base);
+            for (base, at) in noted {
+                if let Some((_, kept)) = all.iter_mut().find(|(b, _)| *b == base) {
+                    *kept = (*kept).max(at);
+                } else if all.len() < MAX_NOTED {
+                    all.push((base, at));
                 }
             }
-            let text: String = all.iter().map(|b| format!("{b}\n")).collect();
+            let text: String = all.iter().map(|(b, at)| note_line(b, *at)).collect();
             let tmp = notes.with_extension(format!("tmp-{}", std::process::id()));
             let kept = std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &notes));
             if let Err(e) = kept {
@@ -370,6 +445,52 @@ mod tests {
         assert_eq!(bases(&h.order(all(), None)), ["o", "m"]);
         tokio::time::advance(Duration::from_millis(20)).await;
         assert_eq!(bases(&h.order(all(), None)), ["m", "o"]);
+    }
+
+    /// What was learnt of a mirror holds for [`NOTE_LIFETIME`], in the process and in the
+    /// notes file (also one written before notes had a time, by the file's age); then the
+    /// mirror is asked again and a whole answer teaches it again, for another lifetime.
+    #[tokio::test(start_paused = true)]
+    async fn what_was_learnt_of_a_mirror_expires() {
+        let dir = tempfile::tempdir().unwrap();
+        let notes = dir.path().join("mirrors");
+        let (a, b, c) = (Digest::of(b"a"), Digest::of(b"b"), Digest::of(b"c"));
+        let all = || vec![ep("m"), ep("o")];
+        let h = Health::default();
+        h.failed("m", Failure::WholeBlob(a));
+        tokio::time::advance(NOTE_LIFETIME - Duration::from_secs(1)).await;
+        assert_eq!(bases(&h.order(all(), Some(&b))), ["o", "m"]);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(bases(&h.order(all(), Some(&b))), ["m", "o"]);
+        h.failed("m", Failure::WholeBlob(b));
+        assert_eq!(bases(&h.order(all(), Some(&c))), ["o", "m"], "learnt again");
+        // In the notes: a day-old note is forgotten, a fresh one kept; one from the future is
+        // taken as now.
+        let now = SystemTime::now();
+        let day = NOTE_LIFETIME + Duration::from_secs(60);
+        let text = [
+            note_line("old", now - day),
+            note_line("new", now - Duration::from_secs(60)),
+            note_line("future", now + day * 100),
+            "bad not-a-time\n".to_string(),
+        ]
+        .concat();
+        std::fs::write(&notes, text).unwrap();
+        let read = Health::with_notes(&notes);
+        assert!(!read.fills_whole_blobs("old"));
+        assert!(read.fills_whole_blobs("new"));
+        assert!(read.fills_whole_blobs("future"));
+        assert!(!read.fills_whole_blobs("bad"));
+        assert_eq!(
+            bases(&read.order(vec![ep("old"), ep("o")], Some(&a))),
+            ["old", "o"]
+        );
+        // A line with no time is as old as the file.
+        std::fs::write(&notes, "legacy\n").unwrap();
+        assert!(Health::with_notes(&notes).fills_whole_blobs("legacy"));
+        let old = std::fs::File::options().write(true).open(&notes).unwrap();
+        old.set_modified(now - day).unwrap();
+        assert!(!Health::with_notes(&notes).fills_whole_blobs("legacy"));
     }
 
     /// A blob a pull-through cache answered with whole rests there, growing each time; a range
