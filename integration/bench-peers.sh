@@ -2,11 +2,13 @@
 # `make bench`, the peers: vmdisk beside the other lazy-pulling snapshotters on the same disk,
 # the same images where the formats allow, the same shaped "cluster" link (20 ms round trip,
 # 200 Mbit/s), the same containerd 1.6 (CRI PullImage, as kubelet pulls), in the same run:
-# - SOCI 0.4.1 (Debian 13's soci-snapshotter, unpacked by integration/debs.sh) on the gzip
-#   containerDisk it indexes (`soci create`, 4 MiB spans, pushed as a referrer), behind a TLS
-#   front (its index fetcher speaks only https);
-# - stargz-snapshotter 0.12 on an eStargz image of the same disk (4 MiB chunks, as its writer
-#   writes them), when ../shared/peers/stargz can build it (it says so when not);
+# - SOCI 0.16 (integration/peers/: its library by module version, our brief main) on the gzip
+#   containerDisk it converts (`soci-convert`, as `soci convert`: a SOCI index manifest v2 with
+#   4 MiB spans in an image index beside the image, pushed as a new tag), behind a TLS front;
+#   and its parallel pull-and-unpack mode on the gzip image with no index, the whole-image
+#   baseline SOCI offers for images it cannot load lazily;
+# - stargz-snapshotter 0.18 (integration/peers/, the same way) on an eStargz image of the same
+#   disk (4 MiB chunks, as its writer writes them);
 # - vmdisk on the gzip image through `vmdisk index`, on the eStargz image, and on its own
 #   layout (`vmdisk push`, 256 KiB chunks, and 128 KiB chunks for disks read at random);
 # - containerd's overlayfs full pull of the gzip image: the floor for bytes moved at the pull.
@@ -20,6 +22,7 @@
 # PEERS_BENCH_ONLY="label ..." measures only those rows), bytes and
 # requests counted at the registry. Background fetch off (SOCI `[background_fetch] disable`,
 # stargz `no_background_fetch`, vmdisk `hydrate = "off"`) except in the row that says "on".
+# The peers' versions are printed with the table (target/deps/peers/versions).
 # Runs in a private mount namespace (SOCI's tools keep state in /var/lib/soci-snapshotter-grpc,
 # bound to a scratch directory there). Appends to scratch/bench/results.txt. Needs root.
 set -euo pipefail
@@ -45,14 +48,10 @@ bench_cleanup_first() {
   umount -l /etc/hosts 2> /dev/null || true
 }
 
-# The peers' binaries.
-[ -x "$DEPS/soci/usr/bin/soci-snapshotter-grpc" ] || integration/debs.sh "$DEPS/soci" soci-snapshotter
-SOCI=$DEPS/soci/usr/bin
-STARGZ=$DEPS/stargz/containerd-stargz-grpc
-if [ ! -x "$STARGZ" ] && [ -x ../shared/peers/stargz/build.sh ]; then
-  ../shared/peers/stargz/build.sh "$DEPS/stargz" > "$B/stargz-build.log" 2>&1 || { cat "$B/stargz-build.log"; exit 1; }
-fi
-[ -x "$STARGZ" ] || { echo "stargz-snapshotter: no ../shared/peers/stargz to build it from; its rows are left out"; STARGZ=; }
+# The peers' binaries, built from the Go module proxy by module version.
+PEERS=$DEPS/peers
+[ -x "$PEERS/soci-snapshotter-grpc" ] && [ -x "$PEERS/containerd-stargz-grpc" ] || integration/peers/build.sh "$PEERS" > /dev/null
+VERSIONS=$(tr '\n' ' ' < "$PEERS/versions")
 
 # One registry storage, served in plain http and behind TLS (a local CA), each behind its own
 # shaped link. The TLS front has a name (in this namespace's /etc/hosts): the peers' resolvers
@@ -113,22 +112,27 @@ diff_id() { curl -sf "http://$REG/v2/peers/disk/blobs/$(curl -sf -H 'Accept: app
 timed() { /usr/bin/time -f '%e %M' -o "$B/time" "$@" > "$B/out" 2> "$B/err" || { cat "$B/out" "$B/err"; exit 1; }; cat "$B/time"; }
 
 # The indexes, each built as its users build it. SOCI: the image pulled into a containerd,
-# `soci create` (4 MiB spans, its default), `soci push`; then `vmdisk index` (straight from the
-# registry), which adds its referrer to the fallback tag SOCI wrote.
+# converted (`soci-convert`: an index manifest v2, 4 MiB spans, its default) and pushed as a
+# new tag; then `vmdisk index` (straight from the registry), a referrer of the unchanged image.
 mkdir -p "$B/soci-lib"
 mount --bind "$B/soci-lib" /var/lib/soci-snapshotter-grpc
 start_containerd "$B/indexer" "$REG" ""
 t0=$(now)
 ctr -a "$B/indexer/containerd.sock" images pull --plain-http "$REG/peers/disk:gzip" > /dev/null
-"$SOCI/soci" -a "$B/indexer/containerd.sock" create "$REG/peers/disk:gzip" > "$B/soci-create.out"
-"$SOCI/soci" -a "$B/indexer/containerd.sock" push --plain-http --quiet "$REG/peers/disk:gzip" > /dev/null
+"$PEERS/soci-convert" --address "$B/indexer/containerd.sock" --root "$B/soci-lib" \
+  "$REG/peers/disk:gzip" "$REG/peers/disk:soci" > "$B/soci-convert.out"
+ctr -a "$B/indexer/containerd.sock" images push --plain-http "$REG/peers/disk:soci" > /dev/null
 SOCI_INDEX_S=$(secs "$t0" "$(now)")
 read -r VI_S VI_RSS < <(timed "$VMDISK" index "$REG/peers/disk:gzip")
 GZ_DIGEST=$(skopeo inspect --raw --tls-verify=false "docker://$REG/peers/disk:gzip" | sha256sum | cut -d' ' -f1)
 referrers=$(curl -sf -H 'Accept: application/vnd.oci.image.index.v1+json' "http://$REG/v2/peers/disk/manifests/sha256-$GZ_DIGEST" |
   python3 -c 'import json,sys; print(" ".join(sorted(m.get("artifactType", "?") for m in json.load(sys.stdin)["manifests"])))')
 echo "referrers of the gzip image: $referrers" >&2
-case "$referrers" in *soci*vmdisk*|*vmdisk*soci*) ;; *) echo "SOCI's and vmdisk's indexes should both be referrers"; exit 1 ;; esac
+case "$referrers" in *vmdisk*) ;; *) echo "vmdisk's index should be a referrer of the gzip image"; exit 1 ;; esac
+soci_kinds=$(curl -sf -H 'Accept: application/vnd.oci.image.index.v1+json' "http://$REG/v2/peers/disk/manifests/soci" |
+  python3 -c 'import json,sys; print(" ".join(sorted(m.get("artifactType", m["mediaType"]) for m in json.load(sys.stdin)["manifests"])))')
+echo "the SOCI image's index holds: $soci_kinds" >&2
+case "$soci_kinds" in *soci*) ;; *) echo "the converted image should hold a SOCI index manifest"; exit 1 ;; esac
 
 # A fresh node: containerd 1.6 pulling through SNAPSHOTTER (soci, stargz, vmdisk or overlayfs)
 # into DIR, background fetch BACKGROUND (off or on), both links configured (plain http; TLS
@@ -137,17 +141,21 @@ node() {  # node DIR SNAPSHOTTER BACKGROUND
   local dir=$1 kind=$2 bg=$3 sock="" name=$2
   mkdir -p "$dir"
   case "$kind" in
-    soci)
+    soci|soci-parallel)
       mkdir -p "$dir/soci-lib"
       mount --bind "$dir/soci-lib" /var/lib/soci-snapshotter-grpc
-      [ "$bg" = on ] && : > "$dir/soci.toml" || printf '[background_fetch]\ndisable = true\n' > "$dir/soci.toml"
-      SSL_CERT_FILE=$B/tls/ca.pem "$SOCI/soci-snapshotter-grpc" --address "$dir/sn.sock" --root "$dir/soci" \
+      {
+        printf '[content_store]\ntype = "containerd"\ncontainerd_address = "%s"\n' "$dir/containerd.sock"
+        [ "$bg" = on ] || printf '[background_fetch]\ndisable = true\n'
+        [ "$kind" = soci ] || printf '[pull_modes.parallel_pull_unpack]\nenable = true\n'
+      } > "$dir/soci.toml"
+      SSL_CERT_FILE=$B/tls/ca.pem "$PEERS/soci-snapshotter-grpc" --address "$dir/sn.sock" --root "$dir/soci" \
         --config "$dir/soci.toml" --log-level warn > "$dir/sn.log" 2>&1 &
       PIDS+=($!); sock=$dir/sn.sock ;;
     stargz)
       printf 'no_background_fetch = %s\n[[resolver.host."%s".mirrors]]\nhost = "%s"\ninsecure = true\n' \
         "$([ "$bg" = on ] && echo false || echo true)" "$PLAIN" "$PLAIN" > "$dir/stargz.toml"
-      "$STARGZ" --address "$dir/sn.sock" --root "$dir/stargz" --config "$dir/stargz.toml" --log-level warn > "$dir/sn.log" 2>&1 &
+      "$PEERS/containerd-stargz-grpc" --address "$dir/sn.sock" --root "$dir/stargz" --config "$dir/stargz.toml" --log-level warn > "$dir/sn.log" 2>&1 &
       PIDS+=($!); sock=$dir/sn.sock ;;
     vmdisk)
       local hydrate=off
@@ -181,9 +189,11 @@ for m in json.load(sys.stdin):
   FILE=$dir/mnt/disk/disk.qcow2
   [ -f "$FILE" ] || { echo "no disk in the $NODE_SNAPSHOTTER view"; ls -la "$dir/mnt"; tail "$dir"/*.log; exit 1; }
 }
+# Whether KIND pulls the whole image before the container starts (no lazy loading).
+whole_pull() { [ "$1" = overlayfs ] || [ "$1" = soci-parallel ]; }
 lazy_check() {  # lazy_check DIR KIND: the layer is served by a FUSE mount under the node
   mountpoint -q "$1/mnt" || { echo "$2: nothing mounted"; exit 1; }
-  if [ "$2" != overlayfs ] && ! grep -q " fuse" <(grep -F "$1" /proc/self/mounts); then
+  if ! whole_pull "$2" && ! grep -q " fuse" <(grep -F "$1" /proc/self/mounts); then
     echo "$2: the layer is not served lazily (no FUSE mount under the node): a full pull"; tail -n 20 "$1"/*.log; exit 1
   fi
 }
@@ -219,7 +229,7 @@ measure() {
   r64=$(secs "$t0" "$(now)"); r64g=$(blob_gets_since "$m")
   stop_node "$d"
   # Background fetch on: bytes within 10 s of the pull.
-  if [ "$kind" = overlayfs ]; then
+  if whole_pull "$kind"; then
     bg=$bytes10
   else
     d=$B/run$run-$label-bg; node "$d" "$kind" on; pull_and_mount "$d" "$image" "$diff"
@@ -254,7 +264,7 @@ PY
   # (a full pull's time to the whole disk includes its pull)
   t0=$(now); dd if="$FILE" of=/dev/null bs=4M status=none
   local took; took=$(secs "$t0" "$(now)")
-  [ "$kind" != overlayfs ] || took=$(python3 -c "print($took + $PULL_S)")
+  ! whole_pull "$kind" || took=$(python3 -c "print($took + $PULL_S)")
   full=$(python3 -c "print(f'{$DSIZE / 1e6 / $took:.1f}')")
   # What a complete layer sets off (vmdisk checks it against its diff_id, then hands the file
   # to the kernel) settles first.
@@ -279,20 +289,21 @@ ES_DIFF=$(diff_id estargz)
 OWN_DIFF=$(diff_id lazy)
 OWN128_DIFF=$(diff_id lazy128k)
 for run in $(seq "$RUNS"); do
-  measure soci soci "$SECURE/peers/disk:gzip" "$GZ_DIFF" "$run"
-  [ -z "$STARGZ" ] || measure stargz stargz "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
+  measure soci soci "$SECURE/peers/disk:soci" "$GZ_DIFF" "$run"
+  measure stargz stargz "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
   measure vmdisk-index vmdisk "$PLAIN/peers/disk:gzip" "$GZ_DIFF" "$run"
   measure vmdisk-estargz vmdisk "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
   measure vmdisk-own vmdisk "$PLAIN/peers/disk:lazy" "$OWN_DIFF" "$run"
   measure vmdisk-own-128k vmdisk "$PLAIN/peers/disk:lazy128k" "$OWN128_DIFF" "$run"
+  measure soci-parallel soci-parallel "$SECURE/peers/disk:gzip" "$GZ_DIFF" "$run"
   measure full-pull overlayfs "$PLAIN/peers/disk:gzip" "$GZ_DIFF" "$run"
 done
 
 {
   echo
   echo "Peers ($GIB GiB-virtual qcow2, file $DSIZE bytes; cluster link 20 ms / 200 Mbit/s; containerd 1.6 CRI;"
-  echo "medians of $RUNS fresh-node runs, [min-max]; bytes and requests at the registry):"
-  echo "  index build from the registry: soci (ctr pull + soci create + soci push) $SOCI_INDEX_S s; vmdisk index $VI_S s, peak RSS $((VI_RSS / 1024)) MiB"
+  echo "medians of $RUNS fresh-node runs, [min-max]; bytes and requests at the registry; peers: $VERSIONS):"
+  echo "  index build from the registry: soci (ctr pull + soci-convert + ctr push) $SOCI_INDEX_S s; vmdisk index $VI_S s, peak RSS $((VI_RSS / 1024)) MiB"
   python3 - "$B/figures" <<'PY'
 import statistics, sys
 rows = {}

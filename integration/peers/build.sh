@@ -1,0 +1,25 @@
+#!/bin/bash
+# Builds the peers `make bench` measures vmdisk beside, from the Go module proxy by module
+# version (the versions in soci/go.mod and stargz/go.mod; go.sum pins every module):
+#   soci-snapshotter-grpc, soci-convert   SOCI (github.com/awslabs/soci-snapshotter)
+#   containerd-stargz-grpc                stargz-snapshotter (github.com/containerd/stargz-snapshotter)
+# Each project's own main is in a module the proxy does not serve (it replaces the library with
+# a local copy), so the mains here are this project's: the same wiring of the library, in
+# brief (each says what it sets up). SOCI's zTOCs use zlib through cgo (gcc, zlib1g-dev).
+#   build.sh OUT_DIR
+set -euo pipefail
+out=${1:?usage: build.sh OUT_DIR}
+here=$(cd "$(dirname "$0")" && pwd)
+go=$(command -v go || true)
+[ -x /usr/local/go/bin/go ] && go=/usr/local/go/bin/go
+[ -n "$go" ] || { echo "peers/build.sh: no Go compiler (install Go 1.26.8 or newer)" >&2; exit 1; }
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+(cd "$here/soci" && env GOFLAGS=-mod=readonly CGO_ENABLED=1 "$go" build -trimpath -o "$out/" ./...)
+(cd "$here/stargz" && env GOFLAGS=-mod=readonly CGO_ENABLED=0 "$go" build -trimpath -o "$out/" ./...)
+# The versions built, for the bench's table.
+{
+  echo "soci $(cd "$here/soci" && "$go" list -m -f '{{.Version}}' github.com/awslabs/soci-snapshotter)"
+  echo "stargz $(cd "$here/stargz" && "$go" list -m -f '{{.Version}}' github.com/containerd/stargz-snapshotter)"
+} > "$out/versions"
+cat "$out/versions"
