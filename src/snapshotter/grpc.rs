@@ -87,6 +87,7 @@ impl SnapshotsService {
         }
         r
     }
+
     /// [`Self::run`] once every remote layer under snapshot `under` is served
     /// ([`Snapshotter::serve_chain`]): mounts that use a layer are never handed out while its
     /// mountpoint is empty.
