@@ -31,7 +31,7 @@ CONTAINERD_21 := containerd=2.1.9+ds1-5
 # containerd 2.3 (the long-term-support line) and 2.4 (the newest), which no Debian release
 # carries: built from the Go module proxy by module version with the machine's Go
 # (integration/containerd-go.sh); their conformance suites the same way, when a test first runs
-# them (integration/conformance/build.sh --module).
+# them (integration/conformance/build.sh --module). The Go: integration/go.sh.
 CONTAINERD_23 := v2.3.7
 CONTAINERD_24 := v2.4.2
 # The signing tools of the signature-policy test (Debian unstable's cosign and notation, Go

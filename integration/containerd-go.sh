@@ -4,14 +4,12 @@
 # them (static, no cgo, no btrfs snapshotter), into OUT/usr/bin (the layout debs.sh unpacks
 # Debian's builds into, so the tests find every release the same way).
 #   containerd-go.sh OUT VERSION      e.g. containerd-go.sh target/deps/containerd-2.3 v2.3.7
-# Needs the Go that the release's go.mod names or newer (containerd 2.3.7 names 1.26.8);
-# GOTOOLCHAIN=go1.27.x takes a newer one from the proxy where a release needs it.
+# Needs the Go that the release's go.mod names or newer (containerd 2.3.7 names 1.26.8):
+# integration/go.sh finds or fetches it.
 set -euo pipefail
 out=${1:?usage: containerd-go.sh OUT VERSION}
 version=${2:?usage: containerd-go.sh OUT VERSION}
-go=$(command -v go || true)
-[ -x /usr/local/go/bin/go ] && go=/usr/local/go/bin/go
-[ -n "$go" ] || { echo "containerd-go.sh: no Go compiler (install Go 1.26 or newer)" >&2; exit 1; }
+go=$("$(dirname "$0")/go.sh")
 echo "building containerd $version from the Go module proxy with $("$go" version)"
 mkdir -p "$out/usr/bin"
 bin=$(cd "$out/usr/bin" && pwd)

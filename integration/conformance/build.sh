@@ -10,8 +10,8 @@
 #   build.sh OUT_BINARY --module VERSION
 #                                a 2.x release from the Go module proxy by its module version
 #                                (github.com/containerd/containerd/v2 VERSION, e.g. v2.3.7),
-#                                with the Go of the machine (make deps builds that release's
-#                                containerd the same way: integration/containerd-go.sh)
+#                                with the Go integration/go.sh finds (make deps builds that
+#                                release's containerd the same way: integration/containerd-go.sh)
 # Run (as root): VMDISK_SNAPSHOTTER=/path/to/vmdisk-snapshotter OUT_BINARY -test.v
 set -euo pipefail
 out=${1:?usage: build.sh OUT_BINARY [ROOT | --module VERSION]}
@@ -24,8 +24,7 @@ to_v2() {
 }
 if [ "${2:-}" = --module ]; then
   version=${3:?usage: build.sh OUT_BINARY --module VERSION}
-  go=$(command -v go || true)
-  [ -x /usr/local/go/bin/go ] && go=/usr/local/go/bin/go
+  go=$("$here/../go.sh")
   work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
   mkdir -p "$(dirname "$out")"
   out=$(cd "$(dirname "$out")" && pwd)/$(basename "$out")

@@ -10,9 +10,11 @@
 set -euo pipefail
 out=${1:?usage: build.sh OUT_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
-go=$(command -v go || true)
-[ -x /usr/local/go/bin/go ] && go=/usr/local/go/bin/go
-[ -n "$go" ] || { echo "peers/build.sh: no Go compiler (install Go 1.26.8 or newer)" >&2; exit 1; }
+go=$("$here/../go.sh")
+if ! command -v gcc > /dev/null || [ ! -f /usr/include/zlib.h ]; then
+  echo "peers/build.sh: installing gcc and zlib1g-dev (SOCI's zTOCs use zlib through cgo)" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev zlib1g-dev > /dev/null
+fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 (cd "$here/soci" && env GOFLAGS=-mod=readonly CGO_ENABLED=1 "$go" build -trimpath -o "$out/" ./...)
