@@ -15,23 +15,24 @@ pub mod auth;
 pub mod granted;
 pub mod health;
 pub mod hosts;
-#[cfg(test)]
-pub mod memory;
 mod push;
 mod read;
 pub mod roots;
+#[cfg(test)]
+pub mod testing;
 mod token;
 mod transport;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
 
 use self::auth::CredentialStore;
 use crate::digest::Digest;
-use crate::error::{ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::oci::{Descriptor, ManifestKind};
 use crate::reference::Reference;
 
@@ -314,6 +315,79 @@ impl RegistryClient {
             granted,
         }
     }
+}
+
+// Reading a registry's response bodies (for the token service and every request): under a
+// size limit and a deadline that grows with the size, and the text of its error bodies.
+
+/// How long any response body may take: this much, plus its size at [`MIN_BODY_RATE`]. The
+/// socket's idle timeout alone would let a registry trickle a byte every minute forever.
+const BODY_DEADLINE: Duration = Duration::from_secs(30);
+/// Slowest body rate accepted beyond [`BODY_DEADLINE`], bytes per second.
+const MIN_BODY_RATE: u64 = 256 << 10;
+
+/// The text of a registry's error body: its `errors` (code: message), else its first 200 bytes.
+fn registry_error_text(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Errors {
+        errors: Vec<ErrorItem>,
+    }
+    #[derive(serde::Deserialize)]
+    struct ErrorItem {
+        code: String,
+        #[serde(default)]
+        message: String,
+    }
+    match serde_json::from_slice::<Errors>(body) {
+        Ok(e) if !e.errors.is_empty() => e
+            .errors
+            .iter()
+            .map(|i| format!("{}: {}", i.code, i.message))
+            .collect::<Vec<_>>()
+            .join("; "),
+        _ => String::from_utf8_lossy(&body[..body.len().min(200)])
+            .trim()
+            .to_string(),
+    }
+}
+
+/// `resp`'s body, at most `limit` bytes ([`BODY_DEADLINE`] plus its size at [`MIN_BODY_RATE`]);
+/// `what` names it in errors.
+async fn read_limited(mut resp: reqwest::Response, limit: u64, what: &str) -> Result<Vec<u8>> {
+    if resp.content_length().is_some_and(|l| l > limit) {
+        return Err(Error::corrupt(format!(
+            "{what} is {} bytes, more than the {limit} accepted",
+            resp.content_length().unwrap_or(0)
+        )));
+    }
+    let size = resp.content_length().unwrap_or(limit).min(limit);
+    let deadline = BODY_DEADLINE + Duration::from_secs(size / MIN_BODY_RATE);
+    let body =
+        async {
+            let mut out = Vec::new();
+            while let Some(chunk) = resp.chunk().await.map_err(|e| {
+                Error::new(ErrorKind::Network, format!("reading {what}")).with_source(e)
+            })? {
+                if out.len() as u64 + chunk.len() as u64 > limit {
+                    return Err(Error::corrupt(format!(
+                        "{what} is more than the {limit} bytes accepted"
+                    )));
+                }
+                out.extend_from_slice(&chunk);
+            }
+            Ok(out)
+        };
+    tokio::time::timeout(deadline, body)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::new(
+                ErrorKind::Network,
+                format!(
+                    "{what}: the registry sent the body too slowly (over {} s)",
+                    deadline.as_secs()
+                ),
+            ))
+        })
 }
 
 #[cfg(test)]

@@ -6,12 +6,9 @@ use std::time::{Duration, Instant};
 
 use reqwest::header::AUTHORIZATION;
 
-use super::transport::{read_limited, registry_error_text};
-
 use super::auth::{self, Challenge};
 use super::hosts::Endpoint;
-use super::transport::Candidate;
-use super::RegistryClient;
+use super::{read_limited, registry_error_text, RegistryClient};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::{is_loopback_host, Reference};
 
@@ -21,6 +18,25 @@ use crate::reference::{is_loopback_host, Reference};
 pub(super) enum Principal {
     Node,
     Granted(String),
+}
+
+/// One credential a request may try, in the order they are tried.
+pub(super) struct Candidate {
+    pub(super) principal: Principal,
+    pub(super) credential: Option<auth::Credential>,
+    /// Until when it may be used (a grant expires; the node's own does not).
+    pub(super) usable_until: Option<Instant>,
+}
+
+impl Candidate {
+    pub(super) fn describe(&self) -> String {
+        match (&self.principal, &self.credential) {
+            (Principal::Node, None) => "anonymous access (the node has no credentials for it: REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json)".into(),
+            (Principal::Node, Some(c)) => format!("the node's credentials (user {})", c.username),
+            (Principal::Granted(_), Some(c)) => format!("the credentials kubelet sent (user {})", c.username),
+            (Principal::Granted(_), None) => "a grant without a credential".into(),
+        }
+    }
 }
 
 /// An `Authorization` header value and when it stops being valid (tokens expire).

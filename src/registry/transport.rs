@@ -2,7 +2,8 @@
 //! `hosts.toml`, then the registry), one request with the credentials that are accepted
 //! ([`RegistryClient::send`]), and one try of every endpoint in turn with what each answer
 //! teaches the endpoints' health ([`RegistryClient::sweep`]); the retry policy wraps a whole
-//! try ([`RegistryClient::pull`]). Bodies are read under a size limit and a deadline.
+//! try ([`RegistryClient::pull`]). Bodies are read under a size limit and a deadline
+//! (`read_limited` in `mod.rs`).
 
 use std::time::{Duration, Instant};
 
@@ -10,35 +11,14 @@ use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, WWW_AUTHENTICATE};
 use reqwest::{Method, StatusCode};
 
-use super::token::scope;
-
-use crate::digest::Digest;
-use crate::error::{Error, ErrorKind, Result};
-use crate::reference::{is_loopback_host, Reference};
 use std::path::PathBuf;
 
 use super::hosts::Endpoint;
-use super::token::{Access, Principal};
-use super::{auth, health, roots, Ask, RegistryClient};
-
-/// One credential a request may try, in the order they are tried.
-pub(super) struct Candidate {
-    pub(super) principal: Principal,
-    pub(super) credential: Option<auth::Credential>,
-    /// Until when it may be used (a grant expires; the node's own does not).
-    pub(super) usable_until: Option<Instant>,
-}
-
-impl Candidate {
-    pub(super) fn describe(&self) -> String {
-        match (&self.principal, &self.credential) {
-            (Principal::Node, None) => "anonymous access (the node has no credentials for it: REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json)".into(),
-            (Principal::Node, Some(c)) => format!("the node's credentials (user {})", c.username),
-            (Principal::Granted(_), Some(c)) => format!("the credentials kubelet sent (user {})", c.username),
-            (Principal::Granted(_), None) => "a grant without a credential".into(),
-        }
-    }
-}
+use super::token::{scope, Access, Candidate, Principal};
+use super::{health, read_limited, registry_error_text, roots, Ask, RegistryClient};
+use crate::digest::Digest;
+use crate::error::{Error, ErrorKind, Result};
+use crate::reference::{is_loopback_host, Reference};
 
 /// What distinguishes one HTTP client from another: TLS verification, CAs, client identity.
 pub(super) type TlsSettings = (bool, Vec<PathBuf>, Option<(PathBuf, Option<PathBuf>)>);
@@ -84,80 +64,10 @@ impl Req {
     }
 }
 
-pub(super) fn registry_error_text(body: &[u8]) -> String {
-    #[derive(serde::Deserialize)]
-    struct Errors {
-        errors: Vec<ErrorItem>,
-    }
-    #[derive(serde::Deserialize)]
-    struct ErrorItem {
-        code: String,
-        #[serde(default)]
-        message: String,
-    }
-    match serde_json::from_slice::<Errors>(body) {
-        Ok(e) if !e.errors.is_empty() => e
-            .errors
-            .iter()
-            .map(|i| format!("{}: {}", i.code, i.message))
-            .collect::<Vec<_>>()
-            .join("; "),
-        _ => String::from_utf8_lossy(&body[..body.len().min(200)])
-            .trim()
-            .to_string(),
-    }
-}
-
-/// How long any response body may take: this much, plus its size at [`MIN_BODY_RATE`]. The
-/// socket's idle timeout alone would let a registry trickle a byte every minute forever.
-pub(super) const BODY_DEADLINE: Duration = Duration::from_secs(30);
-/// Slowest body rate accepted beyond [`BODY_DEADLINE`], bytes per second.
-pub(super) const MIN_BODY_RATE: u64 = 256 << 10;
 /// How long a mirror may take to answer a request (its headers; the body has its own deadline)
 /// before the next endpoint is asked: a hung mirror must not hold a guest's read for the
 /// socket's timeouts.
 pub(super) const MIRROR_DEADLINE: Duration = Duration::from_secs(10);
-
-pub(super) async fn read_limited(
-    mut resp: reqwest::Response,
-    limit: u64,
-    what: &str,
-) -> Result<Vec<u8>> {
-    if resp.content_length().is_some_and(|l| l > limit) {
-        return Err(Error::corrupt(format!(
-            "{what} is {} bytes, more than the {limit} accepted",
-            resp.content_length().unwrap_or(0)
-        )));
-    }
-    let size = resp.content_length().unwrap_or(limit).min(limit);
-    let deadline = BODY_DEADLINE + Duration::from_secs(size / MIN_BODY_RATE);
-    let body =
-        async {
-            let mut out = Vec::new();
-            while let Some(chunk) = resp.chunk().await.map_err(|e| {
-                Error::new(ErrorKind::Network, format!("reading {what}")).with_source(e)
-            })? {
-                if out.len() as u64 + chunk.len() as u64 > limit {
-                    return Err(Error::corrupt(format!(
-                        "{what} is more than the {limit} bytes accepted"
-                    )));
-                }
-                out.extend_from_slice(&chunk);
-            }
-            Ok(out)
-        };
-    tokio::time::timeout(deadline, body)
-        .await
-        .unwrap_or_else(|_| {
-            Err(Error::new(
-                ErrorKind::Network,
-                format!(
-                    "{what}: the registry sent the body too slowly (over {} s)",
-                    deadline.as_secs()
-                ),
-            ))
-        })
-}
 
 impl RegistryClient {
     /// The credentials a request for `r` may carry, in the order they are tried: the node's

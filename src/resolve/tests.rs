@@ -10,7 +10,7 @@ use super::*;
 use crate::format::seekable::{self, testing, Compression, Expected, Layout};
 use crate::layer::{LayerFormat, Resolved};
 use crate::policy::Verifier;
-use crate::registry::memory::MemoryRegistry;
+use crate::registry::testing::MemoryRegistry;
 
 const REGISTRY: &str = "127.0.0.1:1";
 

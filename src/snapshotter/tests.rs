@@ -21,7 +21,7 @@ use crate::format::zstd_chunked::{ANN_TOC_CHECKSUM, ANN_TOC_POSITION};
 use crate::reference::Reference;
 use crate::registry::auth::Credential;
 use crate::registry::granted::Grant;
-use crate::registry::memory::MemoryRegistry;
+use crate::registry::testing::MemoryRegistry;
 use crate::registry::Registry;
 
 impl MemoryRegistry {
