@@ -113,7 +113,7 @@ impl Engine {
         // The pace of a rate-limited hydration; a wait for the readers starts it anew (the
         // rest does not let it catch up).
         let pace = Mutex::new(Pace::new(bytes_per_second.unwrap_or(0)));
-        let mut stream = futures_util::stream::iter(batches.into_iter().map(|r| {
+        let batch = |r: Range<usize>| {
             let bytes: u64 = self.layer.chunks[r.clone()].iter().map(|c| c.size).sum();
             let pace = &pace;
             async move {
@@ -129,10 +129,24 @@ impl Engine {
                     let start_at = pace.lock().start(bytes);
                     tokio::time::sleep_until(start_at).await;
                 }
+                // A pull-through mirror filling the blob from the origin serves the fleet once
+                // it holds it: wait for it rather than fetch the blob from the origin once per
+                // node (bounded: `health::MAX_FILL_WAIT`).
+                while let Some(until) = self.sources.blob.filling() {
+                    tokio::time::sleep_until(until).await;
+                }
                 self.ensure_as(r, Priority::Hydration).await
             }
-        }))
-        .buffered(concurrency.max(1));
+        };
+        // The first batch alone: where a mirror is a pull-through cache that lacks the blob,
+        // one request starts its fill (and the rest wait for it), not `concurrency` requests
+        // each having it stream another copy from the origin.
+        let mut batches = batches.into_iter();
+        if let Some(first) = batches.next() {
+            batch(first).await?;
+        }
+        let mut stream =
+            futures_util::stream::iter(batches.map(batch)).buffered(concurrency.max(1));
         while let Some(result) = stream.next().await {
             result?;
         }

@@ -107,6 +107,17 @@ enum Priority {
     Hydration,
 }
 
+impl Priority {
+    /// Whom its fetches ask: a reader's pass a pull-through mirror by for a blob it lacks,
+    /// hydration's go through it (one fill for the fleet).
+    fn ask(self) -> Ask {
+        match self {
+            Priority::Demand => Ask::AnyEndpoint,
+            Priority::Hydration => Ask::Background,
+        }
+    }
+}
+
 /// How long readers must have needed nothing from the registry before background hydration
 /// fetches its next batch (and after the layer was opened before it starts).
 const READERS_REST: Duration = Duration::from_secs(5);
@@ -487,7 +498,8 @@ impl Engine {
             while end < need.len() && need[end] == need[end - 1] + 1 {
                 end += 1;
             }
-            self.fetch_verified(&need[start..end]).await?;
+            self.fetch_verified(&need[start..end], priority.ask())
+                .await?;
             start = end;
         }
         Ok(())
@@ -523,13 +535,11 @@ impl Engine {
     /// Fetches contiguous chunks with one request (and the first one's window, if its codec
     /// needs one), has the codec verify each, and fetches failures once more on their own from
     /// the registry itself.
-    async fn fetch_verified(&self, run: &[usize]) -> Result<()> {
+    async fn fetch_verified(&self, run: &[usize], ask: Ask) -> Result<()> {
         let codec = self.layer.codec();
         let range = self.run_range(run);
-        let (bytes, window) = tokio::join!(
-            self.fetch_range(range, Ask::AnyEndpoint),
-            self.fetch_window(run[0], Ask::AnyEndpoint)
-        );
+        let (bytes, window) =
+            tokio::join!(self.fetch_range(range, ask), self.fetch_window(run[0], ask));
         let bytes = bytes?;
         // A window that does not decode fails its chunk, which is fetched again below.
         let window = match window {
@@ -829,7 +839,7 @@ impl Engine {
     /// first span is wanted by the structure check, for the tar header, and by the disk's
     /// head at once); a waiter whose sharer failed or was dropped asks on its own.
     async fn fetch_range(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {
-        if ask != Ask::AnyEndpoint {
+        if matches!(ask, Ask::Registry | Ask::Mirrors) {
             return self.fetch_range_alone(range, ask).await;
         }
         let key = (range.start, range.end);

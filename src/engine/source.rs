@@ -24,6 +24,11 @@ pub trait BlobSource: Send + Sync {
     fn endpoint_counters(&self) -> Vec<(String, EndpointCounters)> {
         Vec::new()
     }
+    /// Until when background reads wait for a mirror that is filling the blob
+    /// ([`Registry::filling`]).
+    fn filling(&self) -> Option<tokio::time::Instant> {
+        None
+    }
 }
 
 /// Where a layer's bytes come from: its blob, and for a gzip layer read through a seekable
@@ -99,5 +104,9 @@ impl BlobSource for RegistrySource {
 
     fn endpoint_counters(&self) -> Vec<(String, EndpointCounters)> {
         self.client.endpoint_counters()
+    }
+
+    fn filling(&self) -> Option<tokio::time::Instant> {
+        self.client.filling(&self.reference, &self.blob)
     }
 }

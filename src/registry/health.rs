@@ -18,12 +18,18 @@
 //! with a range.
 //!
 //! The first such answer also teaches that the mirror *is* such a cache (a Range cache — nginx's
-//! slice cache — never answers one): from then on it is passed by for the ranges of every blob
-//! it was not asked for before and has not answered a range of in this process, because merely
-//! asking it for a blob it does not hold — a Range GET or a HEAD — makes it fetch the whole
-//! blob from the origin, which on a node's first reads of a disk costs the origin a blob and
-//! the node's reads the link's bandwidth. (A blob it was asked for is being fetched there
-//! anyway: it is asked again after its rest, and used once it answers with ranges.) What was
+//! slice cache — never answers one), and so does a whole answer to a Range request covering a
+//! whole small blob (a config: [`Health::answered_whole`]), which costs nothing more than the
+//! fetch it is part of and comes before any read of a disk. From then on the mirror is passed
+//! by for the *demand* ranges ([`Purpose::Demand`]) of every blob it was not asked for before
+//! and has not answered a range of in this process, because merely asking it for a blob it
+//! does not hold — a Range GET or a HEAD — makes it fetch the whole blob from the origin,
+//! which on a node's first reads of a disk costs the node's reads the link's bandwidth. Reads
+//! of a whole blob in the background ([`Purpose::Whole`]: hydration, a preheat) do ask it: its
+//! one fill then serves the fleet; while it fills (the blob rests there), such reads wait for
+//! it ([`Health::filling`], at most [`MAX_FILL_WAIT`]) instead of fetching the blob from the
+//! origin once per node. (A blob it was asked for is being fetched there anyway: it is asked
+//! again after its rest, and used once it answers with ranges.) What was
 //! learnt is kept in a notes file when the client has one (the node's cache), so the daemon's
 //! mount servers, each a process of its own, and later starts know it. It holds for
 //! [`NOTE_LIFETIME`] from when it was learnt: the address may come to serve something else (a
@@ -44,10 +50,16 @@ use crate::digest::Digest;
 /// The longest an endpoint rests after failures in a row.
 pub const MAX_REST: Duration = Duration::from_secs(30);
 /// How long a blob rests at a mirror that answered a Range request for it with the whole blob
-/// (first time; it doubles each time the mirror does so again).
-pub const BLOB_REST: Duration = Duration::from_secs(30);
+/// (first time; it doubles each time the mirror does so again). Short: background reads wait
+/// for the mirror's fill that long before they ask again, and a 134 MB fill behind a
+/// 200 Mbit/s link takes about 6 s; each ask while it fills costs the origin the start of
+/// another stream (hung up at once).
+pub const BLOB_REST: Duration = Duration::from_secs(5);
 /// The longest a blob rests at a mirror.
 pub const MAX_BLOB_REST: Duration = Duration::from_secs(600);
+/// The longest background reads of a blob wait for a mirror to hold it (from its first whole
+/// answer): a mirror that fills for longer is passed by for them too.
+pub const MAX_FILL_WAIT: Duration = Duration::from_secs(600);
 /// Most blob rests (and blobs known held) kept per mirror: the expired are forgotten first.
 const MAX_BLOB_RESTS: usize = 4096;
 /// How long what was learnt of a mirror (that it fills whole blobs) holds, in this process and
@@ -68,6 +80,17 @@ pub struct EndpointCounters {
     pub failures: u64,
     /// Body bytes received from it for blobs and manifests.
     pub bytes: u64,
+}
+
+/// What ranges of a blob are read for: whether a mirror known to fill whole blobs (a
+/// pull-through cache) is asked for a blob it has not served ranges of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    /// A reader waits for them (a guest's reads, a TOC): such a mirror is passed by.
+    Demand,
+    /// The whole blob, in the background (hydration, a preheat): such a mirror is asked (its
+    /// one fill serves every node) and, while it fills, waited for ([`Health::filling`]).
+    Whole,
 }
 
 /// Whose a failed request's failure is.
@@ -94,6 +117,9 @@ struct State {
     /// Set when this mirror is known to fetch a whole blob when asked for one it lacks (a
     /// pull-through registry cache).
     fills: Option<Fills>,
+    /// Set when it answered a Range request covering a whole blob with that range: it serves
+    /// ranges, or held that blob (what it is shows at its first whole answer).
+    ranged_whole: bool,
 }
 
 /// What is known of a mirror that fetches whole blobs it lacks.
@@ -140,12 +166,23 @@ impl State {
         let rest = self.blob_rests.entry(blob).or_insert(BlobRest {
             until: now,
             times: 0,
+            since: now,
         });
+        if rest.until > now {
+            // An answer to a request sent before the rest began (concurrent reads): the same
+            // fill, not a longer one.
+            return self.learn_fills(now);
+        }
         rest.times = rest.times.saturating_add(1);
         rest.until = now
             + BLOB_REST
                 .saturating_mul(1 << (rest.times - 1).min(10))
                 .min(MAX_BLOB_REST);
+        self.learn_fills(now)
+    }
+
+    /// Knows this mirror fills whole blobs it lacks; whether that is new.
+    fn learn_fills(&mut self, now: Instant) -> bool {
         if self.fills.as_ref().is_some_and(|f| f.current(now)) {
             return false;
         }
@@ -153,17 +190,27 @@ impl State {
         true
     }
 
-    /// Whether ranges of `blob` should pass this endpoint by for now.
-    fn passes_by(&self, blob: &Digest, now: Instant) -> bool {
-        match self.blob_rests.get(blob) {
+    /// Whether ranges of `blob` read for `purpose` should pass this endpoint by for now.
+    fn passes_by(&self, blob: &Digest, purpose: Purpose, now: Instant) -> bool {
+        match (self.blob_rests.get(blob), purpose) {
             // Asked before and answered whole: it has been fetching the blob since.
-            Some(rest) => rest.until > now,
-            // Never asked: a pull-through cache would fetch it whole for the asking.
-            None => self
+            (Some(rest), _) => rest.until > now,
+            // Never asked: a pull-through cache would fetch it whole for the asking, which a
+            // background read of the whole blob wants (one fill for the fleet) and a reader
+            // must not wait behind.
+            (None, Purpose::Demand) => self
                 .fills
                 .as_ref()
                 .is_some_and(|f| f.current(now) && !f.held.contains(blob)),
+            (None, Purpose::Whole) => false,
         }
+    }
+
+    /// Until when a background read of `blob` waits for this mirror's fill of it, if it is
+    /// filling it and has not for [`MAX_FILL_WAIT`].
+    fn fill_ends(&self, blob: &Digest, now: Instant) -> Option<Instant> {
+        let rest = self.blob_rests.get(blob)?;
+        (rest.until > now && now < rest.since + MAX_FILL_WAIT).then_some(rest.until)
     }
 }
 
@@ -210,6 +257,9 @@ fn note_line(base: &str, noted: SystemTime) -> String {
 struct BlobRest {
     until: Instant,
     times: u32,
+    /// The first whole answer: background reads wait for the fill until [`MAX_FILL_WAIT`]
+    /// after it.
+    since: Instant,
 }
 
 /// Health and counters of every endpoint this client talked to, by endpoint base URL.
@@ -248,21 +298,65 @@ impl Health {
         f(states.entry(base.to_string()).or_default())
     }
 
-    /// `endpoints` in the order to try them for a request (for ranges of `blob`, if given):
-    /// those not resting (nor passing ranges of `blob` by) first, each group in the configured
-    /// order.
-    pub fn order(&self, endpoints: Vec<Endpoint>, blob: Option<&Digest>) -> Vec<Endpoint> {
+    /// `endpoints` in the order to try them for a request (for ranges of `blob` read for a
+    /// purpose, if given): those not resting (nor passing ranges of `blob` by) first, each
+    /// group in the configured order.
+    pub fn order(
+        &self,
+        endpoints: Vec<Endpoint>,
+        ranges: Option<(&Digest, Purpose)>,
+    ) -> Vec<Endpoint> {
         let now = Instant::now();
         let states = self.states.lock();
         let resting = |e: &Endpoint| {
             states.get(&e.base).is_some_and(|s| {
                 s.resting_until.is_some_and(|t| t > now)
-                    || blob.is_some_and(|b| s.passes_by(b, now))
+                    || ranges.is_some_and(|(b, purpose)| s.passes_by(b, purpose, now))
             })
         };
         let (mut ready, rest): (Vec<_>, Vec<_>) = endpoints.into_iter().partition(|e| !resting(e));
         ready.extend(rest);
         ready
+    }
+
+    /// Until when background reads of `blob` wait for one of the mirrors `bases` to fill it
+    /// (the soonest such mirror asks again), if one is filling it.
+    pub fn filling<'a>(
+        &self,
+        bases: impl IntoIterator<Item = &'a str>,
+        blob: &Digest,
+    ) -> Option<Instant> {
+        let now = Instant::now();
+        let states = self.states.lock();
+        bases
+            .into_iter()
+            .filter_map(|b| states.get(b)?.fill_ends(blob, now))
+            .min()
+    }
+
+    /// Mirror `base` answered a Range request covering a whole blob with `200` and the whole
+    /// blob: it did not hold it and fetched it whole (a pull-through cache), which it is now
+    /// known, and noted, to be. Nothing rests: the answer was what was wanted.
+    pub fn answered_whole(&self, base: &str) {
+        if self.with(base, |s| s.learn_fills(Instant::now())) {
+            self.note_filler(base);
+        }
+    }
+
+    /// Whether mirror `base` has shown whether it fills whole blobs it lacks (a whole answer
+    /// to a Range request), as far as one answer can: a Range cache, or a pull-through cache
+    /// that held the blob asked for, answers alike.
+    pub fn shown(&self, base: &str) -> bool {
+        let now = Instant::now();
+        self.states
+            .lock()
+            .get(base)
+            .is_some_and(|s| s.ranged_whole || s.fills.as_ref().is_some_and(|f| f.current(now)))
+    }
+
+    /// Mirror `base` answered a Range request covering a whole blob with that range.
+    pub fn answered_range(&self, base: &str) {
+        self.with(base, |s| s.ranged_whole = true);
     }
 
     /// A request is about to be sent to `base`.
@@ -447,6 +541,67 @@ mod tests {
         assert_eq!(bases(&h.order(all(), None)), ["m", "o"]);
     }
 
+    /// Background reads of a whole blob ask a mirror known to fill whole blobs for one it
+    /// has not served, where a reader's pass it by; while it fills they wait (until the blob's
+    /// rest ends, at most [`MAX_FILL_WAIT`] from its first whole answer). Answers to requests
+    /// sent before a rest began do not make it longer.
+    #[tokio::test(start_paused = true)]
+    async fn background_reads_go_through_a_filling_mirror_and_wait_for_it() {
+        let h = Health::default();
+        let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
+        let all = || vec![ep("m"), ep("o")];
+        h.answered_whole("m");
+        assert!(h.fills_whole_blobs("m") && h.shown("m"));
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Demand)))),
+            ["o", "m"]
+        );
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Whole)))),
+            ["m", "o"]
+        );
+        assert_eq!(h.filling(["m"], &a), None);
+        h.failed("m", Failure::WholeBlob(a));
+        h.failed("m", Failure::WholeBlob(a));
+        let until = h.filling(["m", "o"], &a).expect("filling");
+        assert_eq!(
+            until - Instant::now(),
+            BLOB_REST,
+            "concurrent answers: one rest"
+        );
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Whole)))),
+            ["o", "m"]
+        );
+        assert_eq!(h.filling(["m"], &b), None);
+        tokio::time::advance(BLOB_REST).await;
+        assert_eq!(h.filling(["m"], &a), None, "asked again after the rest");
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Whole)))),
+            ["m", "o"]
+        );
+        // A mirror that fills for longer than MAX_FILL_WAIT is not waited for.
+        let mut waited = BLOB_REST;
+        while waited < MAX_FILL_WAIT {
+            h.failed("m", Failure::WholeBlob(a));
+            let until = h.filling(["m"], &a).expect("still waited for");
+            waited += until - Instant::now();
+            tokio::time::advance(until - Instant::now()).await;
+        }
+        h.failed("m", Failure::WholeBlob(a));
+        assert_eq!(h.filling(["m"], &a), None);
+        // Once it served a range of the blob, readers use it too.
+        h.succeeded("m", Some(&a));
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Demand)))),
+            ["m", "o"]
+        );
+        // A mirror that answered a whole range with a range has shown itself, as far as one
+        // answer can; one never asked has not.
+        h.answered_range("r");
+        assert!(h.shown("r") && !h.fills_whole_blobs("r") && !h.shown("new"));
+    }
+
     /// What was learnt of a mirror holds for [`NOTE_LIFETIME`], in the process and in the
     /// notes file (also one written before notes had a time, by the file's age); then the
     /// mirror is asked again and a whole answer teaches it again, for another lifetime.
@@ -459,11 +614,21 @@ mod tests {
         let h = Health::default();
         h.failed("m", Failure::WholeBlob(a));
         tokio::time::advance(NOTE_LIFETIME - Duration::from_secs(1)).await;
-        assert_eq!(bases(&h.order(all(), Some(&b))), ["o", "m"]);
+        assert_eq!(
+            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
+            ["o", "m"]
+        );
         tokio::time::advance(Duration::from_secs(2)).await;
-        assert_eq!(bases(&h.order(all(), Some(&b))), ["m", "o"]);
+        assert_eq!(
+            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
+            ["m", "o"]
+        );
         h.failed("m", Failure::WholeBlob(b));
-        assert_eq!(bases(&h.order(all(), Some(&c))), ["o", "m"], "learnt again");
+        assert_eq!(
+            bases(&h.order(all(), Some((&c, Purpose::Demand)))),
+            ["o", "m"],
+            "learnt again"
+        );
         // In the notes: a day-old note is forgotten, a fresh one kept; one from the future is
         // taken as now.
         let now = SystemTime::now();
@@ -482,7 +647,7 @@ mod tests {
         assert!(read.fills_whole_blobs("future"));
         assert!(!read.fills_whole_blobs("bad"));
         assert_eq!(
-            bases(&read.order(vec![ep("old"), ep("o")], Some(&a))),
+            bases(&read.order(vec![ep("old"), ep("o")], Some((&a, Purpose::Demand)))),
             ["old", "o"]
         );
         // A line with no time is as old as the file.
@@ -503,13 +668,25 @@ mod tests {
         let h = Health::with_notes(&notes);
         let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
         let all = || vec![ep("m"), ep("o")];
-        assert_eq!(bases(&h.order(all(), Some(&b))), ["m", "o"]);
+        assert_eq!(
+            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
+            ["m", "o"]
+        );
         h.failed("m", Failure::WholeBlob(a));
-        assert_eq!(bases(&h.order(all(), Some(&a))), ["o", "m"]);
-        assert_eq!(bases(&h.order(all(), Some(&b))), ["o", "m"]);
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Demand)))),
+            ["o", "m"]
+        );
+        assert_eq!(
+            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
+            ["o", "m"]
+        );
         assert_eq!(bases(&h.order(all(), None)), ["m", "o"]);
         h.succeeded("m", Some(&b));
-        assert_eq!(bases(&h.order(all(), Some(&b))), ["m", "o"]);
+        assert_eq!(
+            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
+            ["m", "o"]
+        );
         // Another process of the node knows it from the notes.
         for _ in 0..100 {
             if notes.exists() {
@@ -520,26 +697,43 @@ mod tests {
         }
         let other = Health::with_notes(&notes);
         assert!(other.fills_whole_blobs("m") && !other.fills_whole_blobs("o"));
-        assert_eq!(bases(&other.order(all(), Some(&b))), ["o", "m"]);
+        assert_eq!(
+            bases(&other.order(all(), Some((&b, Purpose::Demand)))),
+            ["o", "m"]
+        );
         let h = Health::default();
         h.failed("m", Failure::WholeBlob(a));
         assert_eq!(h.counters().iter().map(|c| c.1.failures).sum::<u64>(), 1);
         tokio::time::advance(BLOB_REST + Duration::from_millis(10)).await;
-        assert_eq!(bases(&h.order(all(), Some(&a))), ["m", "o"]);
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Demand)))),
+            ["m", "o"]
+        );
         // Still whole: twice as long.
         h.failed("m", Failure::WholeBlob(a));
         tokio::time::advance(BLOB_REST * 2 - Duration::from_millis(10)).await;
-        assert_eq!(bases(&h.order(all(), Some(&a))), ["o", "m"]);
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Demand)))),
+            ["o", "m"]
+        );
         tokio::time::advance(Duration::from_millis(20)).await;
-        assert_eq!(bases(&h.order(all(), Some(&a))), ["m", "o"]);
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Demand)))),
+            ["m", "o"]
+        );
         // It holds the blob now: the next whole answer starts again from the first rest.
         h.succeeded("m", Some(&a));
         h.failed("m", Failure::WholeBlob(a));
         tokio::time::advance(BLOB_REST + Duration::from_millis(10)).await;
-        assert_eq!(bases(&h.order(all(), Some(&a))), ["m", "o"]);
+        assert_eq!(
+            bases(&h.order(all(), Some((&a, Purpose::Demand)))),
+            ["m", "o"]
+        );
         for _ in 0..20 {
             h.failed("m", Failure::WholeBlob(b));
+            tokio::time::advance(MAX_BLOB_REST).await;
         }
+        h.failed("m", Failure::WholeBlob(b));
         tokio::time::advance(MAX_BLOB_REST - Duration::from_millis(10)).await;
         let until = || h.states.lock()["m"].blob_rests[&b].until;
         assert!(until() > Instant::now());

@@ -54,6 +54,24 @@ pub enum Ask {
     /// The registry itself, passing by its mirrors: for bytes that failed verification once
     /// (a mirror may have sent them).
     Registry,
+    /// Any endpoint, for a read of the whole blob in the background (hydration): a mirror
+    /// known to fill whole blobs (a pull-through cache) is asked even for a blob it does not
+    /// hold — its one fill then serves the fleet — where a reader's ranges pass it by
+    /// ([`health::Purpose`]); while it fills, the caller waits ([`Registry::filling`]).
+    Background,
+    /// The registry's mirrors only, never the registry itself, each asked as [`Ask::Background`]
+    /// asks: warming them with a blob (`vmdisk preheat`).
+    Mirrors,
+}
+
+impl Ask {
+    /// What ranges asked this way are read for.
+    fn purpose(self) -> health::Purpose {
+        match self {
+            Ask::AnyEndpoint | Ask::Registry => health::Purpose::Demand,
+            Ask::Background | Ask::Mirrors => health::Purpose::Whole,
+        }
+    }
 }
 
 /// Whom the tries of one fetch ask when its bytes are checked after they came (a chunk, a
@@ -187,6 +205,18 @@ pub trait Registry: Send + Sync {
     fn endpoint_counters(&self) -> Vec<(String, health::EndpointCounters)> {
         Vec::new()
     }
+    /// Until when background reads of blob `digest` of `r`'s repository wait for a mirror
+    /// that is filling it from the registry (a pull-through cache: [`Ask::Background`]); none
+    /// when no mirror is.
+    fn filling(&self, _r: &Reference, _digest: &Digest) -> Option<tokio::time::Instant> {
+        None
+    }
+    /// Whether a mirror of `r`'s registry has not yet shown whether it fills whole blobs it
+    /// lacks: a disk's ranges then wait for a small blob's answer (its config, fetched as a
+    /// range: [`RegistryClient::get_blob`]), which shows it, rather than start such a fill.
+    fn mirror_unknown(&self, _r: &Reference) -> bool {
+        false
+    }
     /// The referrers of manifest `digest` in `r`'s repository with one of `artifact_types`
     /// (see [`RegistryClient::referrers`]); none where the store has no referrers.
     fn referrers<'a>(
@@ -249,6 +279,14 @@ impl Registry for RegistryClient {
 
     fn endpoint_counters(&self) -> Vec<(String, health::EndpointCounters)> {
         self.shared.health.counters()
+    }
+
+    fn filling(&self, r: &Reference, digest: &Digest) -> Option<tokio::time::Instant> {
+        RegistryClient::filling(self, r, digest)
+    }
+
+    fn mirror_unknown(&self, r: &Reference) -> bool {
+        RegistryClient::mirror_unknown(self, r)
     }
 
     fn referrers<'a>(

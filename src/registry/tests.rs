@@ -17,7 +17,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use super::{RegistryClient, RegistryConfig, RetryPolicy};
+use super::{health, RegistryClient, RegistryConfig, RetryPolicy};
 use crate::digest::Digest;
 use crate::error::ErrorKind;
 use crate::reference::Reference;
@@ -251,6 +251,8 @@ enum Mirror {
     WholeBlob,
     /// Bytes that are not the blob's.
     WrongBytes,
+    /// The blob's ranges (a Range cache, or a pull-through cache that holds the blob).
+    Ranges,
 }
 
 /// Serves a mirror of one blob that behaves as `how`; counts its requests.
@@ -262,10 +264,11 @@ async fn serve_mirror(how: Mirror, blob: Vec<u8>, hits: Arc<AtomicUsize>) -> Str
         axum::routing::get(move |headers: HeaderMap| {
             hits.fetch_add(1, Ordering::SeqCst);
             let blob = match how {
-                Mirror::WholeBlob => blob.clone(),
+                Mirror::WholeBlob | Mirror::Ranges => blob.clone(),
                 Mirror::WrongBytes => blob.iter().map(|b| b ^ 0xff).collect(),
             };
-            async move { serve_blob(&blob, &headers, matches!(how, Mirror::WrongBytes)) }
+            let ranges = !matches!(how, Mirror::WholeBlob);
+            async move { serve_blob(&blob, &headers, ranges) }
         }),
     );
     tokio::spawn(async move { axum::serve(listener, app).await });
@@ -568,6 +571,90 @@ async fn a_blob_a_mirror_answers_whole_is_passed_by_there_and_rests() {
         .await
         .unwrap();
     assert_eq!(m.hits(), 1);
+}
+
+/// A small blob fetched whole is asked of a mirror as a range covering it: a pull-through
+/// cache that lacks it answers with all of it and `200`, which shows what the mirror is before
+/// any range of a disk is asked of it. From then on a reader's ranges pass it by, and hydration
+/// (a background read) asks it — its one fill serves the fleet — and waits while it fills.
+#[tokio::test]
+async fn a_pull_through_mirror_shows_itself_on_a_small_blob_and_hydration_waits_for_its_fill() {
+    let m = Mirrored::start(Mirror::WholeBlob, true).await;
+    let r = reference(&m.host, "1");
+    let desc = crate::oci::Descriptor {
+        media_type: "application/octet-stream".into(),
+        digest: m.digest,
+        size: m.blob.len() as u64,
+        annotations: Default::default(),
+        platform: None,
+        artifact_type: None,
+    };
+    assert!(m.client.mirror_unknown(&r));
+    assert_eq!(m.client.get_blob(&r, &desc, 1 << 20).await.unwrap(), m.blob);
+    assert_eq!(
+        (m.hits(), m.origin_gets()),
+        (1, 0),
+        "the mirror's whole answer is used"
+    );
+    assert!(!m.client.mirror_unknown(&r));
+    let other = Digest::of(b"another blob of the repository");
+    m.origin.blobs.lock().insert(
+        other.to_string(),
+        b"another blob of the repository".to_vec(),
+    );
+    // A reader's range of a blob the mirror has not served passes it by.
+    let got = m
+        .client
+        .get_blob_range(&r, &other, 0..7, Ask::AnyEndpoint)
+        .await
+        .unwrap();
+    assert_eq!(&got[..], b"another");
+    assert_eq!(m.hits(), 1, "not asked: it would fetch the blob whole");
+    assert_eq!(m.client.filling(&r, &other), None);
+    // Hydration asks it (the fill it starts serves every node); answered whole, the read
+    // goes on to the registry, and later ones wait for the fill.
+    let got = m
+        .client
+        .get_blob_range(&r, &other, 8..15, Ask::Background)
+        .await
+        .unwrap();
+    assert_eq!(&got[..], b"blob of");
+    assert_eq!(m.hits(), 2);
+    let until = m.client.filling(&r, &other).expect("waits for the fill");
+    let wait = until - tokio::time::Instant::now();
+    assert!(
+        wait > Duration::from_secs(4) && wait <= health::BLOB_REST,
+        "{wait:?}"
+    );
+    // The registry itself is never waited for.
+    let alone = client(vec![]);
+    assert_eq!(alone.filling(&r, &other), None);
+}
+
+/// A mirror that answers the small blob's range with a range is not a pull-through cache
+/// lacking it: readers' ranges go there.
+#[tokio::test]
+async fn a_mirror_that_answers_ranges_is_asked_for_a_readers_ranges() {
+    let m = Mirrored::start(Mirror::Ranges, true).await;
+    let r = reference(&m.host, "1");
+    let desc = crate::oci::Descriptor {
+        media_type: "application/octet-stream".into(),
+        digest: m.digest,
+        size: m.blob.len() as u64,
+        annotations: Default::default(),
+        platform: None,
+        artifact_type: None,
+    };
+    assert!(m.client.mirror_unknown(&r));
+    assert_eq!(m.client.get_blob(&r, &desc, 1 << 20).await.unwrap(), m.blob);
+    assert!(!m.client.mirror_unknown(&r), "shown by its answer");
+    let got = m
+        .client
+        .get_blob_range(&r, &m.digest, 10..20, Ask::AnyEndpoint)
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &m.blob[10..20]);
+    assert_eq!((m.hits(), m.origin_gets()), (2, 0));
 }
 
 #[tokio::test]

@@ -362,6 +362,27 @@ impl RegistryClient {
         ))
     }
 
+    /// Until when background reads of blob `digest` wait for one of `r`'s mirrors to fill it
+    /// ([`health::Health::filling`]).
+    pub(super) fn filling(&self, r: &Reference, digest: &Digest) -> Option<tokio::time::Instant> {
+        let endpoints = self.endpoints(r, Access::Pull).ok()?;
+        let mirrors = endpoints
+            .iter()
+            .filter(|e| e.mirror)
+            .map(|e| e.base.as_str());
+        self.shared.health.filling(mirrors, digest)
+    }
+
+    /// Whether a mirror of `r`'s registry has not shown yet whether it fills whole blobs it
+    /// lacks ([`health::Health::shown`]).
+    pub(super) fn mirror_unknown(&self, r: &Reference) -> bool {
+        self.endpoints(r, Access::Pull).is_ok_and(|endpoints| {
+            endpoints
+                .iter()
+                .any(|e| e.mirror && !self.shared.health.shown(&e.base))
+        })
+    }
+
     /// Fetches something whose answer `take` reads and checks (status, length, digest), under
     /// the retry policy: each try goes to every pull endpoint in turn ([`Self::sweep`]), and
     /// a try that failed transiently everywhere (no answer, a reset, a 5xx, a cut or corrupt
@@ -406,10 +427,13 @@ impl RegistryClient {
         // The error to return, and whether the registry itself gave it.
         let mut returned: Option<(bool, Error)> = None;
         let mut endpoints = self.endpoints(r, Access::Pull)?;
-        if ask == Ask::Registry {
-            endpoints.retain(|e| !e.mirror);
+        match ask {
+            Ask::Registry => endpoints.retain(|e| !e.mirror),
+            Ask::Mirrors => endpoints.retain(|e| e.mirror),
+            Ask::AnyEndpoint | Ask::Background => {}
         }
-        for ep in self.shared.health.order(endpoints, blob) {
+        let ranges = blob.map(|b| (b, ask.purpose()));
+        for ep in self.shared.health.order(endpoints, ranges) {
             let req = make(&ep);
             self.shared.health.sent(&ep.base);
             let answer = async {
@@ -469,10 +493,16 @@ impl RegistryClient {
             }
         }
         Err(returned.map(|(_, e)| e).unwrap_or_else(|| {
-            Error::invalid(format!(
-                "no endpoint to pull {what} from: the hosts.toml of {} gives the registry itself no pull capability, and this request passes by its mirrors",
-                r.registry
-            ))
+            Error::invalid(match ask {
+                Ask::Mirrors => format!(
+                    "no mirror to pull {what} from: the hosts.toml of {} lists none with the pull capability",
+                    r.registry
+                ),
+                _ => format!(
+                    "no endpoint to pull {what} from: the hosts.toml of {} gives the registry itself no pull capability, and this request passes by its mirrors",
+                    r.registry
+                ),
+            })
         }))
     }
 
