@@ -104,6 +104,63 @@ pub(crate) fn hosts_dir(scratch: &Scratch, registry: &str, mirror: &str) -> std:
     hosts
 }
 
+/// Node `n`, as the snapshotter runs one by default (background hydration at 50 MB/s): a
+/// mount of `reference` through the mirrors of `hosts`, with a cache of its own.
+fn hydrating_node(scratch: &Scratch, n: usize, reference: &str, hosts: &Path) -> Mount {
+    Mount::start(
+        reference,
+        &scratch.path(&format!("node{n}/cache")),
+        &scratch.path(&format!("node{n}/mnt")),
+        &[
+            "--hosts-dir",
+            hosts.to_str().unwrap(),
+            "--plain-http",
+            "--hydrate",
+            "background",
+        ],
+    )
+}
+
+/// Node `n`'s boot: 16 scattered 64 KiB reads of the disk `mount` serves, each checked against
+/// `disk`'s bytes.
+fn boot(n: usize, mount: &Mount, disk: &Path) {
+    let (got, want) = (
+        std::fs::File::open(&mount.disk).unwrap(),
+        std::fs::File::open(disk).unwrap(),
+    );
+    let pieces = want.metadata().unwrap().len() / (1 << 20);
+    for i in 0..16u64 {
+        let at = ((i * 7 + n as u64) % pieces) * (1 << 20);
+        let (mut a, mut b) = (vec![0u8; 65536], vec![0u8; 65536]);
+        got.read_exact_at(&mut a, at).unwrap();
+        want.read_exact_at(&mut b, at).unwrap();
+        assert!(a == b, "node {n}: wrong bytes at {at}");
+    }
+}
+
+/// A qcow2 of 64 MiB of random data (`seed`) pushed as `repo:1` to `origin`: its path and
+/// its disk blob's size.
+fn random_disk(
+    scratch: &Scratch,
+    origin: &Registry,
+    repo: &str,
+    seed: u64,
+) -> (std::path::PathBuf, u64) {
+    let disk = scratch.path(&format!("{}.qcow2", repo.replace('/', "-")));
+    make_qcow2(&disk, "72M", &[]);
+    write_random(&disk, 4 << 20, 64 << 20, seed);
+    vmdisk_ok(&[
+        "push",
+        disk.to_str().unwrap(),
+        &format!("{}/{repo}:1", origin.host()),
+    ]);
+    let blob = inspect_json(&format!("{}/{repo}:1", origin.host()))["platforms"][0]["layers"][0]
+        ["size"]
+        .as_u64()
+        .unwrap();
+    (disk, blob)
+}
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / f64::from(1 << 20)
 }
@@ -249,49 +306,10 @@ fn a_fleet_through_a_cold_pull_through_cache_boots_past_its_fill_and_hydrates_th
         &format!("proxy: {{ remoteurl: \"http://{}\" }}\n", to_cache.host()),
     );
     let hosts = hosts_dir(&scratch, &to_nodes.host(), &mirror.host());
-    let disk = scratch.path("disk.qcow2");
-    make_qcow2(&disk, "72M", &[]);
-    write_random(&disk, 4 << 20, 64 << 20, 1);
-    vmdisk_ok(&[
-        "push",
-        disk.to_str().unwrap(),
-        &format!("{}/vm/disk:1", origin.host()),
-    ]);
-    let blob = inspect_json(&format!("{}/vm/disk:1", origin.host()))["platforms"][0]["layers"][0]
-        ["size"]
-        .as_u64()
-        .unwrap();
+    let (disk, blob) = random_disk(&scratch, &origin, "vm/disk", 1);
     let reference = format!("{}/vm/disk:1", to_nodes.host());
-    // A node as the snapshotter runs one by default: background hydration at 50 MB/s.
-    let start = |n: usize| {
-        Mount::start(
-            &reference,
-            &scratch.path(&format!("node{n}/cache")),
-            &scratch.path(&format!("node{n}/mnt")),
-            &[
-                "--hosts-dir",
-                hosts.to_str().unwrap(),
-                "--plain-http",
-                "--hydrate",
-                "background",
-            ],
-        )
-    };
-    // The boot: 16 scattered 64 KiB reads, every byte checked.
-    let boot = |n: usize, mount: &Mount| {
-        let (got, want) = (
-            std::fs::File::open(&mount.disk).unwrap(),
-            std::fs::File::open(&disk).unwrap(),
-        );
-        let pieces = want.metadata().unwrap().len() / (1 << 20);
-        for i in 0..16u64 {
-            let at = ((i * 7 + n as u64) % pieces) * (1 << 20);
-            let (mut a, mut b) = (vec![0u8; 65536], vec![0u8; 65536]);
-            got.read_exact_at(&mut a, at).unwrap();
-            want.read_exact_at(&mut b, at).unwrap();
-            assert!(a == b, "node {n}: wrong bytes at {at}");
-        }
-    };
+    let start = |n: usize| hydrating_node(&scratch, n, &reference, &hosts);
+    let boot = |n: usize, mount: &Mount| boot(n, mount, &disk);
 
     // The first node meets the cache cold: its boot starts no fill.
     let mut first = start(0);
@@ -495,4 +513,80 @@ fn a_fleet_behind_the_shipped_slice_cache_costs_the_origin_what_one_node_does() 
         late_direct > 24 * 65536,
         "the node read from the origin: {late_direct} bytes"
     );
+}
+
+/// `vmdisk preheat` warms a regional cache with a disk, no node mounting it: the shipped slice
+/// cache (every range read through it once) and a pull-through cache (the preheat waits for
+/// its fill). A rollout after it — nodes booting and hydrating as they do by default — costs
+/// the origin no byte of the disk.
+#[test]
+fn a_preheated_cache_serves_a_rollout_without_the_origin() {
+    const NODES: usize = 3;
+    let scratch = Scratch::new();
+    let origin = Registry::start(&scratch);
+    let to_cache = FaultProxy::counting(origin.port);
+    let to_nodes = FaultProxy::counting(origin.port);
+    let slices = RegionalCache::start(&scratch, &to_cache.host());
+    let pull_through = Registry::start_with(
+        &scratch,
+        &format!("proxy: {{ remoteurl: \"http://{}\" }}\n", to_cache.host()),
+    );
+    for (name, mirror) in [
+        ("slices", slices.host()),
+        ("pull-through", pull_through.host()),
+    ] {
+        let hosts = scratch.path(&format!("{name}-hosts"));
+        std::fs::create_dir_all(hosts.join(to_nodes.host())).unwrap();
+        std::fs::write(
+            hosts.join(to_nodes.host()).join("hosts.toml"),
+            format!(
+                "server = \"http://{}\"\n[host.\"http://{mirror}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+                to_nodes.host()
+            ),
+        )
+        .unwrap();
+        let repo = format!("vm/{name}");
+        let (disk, blob) = random_disk(&scratch, &origin, &repo, name.len() as u64);
+        let reference = format!("{}/{repo}:1", to_nodes.host());
+        let before = to_cache.bytes_to_client();
+        let out = vmdisk_ok(&[
+            "preheat",
+            "--hosts-dir",
+            hosts.to_str().unwrap(),
+            "--plain-http",
+            &reference,
+        ]);
+        let (warmed, direct) = (to_cache.bytes_to_client(), to_nodes.bytes_to_client());
+        eprintln!("{name}: {}", out.trim());
+        assert!(out.contains(&mirror), "{out}");
+        assert!(
+            warmed - before >= blob,
+            "{name}: the cache fetched {} bytes of a {blob}-byte disk to be warmed",
+            warmed - before
+        );
+        std::thread::scope(|s| {
+            for n in 0..NODES {
+                let (scratch, reference, hosts, disk) = (&scratch, &reference, &hosts, &disk);
+                s.spawn(move || {
+                    let mut mount = hydrating_node(scratch, n + 10 * name.len(), reference, hosts);
+                    boot(n, &mount, disk);
+                    mount.wait_for("hydrated", Duration::from_secs(180));
+                    mount.stop();
+                });
+            }
+        });
+        let (rollout_cache, rollout_direct) = (
+            to_cache.bytes_to_client() - warmed,
+            to_nodes.bytes_to_client() - direct,
+        );
+        eprintln!(
+            "{name}: {NODES} nodes booted and hydrated after the preheat; the origin sent {rollout_cache} bytes to the cache and {rollout_direct} to the nodes"
+        );
+        // Manifests and tags are asked again (a tag's copy is kept 10 s); the disk never.
+        assert!(
+            rollout_cache + rollout_direct < 64 << 10,
+            "{name}: a preheated rollout cost the origin {} bytes",
+            rollout_cache + rollout_direct
+        );
+    }
 }

@@ -3,6 +3,7 @@
 
 mod disks;
 pub mod manpages;
+mod preheat;
 mod publishing;
 
 pub use publishing::pair_platforms;
@@ -120,6 +121,9 @@ pub enum Command {
     Path(PathArgs),
     /// Make an image's disk ready and fetch all of it in the background.
     Prefetch(PrefetchArgs),
+    /// Warm the registry's mirrors (a regional cache) with an image, no node mounting it: a
+    /// rollout then starts warm.
+    Preheat(PreheatArgs),
     /// Forget a disk made ready by `path` or `prefetch` (its mount stops when unused).
     Rm(RefArgs),
     /// Stop unused mounts and evict unused cached layers down to the cache size.
@@ -280,6 +284,15 @@ pub struct PrefetchArgs {
     pub namespace: Option<String>,
     /// An image reference (tag or digest).
     pub reference: String,
+}
+
+#[derive(Args, Debug)]
+pub struct PreheatArgs {
+    #[command(flatten)]
+    pub registry: RegistryArgs,
+    /// An image reference (tag or digest): its manifests, config and every layer's blob are
+    /// read through the mirrors hosts.toml lists for its registry.
+    pub reference: Reference,
 }
 
 #[derive(Args, Debug)]
@@ -582,6 +595,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Trace(TraceCommand::Record(args)) => trace_record(args).await,
         Command::Path(args) => disks::path(args).await,
         Command::Prefetch(args) => disks::prefetch(args).await,
+        Command::Preheat(args) => preheat::preheat(args).await,
         Command::Rm(args) => disks::rm(args).await,
         Command::Gc(args) => disks::gc(args).await,
         Command::Stats(args) => disks::stats(args).await,

@@ -1,0 +1,118 @@
+//! `vmdisk preheat`: warms the registry's mirrors (a regional cache) with an image — its
+//! manifests, its config and every layer's blob, read through them by ranges — so that a
+//! rollout of the disk starts warm and costs the origin nothing (docs/fleet.md).
+//!
+//! A Range cache (nginx's slice cache) keeps the slices each range covers: every range of every
+//! blob is asked once. A pull-through cache (CNCF distribution, Harbor) answers the first range
+//! of a blob it lacks with all of it and fetches it whole: the ranges then wait for that fill
+//! ([`Registry::filling`]) and are asked again until it answers them. Either way the bytes that
+//! came back are checked against the blob's digest, so a preheat that ends well says that the
+//! mirror serves the blob, rightly.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use futures_util::StreamExt;
+
+use super::PreheatArgs;
+use crate::digest::{Digest, Hasher};
+use crate::error::{Error, ErrorKind, Result};
+use crate::oci::Descriptor;
+use crate::reference::Reference;
+use crate::registry::{Ask, Registry, RegistryClient};
+
+/// Bytes of one range asked of the mirrors: 16 of the shipped slice cache's 512 KiB slices.
+const PIECE: u64 = 8 << 20;
+/// Ranges of one blob asked at once.
+const IN_FLIGHT: usize = 4;
+
+/// `vmdisk preheat`.
+pub(super) async fn preheat(args: PreheatArgs) -> Result<()> {
+    let started = Instant::now();
+    let client = args.registry.client()?;
+    let r = &args.reference;
+    let (manifest, digest, _) = crate::resolve::platform_manifest(&client, None, r).await?;
+    client
+        .get_blob(r, &manifest.config, crate::oci::MAX_CONFIG_SIZE)
+        .await
+        .map_err(|e| e.context(format!("warming the config of {r}")))?;
+    let mut bytes = 0;
+    for layer in &manifest.layers {
+        warm(&client, r, layer)
+            .await
+            .map_err(|e| e.context(format!("warming layer {} of {r}", layer.digest)))?;
+        bytes += layer.size;
+    }
+    let through: Vec<String> = client
+        .endpoint_counters()
+        .into_iter()
+        .filter(|(_, c)| c.bytes > 0)
+        .map(|(base, c)| format!("{base} ({:.1} MB)", c.bytes as f64 / 1e6))
+        .collect();
+    println!(
+        "warmed {r} ({digest}): {} layer{}, {:.1} MB, checked, in {:.1} s, through {}",
+        manifest.layers.len(),
+        if manifest.layers.len() == 1 { "" } else { "s" },
+        bytes as f64 / 1e6,
+        started.elapsed().as_secs_f64(),
+        through.join(", ")
+    );
+    Ok(())
+}
+
+/// Reads every byte of blob `layer` through the mirrors, in order, and checks them against its
+/// digest. The first range is asked alone: a pull-through cache that lacks the blob is made to
+/// fetch it once, not once per range in flight.
+async fn warm(client: &RegistryClient, r: &Reference, layer: &Descriptor) -> Result<()> {
+    let mut ranges = (0..layer.size)
+        .step_by(PIECE as usize)
+        .map(|start| start..(start + PIECE).min(layer.size));
+    let mut hasher = Hasher::new();
+    if let Some(first) = ranges.next() {
+        hasher.update(&piece(client, r, &layer.digest, first).await?);
+    }
+    let mut rest =
+        futures_util::stream::iter(ranges.map(|range| piece(client, r, &layer.digest, range)))
+            .buffered(IN_FLIGHT);
+    while let Some(bytes) = rest.next().await {
+        hasher.update(&bytes?);
+    }
+    let got = hasher.finish();
+    if got != layer.digest {
+        return Err(Error::corrupt(format!(
+            "the mirrors served {got} for blob {}: a mirror holds other bytes than the registry's",
+            layer.digest
+        )));
+    }
+    Ok(())
+}
+
+/// `range` of blob `digest` from the mirrors, under the registry retry policy; while a mirror
+/// fills the blob (a pull-through cache), asked again when it may hold it, for at most
+/// `registry::health::MAX_FILL_WAIT`.
+async fn piece(
+    client: &RegistryClient,
+    r: &Reference,
+    digest: &Digest,
+    range: Range<u64>,
+) -> Result<bytes::Bytes> {
+    let what = format!("bytes {}-{} of blob {digest}", range.start, range.end - 1);
+    loop {
+        let tried = client
+            .retry_policy()
+            .run(&what, || {
+                client.get_blob_range(r, digest, range.clone(), Ask::Mirrors)
+            })
+            .await;
+        match (tried, client.filling(r, digest)) {
+            (Ok(bytes), _) => return Ok(bytes),
+            (Err(_), Some(until)) => tokio::time::sleep_until(until).await,
+            (Err(e), None) if e.kind() == ErrorKind::Unsupported => {
+                return Err(e.context(
+                    "no mirror answered it with a range (a pull-through cache that has not held the blob within 10 minutes, or no mirror serves ranges)",
+                ))
+            }
+            (Err(e), None) => return Err(e),
+        }
+    }
+}
