@@ -114,7 +114,6 @@ fn hydrating_node(scratch: &Scratch, n: usize, reference: &str, hosts: &Path) ->
         &[
             "--hosts-dir",
             hosts.to_str().unwrap(),
-            "--plain-http",
             "--hydrate",
             "background",
         ],
@@ -589,4 +588,87 @@ fn a_preheated_cache_serves_a_rollout_without_the_origin() {
             rollout_cache + rollout_direct
         );
     }
+}
+
+/// The shipped slice cache in front of an HTTPS origin — every public registry's case — as
+/// operators deploy it: the origin's certificate verified (`proxy_ssl_verify on`) against a CA
+/// (a test CA here, the system's in production) under the name it gives. Two nodes boot and
+/// hydrate a disk through it, every byte right, and the origin sends the blob once. A cache
+/// that does not trust the origin's certificate answers nothing of it (502).
+#[test]
+fn the_shipped_slice_cache_speaks_https_to_the_origin_and_verifies_it() {
+    let scratch = Scratch::new();
+    let origin = Registry::start(&scratch);
+    let (https, ca) = origin.tls_front(&scratch);
+    let to_cache = FaultProxy::counting(https.port);
+    let cache = RegionalCache::start_https(&scratch, &to_cache.host(), &ca, "localhost");
+    let (disk, blob) = random_disk(&scratch, &origin, "vm/tls", 5);
+    let hosts = scratch.path("hosts-https");
+    std::fs::create_dir_all(hosts.join(https.host())).unwrap();
+    std::fs::write(
+        hosts.join(https.host()).join("hosts.toml"),
+        format!(
+            "server = \"https://{}\"\nca = \"{}\"\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            https.host(),
+            ca.display(),
+            cache.host()
+        ),
+    )
+    .unwrap();
+    let reference = format!("{}/vm/tls:1", https.host());
+    std::thread::scope(|s| {
+        for n in 0..2 {
+            let (scratch, reference, hosts, disk) = (&scratch, &reference, &hosts, &disk);
+            s.spawn(move || {
+                let mut mount = hydrating_node(scratch, n, reference, hosts);
+                boot(n, &mount, disk);
+                mount.wait_for("hydrated", Duration::from_secs(180));
+                mount.stop();
+            });
+        }
+    });
+    let sent = to_cache.bytes_to_client();
+    let misses = cache
+        .access_log()
+        .lines()
+        .filter(|l| l.contains("/blobs/") && l.contains(" MISS "))
+        .count();
+    eprintln!(
+        "two nodes through the slice cache of an HTTPS origin: the origin sent {:.2} x the blob over TLS; {misses} slice misses",
+        sent as f64 / blob as f64
+    );
+    assert!(misses > 0, "the cache fetched no slice from the origin");
+    assert!(
+        sent >= blob && sent <= blob * 11 / 10,
+        "the origin sent {sent} bytes (TLS included) for a {blob}-byte blob"
+    );
+
+    // Not trusting the origin's CA (the system's CAs do not know the test CA), the cache
+    // answers nothing of it.
+    let untrusting = RegionalCache::start_https(
+        &scratch,
+        &to_cache.host(),
+        Path::new("/etc/ssl/certs/ca-certificates.crt"),
+        "localhost",
+    );
+    let digest = inspect_json(&format!("{}/vm/tls:1", origin.host()))["platforms"][0]["layers"][0]
+        ["digest"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let code = curl(&[
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "-r",
+        "0-9",
+        &format!("http://{}/v2/vm/tls/blobs/{digest}", untrusting.host()),
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&code),
+        "502",
+        "a cache that cannot verify the origin"
+    );
 }

@@ -87,8 +87,8 @@ impl Registry {
         Self::spawn(port, root.clone(), &root.join("data"), "", auth)
     }
 
-    /// A second registry serving this one's storage over HTTPS, for 127.0.0.1, with the
-    /// certificate of a CA made for it; returns it and the CA certificate's PEM file.
+    /// A second registry serving this one's storage over HTTPS, for 127.0.0.1 (and the name
+    /// localhost), with the certificate of a CA made for it; returns it and the CA certificate's PEM file.
     pub fn tls_front(&self, scratch: &Scratch) -> (Self, PathBuf) {
         let port = free_port();
         let root = scratch.path(&format!("registry-{port}"));
@@ -106,7 +106,7 @@ impl Registry {
         run("openssl", &["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=vmdisk-test-ca", "-keyout", &ca_key, "-out", &ca]);
         #[rustfmt::skip]
         run("openssl", &["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", &key, "-out", &req]);
-        std::fs::write(&ext, "subjectAltName=IP:127.0.0.1\n").unwrap();
+        std::fs::write(&ext, "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
         #[rustfmt::skip]
         run("openssl", &["x509", "-req", "-in", &req, "-CA", &ca, "-CAkey", &ca_key, "-CAcreateserial", "-days", "2", "-extfile", &ext, "-out", &cert]);
         let tls = format!(", tls: {{ certificate: {cert}, key: {key} }}");
@@ -640,8 +640,8 @@ pub enum Fault {
 }
 
 /// The shipped regional cache (`config/nginx-regional-cache.conf`, Debian's nginx with its slice
-/// module) in front of a plain-HTTP origin, run by `integration/regional-cache.sh`; stopped with
-/// SIGTERM (nginx's master stops its workers).
+/// module) in front of an origin, run by `integration/regional-cache.sh`; stopped with SIGTERM
+/// (nginx's master stops its workers).
 pub struct RegionalCache {
     child: Option<Child>,
     pub port: u16,
@@ -649,22 +649,37 @@ pub struct RegionalCache {
 }
 
 impl RegionalCache {
+    /// The cache of a plain-HTTP origin.
     pub fn start(scratch: &Scratch, origin: &str) -> Self {
+        Self::start_with(scratch, origin, None)
+    }
+
+    /// The cache of an HTTPS origin whose certificate names `name` and is signed by `ca` (PEM),
+    /// as the shipped file speaks to it (proxy_ssl_verify on).
+    pub fn start_https(scratch: &Scratch, origin: &str, ca: &Path, name: &str) -> Self {
+        Self::start_with(scratch, origin, Some((ca, name)))
+    }
+
+    fn start_with(scratch: &Scratch, origin: &str, https: Option<(&Path, &str)>) -> Self {
         let port = free_port();
         let dir = scratch.path(&format!("regional-cache-{port}"));
         std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join("start.log");
-        let child = Command::new(concat!(
+        let mut cmd = Command::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/integration/regional-cache.sh"
-        ))
-        .arg(&dir)
-        .arg(origin)
-        .arg(port.to_string())
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(std::fs::File::create(dir.join("start.err")).unwrap())
-        .spawn()
-        .expect("run integration/regional-cache.sh");
+        ));
+        if let Some((ca, name)) = https {
+            cmd.env("ORIGIN_CA", ca).env("ORIGIN_NAME", name);
+        }
+        let child = cmd
+            .arg(&dir)
+            .arg(origin)
+            .arg(port.to_string())
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::create(dir.join("start.err")).unwrap())
+            .spawn()
+            .expect("run integration/regional-cache.sh");
         wait_for_port(port, "the regional cache (nginx)", &dir.join("start.err"));
         RegionalCache {
             child: Some(child),

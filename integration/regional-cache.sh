@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the shipped regional cache (config/nginx-regional-cache.conf, Debian 12's nginx) in the
-# foreground for the fleet tests and bench, in front of a plain-HTTP origin on loopback.
+# foreground for the fleet tests and bench, in front of an origin on loopback (plain HTTP, or
+# HTTPS with ORIGIN_CA below).
 # Usage: regional-cache.sh DIR ORIGIN PORT [SLICE]
 #   DIR     its configuration, cache, temporary files and logs (access.log: one line per
 #           request with the cache's answer, HIT/MISS/…, and the slice asked of the origin)
@@ -9,7 +10,10 @@
 #   SLICE   another slice size than the shipped one (the bench measures a few)
 # The main context is what docs/fleet.md tells operators to set (worker_rlimit_nofile). The
 # lines the shipped file marks EDIT are replaced; a line that is not found fails, so
-# the tests run the file as shipped. NGINX names another nginx binary.
+# the tests run the file as shipped. NGINX names another nginx binary. With ORIGIN_CA (a CA
+# certificate file) the origin is spoken to over HTTPS as the shipped file does, verified
+# against that CA under the name ORIGIN_NAME (what its certificate names) instead of the
+# system's CAs and registry.example.com.
 set -euo pipefail
 dir=${1:?usage: regional-cache.sh DIR ORIGIN PORT [SLICE]}
 origin=${2:?origin host:port}
@@ -30,7 +34,12 @@ replace() {
 replace "/var/cache/nginx/vmdisk" "$dir/cache"
 replace "server registry.example.com:443;" "server $origin;"
 replace "listen 5000;" "listen 127.0.0.1:$port;"
-replace "https://vmdisk_origin" "http://vmdisk_origin"
+if [ -n "${ORIGIN_CA:-}" ]; then
+  replace "proxy_ssl_name registry.example.com;" "proxy_ssl_name ${ORIGIN_NAME:?the name in the certificate of the origin};"
+  replace "proxy_ssl_trusted_certificate /etc/ssl/certs/ca-certificates.crt;" "proxy_ssl_trusted_certificate $ORIGIN_CA;"
+else
+  replace "https://vmdisk_origin" "http://vmdisk_origin"
+fi
 replace "Host registry.example.com" "Host $origin"
 [ -z "$slice" ] || replace "slice 512k;" "slice $slice;"
 printf '%s\n' "$conf" > "$dir/regional-cache.conf"
