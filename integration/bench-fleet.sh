@@ -1,31 +1,35 @@
 #!/usr/bin/env bash
-# A fleet booting one disk at once through the caches users run (part of `make bench`; docs/fleet.md):
-# N nodes (`vmdisk mount` processes, each with its own cache, started and timed by
-# integration/fleet-driver.py) read the same boot set — 100 scattered 64 KiB reads of a qcow2
-# holding FLEET_MIB (256) MiB of random data — at the same moment, the origin registry behind the
-# shaped cluster link (20 ms, 200 Mbit/s), through:
-#   none        no mirror: every node asks the origin;
-#   dist-first  CNCF distribution in pull-through mode as the hosts.toml mirror, fresh nodes
-#               (their first sight of such a cache);
-#   dist-known  the same, nodes that have noted the mirror as a pull-through cache (what a node
-#               keeps in <cache>/mirrors after its first sight);
-#   nginx       the shipped slice cache (config/nginx-regional-cache.conf) as the mirror;
-#   full-*      each node downloads the disk's whole blob through none / dist / nginx instead:
-#               what a pull costs the same fleet (the baseline users have today).
-# For each: the origin's body bytes, its GETs of the disk's blob and its other requests
-# (manifests, configs, TOC, referrers: what each added node costs it besides the disk), the
-# nodes' times from start to the boot set read (p50, p99; "p99 own cpu": each node's time less
-# what its threads waited for a CPU, i.e. on a machine of its own), and the CPU seconds the
-# nodes, the cache and the harness (relay, origin, driver) used, to show when two cores are
-# the limit.
-# FLEET_NODES ("1 10 50 100"), FLEET_MODES, FLEET_SLICE (another slice size for nginx),
+# A fleet booting one disk at once through the caches users run, with the nodes' default
+# configuration (part of `make bench`; docs/fleet.md): N nodes (`vmdisk mount` processes run as
+# the snapshotter runs a layer by default — background hydration at 50 MB/s — each with its own
+# cache, started and timed by integration/fleet-driver.py) boot at the same moment — 50
+# scattered 64 KiB reads of a qcow2 holding FLEET_MIB (128) MiB of random data, each compared
+# with the disk published — and go on until each holds the whole disk; the origin registry
+# behind the shaped cluster link (20 ms, 200 Mbit/s), through:
+#   none           no mirror: every node asks the origin;
+#   nginx          the shipped slice cache (config/nginx-regional-cache.conf) as the mirror;
+#   dist-first     CNCF distribution in pull-through mode as the hosts.toml mirror, cold, met by
+#                  fresh nodes (what they learn of it, they learn in the run);
+#   nginx-preheat  the slice cache warmed by `vmdisk preheat` before the rollout (the preheat's
+#                  own cost is printed apart);
+#   late-alone     one node alone through a cold slice cache, reading another boot set;
+#   nginx-late     N-1 nodes boot through the slice cache, and once they have booted (while they
+#                  hydrate) the last node boots the late-alone boot set: "late boot s";
+#   full-*         each node downloads the disk's whole blob through none / dist / nginx instead:
+#                  what a pull costs the same fleet (not run unless named in FLEET_MODES).
+# For each: the origin's body bytes (and as multiples of the blob B), its GETs of the disk's
+# blob and its other requests, the nodes' boot times (start to boot set read: p50, p99; "p99 own
+# cpu": less what each node's threads waited for a CPU, i.e. on a machine of its own), the time
+# from the start until every node was hydrated, wrong reads, and the CPU seconds the nodes, the
+# cache and the harness (relay, origin, driver) used, to show when two cores are the limit.
+# FLEET_NODES ("1 20 100"), FLEET_MODES, FLEET_SLICE (another slice size for nginx),
 # FLEET_FULL_MAX (10: the largest fleet a link-bound full pull is run for), BASE_BIN (another
-# build's vmdisk, run as a mode "before" through the mirror).
+# build's vmdisk, run as a mode "before" through the slice cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
-MIB=${FLEET_MIB:-256}
+MIB=${FLEET_MIB:-128}
 source integration/containerd.sh
 bench_scratch fleet
 start_registry "$B"
@@ -33,12 +37,15 @@ ORIGIN=$REG
 start_cluster_link "$B" "$ORIGIN"
 random_qcow2 "$B/fleet.qcow2" "$MIB"
 "$VMDISK" push "$B/fleet.qcow2" "$ORIGIN/vm/fleet:1" > /dev/null
-python3 - "$B/reads" "$MIB" <<'PY'
+# Two boot sets: the fleet's, and the late node's (other places of the disk's file).
+python3 - "$B/reads" "$B/late-reads" "$MIB" <<'PY'
 import random, sys
 random.seed(7)
-with open(sys.argv[1], "w") as f:
-    for o in random.sample(range((int(sys.argv[2]) << 20) // 65536), 100):
-        f.write(f"{o * 65536}\n")
+pieces = random.sample(range((int(sys.argv[3]) << 20) // 65536), 100)
+for name, part in ((sys.argv[1], pieces[:50]), (sys.argv[2], pieces[50:])):
+    with open(name, "w") as f:
+        for o in part:
+            f.write(f"{o * 65536}\n")
 PY
 
 # mirror MODE DIR: a fresh regional cache of the origin (through the link) for MODE; sets
@@ -69,17 +76,26 @@ run() {
   mkdir -p "$dir/hosts"
   local via=$CLUSTER args=() watch=(--watch "link=$RELAY_PID" --watch "origin=$ORIGIN_PID")
   if [ "${mode#full-}" != none ] && [ "$mode" != none ]; then
-    mirror "$mode" "$dir"
+    case $mode in before | *late* | *preheat) mirror nginx "$dir" ;; *) mirror "$mode" "$dir" ;; esac
     via=127.0.0.1:$MPORT
     watch+=(--watch "cache=$MIRROR_PID")
     mkdir -p "$dir/hosts/$CLUSTER"
     printf 'server = "http://%s"\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' "$CLUSTER" "$via" > "$dir/hosts/$CLUSTER/hosts.toml"
   fi
-  [ "$mode" != dist-known ] || args+=(--mirror-note "http://$via")
   case $mode in
   full-*) args+=(--full "http://$via/v2/vm/fleet/blobs/$BLOB") ;;
-  *) args+=(--vmdisk "$bin" --reference "$CLUSTER/vm/fleet:1" --hosts-dir "$dir/hosts") ;;
+  *) args+=(--vmdisk "$bin" --reference "$CLUSTER/vm/fleet:1" --hosts-dir "$dir/hosts" --expect "$B/fleet.qcow2") ;;
   esac
+  case $mode in
+  late-alone) args+=(--late --late-reads "$B/late-reads") ;;
+  nginx-late) args+=(--late --late-reads "$B/late-reads") ;;
+  esac
+  local preheat_mb=-
+  if [ "$mode" = nginx-preheat ]; then
+    local p; p=$(registry_mark "$B")
+    "$bin" preheat --hosts-dir "$dir/hosts" "$CLUSTER/vm/fleet:1" > "$dir/preheat.out"
+    preheat_mb=$(python3 -c "print(f'{$(registry_bytes_since "$B" "$p") / 1e6:.1f}')")
+  fi
   local m; m=$(registry_mark "$B")
   # In the background, so an interrupted bench stops it (and it its nodes) with the rest.
   python3 integration/fleet-driver.py "$dir" "$n" --reads "$B/reads" "${args[@]}" "${watch[@]}" > "$dir/result.json" &
@@ -97,9 +113,11 @@ run() {
   tail -c +"$((m + 1))" "$B/registry.log" | grep -o '"[A-Z]* /v2/[^ ]*' > "$dir/origin-requests" || true
   [ -z "${MIRROR_PID:-}" ] || kill "$MIRROR_PID" 2>/dev/null || true
   MIRROR_PID=
-  python3 - "$mode" "$n" "$bytes" "$dir" "$BLOB" <<'PY'
+  # The nodes' caches (N x the disk) and the mirror's go: 100 nodes of 4 modes would not fit.
+  rm -rf "$dir"/node*/cache "$dir/storage" "$dir/nginx/cache"
+  python3 - "$mode" "$n" "$bytes" "$dir" "$BLOB" "$BLOB_SIZE" "$preheat_mb" <<'PY'
 import json, sys
-mode, n, nbytes, d, blob = sys.argv[1:]
+mode, n, nbytes, d, blob, size, preheat = sys.argv[1:]
 r = json.load(open(d + "/result.json"))
 reqs = [l.strip().lstrip('"') for l in open(d + "/origin-requests")]
 gets = sum(1 for q in reqs if q.startswith("GET ") and q.endswith("/blobs/" + blob))
@@ -111,35 +129,41 @@ def rank(p, ok=ok):
 own = sorted(t - w for t, w in zip(r["times"], r["cpu_waits"]) if t is not None)
 c = r["cpu"]
 harness = c.get("link", 0) + c.get("origin", 0) + c["driver"]
-print(f"{mode} {n} {int(nbytes) / 1e6:.1f} {gets} {other} {rank(50):.2f} {rank(99):.2f} "
-      f"{rank(99, own):.2f} {len(r['times']) - len(ok)} {c['nodes']} {c.get('cache', 0)} "
-      f"{harness:.1f} {r['wall']}")
+hydrated = [t for t in r.get("hydrated", []) if t is not None]
+all_hydrated = f"{max(hydrated):.1f}" if hydrated and len(hydrated) == len(r["times"]) else "-"
+late = f"{r['late']:.2f}" if r.get("late") is not None else "-"
+print(f"{mode} {n} {int(nbytes) / 1e6:.1f} {int(nbytes) / int(size):.2f} {gets} {other} "
+      f"{rank(50):.2f} {rank(99):.2f} {rank(99, own):.2f} {all_hydrated} {late} "
+      f"{r.get('wrong', 0)} {len(r['times']) - len(ok)} {preheat} {c['nodes']} "
+      f"{c.get('cache', 0)} {harness:.1f} {r['wall']}")
 PY
 }
 
-BLOB=$(curl -s -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$ORIGIN/v2/vm/fleet/manifests/1" |
-  python3 -c 'import json, sys; print(max(json.load(sys.stdin)["layers"], key=lambda l: l["size"])["digest"])')
+read -r BLOB BLOB_SIZE < <(curl -s -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$ORIGIN/v2/vm/fleet/manifests/1" |
+  python3 -c 'import json, sys; l = max(json.load(sys.stdin)["layers"], key=lambda l: l["size"]); print(l["digest"], l["size"])')
 RELAY_PID=$(pgrep -f "$RELAY $CLUSTER")
 ORIGIN_PID=$(pgrep -f "docker-registry serve $B/registry.yml")
-MODES=${FLEET_MODES:-none dist-first dist-known nginx full-none full-dist full-nginx}
+MODES=${FLEET_MODES:-none nginx dist-first nginx-preheat late-alone nginx-late}
 [ -z "${BASE_BIN:-}" ] || MODES="$MODES before"
 # A full pull with no cache or through distribution sends the whole blob over the origin link
 # once per node (distribution streams every concurrent miss from the origin): N x the blob at
 # 200 Mbit/s, not run above FLEET_FULL_MAX nodes.
 FULL_MAX=${FLEET_FULL_MAX:-10}
 ROWS=()
-for N in ${FLEET_NODES:-1 10 50 100}; do
+for N in ${FLEET_NODES:-1 20 100}; do
   for MODE in $MODES; do
     case $MODE in full-none | full-dist) [ "$N" -le "$FULL_MAX" ] || continue ;; esac
+    # The late node's cases: one node alone, and a fleet of 20.
+    case $MODE in late-alone) [ "$N" = 1 ] || continue ;; nginx-late) [ "$N" = 20 ] || continue ;; esac
     ROWS+=("$(run "$MODE" "$N")")
   done
 done
 {
   echo
-  echo "A fleet booting one disk at once ($MIB MiB of random data, 100 scattered 64 KiB reads per node; full-*: each node downloads the whole blob), origin behind the cluster link (20 ms, 200 Mbit/s), same run; CPU seconds of the nodes, the cache and the harness (link relay, origin, driver):"
-  printf '  %-11s %5s %10s %9s %9s %7s %7s %12s %6s %9s %9s %11s %6s\n' mode nodes "origin MB" "blob GETs" "other req" "p50 s" "p99 s" "p99 own cpu" failed "node cpu" "cache cpu" "harness cpu" "wall s"
+  echo "A fleet booting one disk at once and hydrating it, the nodes' default configuration ($MIB MiB of random data, blob B = $((BLOB_SIZE / 1000000)) MB; 50 scattered 64 KiB reads per node, each checked; full-*: each node downloads the whole blob), origin behind the cluster link (20 ms, 200 Mbit/s), same run; hydrated s: from the start until every node held the whole disk; late: the late node's boot; preheat MB: what the preheat cost the origin before the rollout; CPU seconds of the nodes, the cache and the harness (link relay, origin, driver):"
+  printf '  %-13s %5s %10s %6s %9s %9s %7s %7s %12s %10s %7s %6s %6s %10s %9s %9s %11s %7s\n' mode nodes "origin MB" "x B" "blob GETs" "other req" "p50 s" "p99 s" "p99 own cpu" "hydrated s" "late s" wrong failed "preheat MB" "node cpu" "cache cpu" "harness cpu" "wall s"
   for row in "${ROWS[@]}"; do
     # shellcheck disable=SC2086
-    printf '  %-11s %5s %10s %9s %9s %7s %7s %12s %6s %9s %9s %11s %6s\n' $row
+    printf '  %-13s %5s %10s %6s %9s %9s %7s %7s %12s %10s %7s %6s %6s %10s %9s %9s %11s %7s\n' $row
   done
 } | tee -a "$RESULTS"

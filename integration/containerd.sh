@@ -96,11 +96,12 @@ publish_lazy_and_gzip() {
 # random_qcow2 DISK MIB: a qcow2 of MIB MiB fully written with random data (file = virtual
 # size), written in 256 MiB pieces.
 random_qcow2() {
-  local disk=$1 mib=$2
+  local disk=$1 mib=$2 at step
   qemu-img create -q -f qcow2 "$disk" "${mib}M"
-  for i in $(seq 0 $((mib / 256 - 1))); do
-    head -c 256M /dev/urandom > "$disk.piece"
-    qemu-io -c "write -s $disk.piece $((i * 256))M 256M" "$disk" > /dev/null
+  for ((at = 0; at < mib; at += 256)); do
+    step=$((mib - at < 256 ? mib - at : 256))
+    head -c "${step}M" /dev/urandom > "$disk.piece"
+    qemu-io -c "write -s $disk.piece ${at}M ${step}M" "$disk" > /dev/null
   done
   rm -f "$disk.piece"
 }

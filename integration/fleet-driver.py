@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """The nodes of bench-fleet.sh, started and timed by one process (so the harness's own CPU stays
-small beside 100 nodes): each node is a `vmdisk mount` with its own cache, or with --full a
-`curl` downloading the disk's whole blob (what a pull fetches); a thread per node waits for
-its disk and reads the boot set (one 64 KiB pread per line of READS), timing the node from
-its start. Prints one JSON object: the nodes' times (null: failed), how long each node's
-threads (its mount's and its reader) waited for a CPU, and the CPU seconds the nodes, this
-driver and the processes named by --watch used during the run.
+small beside 100 nodes): each node is a `vmdisk mount` with its own cache, run as the
+snapshotter runs a layer by default (background hydration at 50 MB/s), or with --full a `curl`
+downloading the disk's whole blob (what a pull fetches); a thread per node waits for its disk,
+reads the boot set (one 64 KiB pread per line of READS, each compared with the same bytes of
+--expect, the disk published), timing the node from its start, then waits until the node says
+the whole disk is cached and checked ("hydrated"). With --late, the last node starts only once
+the others have booted (while they hydrate) and reads --late-reads. Prints one JSON object: the
+nodes' boot times (null: failed), their hydration times, wrong reads, how long each node's
+threads (its mount's and its reader) waited for a CPU during its boot, and the CPU seconds the
+nodes, this driver and the processes named by --watch used during the run.
 
 usage: fleet-driver.py DIR N --reads FILE (--vmdisk BIN --reference REF --hosts-dir DIR
-       [--mirror-note URL] | --full URL) [--watch NAME=PID]...   (bench-fleet.sh runs it)
+       --expect FILE [--late --late-reads FILE] | --full URL) [--watch NAME=PID]...
+       (bench-fleet.sh runs it)
 """
 import argparse, json, os, resource, signal, subprocess, sys, threading, time
 
@@ -58,11 +63,15 @@ def main():
     p.add_argument("--vmdisk")
     p.add_argument("--reference")
     p.add_argument("--hosts-dir")
-    p.add_argument("--mirror-note", help="a pull-through cache each node has noted already")
+    p.add_argument("--expect", help="the disk published: what every read must return")
+    p.add_argument("--late", action="store_true", help="start the last node once the others booted")
+    p.add_argument("--late-reads", help="the late node's boot set")
     p.add_argument("--full", help="download this URL whole instead of mounting")
     p.add_argument("--watch", action="append", default=[], help="NAME=PID of a harness process")
     a = p.parse_args()
     offsets = [int(l) for l in open(a.reads)]
+    late_offsets = [int(l) for l in open(a.late_reads)] if a.late_reads else offsets
+    expect = open(a.expect, "rb") if a.expect else None
     watch = {}
     for w in a.watch:
         name, pid = w.split("=")
@@ -70,6 +79,9 @@ def main():
     before = {n: sum(cpu(p) for p in ps) for n, ps in watch.items()}
     self_before = resource.getrusage(resource.RUSAGE_SELF)
     times = [None] * a.nodes
+    hydrated = [None] * a.nodes
+    wrong = [0]
+    booted = threading.Semaphore(0)
     procs = [None] * a.nodes
     node_cpu = [0.0] * a.nodes
     node_wait = [0.0] * a.nodes
@@ -79,19 +91,28 @@ def main():
         d = os.path.join(a.dir, f"node{i}")
         os.makedirs(os.path.join(d, "mnt"), exist_ok=True)
         os.makedirs(os.path.join(d, "cache"), exist_ok=True)
+        late = a.late and i == a.nodes - 1
+        if late:
+            for _ in range(a.nodes - 1):
+                booted.acquire()
         t0 = time.monotonic()
         log = open(os.path.join(d, "node.log"), "w")
         if a.full:
             procs[i] = subprocess.Popen(["curl", "-sSf", "-o", "/dev/null", a.full], stderr=log)
             ok = procs[i].wait() == 0
         else:
-            if a.mirror_note:
-                with open(os.path.join(d, "cache", "mirrors"), "w") as f:
-                    f.write(a.mirror_note + "\n")
             procs[i] = subprocess.Popen(
                 [a.vmdisk, "mount", "--cache", os.path.join(d, "cache"), "--hosts-dir",
-                 a.hosts_dir, "--timeout", "300", a.reference, os.path.join(d, "mnt")],
-                stdout=subprocess.DEVNULL, stderr=log)
+                 a.hosts_dir, "--timeout", "300", "--hydrate", "background", a.reference,
+                 os.path.join(d, "mnt")],
+                stdout=subprocess.PIPE, stderr=log, text=True)
+            said_hydrated = threading.Event()
+
+            def watch_stdout(out=procs[i].stdout):
+                for line in out:
+                    if line.startswith("hydrated"):
+                        said_hydrated.set()
+            threading.Thread(target=watch_stdout, daemon=True).start()
             disk = None
             while time.monotonic() - t0 < 300 and procs[i].poll() is None:
                 found = [n for n in os.listdir(os.path.join(d, "mnt", "disk"))] \
@@ -104,8 +125,10 @@ def main():
             if ok:
                 try:
                     fd = os.open(disk, os.O_RDONLY)
-                    for off in offsets:
-                        os.pread(fd, 65536, off)
+                    for off in (late_offsets if late else offsets):
+                        got = os.pread(fd, 65536, off)
+                        if expect is not None and got != os.pread(expect.fileno(), 65536, off):
+                            wrong[0] += 1
                     os.close(fd)
                 except OSError as e:
                     print(f"node {i}: {e}", file=log)
@@ -117,6 +140,12 @@ def main():
                 pass
         node_wait[i] += waited(os.getpid(), [threading.get_native_id()])
         times[i] = round(time.monotonic() - t0, 3) if ok else None
+        if not late:
+            booted.release()
+        if ok and not a.full:
+            if said_hydrated.wait(timeout=1200):
+                hydrated[i] = round(time.monotonic() - start, 3)
+            node_cpu[i] = cpu(procs[i].pid)
 
     def stop(*_):
         # Stopped (the bench is interrupted): the nodes unmount before the driver goes.
@@ -146,6 +175,9 @@ def main():
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     json.dump({
         "times": times,
+        "hydrated": hydrated,
+        "wrong": wrong[0],
+        "late": times[-1] if a.late else None,
         "cpu_waits": [round(w, 3) for w in node_wait],
         "wall": round(wall, 2),
         "cpu": {

@@ -120,6 +120,9 @@ struct State {
     /// Set when it answered a Range request covering a whole blob with that range: it serves
     /// ranges, or held that blob (what it is shows at its first whole answer).
     ranged_whole: bool,
+    /// Blobs a background read is asking it for now, where it is known to fill whole blobs and
+    /// has not served ranges of them: one such ask at a time ([`Health::first_ask`]).
+    asking: HashSet<Digest>,
 }
 
 /// What is known of a mirror that fetches whole blobs it lacks.
@@ -252,6 +255,22 @@ fn note_line(base: &str, noted: SystemTime) -> String {
     format!("{base} {secs}\n")
 }
 
+/// A claim of [`Health::first_ask`], given up when dropped.
+pub struct Asking<'a> {
+    health: &'a Health,
+    base: &'a str,
+    /// The blob claimed, if the claim was needed.
+    blob: Option<Digest>,
+}
+
+impl Drop for Asking<'_> {
+    fn drop(&mut self) {
+        if let Some(blob) = self.blob {
+            self.health.with(self.base, |s| s.asking.remove(&blob));
+        }
+    }
+}
+
 /// A blob a mirror cannot serve ranges of yet.
 #[derive(Debug)]
 struct BlobRest {
@@ -357,6 +376,34 @@ impl Health {
     /// Mirror `base` answered a Range request covering a whole blob with that range.
     pub fn answered_range(&self, base: &str) {
         self.with(base, |s| s.ranged_whole = true);
+    }
+
+    /// A background read's claim to ask mirror `base` for ranges of `blob`: none while another
+    /// one asks or the blob rests there (it is filling), where the mirror is known to fill whole blobs and has not served ranges of
+    /// `blob` — each ask of such a mirror for a blob it lacks has it stream another copy from
+    /// the origin, so one asks (and starts the fill) and the others go on to the next
+    /// endpoint. Where the mirror serves ranges of it, or is not known to fill, every read may.
+    pub fn first_ask<'a>(&'a self, base: &'a str, blob: &Digest) -> Option<Asking<'a>> {
+        let now = Instant::now();
+        let claimed = self.with(base, |s| {
+            let lacks = s
+                .fills
+                .as_ref()
+                .is_some_and(|f| f.current(now) && !f.held.contains(blob));
+            let filling = s.blob_rests.get(blob).is_some_and(|r| r.until > now);
+            match lacks {
+                false => Some(false),
+                true if !filling && s.asking.len() < MAX_BLOB_RESTS && s.asking.insert(*blob) => {
+                    Some(true)
+                }
+                true => None,
+            }
+        })?;
+        Some(Asking {
+            health: self,
+            base,
+            blob: claimed.then_some(*blob),
+        })
     }
 
     /// A request is about to be sent to `base`.
@@ -596,6 +643,20 @@ mod tests {
             bases(&h.order(all(), Some((&a, Purpose::Demand)))),
             ["m", "o"]
         );
+        // One background ask at a time of a mirror that lacks a blob; any number where it
+        // holds it, or is not known to fill.
+        let (c, d) = (Digest::of(b"c"), Digest::of(b"d"));
+        let first = h.first_ask("m", &c).expect("the first ask");
+        assert!(
+            h.first_ask("m", &c).is_none(),
+            "a second ask waits its turn"
+        );
+        assert!(h.first_ask("m", &d).is_some(), "another blob");
+        drop(first);
+        assert!(h.first_ask("m", &c).is_some());
+        let held = h.first_ask("m", &a).expect("held");
+        assert!(h.first_ask("m", &a).is_some() && h.first_ask("other", &c).is_some());
+        drop(held);
         // A mirror that answered a whole range with a range has shown itself, as far as one
         // answer can; one never asked has not.
         h.answered_range("r");

@@ -434,6 +434,16 @@ impl RegistryClient {
         }
         let ranges = blob.map(|b| (b, ask.purpose()));
         for ep in self.shared.health.order(endpoints, ranges) {
+            // A mirror that has not served ranges of the blob is asked by one request at a time.
+            let _asking = match ranges {
+                Some((blob, _)) if ep.mirror => {
+                    match self.shared.health.first_ask(&ep.base, blob) {
+                        Some(asking) => Some(asking),
+                        None => continue,
+                    }
+                }
+                _ => None,
+            };
             let req = make(&ep);
             self.shared.health.sent(&ep.base);
             let answer = async {
@@ -470,7 +480,7 @@ impl RegistryClient {
                 (ErrorKind::NotFound, _) => health::Failure::NotFound,
                 (ErrorKind::Auth, _) => health::Failure::Refused,
                 (ErrorKind::Unsupported, Some(blob)) if ep.mirror => {
-                    tracing::info!(endpoint = %ep.base, %blob, "the mirror answered a Range request with the whole blob (a pull-through cache filling itself): this blob's ranges pass it by for a while");
+                    tracing::info!(endpoint = %ep.base, %blob, ?ask, "the mirror answered a Range request with the whole blob (a pull-through cache filling itself): this blob's ranges pass it by for a while");
                     health::Failure::WholeBlob(*blob)
                 }
                 _ => health::Failure::Endpoint,
