@@ -295,7 +295,7 @@ fn a_fleet_behind_a_pull_through_cache_fetches_each_chunk_from_the_origin_about_
 /// whole disk from the origin beside the cache's fill (2 blobs, not 1).
 #[test]
 fn a_fleet_through_a_cold_pull_through_cache_boots_past_its_fill_and_hydrates_through_it() {
-    const NODES: usize = 6;
+    const NODES: usize = 8;
     let scratch = Scratch::new();
     let origin = Registry::start(&scratch);
     let to_cache = FaultProxy::counting(origin.port);
@@ -520,7 +520,7 @@ fn a_fleet_behind_the_shipped_slice_cache_costs_the_origin_what_one_node_does() 
 /// the origin no byte of the disk.
 #[test]
 fn a_preheated_cache_serves_a_rollout_without_the_origin() {
-    const NODES: usize = 3;
+    const NODES: usize = 8;
     let scratch = Scratch::new();
     let origin = Registry::start(&scratch);
     let to_cache = FaultProxy::counting(origin.port);
@@ -592,7 +592,7 @@ fn a_preheated_cache_serves_a_rollout_without_the_origin() {
 
 /// The shipped slice cache in front of an HTTPS origin — every public registry's case — as
 /// operators deploy it: the origin's certificate verified (`proxy_ssl_verify on`) against a CA
-/// (a test CA here, the system's in production) under the name it gives. Two nodes boot and
+/// (a test CA here, the system's in production) under the name it gives. Eight nodes boot and
 /// hydrate a disk through it, every byte right, and the origin sends the blob once. A cache
 /// that does not trust the origin's certificate answers nothing of it (502).
 #[test]
@@ -617,7 +617,7 @@ fn the_shipped_slice_cache_speaks_https_to_the_origin_and_verifies_it() {
     .unwrap();
     let reference = format!("{}/vm/tls:1", https.host());
     std::thread::scope(|s| {
-        for n in 0..2 {
+        for n in 0..8 {
             let (scratch, reference, hosts, disk) = (&scratch, &reference, &hosts, &disk);
             s.spawn(move || {
                 let mut mount = hydrating_node(scratch, n, reference, hosts);
@@ -634,7 +634,7 @@ fn the_shipped_slice_cache_speaks_https_to_the_origin_and_verifies_it() {
         .filter(|l| l.contains("/blobs/") && l.contains(" MISS "))
         .count();
     eprintln!(
-        "two nodes through the slice cache of an HTTPS origin: the origin sent {:.2} x the blob over TLS; {misses} slice misses",
+        "eight nodes through the slice cache of an HTTPS origin: the origin sent {:.2} x the blob over TLS; {misses} slice misses",
         sent as f64 / blob as f64
     );
     assert!(misses > 0, "the cache fetched no slice from the origin");

@@ -182,6 +182,19 @@ impl Registry {
     }
 }
 
+impl Registry {
+    /// Stops it answering (SIGSTOP): connections are accepted by the kernel and never answered,
+    /// as of a hung registry or one behind a congested link.
+    pub fn pause(&self) {
+        run("kill", &["-STOP", &self.child.id().to_string()]);
+    }
+
+    /// Lets it answer again (SIGCONT).
+    pub fn resume(&self) {
+        run("kill", &["-CONT", &self.child.id().to_string()]);
+    }
+}
+
 impl Drop for Registry {
     fn drop(&mut self) {
         let _ = self.child.kill();

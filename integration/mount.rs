@@ -334,6 +334,28 @@ fn a_second_image_sharing_chunks_fetches_only_the_difference() {
     );
 }
 
+/// A background hydration whose fetches fail (the registry stops answering for longer than a
+/// hydration's fetch may take: 6 fetch deadlines) pauses and goes on once the registry answers
+/// again, 10 to 20 s later. Before, the first failed pass ended it for the mount's life: a
+/// fleet of nodes hydrating over a congested link stopped hydrating.
+#[test]
+fn a_background_hydration_that_fails_goes_on_when_the_registry_answers_again() {
+    let scratch = Scratch::new();
+    let (registry, disk, reference) = random_raw_image(&scratch, 16 << 20, 9, "vm/paused:1");
+    let mut mount = Mount::start(
+        &reference,
+        &scratch.path("cache"),
+        &scratch.path("mnt"),
+        &["--hydrate", "background", "--fetch-timeout", "1"],
+    );
+    // Hydration starts once readers have rested 5 s; its first fetch fails 6 s later.
+    registry.pause();
+    std::thread::sleep(Duration::from_secs(14));
+    registry.resume();
+    mount.wait_for("hydrated", Duration::from_secs(60));
+    assert!(files_identical(&mount.disk, &disk), "the disk as published");
+}
+
 #[test]
 fn kill_during_hydration_refetches_nothing_marked_present() {
     let scratch = Scratch::new();

@@ -88,6 +88,19 @@ impl RetryPolicy {
         }
     }
 
+    /// For background work a mount owns for its whole life (a background hydration): tried
+    /// again after any transient failure, every 10 s at first and every 5 minutes at most,
+    /// until it succeeds or the mount ends — a congested or failing registry pauses it, never
+    /// ends it.
+    pub fn background() -> Self {
+        RetryPolicy {
+            attempts: u32::MAX,
+            base_delay: Duration::from_secs(10),
+            max_delay: Duration::from_secs(300),
+            deadline: Duration::MAX,
+        }
+    }
+
     /// This policy with another overall deadline.
     pub fn with_deadline(&self, deadline: Duration) -> Self {
         RetryPolicy {

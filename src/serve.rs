@@ -444,7 +444,18 @@ impl Serving {
             *hydrating.lock() = Some(tokio::spawn(async move {
                 tracing::info!("fetching the whole disk");
                 let concurrency = if limit.is_some() { 2 } else { 4 };
-                let outcome = match engine.hydrate(concurrency, limit).await {
+                // In the background a failed pass (a registry down, a link a fleet congests)
+                // pauses the hydration, which goes on later where it stopped; a hydration
+                // asked for (`vmdisk prefetch`) says it failed, and the caller asks again.
+                let hydrated = match limit {
+                    Some(_) => {
+                        crate::retry::RetryPolicy::background()
+                            .run("background hydration", || engine.hydrate(concurrency, limit))
+                            .await
+                    }
+                    None => engine.hydrate(concurrency, limit).await,
+                };
+                let outcome = match hydrated {
                     Ok(()) => {
                         let integrity = engine.check_integrity(&cache).await;
                         let chunks = engine.cache.present_count();
