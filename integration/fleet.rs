@@ -90,9 +90,10 @@ fn wait_until_it_serves_ranges(registry: &Registry, digest: &str) {
     }
 }
 
-/// A hosts.toml directory (for `--hosts-dir`) in which `registry` lists `mirror` before itself.
+/// A hosts.toml directory (for `--hosts-dir`) in which `registry` lists `mirror` before itself
+/// (one per mirror).
 pub(crate) fn hosts_dir(scratch: &Scratch, registry: &str, mirror: &str) -> std::path::PathBuf {
-    let hosts = scratch.path("hosts.d");
+    let hosts = scratch.path(&format!("hosts.d-{}", mirror.replace(':', "-")));
     std::fs::create_dir_all(hosts.join(registry)).unwrap();
     std::fs::write(
         hosts.join(registry).join("hosts.toml"),
@@ -534,16 +535,7 @@ fn a_preheated_cache_serves_a_rollout_without_the_origin() {
         ("slices", slices.host()),
         ("pull-through", pull_through.host()),
     ] {
-        let hosts = scratch.path(&format!("{name}-hosts"));
-        std::fs::create_dir_all(hosts.join(to_nodes.host())).unwrap();
-        std::fs::write(
-            hosts.join(to_nodes.host()).join("hosts.toml"),
-            format!(
-                "server = \"http://{}\"\n[host.\"http://{mirror}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
-                to_nodes.host()
-            ),
-        )
-        .unwrap();
+        let hosts = hosts_dir(&scratch, &to_nodes.host(), &mirror);
         let repo = format!("vm/{name}");
         let (disk, blob) = random_disk(&scratch, &origin, &repo, name.len() as u64);
         let reference = format!("{}/{repo}:1", to_nodes.host());

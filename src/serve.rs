@@ -450,7 +450,9 @@ impl Serving {
                 let hydrated = match limit {
                     Some(_) => {
                         crate::retry::RetryPolicy::background()
-                            .run("background hydration", || engine.hydrate(concurrency, limit))
+                            .run("background hydration", || {
+                                engine.hydrate(concurrency, limit)
+                            })
                             .await
                     }
                     None => engine.hydrate(concurrency, limit).await,

@@ -343,6 +343,18 @@ impl Mirrored {
         self.hits.load(Ordering::SeqCst)
     }
 
+    /// The blob's descriptor.
+    fn descriptor(&self) -> crate::oci::Descriptor {
+        crate::oci::Descriptor {
+            media_type: "application/octet-stream".into(),
+            digest: self.digest,
+            size: self.blob.len() as u64,
+            annotations: Default::default(),
+            platform: None,
+            artifact_type: None,
+        }
+    }
+
     /// Blob GETs the origin received.
     fn origin_gets(&self) -> usize {
         count(&self.origin, &format!("GET /vm/disk/blobs/{}", self.digest))
@@ -581,14 +593,7 @@ async fn a_blob_a_mirror_answers_whole_is_passed_by_there_and_rests() {
 async fn a_pull_through_mirror_shows_itself_on_a_small_blob_and_hydration_waits_for_its_fill() {
     let m = Mirrored::start(Mirror::WholeBlob, true).await;
     let r = reference(&m.host, "1");
-    let desc = crate::oci::Descriptor {
-        media_type: "application/octet-stream".into(),
-        digest: m.digest,
-        size: m.blob.len() as u64,
-        annotations: Default::default(),
-        platform: None,
-        artifact_type: None,
-    };
+    let desc = m.descriptor();
     assert!(m.client.mirror_unknown(&r));
     assert_eq!(m.client.get_blob(&r, &desc, 1 << 20).await.unwrap(), m.blob);
     assert_eq!(
@@ -637,14 +642,7 @@ async fn a_pull_through_mirror_shows_itself_on_a_small_blob_and_hydration_waits_
 async fn a_mirror_that_answers_ranges_is_asked_for_a_readers_ranges() {
     let m = Mirrored::start(Mirror::Ranges, true).await;
     let r = reference(&m.host, "1");
-    let desc = crate::oci::Descriptor {
-        media_type: "application/octet-stream".into(),
-        digest: m.digest,
-        size: m.blob.len() as u64,
-        annotations: Default::default(),
-        platform: None,
-        artifact_type: None,
-    };
+    let desc = m.descriptor();
     assert!(m.client.mirror_unknown(&r));
     assert_eq!(m.client.get_blob(&r, &desc, 1 << 20).await.unwrap(), m.blob);
     assert!(!m.client.mirror_unknown(&r), "shown by its answer");
@@ -680,14 +678,7 @@ async fn a_mirror_alone_that_cannot_serve_ranges_is_named_in_the_error() {
 async fn wrong_bytes_from_a_mirror_are_never_returned_for_a_verified_blob() {
     let m = Mirrored::start(Mirror::WrongBytes, true).await;
     let r = reference(&m.host, "1");
-    let desc = crate::oci::Descriptor {
-        media_type: "application/octet-stream".into(),
-        digest: m.digest,
-        size: m.blob.len() as u64,
-        annotations: Default::default(),
-        platform: None,
-        artifact_type: None,
-    };
+    let desc = m.descriptor();
     assert_eq!(m.client.get_blob(&r, &desc, 1 << 20).await.unwrap(), m.blob);
     assert_eq!(m.hits(), 1);
     assert_eq!(m.origin_gets(), 1);
