@@ -228,8 +228,8 @@ impl RegistryClient {
         let what = &format!("blob {}", desc.digest);
         // A mirror is asked for the blob as a range covering all of it: a pull-through cache
         // that lacks it answers `200` (and fetches it whole), which teaches what it is before
-        // any disk read asks it for a blob ([`super::health::Health::answered_whole`]); the bytes are
-        // the same either way.
+        // any disk read asks it for a blob (`Health::answered_whole`); the bytes are the same
+        // either way.
         let whole_range = format!("bytes=0-{}", desc.size.saturating_sub(1));
         self.pull(
             r,
