@@ -139,8 +139,9 @@ impl Engine {
             }
         };
         // The first batch alone: where a mirror is a pull-through cache that lacks the blob,
-        // one request starts its fill (and the rest wait for it), not `concurrency` requests
-        // each having it stream another copy from the origin.
+        // its one ask starts the fill and the batches after it wait for that fill; batches
+        // beside it would go to the origin while it asks (a mirror is asked for a blob it has
+        // not served by one request at a time: `Health::first_ask`).
         let mut batches = batches.into_iter();
         if let Some(first) = batches.next() {
             batch(first).await?;

@@ -231,22 +231,25 @@ impl RegistryClient {
         // any disk read asks it for a blob (`Health::answered_whole`); the bytes are the same
         // either way.
         let whole_range = format!("bytes=0-{}", desc.size.saturating_sub(1));
+        let as_range = |ep: &Endpoint| ep.mirror && desc.size > 0;
         self.pull(
             r,
             what,
             Ask::AnyEndpoint,
             |ep| {
                 let req = Req::get(ep, r, &format!("blobs/{}", desc.digest));
-                match ep.mirror && desc.size > 0 {
-                    true => req.header(RANGE, &whole_range),
-                    false => req,
+                if as_range(ep) {
+                    req.header(RANGE, &whole_range)
+                } else {
+                    req
                 }
             },
             |resp, ep| async move {
                 match resp.status() {
-                    _ if !ep.mirror || desc.size == 0 => {}
-                    StatusCode::OK => self.shared.health.answered_whole(&ep.base),
-                    StatusCode::PARTIAL_CONTENT => self.shared.health.answered_range(&ep.base),
+                    StatusCode::OK if as_range(&ep) => self.shared.health.answered_whole(&ep.base),
+                    StatusCode::PARTIAL_CONTENT if as_range(&ep) => {
+                        self.shared.health.answered_range(&ep.base)
+                    }
                     _ => {}
                 }
                 let bytes = self.body(&ep, resp, desc.size, what).await?;
