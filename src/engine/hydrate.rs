@@ -131,11 +131,17 @@ impl Engine {
                 }
                 // A pull-through mirror filling the blob from the origin serves the fleet once
                 // it holds it: wait for it rather than fetch the blob from the origin once per
-                // node (bounded: `health::MAX_FILL_WAIT`).
-                while let Some(until) = self.sources.blob.filling() {
-                    tokio::time::sleep_until(until).await;
+                // node (bounded: `health::MAX_FILL_WAIT`). A batch whose ask showed the fill
+                // (the registry is then not asked for it) waits and goes again.
+                loop {
+                    while let Some(until) = self.sources.blob.filling() {
+                        tokio::time::sleep_until(until).await;
+                    }
+                    match self.ensure_as(r.clone(), Priority::Hydration).await {
+                        Err(_) if self.sources.blob.filling().is_some() => continue,
+                        done => return done,
+                    }
                 }
-                self.ensure_as(r, Priority::Hydration).await
             }
         };
         // The first batch alone: where a mirror is a pull-through cache that lacks the blob,

@@ -102,7 +102,8 @@ pub const READ_GRACE: Duration = Duration::from_secs(2);
 /// the read's deadline.
 const HYDRATION_FETCH_DEADLINES: u32 = 6;
 
-/// How long a chunk whose fetch failed fails again at once ([`Engine::recently_failed`]).
+/// How long a chunk whose fetch for a reader failed fails again at once
+/// ([`Engine::recently_failed`]).
 const FAILED_RECENTLY: Duration = Duration::from_secs(1);
 
 /// Whose fetch it is: a reader's, or hydration's, which has slots of its own and, in the
@@ -387,7 +388,9 @@ impl Engine {
                 chunks: run.clone(),
             };
             let result = self.fetch_run(&run, priority).await;
-            if let Err(e) = &result {
+            // A reader's failure only: hydration's fetches ask other endpoints under other
+            // deadlines, and wait for a filling mirror by failing (`hydrate`).
+            if let (Err(e), Priority::Demand) = (&result, priority) {
                 self.note_failed(&run, e);
             }
             claim.complete(result.is_ok());

@@ -15,7 +15,17 @@
 //! for the blob before it holds it makes it stream another copy from the origin. So that blob
 //! (not the mirror) rests there: its ranges go to the other endpoints, and the mirror is asked
 //! again for them after [`BLOB_REST`], doubling up to [`MAX_BLOB_REST`], until it answers
-//! with a range.
+//! with a range. A mirror asked for a blob it has not served ranges of that sends no answer
+//! within the mirror deadline ([`Failure::Silent`]) rests the blob there too: a pull-through
+//! cache answers only once the origin has started sending, which on a busy link takes seconds,
+//! and asking again at once would start another stream from the origin.
+//!
+//! What a mirror does with a blob shows only at its answer, and a pull-through cache that
+//! holds one blob (the config another node had it fetch) answers that blob's ranges as a
+//! Range cache does. So a mirror that has not served ranges of a blob is asked for it by one
+//! request at a time ([`Health::first_ask`]); the others wait for that answer, while the ask is
+//! young, or go on to the next endpoint ([`Health::claim`]), and a reader waits for it only
+//! briefly (the registry client's hedge: `transport::MIRROR_HEDGE`).
 //!
 //! The first such answer also teaches that the mirror *is* such a cache (a Range cache — nginx's
 //! slice cache — never answers one), and so does a whole answer to a Range request covering a
@@ -39,6 +49,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use parking_lot::Mutex;
@@ -105,6 +116,12 @@ pub enum Failure {
     /// A mirror answered a Range request for this blob with the whole blob (a pull-through
     /// cache filling itself): counted, and the blob rests there, not the mirror.
     WholeBlob(Digest),
+    /// A mirror asked for a blob it has not served ranges of sent no answer within the mirror
+    /// deadline (a pull-through cache fetching it before it answers, a cold cache behind a
+    /// congested link): counted, and the blob rests there as after a whole answer, without
+    /// teaching what the mirror is. Asking it again at once would only start another stream
+    /// from the origin behind the same link.
+    Silent(Digest),
 }
 
 #[derive(Debug, Default)]
@@ -120,9 +137,11 @@ struct State {
     /// Set when it answered a Range request covering a whole blob with that range: it serves
     /// ranges, or held that blob (what it is shows at its first whole answer).
     ranged_whole: bool,
-    /// Blobs a background read is asking it for now, where it is known to fill whole blobs and
-    /// has not served ranges of them: one such ask at a time ([`Health::first_ask`]).
-    asking: HashSet<Digest>,
+    /// Blobs it answered a range of in this process (a mirror): it holds them.
+    served: HashSet<Digest>,
+    /// Blobs a request is asking it for now that it has not served ranges of, with when it
+    /// asked: one such ask at a time ([`Health::first_ask`]).
+    asking: HashMap<Digest, Instant>,
 }
 
 /// What is known of a mirror that fetches whole blobs it lacks.
@@ -133,8 +152,6 @@ struct Fills {
     expires: Instant,
     /// When it was learnt, on the wall clock, for the notes file.
     noted: SystemTime,
-    /// The blobs it answered a range of in this process.
-    held: HashSet<Digest>,
 }
 
 impl Fills {
@@ -145,7 +162,6 @@ impl Fills {
         Fills {
             expires: Instant::now() + NOTE_LIFETIME.saturating_sub(age),
             noted,
-            held: HashSet::new(),
         }
     }
 
@@ -156,9 +172,10 @@ impl Fills {
 }
 
 impl State {
-    /// Rests `blob` here after a whole-blob answer to a Range request for it (longer each
-    /// time); whether that taught that this mirror is a pull-through cache.
-    fn rest_blob(&mut self, blob: Digest) -> bool {
+    /// Rests `blob` here after a whole-blob answer to a Range request for it, or none in time
+    /// to a first one (longer each time, but for answers to requests sent before the rest
+    /// began: the same fill, not a longer one).
+    fn rest_blob(&mut self, blob: Digest) {
         let now = Instant::now();
         if self.blob_rests.len() >= MAX_BLOB_RESTS {
             self.blob_rests.retain(|_, r| r.until > now);
@@ -172,16 +189,13 @@ impl State {
             since: now,
         });
         if rest.until > now {
-            // An answer to a request sent before the rest began (concurrent reads): the same
-            // fill, not a longer one.
-            return self.learn_fills(now);
+            return;
         }
         rest.times = rest.times.saturating_add(1);
         rest.until = now
             + BLOB_REST
                 .saturating_mul(1 << (rest.times - 1).min(10))
                 .min(MAX_BLOB_REST);
-        self.learn_fills(now)
     }
 
     /// Knows this mirror fills whole blobs it lacks; whether that is new.
@@ -201,10 +215,9 @@ impl State {
             // Never asked: a pull-through cache would fetch it whole for the asking, which a
             // background read of the whole blob wants (one fill for the fleet) and a reader
             // must not wait behind.
-            (None, Purpose::Demand) => self
-                .fills
-                .as_ref()
-                .is_some_and(|f| f.current(now) && !f.held.contains(blob)),
+            (None, Purpose::Demand) => {
+                self.fills.as_ref().is_some_and(|f| f.current(now)) && !self.served.contains(blob)
+            }
             (None, Purpose::Whole) => false,
         }
     }
@@ -255,18 +268,27 @@ fn note_line(base: &str, noted: SystemTime) -> String {
     format!("{base} {secs}\n")
 }
 
-/// A claim of [`Health::first_ask`], given up when dropped.
-pub struct Asking<'a> {
-    health: &'a Health,
-    base: &'a str,
-    /// The blob claimed, if the claim was needed.
+/// A claim of [`Health::first_ask`], given up when dropped (it may outlive the request that
+/// took it: a reader's ask of a mirror left to finish in the background).
+pub struct Asking {
+    health: Arc<Health>,
+    base: String,
+    /// The blob claimed, if the claim was needed: the mirror has not served ranges of it.
     blob: Option<Digest>,
 }
 
-impl Drop for Asking<'_> {
+impl Asking {
+    /// The blob claimed, where the mirror has not served ranges of it (its first ask).
+    pub fn first_of(&self) -> Option<&Digest> {
+        self.blob.as_ref()
+    }
+}
+
+impl Drop for Asking {
     fn drop(&mut self) {
         if let Some(blob) = self.blob {
-            self.health.with(self.base, |s| s.asking.remove(&blob));
+            self.health.with(&self.base, |s| s.asking.remove(&blob));
+            self.health.released.notify_waiters();
         }
     }
 }
@@ -287,6 +309,8 @@ pub struct Health {
     states: Mutex<HashMap<String, State>>,
     /// Where what was learnt about mirrors is kept.
     notes: Option<PathBuf>,
+    /// Told when a claim of [`Health::first_ask`] is given up.
+    released: tokio::sync::Notify,
 }
 
 impl Health {
@@ -305,6 +329,7 @@ impl Health {
         Health {
             states: Mutex::new(states),
             notes: Some(notes.to_path_buf()),
+            released: tokio::sync::Notify::new(),
         }
     }
 
@@ -378,32 +403,58 @@ impl Health {
         self.with(base, |s| s.ranged_whole = true);
     }
 
-    /// A background read's claim to ask mirror `base` for ranges of `blob`: none while another
-    /// one asks or the blob rests there (it is filling), where the mirror is known to fill whole blobs and has not served ranges of
-    /// `blob` — each ask of such a mirror for a blob it lacks has it stream another copy from
-    /// the origin, so one asks (and starts the fill) and the others go on to the next
-    /// endpoint. Where the mirror serves ranges of it, or is not known to fill, every read may.
-    pub fn first_ask<'a>(&'a self, base: &'a str, blob: &Digest) -> Option<Asking<'a>> {
+    /// A request's claim to ask mirror `base` for ranges of `blob`: where it has not served
+    /// ranges of `blob`, one request at a time, and none while the blob rests there (it is
+    /// filling, or did not answer in time) — a pull-through cache that lacks a blob streams
+    /// another copy from the origin for each ask, and what a mirror is shows only at its
+    /// answer, so one request asks and the others wait for that answer or go on to the next
+    /// endpoint ([`Health::claim`]). Where it has served ranges of `blob`, every request may.
+    pub fn first_ask(self: &Arc<Self>, base: &str, blob: &Digest) -> Option<Asking> {
         let now = Instant::now();
         let claimed = self.with(base, |s| {
-            let lacks = s
-                .fills
-                .as_ref()
-                .is_some_and(|f| f.current(now) && !f.held.contains(blob));
-            let filling = s.blob_rests.get(blob).is_some_and(|r| r.until > now);
-            match lacks {
-                false => Some(false),
-                true if !filling && s.asking.len() < MAX_BLOB_RESTS && s.asking.insert(*blob) => {
+            let free = !s.blob_rests.get(blob).is_some_and(|r| r.until > now)
+                && !s.asking.contains_key(blob)
+                && s.asking.len() < MAX_BLOB_RESTS;
+            match s.served.contains(blob) {
+                true => Some(false),
+                false if free => {
+                    s.asking.insert(*blob, now);
                     Some(true)
                 }
-                true => None,
+                false => None,
             }
         })?;
         Some(Asking {
-            health: self,
-            base,
+            health: Arc::clone(self),
+            base: base.to_string(),
             blob: claimed.then_some(*blob),
         })
+    }
+
+    /// [`Health::first_ask`], waiting for another request's ask to end (it shows whether the
+    /// mirror serves ranges of `blob`) until that ask is `within` old; none if it did not end
+    /// by then or the blob rests there.
+    pub async fn claim(
+        self: &Arc<Self>,
+        base: &str,
+        blob: &Digest,
+        within: Duration,
+    ) -> Option<Asking> {
+        loop {
+            // Made before the look, so a claim given up after it wakes this wait.
+            let released = self.released.notified();
+            if let Some(asking) = self.first_ask(base, blob) {
+                return Some(asking);
+            }
+            let now = Instant::now();
+            let asked = self.with(base, |s| match s.blob_rests.get(blob) {
+                Some(rest) if rest.until > now => None,
+                _ => s.asking.get(blob).copied(),
+            })?;
+            tokio::time::timeout_at(asked + within, released)
+                .await
+                .ok()?;
+        }
     }
 
     /// A request is about to be sent to `base`.
@@ -424,17 +475,17 @@ impl Health {
             s.resting_until = None;
             if let Some(blob) = ranges_of {
                 s.blob_rests.remove(blob);
-                if let Some(f) = s.fills.as_mut().filter(|f| f.held.len() < MAX_BLOB_RESTS) {
-                    f.held.insert(*blob);
+                if s.served.len() < MAX_BLOB_RESTS {
+                    s.served.insert(*blob);
                 }
             }
         });
     }
 
     /// `base` failed a request: `Endpoint` (it rests and the failure is counted), `Refused`
-    /// (a 401 or 403: counted, no rest), `NotFound` (neither) or `WholeBlob` (counted; the
+    /// (a 401 or 403: counted, no rest), `NotFound` (neither), `WholeBlob` (counted; the
     /// blob rests there, [`BLOB_REST`] doubling up to [`MAX_BLOB_REST`], and the mirror is
-    /// known, and noted, to be a pull-through cache).
+    /// known, and noted, to be a pull-through cache) or `Silent` (the blob rests there).
     pub fn failed(&self, base: &str, failure: Failure) {
         let learnt = self.with(base, |s| {
             if failure != Failure::NotFound {
@@ -449,7 +500,14 @@ impl Health {
                     s.resting_until = Some(Instant::now() + rest);
                     false
                 }
-                Failure::WholeBlob(blob) => s.rest_blob(blob),
+                Failure::WholeBlob(blob) => {
+                    s.rest_blob(blob);
+                    s.learn_fills(Instant::now())
+                }
+                Failure::Silent(blob) => {
+                    s.rest_blob(blob);
+                    false
+                }
                 Failure::Refused | Failure::NotFound => false,
             }
         });
@@ -643,24 +701,75 @@ mod tests {
             bases(&h.order(all(), Some((&a, Purpose::Demand)))),
             ["m", "o"]
         );
-        // One background ask at a time of a mirror that lacks a blob; any number where it
-        // holds it, or is not known to fill.
-        let (c, d) = (Digest::of(b"c"), Digest::of(b"d"));
-        let first = h.first_ask("m", &c).expect("the first ask");
-        assert!(
-            h.first_ask("m", &c).is_none(),
-            "a second ask waits its turn"
-        );
-        assert!(h.first_ask("m", &d).is_some(), "another blob");
-        drop(first);
-        assert!(h.first_ask("m", &c).is_some());
+        // Where it served ranges of a blob, any number of asks.
+        let h = Arc::new(h);
         let held = h.first_ask("m", &a).expect("held");
-        assert!(h.first_ask("m", &a).is_some() && h.first_ask("other", &c).is_some());
+        assert!(held.first_of().is_none() && h.first_ask("m", &a).is_some());
         drop(held);
         // A mirror that answered a whole range with a range has shown itself, as far as one
         // answer can; one never asked has not.
         h.answered_range("r");
         assert!(h.shown("r") && !h.fills_whole_blobs("r") && !h.shown("new"));
+    }
+
+    /// A mirror is asked for a blob it has not served ranges of by one request at a time
+    /// (whatever it is known to be: what it is shows only at its answer), and not while the
+    /// blob rests there; one that sent no answer in time to such an ask rests the blob, as a
+    /// whole answer does, without being taken for a pull-through cache.
+    #[tokio::test(start_paused = true)]
+    async fn a_blob_a_mirror_has_not_served_is_asked_one_request_at_a_time() {
+        let h = Arc::new(Health::default());
+        let (c, d) = (Digest::of(b"c"), Digest::of(b"d"));
+        let first = h.first_ask("m", &c).expect("the first ask");
+        assert_eq!(first.first_of(), Some(&c));
+        assert!(
+            h.first_ask("m", &c).is_none(),
+            "a second ask waits its turn"
+        );
+        assert!(h.first_ask("m", &d).is_some() && h.first_ask("other", &c).is_some());
+        drop(first);
+        let again = h
+            .first_ask("m", &c)
+            .expect("asked again once the first ended");
+        h.failed("m", Failure::Silent(c));
+        drop(again);
+        assert!(h.first_ask("m", &c).is_none(), "the blob rests there");
+        assert!(!h.fills_whole_blobs("m") && !h.shown("m"));
+        assert_eq!(h.filling(["m"], &c), Some(Instant::now() + BLOB_REST));
+        tokio::time::advance(BLOB_REST).await;
+        let third = h.first_ask("m", &c).expect("asked after the rest");
+        drop(third);
+        h.succeeded("m", Some(&c));
+        let served = h.first_ask("m", &c).expect("served");
+        assert!(served.first_of().is_none() && h.first_ask("m", &c).is_some());
+        // Another request waits for the first ask's answer, until that ask is `within` old.
+        let within = Duration::from_secs(1);
+        let e = Digest::of(b"e");
+        let first = h.first_ask("m", &e).expect("the first ask");
+        let waiter = tokio::spawn({
+            let h = Arc::clone(&h);
+            async move {
+                h.claim("m", &e, within)
+                    .await
+                    .map(|a| a.first_of().is_none())
+            }
+        });
+        tokio::time::advance(within / 2).await;
+        h.succeeded("m", Some(&e));
+        drop(first);
+        assert_eq!(waiter.await.unwrap(), Some(true), "served: asked freely");
+        let f = Digest::of(b"f");
+        let _first = h.first_ask("m", &f).expect("the first ask");
+        tokio::time::advance(within / 2).await;
+        let started = Instant::now();
+        assert!(h.claim("m", &f, within).await.is_none());
+        assert_eq!(
+            Instant::now() - started,
+            within / 2,
+            "until the ask is `within` old"
+        );
+        assert!(h.claim("m", &f, within).await.is_none());
+        assert_eq!(Instant::now() - started, within / 2, "not at all past it");
     }
 
     /// What was learnt of a mirror holds for [`NOTE_LIFETIME`], in the process and in the

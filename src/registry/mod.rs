@@ -164,7 +164,7 @@ struct Shared {
     /// Authorization per endpoint base, scope and the principal it was got for.
     auth: Mutex<HashMap<(String, String, Principal), CachedAuth>>,
     hosts: hosts::HostsCache,
-    health: health::Health,
+    health: std::sync::Arc<health::Health>,
 }
 
 /// A fetched manifest or index, verified when fetched by digest.
@@ -339,7 +339,7 @@ impl RegistryClient {
                 clients: Mutex::new(HashMap::new()),
                 auth: Mutex::new(HashMap::new()),
                 hosts: hosts::HostsCache::default(),
-                health,
+                health: std::sync::Arc::new(health),
             }),
             granted: std::sync::Arc::default(),
         })

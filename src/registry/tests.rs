@@ -253,6 +253,9 @@ enum Mirror {
     WrongBytes,
     /// The blob's ranges (a Range cache, or a pull-through cache that holds the blob).
     Ranges,
+    /// The whole blob with 200 after this long (a pull-through cache that lacks the blob,
+    /// behind a busy link to the origin).
+    SlowWhole(Duration),
 }
 
 /// Serves a mirror of one blob that behaves as `how`; counts its requests.
@@ -264,11 +267,16 @@ async fn serve_mirror(how: Mirror, blob: Vec<u8>, hits: Arc<AtomicUsize>) -> Str
         axum::routing::get(move |headers: HeaderMap| {
             hits.fetch_add(1, Ordering::SeqCst);
             let blob = match how {
-                Mirror::WholeBlob | Mirror::Ranges => blob.clone(),
                 Mirror::WrongBytes => blob.iter().map(|b| b ^ 0xff).collect(),
+                _ => blob.clone(),
             };
-            let ranges = !matches!(how, Mirror::WholeBlob);
-            async move { serve_blob(&blob, &headers, ranges) }
+            let ranges = !matches!(how, Mirror::WholeBlob | Mirror::SlowWhole(_));
+            async move {
+                if let Mirror::SlowWhole(after) = how {
+                    tokio::time::sleep(after).await;
+                }
+                serve_blob(&blob, &headers, ranges)
+            }
         }),
     );
     tokio::spawn(async move { axum::serve(listener, app).await });
@@ -617,14 +625,20 @@ async fn a_pull_through_mirror_shows_itself_on_a_small_blob_and_hydration_waits_
     assert_eq!(m.hits(), 1, "not asked: it would fetch the blob whole");
     assert_eq!(m.client.filling(&r, &other), None);
     // Hydration asks it (the fill it starts serves every node); answered whole, the read
-    // goes on to the registry, and later ones wait for the fill.
-    let got = m
+    // does not go on to the registry: it, and later ones, wait for the fill.
+    let gets = count(&m.origin, &format!("GET /vm/disk/blobs/{other}"));
+    let waits = m
         .client
         .get_blob_range(&r, &other, 8..15, Ask::Background)
         .await
-        .unwrap();
-    assert_eq!(&got[..], b"blob of");
+        .unwrap_err();
+    assert_eq!(waits.kind(), ErrorKind::FailedPrecondition, "{waits}");
     assert_eq!(m.hits(), 2);
+    assert_eq!(
+        count(&m.origin, &format!("GET /vm/disk/blobs/{other}")),
+        gets,
+        "the registry is not asked while the mirror fills"
+    );
     let until = m.client.filling(&r, &other).expect("waits for the fill");
     let wait = until - tokio::time::Instant::now();
     assert!(
@@ -634,6 +648,47 @@ async fn a_pull_through_mirror_shows_itself_on_a_small_blob_and_hydration_waits_
     // The registry itself is never waited for.
     let alone = client(vec![]);
     assert_eq!(alone.filling(&r, &other), None);
+}
+
+/// A reader waits for a mirror's first answer for a blob [`transport::MIRROR_HEDGE`] at
+/// most: a pull-through cache that lacks the blob answers once the origin sends it, seconds
+/// on a busy link. The read goes to the registry, the mirror's answer is learnt in the
+/// background, and while it is awaited the reader's next ranges pass the mirror by.
+#[tokio::test]
+async fn a_reader_does_not_wait_for_a_slow_first_answer_of_a_mirror() {
+    let slow = Duration::from_secs(3);
+    let m = Mirrored::start(Mirror::SlowWhole(slow), true).await;
+    let r = reference(&m.host, "1");
+    let started = std::time::Instant::now();
+    let got = m
+        .client
+        .get_blob_range(&r, &m.digest, 0..10, Ask::AnyEndpoint)
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &m.blob[..10]);
+    let waited = started.elapsed();
+    assert!(
+        waited >= super::transport::MIRROR_HEDGE && waited < slow,
+        "{waited:?}"
+    );
+    let next = m
+        .client
+        .get_blob_range(&r, &m.digest, 10..20, Ask::AnyEndpoint)
+        .await
+        .unwrap();
+    assert_eq!(&next[..], &m.blob[10..20]);
+    assert_eq!(
+        (m.hits(), m.origin_gets()),
+        (1, 2),
+        "one ask of the mirror in flight"
+    );
+    assert!(m.client.mirror_unknown(&r));
+    tokio::time::sleep(slow).await;
+    assert!(
+        !m.client.mirror_unknown(&r),
+        "its whole answer, learnt in the background, shows a pull-through cache"
+    );
+    assert!(m.client.filling(&r, &m.digest).is_some());
 }
 
 /// A mirror that answers the small blob's range with a range is not a pull-through cache

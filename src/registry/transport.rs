@@ -69,6 +69,12 @@ impl Req {
 /// socket's timeouts.
 pub(super) const MIRROR_DEADLINE: Duration = Duration::from_secs(10);
 
+/// How long a reader waits for a mirror's answer to a first ask of a blob (one it has not
+/// served ranges of) before it asks the next endpoint ([`RegistryClient::hedged`]): a range
+/// cache answers a cold range within a round trip to the origin and a slice's fill; a
+/// pull-through cache that lacks the blob may take seconds, all of which a guest would wait.
+pub(super) const MIRROR_HEDGE: Duration = Duration::from_secs(1);
+
 impl RegistryClient {
     /// The credentials a request for `r` may carry, in the order they are tried: the node's
     /// own (or none), then each granted for `r`'s repository, newest first.
@@ -410,8 +416,12 @@ impl RegistryClient {
     /// accepts, mirrors first, resting ones (see [`health`]) last; whatever fails at one
     /// endpoint sends the request on to the next. The error returned is the registry's own if
     /// it was asked, else the last mirror's. An authentication error from the registry itself
-    /// is returned at once. For ranges of `blob`, a mirror that answers with the whole blob
-    /// (a pull-through cache filling itself) has the blob rest there ([`health`]).
+    /// is returned at once. For ranges of `blob`: a mirror that has not served ranges of it is
+    /// asked by one request at a time (the others wait for its answer [`MIRROR_HEDGE`] at
+    /// most, then pass it by), a reader waits for that answer as long at most
+    /// ([`Self::hedged`]), a whole-blob answer (a pull-through cache filling itself) or none has
+    /// the blob rest there ([`health`]), and a background read does not ask the registry while
+    /// a mirror fills the blob (it waits for the fill: [`super::Registry::filling`]).
     pub(super) async fn sweep<T, F>(
         &self,
         r: &Reference,
@@ -432,41 +442,48 @@ impl RegistryClient {
             Ask::Mirrors => endpoints.retain(|e| e.mirror),
             Ask::AnyEndpoint | Ask::Background => {}
         }
+        let mirrors: Vec<String> = (endpoints.iter())
+            .filter(|e| e.mirror)
+            .map(|e| e.base.clone())
+            .collect();
         let ranges = blob.map(|b| (b, ask.purpose()));
         for ep in self.shared.health.order(endpoints, ranges) {
-            // A mirror that has not served ranges of the blob is asked by one request at a time.
-            let _asking = match ranges {
+            let mut asking = match ranges {
                 Some((blob, _)) if ep.mirror => {
-                    match self.shared.health.first_ask(&ep.base, blob) {
+                    match self.shared.health.claim(&ep.base, blob, MIRROR_HEDGE).await {
                         Some(asking) => Some(asking),
                         None => continue,
                     }
                 }
                 _ => None,
             };
+            if let Some((blob, health::Purpose::Whole)) = ranges.filter(|_| !ep.mirror) {
+                let bases = mirrors.iter().map(String::as_str);
+                if self.shared.health.filling(bases, blob).is_some() {
+                    return Err(Error::new(
+                        ErrorKind::FailedPrecondition,
+                        format!("a mirror of {} is filling blob {blob} from the registry: a background read waits for it rather than ask the registry for {what}", r.registry),
+                    ));
+                }
+            }
+            let first = asking.as_ref().and_then(|a| a.first_of()).copied();
             let req = make(&ep);
             self.shared.health.sent(&ep.base);
-            let answer = async {
-                let sent = self.send(&ep, r, Access::Pull, &req);
-                let resp = if ep.mirror {
-                    tokio::time::timeout(MIRROR_DEADLINE, sent)
-                        .await
-                        .unwrap_or_else(|_| {
-                            Err(Error::new(
-                                ErrorKind::Network,
-                                format!(
-                                    "{} did not answer {what} within {} s",
-                                    ep.describe(&r.registry),
-                                    MIRROR_DEADLINE.as_secs()
-                                ),
-                            ))
-                        })?
-                } else {
-                    sent.await?
-                };
-                take(Self::check(resp, what, r, &ep).await?, ep.clone()).await
+            let answered = match (first, ranges) {
+                (Some(_), Some((_, health::Purpose::Demand))) => {
+                    let asking = asking.take().expect("a first ask is claimed");
+                    match self.hedged(&ep, r, req, what, asking).await {
+                        Some(answered) => answered,
+                        None => continue,
+                    }
+                }
+                _ => self.ask(&ep, r, &req, what).await,
             };
-            let outcome = answer.await;
+            let outcome = match answered {
+                Ok(resp) => take(resp, ep.clone()).await,
+                Err(e) => Err(e),
+            };
+            drop(asking);
             let e = match outcome {
                 Ok(v) => {
                     self.shared
@@ -476,23 +493,9 @@ impl RegistryClient {
                 }
                 Err(e) => e,
             };
-            let failure = match (e.kind(), blob) {
-                (ErrorKind::NotFound, _) => health::Failure::NotFound,
-                (ErrorKind::Auth, _) => health::Failure::Refused,
-                (ErrorKind::Unsupported, Some(blob)) if ep.mirror => {
-                    tracing::info!(endpoint = %ep.base, %blob, ?ask, "the mirror answered a Range request with the whole blob (a pull-through cache filling itself): this blob's ranges pass it by for a while");
-                    health::Failure::WholeBlob(*blob)
-                }
-                _ => health::Failure::Endpoint,
-            };
-            self.shared.health.failed(&ep.base, failure);
+            self.learn(&ep, r, &e, blob, first.is_some());
             if !ep.mirror && e.kind() == ErrorKind::Auth {
                 return Err(e);
-            }
-            if ep.mirror && failure == health::Failure::Endpoint {
-                tracing::warn!(endpoint = %ep.base, registry = %r.registry, error = %e.chain(), "mirror failed; trying the next endpoint, and this mirror after the others for a while");
-            } else {
-                tracing::debug!(endpoint = %ep.base, error = %e.chain(), "endpoint failed, trying next");
             }
             if !ep.mirror
                 || returned
@@ -514,6 +517,110 @@ impl RegistryClient {
                 ),
             })
         }))
+    }
+
+    /// `req` sent to `ep` and the answer's status checked; a mirror that sends no answer within
+    /// [`MIRROR_DEADLINE`] fails with a `Timeout`.
+    async fn ask(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        req: &Req,
+        what: &str,
+    ) -> Result<reqwest::Response> {
+        let sent = self.send(ep, r, Access::Pull, req);
+        let resp = if ep.mirror {
+            tokio::time::timeout(MIRROR_DEADLINE, sent)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "{} did not answer {what} within {} s",
+                            ep.describe(&r.registry),
+                            MIRROR_DEADLINE.as_secs()
+                        ),
+                    ))
+                })?
+        } else {
+            sent.await?
+        };
+        Self::check(resp, what, r, ep).await
+    }
+
+    /// A reader's first ask of mirror `ep` for ranges of a blob (`asking`): its answer, if it
+    /// comes within [`MIRROR_HEDGE`]; else none, and the ask is left to finish in the
+    /// background (within [`MIRROR_DEADLINE`]), where its answer teaches what the mirror does
+    /// with the blob — a range, the whole blob, none — and drops the body. It keeps the claim
+    /// until then, so the reader's next requests pass the mirror by meanwhile: a reader never
+    /// waits longer than the hedge on a mirror that has not served the blob (a pull-through
+    /// cache answers a blob it lacks only once the origin has started sending it, which on a
+    /// busy link takes seconds), and each such mirror has one ask of a blob in flight.
+    async fn hedged(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        req: Req,
+        what: &str,
+        asking: health::Asking,
+    ) -> Option<Result<reqwest::Response>> {
+        let mut asked = tokio::spawn({
+            let (client, ep, r, what) = (self.clone(), ep.clone(), r.clone(), what.to_string());
+            async move { client.ask(&ep, &r, &req, &what).await }
+        });
+        let who = ep.describe(&r.registry);
+        let lost = move |e: tokio::task::JoinError| {
+            Error::new(ErrorKind::Network, format!("asking {who}: {e}"))
+        };
+        if let Ok(joined) = tokio::time::timeout(MIRROR_HEDGE, &mut asked).await {
+            return Some(joined.unwrap_or_else(|e| Err(lost(e))));
+        }
+        tracing::debug!(endpoint = %ep.base, %what, "the mirror has not answered a first ask of this blob within the hedge: asking the next endpoint, and learning its answer in the background");
+        let (client, ep, r) = (self.clone(), ep.clone(), r.clone());
+        tokio::spawn(async move {
+            let blob = asking.first_of().copied();
+            let answered = asked.await.unwrap_or_else(|e| Err(lost(e)));
+            match answered {
+                Ok(resp) if resp.status() == StatusCode::PARTIAL_CONTENT => {
+                    client.shared.health.succeeded(&ep.base, blob.as_ref())
+                }
+                Ok(resp) => {
+                    let e = Error::unsupported(format!(
+                        "{} answered a Range request with HTTP {}",
+                        ep.describe(&r.registry),
+                        resp.status()
+                    ));
+                    client.learn(&ep, &r, &e, blob.as_ref(), true)
+                }
+                Err(e) => client.learn(&ep, &r, &e, blob.as_ref(), true),
+            }
+            drop(asking);
+        });
+        None
+    }
+
+    /// What failure `e` of a request to `ep` (for ranges of `blob`; `first`: a mirror's first
+    /// ask of it) tells the endpoints' health, logged.
+    fn learn(&self, ep: &Endpoint, r: &Reference, e: &Error, blob: Option<&Digest>, first: bool) {
+        let failure = match (e.kind(), blob) {
+            (ErrorKind::NotFound, _) => health::Failure::NotFound,
+            (ErrorKind::Auth, _) => health::Failure::Refused,
+            (ErrorKind::Unsupported, Some(blob)) if ep.mirror => {
+                tracing::info!(endpoint = %ep.base, %blob, "the mirror answered a Range request with the whole blob (a pull-through cache filling itself): this blob's ranges pass it by for a while");
+                health::Failure::WholeBlob(*blob)
+            }
+            (ErrorKind::Timeout, Some(blob)) if ep.mirror && first => {
+                tracing::info!(endpoint = %ep.base, %blob, "the mirror sent no answer in time to a first ask of this blob (filling it, or behind a busy link): this blob's ranges pass it by for a while");
+                health::Failure::Silent(*blob)
+            }
+            _ => health::Failure::Endpoint,
+        };
+        self.shared.health.failed(&ep.base, failure);
+        if ep.mirror && failure == health::Failure::Endpoint {
+            tracing::warn!(endpoint = %ep.base, registry = %r.registry, error = %e.chain(), "mirror failed; trying the next endpoint, and this mirror after the others for a while");
+        } else {
+            tracing::debug!(endpoint = %ep.base, error = %e.chain(), "endpoint failed, trying next");
+        }
     }
 
     /// A whole response body of at most `limit` bytes, counted for `ep`.
