@@ -412,7 +412,7 @@ impl Health {
     pub fn first_ask(self: &Arc<Self>, base: &str, blob: &Digest) -> Option<Asking> {
         let now = Instant::now();
         let claimed = self.with(base, |s| {
-            let free = !s.blob_rests.get(blob).is_some_and(|r| r.until > now)
+            let free = s.blob_rests.get(blob).is_none_or(|r| r.until <= now)
                 && !s.asking.contains_key(blob)
                 && s.asking.len() < MAX_BLOB_RESTS;
             match s.served.contains(blob) {
