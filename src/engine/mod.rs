@@ -25,6 +25,7 @@
 //! reads on its own threads and misses from a task, so a missing chunk never blocks reads of
 //! cached data.
 
+mod check;
 mod hydrate;
 pub mod integrity;
 pub mod readahead;
@@ -43,6 +44,7 @@ use parking_lot::Mutex;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 
+pub use self::check::CacheCheck;
 use self::source::{BlobSource, Sources};
 use self::stats::Stats;
 use crate::cache::layer::Kept;
@@ -133,18 +135,6 @@ const READERS_REST: Duration = Duration::from_secs(5);
 const HYDRATE_WHEN_FULL: Duration = Duration::from_secs(5);
 
 /// Where a chunk with a given digest can be copied from.
-/// What a pass over the cache ([`Engine::check_cache`]) found.
-#[derive(Debug, Default)]
-pub struct CacheCheck {
-    /// Present chunks it checked (those not checked in this process before).
-    pub checked: usize,
-    /// The chunks among them whose bytes were not what was verified: now missing, to be
-    /// fetched again ([`Engine::repair`]).
-    pub damaged: Vec<usize>,
-    /// Whether every present chunk is now checked (none left for a later pass).
-    pub complete: bool,
-}
-
 struct DedupSource {
     path: PathBuf,
     offset: u64,
@@ -656,137 +646,6 @@ impl Engine {
             cache_full: u64::from(self.cache.full()),
             memory_held: self.cache.memory_held(),
             ..self.stats.snapshot()
-        }
-    }
-
-    /// The digest present chunk `idx`'s cached bytes must have: its own, or the one kept when
-    /// it was stored.
-    fn cached_digest(&self, idx: usize) -> Option<Digest> {
-        self.layer.chunks[idx]
-            .digest
-            .or_else(|| self.cache.sum(idx))
-    }
-
-    /// Checks present chunk `idx`'s bytes in the cache against the digest they were verified
-    /// with (blocking: reads and hashes the chunk). A chunk that differs is forgotten, so it is
-    /// fetched again, and counted and logged; whether it was sound.
-    pub fn check_cached(&self, idx: usize) -> bool {
-        let (file, chunk) = self.layer.chunk(idx);
-        let mut data = vec![0u8; chunk.size as usize];
-        let read = self.cache.read_at(file, &mut data, chunk.offset);
-        let why = match (read, self.cached_digest(idx)) {
-            (Err(e), _) => e.chain(),
-            (Ok(()), None) => "no digest was kept for it".to_string(),
-            (Ok(()), Some(digest)) => match Digest::of(&data) {
-                got if got == digest => {
-                    self.cache.mark_checked(idx);
-                    return true;
-                }
-                got => format!("its bytes hash to {got}, not {digest}"),
-            },
-        };
-        // Counted and logged once however many readers found it at the same time.
-        if self.cache.forget(idx) {
-            Stats::add(&self.stats.cache_damaged, 1);
-            tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, file = %self.layer.file_path(file), offset = chunk.offset, cache = %self.cache.dir().display(), reason = %why, "a cached chunk is not what was verified (a damaged or changed cache file); fetching it again");
-        }
-        false
-    }
-
-    /// Checks every present chunk of `chunks` not checked in this process
-    /// ([`Engine::check_cached`]); whether all were sound (damaged ones are now missing).
-    fn check_present(&self, chunks: Range<usize>) -> bool {
-        let mut sound = true;
-        for idx in chunks {
-            if self.cache.is_present(idx) && !self.cache.is_checked(idx) {
-                sound &= self.check_cached(idx);
-            }
-        }
-        sound
-    }
-
-    /// Checks the present chunks not checked in this process: what makes a complete file fit
-    /// for passthrough ([`Engine::passthrough_file`]). Blocking. First, at once, the chunks of
-    /// data files someone else changed (an incident: readers holding them with passthrough
-    /// read them); then, with `bulk_rate` (bytes/s, 0 for no pace) — the caller holds the
-    /// node's turn ([`crate::cache::CacheRoot::verify_turn`]) — every other one, paced and in
-    /// the idle I/O class: chunks cached before this process started, re-verified after a
-    /// restart without slowing the guests that boot from the same disk meanwhile (their reads
-    /// check what they touch first). Without it, those wait for a later pass.
-    ///
-    /// It goes from the end of each file backwards: a reader reading from the start meets it
-    /// in the middle instead of checking the same chunks beside it.
-    pub fn check_cache(&self, bulk_rate: Option<u64>) -> CacheCheck {
-        let mut found = CacheCheck::default();
-        let mut rest = Vec::new();
-        for file in 0..self.layer.files.len() {
-            self.noticed_change(file);
-            match self.cache.take_changed(file) {
-                true => self.check_file(file, None, &mut found),
-                false => rest.push(file),
-            }
-        }
-        if let Some(rate) = bulk_rate {
-            let mut pace = hydrate::Pace::new(rate);
-            crate::task::at_idle_io(|| {
-                for file in rest {
-                    self.check_file(file, Some(&mut pace), &mut found);
-                }
-            });
-        }
-        found.complete = self.cache.all_checked();
-        found
-    }
-
-    /// [`Engine::check_cache`] of the unchecked present chunks of file `file`, at `pace`.
-    fn check_file(
-        &self,
-        file: usize,
-        mut pace: Option<&mut hydrate::Pace>,
-        found: &mut CacheCheck,
-    ) {
-        for idx in self.layer.chunks_of(file).rev() {
-            if !self.cache.is_present(idx) || self.cache.is_checked(idx) {
-                continue;
-            }
-            if let Some(pace) = pace.as_deref_mut() {
-                let at = pace.start(self.layer.chunks[idx].size);
-                std::thread::sleep(at.saturating_duration_since(tokio::time::Instant::now()));
-                // A reader may have checked it meanwhile.
-                if !self.cache.is_present(idx) || self.cache.is_checked(idx) {
-                    continue;
-                }
-            }
-            found.checked += 1;
-            if !self.check_cached(idx) {
-                found.damaged.push(idx);
-            }
-        }
-    }
-
-    /// Whether data file `file` was changed by someone else since this process last wrote or
-    /// checked it ([`LayerCache::changed_since_checked`]: one `fstat`), logged when it was: its
-    /// chunks are then checked again before they are served or the file goes to passthrough.
-    /// Asked wherever cached bytes are about to be trusted (a read through the daemon, an
-    /// open, the background check), so a change is noticed when it matters.
-    fn noticed_change(&self, file: usize) -> bool {
-        let changed = self
-            .cache
-            .changed_since_checked(file, self.layer.chunks_of(file));
-        if changed {
-            tracing::warn!(layer = %self.layer.meta.layer_digest, file = %self.layer.file_path(file), cache = %self.cache.dir().display(), "the cache's data file was changed by someone else; its chunks are checked again before they are served");
-        }
-        changed
-    }
-
-    /// Fetches chunks found damaged in the cache again, so their verified bytes are written
-    /// back where the kernel reads them: into the data file that readers holding a
-    /// passthrough open read without asking the daemon.
-    pub async fn repair(&self, damaged: &[usize]) {
-        for &idx in damaged {
-            if let Err(e) = self.ensure(idx..idx + 1).await {
-                tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, error = %e.chain(), "a damaged cached chunk could not be fetched again; it is fetched when next read");
-            }
         }
     }
 
