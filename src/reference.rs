@@ -11,8 +11,9 @@ use crate::error::{Error, Result};
 pub const DOCKER_HUB: &str = "docker.io";
 const DOCKER_HUB_API: &str = "registry-1.docker.io";
 
-/// A parsed image reference.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A parsed image reference; equal references name the same thing the same way (a key of
+/// maps as it is, never as its text).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Reference {
     /// Registry host with optional port, e.g. `127.0.0.1:5000`.
     pub registry: String,

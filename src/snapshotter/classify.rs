@@ -249,9 +249,9 @@ pub struct Classifier {
     /// The node's signature policy.
     trust: Arc<Verifier>,
     search: IndexSearch,
-    manifests: Mutex<HashMap<String, Arc<oci::Manifest>>>,
+    manifests: Mutex<HashMap<Reference, Arc<oci::Manifest>>>,
     /// Searches that found no seekable index, by image (repository@manifest digest), and when.
-    no_index: Mutex<HashMap<String, Instant>>,
+    no_index: Mutex<HashMap<Reference, Instant>>,
 }
 
 impl Classifier {
@@ -300,8 +300,7 @@ impl Classifier {
         client: &dyn Registry,
         reference: &Reference,
     ) -> Result<Arc<oci::Manifest>> {
-        let key = reference.to_string();
-        if let Some(m) = self.manifests.lock().get(&key) {
+        if let Some(m) = self.manifests.lock().get(reference) {
             return Ok(Arc::clone(m));
         }
         if let (Some(content), Some(cache), Some(digest)) =
@@ -327,7 +326,7 @@ impl Classifier {
         if cache.len() >= MANIFEST_CACHE {
             cache.clear();
         }
-        cache.insert(key, Arc::clone(&manifest));
+        cache.insert(reference.clone(), Arc::clone(&manifest));
         Ok(manifest)
     }
 
@@ -356,7 +355,7 @@ impl Classifier {
     }
 
     /// How long ago a search for `image`'s seekable index found none, if that is recent.
-    fn searched_in_vain(&self, image: &str) -> Option<Duration> {
+    fn searched_in_vain(&self, image: &Reference) -> Option<Duration> {
         let ago = self.no_index.lock().get(image)?.elapsed();
         (ago < NO_INDEX_KEPT).then_some(ago)
     }
@@ -424,8 +423,7 @@ impl Classifier {
                 return ordinary(reason, detail);
             }
         }
-        let searched = reference.to_string();
-        if let Some(ago) = self.searched_in_vain(&searched) {
+        if let Some(ago) = self.searched_in_vain(&reference) {
             return ordinary(
                 Reason::NoIndex,
                 format!(
@@ -449,7 +447,7 @@ impl Classifier {
             .as_ref()
             .is_err_and(|e| e.kind() == ErrorKind::NotFound)
         {
-            self.note_no_index(searched);
+            self.note_no_index(reference.clone());
         }
         match found {
             Ok((_, meta)) => Decision::Remote {
@@ -467,7 +465,7 @@ impl Classifier {
 
     /// Keeps that the search for `searched`'s index found none, for [`NO_INDEX_KEPT`] (at most
     /// [`NO_INDEX_ANSWERS`] answers: the expired ones go first, then all).
-    fn note_no_index(&self, searched: String) {
+    fn note_no_index(&self, searched: Reference) {
         let mut kept = self.no_index.lock();
         if kept.len() >= NO_INDEX_ANSWERS {
             kept.retain(|_, at| at.elapsed() < NO_INDEX_KEPT);
