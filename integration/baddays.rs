@@ -532,7 +532,7 @@ fn bytes_flipped_in_the_cache_never_reach_the_raw_view() {
         .flatten()
         .filter_map(|s| {
             crate::cri::rt()
-                .block_on(vmdisk::snapshotter::control::status(&s.path()))
+                .block_on(vmdisk::snapshotter::servers::control::status(&s.path()))
                 .ok()
         })
         .filter_map(|st| st.counters.map(|c| c.cache_damaged))

@@ -185,7 +185,8 @@ impl Daemon {
         let mut out = Vec::new();
         if let Ok(sockets) = std::fs::read_dir(self.root.join("control")) {
             for s in sockets.flatten() {
-                let status = rt().block_on(vmdisk::snapshotter::control::status(&s.path()));
+                let status =
+                    rt().block_on(vmdisk::snapshotter::servers::control::status(&s.path()));
                 out.extend(status.ok().map(|s| s.pid));
             }
         }

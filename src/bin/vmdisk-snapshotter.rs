@@ -41,14 +41,14 @@ fn main() -> std::process::ExitCode {
         nice: Some(level), ..
     }) = &args.command
     {
-        if let Err(e) = vmdisk::snapshotter::priority::lower_to(*level) {
+        if let Err(e) = vmdisk::snapshotter::daemon::priority::lower_to(*level) {
             eprintln!("vmdisk-snapshotter: cannot run at nice level {level}: {e}");
         }
     }
     // A mount server leaves the daemon's pod, when asked, from before its threads exist.
     if matches!(args.command, Some(Internal::ServeLayer { .. })) && !config.server_cgroup.is_empty()
     {
-        match vmdisk::snapshotter::cgroup::leave_pod(&config.server_cgroup) {
+        match vmdisk::snapshotter::mount_server::cgroup::leave_pod(&config.server_cgroup) {
             Ok(moved) => eprintln!(
                 "vmdisk-snapshotter: serving from cgroup {} ({})",
                 config.server_cgroup,
@@ -72,13 +72,13 @@ fn main() -> std::process::ExitCode {
                 handover,
                 nice: _,
             }) => {
-                let job = vmdisk::snapshotter::server::Assignment {
+                let job = vmdisk::snapshotter::mount_server::Assignment {
                     reference,
                     layer: layer.parse()?,
                     alias,
                     need,
                 };
-                vmdisk::snapshotter::server::serve_layer(&config, &job, handover).await
+                vmdisk::snapshotter::mount_server::serve_layer(&config, &job, handover).await
             }
         }
     })

@@ -47,12 +47,12 @@ pub enum Internal {
         /// What the server is started for: the layer's files (a pull), or also its ready-disk
         /// directory (EnsureDisk), whose disk head it then fetches while it starts.
         #[arg(long, value_enum, default_value = "layer")]
-        need: super::control::Need,
+        need: super::servers::control::Need,
         /// Read the daemon's handover from stdin first: its TLS roots and registry credentials
         /// (kubelet's).
         #[arg(long)]
         handover: bool,
-        /// The nice level to run at, below the daemon's ([`super::priority`]).
+        /// The nice level to run at, below the daemon's ([`super::daemon::priority`]).
         #[arg(long, allow_hyphen_values = true)]
         nice: Option<i32>,
     },

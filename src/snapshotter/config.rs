@@ -28,12 +28,12 @@ pub struct Config {
     /// The group the VMs' hypervisor runs in (a name or a numeric gid): it alone, with root,
     /// may read the ready disks. Everything else the daemon keeps is root's only.
     pub vmm_group: String,
-    /// Nice levels the daemon's threads run above its mount servers ([`super::priority`]):
+    /// Nice levels the daemon's threads run above its mount servers ([`super::daemon::priority`]):
     /// the control plane answers ahead of the disks' reads. 0: one priority.
     pub control_priority: u8,
     /// The cgroup (a path from each hierarchy's root, e.g. `/vmdisk-servers`) every mount
     /// server moves into before it serves, leaving the daemon's: set in a pod (the DaemonSet),
-    /// so that replacing the pod leaves running VMs' disks served ([`super::cgroup`]). Empty:
+    /// so that replacing the pod leaves running VMs' disks served ([`super::mount_server::cgroup`]). Empty:
     /// servers stay in the daemon's cgroup (the Debian package's unit keeps them alive).
     pub server_cgroup: String,
     pub cache: CacheConfig,
@@ -53,7 +53,7 @@ pub struct ContainerdConfig {
     /// containerd's `root`. Its CRI plugin reports `<root>/io.containerd.snapshotter.v1.<plugin>`
     /// as the image filesystem of a proxy snapshotter and kubelet stats that path: the daemon
     /// links it to its own root. Skipped when the directory does not exist. Its content store
-    /// holds the manifest and config of an image being pulled ([`super::classify::ContentStore`]).
+    /// holds the manifest and config of an image being pulled ([`super::prepare::classify::ContentStore`]).
     pub root: PathBuf,
     /// The name of the proxy plugin in containerd's configuration (`[proxy_plugins.<name>]`).
     pub plugin: String,
@@ -81,8 +81,8 @@ pub struct CriConfig {
     /// the lazy fetches of that image and its namespace's disks; each such pull renews them.
     pub credentials_ttl: u64,
     /// When a namespace is served what the node already holds of an image
-    /// (`never`, `if-private`, `always`; [`super::tenants::Verification`]).
-    pub verify_pulled_images: super::tenants::Verification,
+    /// (`never`, `if-private`, `always`; [`super::prepare::tenants::Verification`]).
+    pub verify_pulled_images: super::prepare::tenants::Verification,
 }
 
 impl Default for CriConfig {
@@ -91,7 +91,7 @@ impl Default for CriConfig {
             image_service_address: PathBuf::new(),
             containerd_address: PathBuf::from("/run/containerd/containerd.sock"),
             credentials_ttl: 12 * 3600,
-            verify_pulled_images: super::tenants::Verification::IfPrivate,
+            verify_pulled_images: super::prepare::tenants::Verification::IfPrivate,
         }
     }
 }
@@ -142,7 +142,7 @@ pub struct RegistrySettings {
     pub index_repositories: Vec<String>,
     /// Which images are searched for a seekable index: `data-images` (those that run no
     /// program: containerDisks, VM images) or `all-images`.
-    pub index_search: super::classify::IndexSearch,
+    pub index_search: super::prepare::classify::IndexSearch,
 }
 
 /// The Prometheus endpoint.
@@ -457,12 +457,12 @@ mod tests {
         let c = parse("[registry]\nindex_repositories = [\"r.example/team/indexes\"]").unwrap();
         assert_eq!(
             c.registry.index_search,
-            super::super::classify::IndexSearch::DataImages
+            super::super::prepare::classify::IndexSearch::DataImages
         );
         let c2 = parse("[registry]\nindex_search = \"all-images\"").unwrap();
         assert_eq!(
             c2.registry.index_search,
-            super::super::classify::IndexSearch::AllImages
+            super::super::prepare::classify::IndexSearch::AllImages
         );
         assert!(parse("[registry]\nindex_search = \"some\"").is_err());
         assert_eq!(

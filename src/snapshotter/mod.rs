@@ -3,49 +3,42 @@
 //! Ordinary layers and containers get what containerd's built-in overlayfs snapshotter gives
 //! them: a directory per snapshot (`snapshots/<id>/fs`, plus `work` for active ones) and
 //! overlay or bind mounts over the parent chain, with the metadata in a transactional store
-//! ([`store`]). During a CRI pull, `Prepare` with `containerd.io/snapshot.ref` asks
-//! [`classify`] whether the layer is a lazily loadable disk; if so, a mount server
-//! ([`server`], run by the [`supervisor`]) mounts it through FUSE, the committed snapshot is recorded with that mount as its
+//! ([`daemon::store`]). During a CRI pull, `Prepare` with `containerd.io/snapshot.ref` asks
+//! [`prepare::classify`] whether the layer is a lazily loadable disk; if so, a mount server
+//! ([`mount_server`], run by the [`servers::supervisor`]) mounts it through FUSE, the committed snapshot is recorded with that mount as its
 //! directory, and containerd is told the target exists, so it neither downloads nor unpacks
 //! the layer. Every decision is logged and counted.
+//!
+//! Laid out by the process that runs each part: the daemon's own work ([`daemon`]: start-up,
+//! the gRPC services, the store, counters and metrics), a Prepare in the daemon ([`prepare`]:
+//! classification, tenants, the CRI proxy), the per-layer mount server process
+//! ([`mount_server`]), and the link between them, run by the daemon ([`servers`]: the
+//! supervisor and the control channel).
 //!
 //! All changes to the store and the snapshot directories happen under one lock, on blocking
 //! threads, in an order that leaves at worst an unreferenced directory after a crash (removed
 //! by `Cleanup`): directories are created before the record and removed after it. A remote
 //! layer's server is started or stopped under that layer's own lock
-//! ([`supervisor::LayerLocks`]), never under a lock other layers wait for.
+//! ([`servers::supervisor::LayerLocks`]), never under a lock other layers wait for.
 
 pub mod args;
-pub mod cgroup;
-pub mod classify;
 pub mod config;
-pub mod control;
-pub mod counters;
-pub mod cri;
 pub mod daemon;
-mod disks;
-pub mod filter;
-pub mod grpc;
-pub mod metrics;
-pub mod pods;
-pub mod priority;
-mod remote;
-pub mod server;
-mod servers;
-pub mod store;
-pub mod supervisor;
-pub mod tenants;
+pub mod mount_server;
+pub mod prepare;
+pub mod servers;
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use classify::Classifier;
-use counters::Counters;
+use daemon::counters::Counters;
+use daemon::store::{Kind, Record, RemoteLayerRef, Store, Usage};
 use parking_lot::Mutex;
-use store::{Kind, Record, RemoteLayerRef, Store, Usage};
-use supervisor::{LayerLocks, Supervisor};
-use tenants::Tenants;
+use prepare::classify::Classifier;
+use prepare::tenants::Tenants;
+use servers::control;
+use servers::supervisor::{LayerLocks, Supervisor};
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -78,7 +71,7 @@ pub struct Snapshotter {
     pub tenants: Tenants,
     /// What each layer's server said last ([`Snapshotter::statuses`]).
     recent: parking_lot::Mutex<HashMap<crate::digest::Digest, control::LayerStatus>>,
-    /// Notified at each lazy pull ([`pods::watch`] looks for pods it will not serve).
+    /// Notified at each lazy pull ([`prepare::pods::watch`] looks for pods it will not serve).
     pub lazily_pulled: std::sync::Arc<tokio::sync::Notify>,
 }
 

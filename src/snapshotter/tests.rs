@@ -11,9 +11,11 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 
-use super::classify::{Classifier, LABEL_IMAGE_REF, LABEL_LAYER, LABEL_MANIFEST, LABEL_TARGET};
-use super::control::LayerStatus;
-use super::supervisor::Supervisor;
+use super::prepare::classify::{
+    Classifier, LABEL_IMAGE_REF, LABEL_LAYER, LABEL_MANIFEST, LABEL_TARGET,
+};
+use super::servers::control::LayerStatus;
+use super::servers::supervisor::Supervisor;
 use super::{CacheSettings, Snapshotter};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
@@ -101,8 +103,8 @@ impl Supervisor for FakeSupervisor {
         reference: &'a Reference,
         _alias: Option<&'a str>,
         grants: &'a [Grant],
-        _need: super::control::Need,
-        _ahead: Option<super::supervisor::Ahead>,
+        _need: super::servers::control::Need,
+        _ahead: Option<super::servers::supervisor::Ahead>,
     ) -> BoxFuture<'a, Result<PathBuf>> {
         Box::pin(async move {
             if self.fail.load(Ordering::SeqCst) {
@@ -138,10 +140,10 @@ struct Fixture {
 }
 
 fn fixture() -> Fixture {
-    fixture_with(super::tenants::Verification::IfPrivate)
+    fixture_with(super::prepare::tenants::Verification::IfPrivate)
 }
 
-fn fixture_with(policy: super::tenants::Verification) -> Fixture {
+fn fixture_with(policy: super::prepare::tenants::Verification) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let registry = Arc::new(MemoryRegistry::default());
     let supervisor = Arc::new(FakeSupervisor {
@@ -162,7 +164,7 @@ fn fixture_with(policy: super::tenants::Verification) -> Fixture {
             dir: dir.path().join("cache"),
             limit: None,
         },
-        super::tenants::Tenants::new(policy, std::time::Duration::from_secs(3600)),
+        super::prepare::tenants::Tenants::new(policy, std::time::Duration::from_secs(3600)),
     )
     .unwrap();
     Fixture {
@@ -242,7 +244,7 @@ async fn a_disk_layer_is_served_remotely_then_reused() {
     assert_eq!(
         record
             .labels
-            .get(super::classify::LABEL_REMOTE)
+            .get(super::prepare::classify::LABEL_REMOTE)
             .map(String::as_str),
         Some("vmdisk")
     );
@@ -475,14 +477,14 @@ async fn the_manifest_and_config_containerd_holds_are_taken_from_its_content_sto
             Some(cache.clone()),
             Default::default(),
         )
-        .with_content_store(super::classify::ContentStore::of_root(&root));
+        .with_content_store(super::prepare::classify::ContentStore::of_root(&root));
         let labels = cri_labels("disk", &manifest, &layers[0]);
         let registry = Arc::clone(&registry);
         async move { (classifier.classify(&labels, registry.as_ref()).await, cache) }
     };
     let (decision, cache) = classify("cache").await;
     assert!(
-        matches!(decision, super::classify::Decision::Remote { .. }),
+        matches!(decision, super::prepare::classify::Decision::Remote { .. }),
         "{decision:?}"
     );
     // Kept for the mount server, as if fetched.
@@ -497,8 +499,8 @@ async fn the_manifest_and_config_containerd_holds_are_taken_from_its_content_sto
     assert!(
         matches!(
             decision,
-            super::classify::Decision::Ordinary {
-                reason: super::classify::Reason::RegistryError,
+            super::prepare::classify::Decision::Ordinary {
+                reason: super::prepare::classify::Reason::RegistryError,
                 ..
             }
         ),
@@ -524,7 +526,7 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
             registry.as_ref(),
         )
         .await;
-    let super::classify::Decision::Remote { reference, layer } = decision else {
+    let super::prepare::classify::Decision::Remote { reference, layer } = decision else {
         panic!("the disk layer is remote: {decision:?}");
     };
     // The server resolves the same image with the registry gone: manifest and config come
@@ -645,7 +647,7 @@ async fn a_namespace_gets_a_private_disk_only_through_its_own_pull() {
 
 #[tokio::test]
 async fn what_the_node_holds_is_served_to_a_namespace_as_the_policy_says() {
-    use super::tenants::Verification::{Always, IfPrivate, Never};
+    use super::prepare::tenants::Verification::{Always, IfPrivate, Never};
     for policy in [Never, IfPrivate, Always] {
         let f = fixture_with(policy);
         let manifest = f.private_image(&["alice"]);
@@ -724,7 +726,7 @@ async fn a_pull_in_flight_hands_its_server_only_credentials_that_read_the_image(
 
 #[test]
 fn every_outcome_has_a_counter_name_of_its_own_and_keeps_the_names_users_see() {
-    use super::classify::{Outcome, Reason};
+    use super::prepare::classify::{Outcome, Reason};
     let names: std::collections::BTreeSet<String> = Outcome::all().map(Outcome::counter).collect();
     assert_eq!(names.len(), Outcome::all().count());
     for (outcome, name) in [

@@ -2,7 +2,7 @@
 //! choosing (`server_cgroup`) in every cgroup hierarchy of the node before it serves, so that
 //! replacing the DaemonSet's pod — an update, a crash, an OOM kill: the runtime kills every
 //! process of the pod's cgroup — leaves the FUSE sessions of running VMs served. The new
-//! daemon adopts the servers as a restarted one does ([`super::supervisor`]).
+//! daemon adopts the servers as a restarted one does ([`crate::snapshotter::servers::supervisor`]).
 //!
 //! It needs what a privileged pod in the node's PID namespace has (`hostPID: true`): the
 //! servers are not in a PID namespace that ends with the pod, and CAP_SYS_ADMIN to enter the

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::control::LayerCounters;
 use crate::error::{Error, Result};
+use crate::snapshotter::servers::control::LayerCounters;
 
 /// One engine counter the daemon keeps: metric name (without `_total`), help, and where the
 /// value is in a server's counters.
@@ -242,13 +242,13 @@ mod tests {
         let c = Counters::load(&dir.path().join("counters.json"));
         let report = |mirror_requests: u64, origin_requests: u64| LayerCounters {
             endpoints: vec![
-                super::super::control::EndpointCounters {
+                crate::snapshotter::servers::control::EndpointCounters {
                     endpoint: "http://mirror:5001".into(),
                     requests: mirror_requests,
                     failures: 1,
                     bytes: 10,
                 },
-                super::super::control::EndpointCounters {
+                crate::snapshotter::servers::control::EndpointCounters {
                     endpoint: "http://origin:5000".into(),
                     requests: origin_requests,
                     failures: 0,

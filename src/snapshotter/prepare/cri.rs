@@ -6,7 +6,7 @@
 //! containerd's CRI unchanged. A `PullImage` with credentials is watched: while containerd
 //! pulls, they are pending (the classification of that pull's layers may use them); once the
 //! pull succeeded they become a grant of the pod's namespace for the image's manifest digests
-//! ([`super::tenants`]), handed to the mount servers of that image. A failed pull grants
+//! ([`crate::snapshotter::prepare::tenants`]), handed to the mount servers of that image. A failed pull grants
 //! nothing. Nothing of them is logged or written to disk.
 
 use std::collections::BTreeSet;
@@ -19,12 +19,12 @@ use k8s_cri::v1::image_service_server::{ImageService, ImageServiceServer};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use super::config::CriConfig;
-use super::Snapshotter;
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::Reference;
 use crate::registry::auth::Credential;
+use crate::snapshotter::config::CriConfig;
+use crate::snapshotter::Snapshotter;
 
 /// Deadline of a forwarded `PullImage` (an ordinary multi-GiB image can take this long).
 const PULL_DEADLINE: Duration = Duration::from_secs(3600);

@@ -1,6 +1,6 @@
 //! The supervisor of the mount servers: one process per remote layer
-//! (`vmdisk-snapshotter serve-layer`, [`super::server`]), started, watched, adopted and stopped
-//! through each server's control socket ([`super::control`]).
+//! (`vmdisk-snapshotter serve-layer`, [`crate::snapshotter::mount_server`]), started, watched, adopted and stopped
+//! through each server's control socket ([`crate::snapshotter::servers::control`]).
 //!
 //! Why processes: a FUSE mount dies with the process that serves it, and an overlay mount that
 //! uses it as a lower directory keeps pointing at the dead connection. Serving each layer from
@@ -22,12 +22,12 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 
-use super::control::{self, LayerPaths, LayerStatus, Need, ServerState};
 use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
 use crate::reference::Reference;
 use crate::registry::granted::Grant;
+use crate::snapshotter::servers::control::{self, LayerPaths, LayerStatus, Need, ServerState};
 
 /// How long one status call waits for a starting server to serve (or fail): the daemon learns
 /// the outcome as it happens instead of at its next poll.
@@ -45,7 +45,7 @@ pub struct ServerCommand {
     pub mount_timeout: Duration,
     /// The TLS roots the daemon read, handed to every server it starts.
     pub tls_roots: Arc<[rustls_pki_types::CertificateDer<'static>]>,
-    /// The nice level servers run at when it is not the daemon's ([`super::priority`]).
+    /// The nice level servers run at when it is not the daemon's ([`crate::snapshotter::daemon::priority`]).
     pub nice: Option<i32>,
 }
 

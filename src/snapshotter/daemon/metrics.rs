@@ -1,6 +1,6 @@
 //! Prometheus metrics in the OpenMetrics text format (`prometheus-client`), on a unix socket
 //! or a loopback TCP port (`metrics.address`). Names, types and units are documented in
-//! `docs/snapshotter.md`. Counters come from the daemon's own [`super::counters`] (they only
+//! `docs/snapshotter.md`. Counters come from the daemon's own [`crate::snapshotter::daemon::counters`] (they only
 //! go up, across layer removals and server and daemon restarts); gauges are measured at
 //! scrape time from the store and the servers' status, each server asked under a deadline.
 
@@ -12,11 +12,11 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::classify::Outcome;
-use super::counters::LAYER_COUNTERS;
-use super::grpc::{disks, LISTED};
-use super::Snapshotter;
 use crate::error::{Error, Result};
+use crate::snapshotter::daemon::counters::LAYER_COUNTERS;
+use crate::snapshotter::daemon::grpc::{disks, LISTED};
+use crate::snapshotter::prepare::classify::Outcome;
+use crate::snapshotter::Snapshotter;
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -42,7 +42,7 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
     let disks = disks(s, LISTED).await?;
     s.save_counters().await?;
     let me = Arc::clone(s);
-    let records = super::blocking(move || me.list()).await?;
+    let records = crate::snapshotter::blocking(move || me.list()).await?;
     let mut registry = Registry::default();
     register_counters(&mut registry, s);
     register_state(&mut registry, &records, &disks);
@@ -115,7 +115,7 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
 /// What the node holds now: snapshots by kind, remote layers by state, their chunks.
 fn register_state(
     registry: &mut Registry,
-    records: &[(String, super::store::Record)],
+    records: &[(String, crate::snapshotter::daemon::store::Record)],
     disks: &[crate::api::vmdisk::v1::Disk],
 ) {
     let snapshots = Family::<Labels, Gauge>::default();
@@ -199,8 +199,11 @@ async fn scrape(
 }
 
 /// Serves metrics at `address` until the task is dropped.
-pub async fn serve(address: super::config::MetricsAddress, s: Arc<Snapshotter>) -> Result<()> {
-    use super::config::MetricsAddress;
+pub async fn serve(
+    address: crate::snapshotter::config::MetricsAddress,
+    s: Arc<Snapshotter>,
+) -> Result<()> {
+    use crate::snapshotter::config::MetricsAddress;
     let app = axum::Router::new()
         .route("/metrics", axum::routing::get(scrape))
         .route("/", axum::routing::get(scrape))

@@ -2,12 +2,15 @@
 //! counters they report, credentials handed to them, and mounting every recorded layer at
 //! start.
 
+pub mod control;
+pub mod supervisor;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{blocking, control, Freshness, Snapshotter, PIN_USER};
 use crate::error::{Error, ErrorKind, Result};
 use crate::registry::granted::Grant;
+use crate::snapshotter::{blocking, Freshness, Snapshotter, PIN_USER};
 
 impl Snapshotter {
     /// Stops the servers of `layers` that no snapshot or pin uses (after Remove, RemoveDisk or

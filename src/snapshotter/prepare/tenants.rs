@@ -2,7 +2,7 @@
 //!
 //! A lazy fetch uses credentials only from the node's own configuration (docker config files,
 //! helpers, `hosts.toml`) or from a CRI `PullImage` that **succeeded** for that image in the
-//! namespace the fetch serves. The CRI image-service proxy ([`super::cri`]) sees each pull:
+//! namespace the fetch serves. The CRI image-service proxy ([`crate::snapshotter::prepare::cri`]) sees each pull:
 //! while containerd pulls, the pull's credentials are *pending* — the classification of that
 //! very pull's layers may try them ([`Tenants::pending_for`]), and a mount server is handed one
 //! only after a request of ours with it succeeded; once containerd's pull has succeeded they

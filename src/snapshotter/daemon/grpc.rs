@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 
-use super::filter;
-use super::store::{Kind, Record};
-use super::{blocking, control, Freshness, Mount, Snapshotter};
 use crate::api::containerd::services::snapshots::v1 as pb;
 use crate::api::containerd::types::Mount as PbMount;
 use crate::api::vmdisk::v1 as mpb;
+use crate::snapshotter::daemon::filter;
+use crate::snapshotter::daemon::store::{Kind, Record};
+use crate::snapshotter::servers::control;
+use crate::snapshotter::{blocking, Freshness, Mount, Snapshotter};
 
 /// Counts a snapshots API call and, if it failed, the failure (`call/<method>`,
 /// `call_error/<method>` in the daemon's counters).
@@ -290,7 +291,7 @@ impl ManageService {
         self.snapshotter
             .ensure_disk(
                 &request.reference,
-                &super::Requester::of(&request.namespace),
+                &crate::snapshotter::Requester::of(&request.namespace),
             )
             .await
             .map_err(Status::from)

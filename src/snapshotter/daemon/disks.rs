@@ -4,12 +4,14 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::store::RemoteLayerRef;
-use super::{blocking, control, tenants, Requester, Snapshotter};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::Reference;
 use crate::registry::granted::Granted;
 use crate::registry::Registry;
+use crate::snapshotter::daemon::store::RemoteLayerRef;
+use crate::snapshotter::prepare::tenants;
+use crate::snapshotter::servers::control;
+use crate::snapshotter::{blocking, Requester, Snapshotter};
 
 /// How a requester may read a disk ([`Snapshotter::authorize`]).
 enum Access {

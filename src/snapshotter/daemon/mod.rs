@@ -13,20 +13,28 @@
 //! keeps the counters and leaves the mount servers running, so containers keep reading across
 //! a restart.
 
+pub mod counters;
+mod disks;
+pub mod filter;
+pub mod grpc;
+pub mod metrics;
+pub mod priority;
+pub mod store;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::classify::{Classifier, ContentStore};
-use super::config::Config;
-use super::grpc::{ManageService, SnapshotsService};
-use super::supervisor::{LayerServers, ServerCommand};
-use super::Snapshotter;
 use crate::api::containerd::services::snapshots::v1::snapshots_server::SnapshotsServer;
 use crate::api::vmdisk::v1::manage_server::ManageServer;
 use crate::cache::CacheRoot;
 use crate::error::{Error, ErrorKind, Result};
 use crate::registry::RegistryClient;
+use crate::snapshotter::config::Config;
+use crate::snapshotter::daemon::grpc::{ManageService, SnapshotsService};
+use crate::snapshotter::prepare::classify::{Classifier, ContentStore};
+use crate::snapshotter::servers::supervisor::{LayerServers, ServerCommand};
+use crate::snapshotter::Snapshotter;
 
 /// How often the daemon asks its mount servers their status (and takes in their counters).
 pub const COLLECT_EVERY: Duration = Duration::from_secs(1);
@@ -98,7 +106,7 @@ async fn keep_image_filesystem_linked(config: &Config) -> Result<()> {
         loop {
             tokio::time::sleep(LINK_AGAIN).await;
             let c = config.clone();
-            match super::blocking(move || link_image_filesystem(&c)).await {
+            match crate::snapshotter::blocking(move || link_image_filesystem(&c)).await {
                 Ok(true) => return,
                 Ok(false) => {}
                 Err(e) => {
@@ -118,7 +126,8 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<()> {
     let remote_layers = snapshotter.mount_recorded().await?;
     if let Some(limit) = config.cache_limit()? {
         let dir = config.cache_dir();
-        let freed = super::blocking(move || CacheRoot::open(&dir)?.evict(limit)).await?;
+        let freed =
+            crate::snapshotter::blocking(move || CacheRoot::open(&dir)?.evict(limit)).await?;
         tracing::info!(freed, limit, "cache eviction done");
     }
 
@@ -159,7 +168,7 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
     keep_image_filesystem_linked(config).await?;
     let client = Arc::new(RegistryClient::new(config.registry_config())?);
     // Which namespace's pulls granted what (the CRI proxy tells); memory only.
-    let tenants = super::tenants::Tenants::new(
+    let tenants = crate::snapshotter::prepare::tenants::Tenants::new(
         config.cri.verify_pulled_images,
         Duration::from_secs(config.cri.credentials_ttl),
     );
@@ -171,17 +180,22 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
         ready_dir: config.ready_dir.clone(),
         mount_timeout: Duration::from_secs(config.registry.mount_timeout),
         // Read once here, for the daemon's clients and every server it starts.
-        tls_roots: super::blocking(|| Ok(crate::registry::roots::Roots::default().certificates()))
-            .await?,
+        tls_roots: crate::snapshotter::blocking(|| {
+            Ok(crate::registry::roots::Roots::default().certificates())
+        })
+        .await?,
         // The daemon's threads ahead of the servers' reads, from before the first is started.
         nice: {
             let boost = config.control_priority;
-            super::blocking(move || Ok(super::priority::raise(boost))).await?
+            crate::snapshotter::blocking(move || {
+                Ok(crate::snapshotter::daemon::priority::raise(boost))
+            })
+            .await?
         },
     });
     let (root, cache) = (
         config.root.clone(),
-        super::CacheSettings {
+        crate::snapshotter::CacheSettings {
             dir: config.cache_dir(),
             limit: config.cache_limit()?,
         },
@@ -190,7 +204,7 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
     let containerd_root = config.containerd.root.clone();
     let index_search = config.registry.index_search;
     Ok(Arc::new(
-        super::blocking(move || {
+        crate::snapshotter::blocking(move || {
             let trust = crate::policy::Verifier::load(&signatures)
                 .map_err(|e| e.context("configuration [signatures]"))?;
             if trust.is_set() {
@@ -211,7 +225,7 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
 
 /// What the daemon runs beside its APIs: the metrics endpoint, the CRI image service (when
 /// configured), the servers' counters collection each [`COLLECT_EVERY`] and the look for pods
-/// whose containers will not use their lazy pulls ([`super::pods`]).
+/// whose containers will not use their lazy pulls ([`crate::snapshotter::prepare::pods`]).
 struct Background {
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -222,7 +236,7 @@ impl Background {
             let address = config.metrics_address()?;
             let s = Arc::clone(snapshotter);
             tokio::spawn(async move {
-                if let Err(e) = super::metrics::serve(address, s).await {
+                if let Err(e) = crate::snapshotter::daemon::metrics::serve(address, s).await {
                     tracing::error!(error = %e.chain(), "metrics endpoint stopped");
                 }
             })
@@ -231,7 +245,7 @@ impl Background {
         let cri_task = cri_on.then(|| {
             let (cri, s) = (config.cri.clone(), Arc::clone(snapshotter));
             tokio::spawn(async move {
-                if let Err(e) = super::cri::serve(cri, s).await {
+                if let Err(e) = crate::snapshotter::prepare::cri::serve(cri, s).await {
                     tracing::error!(error = %e.chain(), "the CRI image service stopped");
                 }
             })
@@ -252,7 +266,9 @@ impl Background {
                 config.cri.containerd_address.clone(),
                 Arc::clone(&snapshotter.lazily_pulled),
             );
-            tokio::spawn(async move { super::pods::watch(&containerd, pulled).await })
+            tokio::spawn(async move {
+                crate::snapshotter::prepare::pods::watch(&containerd, pulled).await
+            })
         };
         Ok(Background {
             tasks: [
@@ -321,7 +337,8 @@ async fn serve(
 /// Takes in every recorded layer's server counters and keeps the totals.
 async fn collect(s: &Arc<Snapshotter>) -> Result<()> {
     let me = Arc::clone(s);
-    let layers = super::blocking(move || me.remote_layers()).await?;
-    s.statuses(layers.into_keys(), super::Freshness::Now).await;
+    let layers = crate::snapshotter::blocking(move || me.remote_layers()).await?;
+    s.statuses(layers.into_keys(), crate::snapshotter::Freshness::Now)
+        .await;
     s.save_counters().await
 }

@@ -1,12 +1,14 @@
 //! The mount server (`vmdisk-snapshotter serve-layer`): one process per remote layer, holding
 //! the layer's FUSE mount and its ready-disk directory, driven by the daemon through its
-//! control socket ([`super::control`]).
+//! control socket ([`crate::snapshotter::servers::control`]).
 //!
 //! It binds its control socket first, then resolves the image and mounts; the daemon watches
 //! that through `Status` (starting → serving, or failed with the reason and its error kind).
 //! `Stop` aborts a start that is still running, or unmounts (refused while busy) and exits.
 //! A server that failed to start waits for the daemon's `Stop` (at most [`FAILED_LINGER`]), so
 //! the daemon always learns why. SIGTERM and SIGINT stop it too, like `vmdisk mount`.
+
+pub mod cgroup;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -16,8 +18,6 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
 
-use super::config::Config;
-use super::control::{self, HydrationState, LayerPaths, Need, ReadyDirState, ServerState};
 use crate::api::vmdisk::v1 as pb;
 use crate::cache::CacheRoot;
 use crate::digest::Digest;
@@ -27,6 +27,10 @@ use crate::reference::Reference;
 use crate::registry::granted::Granted;
 use crate::registry::roots::Roots;
 use crate::serve::Serving;
+use crate::snapshotter::config::Config;
+use crate::snapshotter::servers::control::{
+    self, HydrationState, LayerPaths, Need, ReadyDirState, ServerState,
+};
 
 /// How long a server that failed to start waits for the daemon to collect the reason.
 pub const FAILED_LINGER: Duration = Duration::from_secs(300);
@@ -129,7 +133,7 @@ impl Shared {
         status.chunks_cached = engine.cache.present_count() as u64;
         status.registry_needed_since = serving.registry_needed_since().unwrap_or(0);
         status.integrity = engine.integrity().to_string();
-        status.counters = Some(super::control::layer_counters(engine));
+        status.counters = Some(crate::snapshotter::servers::control::layer_counters(engine));
         status.set_ready_dir_state(if serving.ready_mounted() {
             ReadyDirState::Mounted
         } else {
@@ -191,7 +195,9 @@ impl pb::layer_server_server::LayerServer for ControlService {
     ) -> Result<Response<pb::SetCredentialsResponse>, Status> {
         self.0
             .granted
-            .add(super::control::grant_of(request.into_inner()));
+            .add(crate::snapshotter::servers::control::grant_of(
+                request.into_inner(),
+            ));
         Ok(Response::new(pb::SetCredentialsResponse {}))
     }
 
@@ -262,7 +268,7 @@ pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> R
     let (roots, ahead) = if handover {
         let (handed, ahead) = handover_from_stdin().await?;
         for message in handed.credentials {
-            granted.add(super::control::grant_of(message));
+            granted.add(crate::snapshotter::servers::control::grant_of(message));
         }
         (Roots::handed(handed.tls_roots)?, Some(ahead))
     } else {
@@ -373,7 +379,8 @@ async fn run(
         };
         match serving.unmount() {
             Ok(()) => {
-                let counters = super::control::layer_counters(serving.engine());
+                let counters =
+                    crate::snapshotter::servers::control::layer_counters(serving.engine());
                 if let Some(reply) = reply {
                     let _ = reply.send(Ok(counters));
                 }

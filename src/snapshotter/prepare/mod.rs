@@ -1,18 +1,24 @@
 //! Prepare with containerd's remote-snapshot handshake: whether a layer is a lazily loadable
-//! disk ([`super::classify`]), the signature policy, the credentials of the pulls in flight,
+//! disk ([`crate::snapshotter::prepare::classify`]), the signature policy, the credentials of the pulls in flight,
 //! and the layer's server started before the target snapshot is recorded.
+
+pub mod classify;
+pub mod cri;
+pub mod pods;
+pub mod tenants;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::classify::{self, Decision, Outcome, LABEL_REMOTE, LABEL_TARGET};
-use super::store::{Kind, RemoteLayerRef};
-use super::supervisor::Ahead;
-use super::{blocking, control, Mount, Snapshotter};
+use self::classify::{Decision, Outcome, LABEL_REMOTE, LABEL_TARGET};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::Reference;
 use crate::registry::granted::{Grant, Granted};
 use crate::registry::Registry;
+use crate::snapshotter::daemon::store::{Kind, RemoteLayerRef};
+use crate::snapshotter::servers::control;
+use crate::snapshotter::servers::supervisor::Ahead;
+use crate::snapshotter::{blocking, Mount, Snapshotter};
 
 /// What a Prepare may read the image with: a client with the node's credentials and those of
 /// the CRI pulls of the image in flight, and those credentials.
