@@ -12,7 +12,7 @@ use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 
 use super::prepare::classify::{
-    Classifier, LABEL_IMAGE_REF, LABEL_LAYER, LABEL_MANIFEST, LABEL_TARGET,
+    Classifier, CriLabels, LABEL_IMAGE_REF, LABEL_LAYER, LABEL_MANIFEST, LABEL_TARGET,
 };
 use super::servers::control::LayerStatus;
 use super::servers::supervisor::Supervisor;
@@ -480,7 +480,10 @@ async fn the_manifest_and_config_containerd_holds_are_taken_from_its_content_sto
         .with_content_store(super::prepare::classify::ContentStore::of_root(&root));
         let labels = cri_labels("disk", &manifest, &layers[0]);
         let registry = Arc::clone(&registry);
-        async move { (classifier.classify(&labels, registry.as_ref()).await, cache) }
+        async move {
+            let cri = CriLabels::read(&labels);
+            (classifier.classify(&cri, registry.as_ref()).await, cache)
+        }
     };
     let (decision, cache) = classify("cache").await;
     assert!(
@@ -522,7 +525,7 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
     );
     let decision = classifier
         .classify(
-            &cri_labels("disk", &manifest, &layers[0]),
+            &CriLabels::read(&cri_labels("disk", &manifest, &layers[0])),
             registry.as_ref(),
         )
         .await;
@@ -721,7 +724,11 @@ async fn a_pull_in_flight_hands_its_server_only_credentials_that_read_the_image(
     );
     assert_eq!(alice.digests(), [manifest].into());
     drop((mallory, alice));
-    assert!(f.snapshotter.tenants.pending_for(IMAGE).is_empty());
+    assert!(f
+        .snapshotter
+        .tenants
+        .pending_for(&IMAGE.parse().unwrap())
+        .is_empty());
 }
 
 #[test]

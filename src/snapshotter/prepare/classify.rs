@@ -360,24 +360,18 @@ impl Classifier {
         (ago < NO_INDEX_KEPT).then_some(ago)
     }
 
-    /// Classifies the layer a Prepare with `labels` is about to unpack, fetching what it needs
-    /// with `client` (the node's credentials and those of the pull in flight). Manifests,
+    /// Classifies the layer a Prepare with labels `cri` is about to unpack, fetching what it
+    /// needs with `client` (the node's credentials and those of the pull in flight). Manifests,
     /// configs and TOCs are verified by digest, whoever fetched them, so what was kept from an
     /// earlier classification serves this one: containerd asks during a pull it authorized.
-    pub async fn classify(
-        &self,
-        labels: &BTreeMap<String, String>,
-        client: &dyn Registry,
-    ) -> Decision {
-        let candidate = labels
-            .keys()
-            .any(|k| k.starts_with(crate::format::layout::ANN_PREFIX));
+    pub async fn classify(&self, cri: &CriLabels, client: &dyn Registry) -> Decision {
+        let candidate = cri.candidate;
         let ordinary = |reason: Reason, detail: String| Decision::Ordinary {
             reason,
             detail,
             candidate,
         };
-        let (reference, layer) = match pinned_layer(labels) {
+        let (reference, layer) = match cri.pinned_layer() {
             Ok(pinned) => pinned,
             Err((reason, detail)) => return ordinary(reason, detail),
         };
@@ -477,26 +471,71 @@ impl Classifier {
     }
 }
 
-/// The image (pinned to its manifest digest) and the layer a CRI Prepare's labels name; the
-/// reason it is ordinary when they name none or are malformed.
-fn pinned_layer(
-    labels: &BTreeMap<String, String>,
-) -> std::result::Result<(Reference, Digest), (Reason, String)> {
-    let (Some(image), Some(manifest), Some(layer)) = (
-        labels.get(LABEL_IMAGE_REF),
-        labels.get(LABEL_MANIFEST),
-        labels.get(LABEL_LAYER),
-    ) else {
-        return Err((
-            Reason::NoCriLabels,
-            "no CRI image labels (a `ctr` pull, or disable_snapshot_annotations = true)".into(),
-        ));
-    };
-    let parsed = (|| -> Result<(Reference, Digest)> {
-        let image: Reference = image.parse()?;
-        let manifest: Digest = manifest.parse()?;
-        let layer: Digest = layer.parse()?;
-        Ok((image.with_digest(manifest), layer))
-    })();
-    parsed.map_err(|e| (Reason::MalformedLabels, e.chain()))
+/// What a Prepare's CRI labels say of the layer being unpacked and its image, read and parsed
+/// once per Prepare: the classification, the signature check, the credentials of the pulls in
+/// flight and the store's alias all take it from here. Each label is `None` where it is
+/// missing, an error where it is malformed.
+pub struct CriLabels {
+    /// The image as the pull named it (`cri.image-ref`), as written: the store's alias of the
+    /// layer.
+    pub named: Option<String>,
+    /// That image, parsed.
+    pub image: Option<Result<Reference>>,
+    /// Its platform manifest (`cri.manifest-digest`).
+    pub manifest: Option<Result<Digest>>,
+    /// The layer being unpacked (`cri.layer-digest`).
+    pub layer: Option<Result<Digest>>,
+    /// Whether the layer carries vmdisk's layout annotations (published as a VM disk).
+    pub candidate: bool,
+}
+
+impl CriLabels {
+    /// The CRI labels among a Prepare's `labels`.
+    pub fn read(labels: &BTreeMap<String, String>) -> Self {
+        let named = labels.get(LABEL_IMAGE_REF).cloned();
+        CriLabels {
+            image: named.as_deref().map(str::parse),
+            manifest: labels.get(LABEL_MANIFEST).map(|m| m.parse()),
+            layer: labels.get(LABEL_LAYER).map(|l| l.parse()),
+            named,
+            candidate: labels
+                .keys()
+                .any(|k| k.starts_with(crate::format::layout::ANN_PREFIX)),
+        }
+    }
+
+    /// The image, where its label is there and well formed.
+    pub fn image(&self) -> Option<&Reference> {
+        self.image.as_ref()?.as_ref().ok()
+    }
+
+    /// The image pinned to its manifest digest and the layer; the reason the layer is ordinary
+    /// when the labels name none or are malformed.
+    pub fn pinned_layer(&self) -> std::result::Result<(Reference, Digest), (Reason, String)> {
+        let (Some(image), Some(manifest), Some(layer)) = (&self.image, &self.manifest, &self.layer)
+        else {
+            return Err((
+                Reason::NoCriLabels,
+                "no CRI image labels (a `ctr` pull, or disable_snapshot_annotations = true)".into(),
+            ));
+        };
+        let malformed = |e: &crate::error::Error| (Reason::MalformedLabels, e.chain());
+        let image = image.as_ref().map_err(malformed)?;
+        let manifest = manifest.as_ref().map_err(malformed)?;
+        let layer = layer.as_ref().map_err(malformed)?;
+        Ok((image.with_digest(*manifest), *layer))
+    }
+
+    /// The image as pulled and its platform manifest, for the signature policy; none without
+    /// those labels (a pull outside CRI), an error naming the malformed one.
+    pub fn pulled(&self) -> Result<Option<(&Reference, Digest)>> {
+        let (Some(image), Some(manifest)) = (&self.image, &self.manifest) else {
+            return Ok(None);
+        };
+        let owned = |e: &crate::error::Error| crate::error::Error::new(e.kind(), e.chain());
+        Ok(Some((
+            image.as_ref().map_err(owned)?,
+            *manifest.as_ref().map_err(owned)?,
+        )))
+    }
 }

@@ -10,7 +10,7 @@ pub mod tenants;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use self::classify::{Decision, Outcome, LABEL_REMOTE, LABEL_TARGET};
+use self::classify::{CriLabels, Decision, Outcome, LABEL_REMOTE, LABEL_TARGET};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::Reference;
 use crate::registry::granted::{Grant, Granted};
@@ -85,14 +85,15 @@ impl Snapshotter {
         labels: &BTreeMap<String, String>,
     ) -> Result<bool> {
         let started = std::time::Instant::now();
-        let image = labels.get(classify::LABEL_IMAGE_REF);
+        let cri = CriLabels::read(labels);
+        let image = cri.image();
         let pending = image.map_or_else(Vec::new, |i| self.tenants.pending_for(i));
-        let client = self.client_with(image.and_then(|i| i.parse().ok()), &pending);
+        let client = self.client_with(image.cloned(), &pending);
         // The signatures are fetched while the layer is classified (manifest, config, TOC:
         // nothing of the disk), and nothing is served before both are done.
         let (checked, decision) = tokio::join!(
-            self.check_policy(labels, client.as_ref()),
-            self.classifier.classify(labels, client.as_ref())
+            self.check_policy(&cri, client.as_ref()),
+            self.classifier.classify(&cri, client.as_ref())
         );
         if let Err(e) = checked {
             self.counters.add(&Outcome::RefusedByPolicy.counter(), 1);
@@ -108,7 +109,7 @@ impl Snapshotter {
                     .prepare_remote(
                         target,
                         parent,
-                        labels,
+                        (labels, cri.named.as_deref()),
                         (&reference, layer),
                         PullAccess {
                             client: &client,
@@ -161,23 +162,18 @@ impl Snapshotter {
     /// those labels containerd pulls outside CRI (`ctr`), and nothing is checked here.
     async fn check_policy(
         &self,
-        labels: &BTreeMap<String, String>,
+        cri: &CriLabels,
         client: &dyn crate::registry::Registry,
     ) -> Result<()> {
         let trust = self.classifier.trust();
         if !trust.is_set() {
             return Ok(());
         }
-        let (Some(image), Some(manifest)) = (
-            labels.get(classify::LABEL_IMAGE_REF),
-            labels.get(classify::LABEL_MANIFEST),
-        ) else {
+        let Some((image, digest)) = cri.pulled()? else {
             return Ok(());
         };
-        let image: Reference = image.parse()?;
-        let digest: crate::digest::Digest = manifest.parse()?;
         trust
-            .check_image(client, self.classifier.cache(), &image, digest)
+            .check_image(client, self.classifier.cache(), image, digest)
             .await
     }
 
@@ -257,13 +253,14 @@ impl Snapshotter {
         grants
     }
 
-    /// Serves `layer` of `reference` (classified remote) as snapshot `target`, with what the
+    /// Serves `layer` of `reference` (classified remote) as snapshot `target` with the
+    /// Prepare's `labels`, the image as the pull `named` it (the store's alias), and what the
     /// `pull` in flight may read.
     async fn prepare_remote(
         self: &Arc<Self>,
         target: &str,
         parent: &str,
-        labels: &BTreeMap<String, String>,
+        (labels, named): (&BTreeMap<String, String>, Option<&str>),
         (reference, layer): (&Reference, crate::digest::Digest),
         pull: PullAccess<'_>,
     ) -> Result<Served> {
@@ -279,7 +276,7 @@ impl Snapshotter {
                 format!("a different snapshot is named {target:?} already"),
             ));
         }
-        let alias = labels.get(classify::LABEL_IMAGE_REF).cloned();
+        let alias = named.map(str::to_string);
         let grants = self.grants_for_server(reference, pull.pending).await;
         let lock = self.layer_locks.lock(&layer).await;
         self.servers

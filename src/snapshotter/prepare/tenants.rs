@@ -93,7 +93,7 @@ impl PullGrant {
 /// A pull in flight with credentials; its credentials are forgotten when it is dropped.
 pub struct PendingPull<'a> {
     tenants: &'a Tenants,
-    image: String,
+    image: Reference,
     id: u64,
 }
 
@@ -132,15 +132,11 @@ pub struct Tenants {
     pub policy: Verification,
     /// How long a grant lasts from the pull that made it.
     ttl: Duration,
-    pending: Mutex<HashMap<String, Vec<Pending>>>,
+    /// Pulls in flight by image, as PullImage named it (parsed: the CRI labels name it alike).
+    pending: Mutex<HashMap<Reference, Vec<Pending>>>,
     next_id: AtomicU64,
     grants: Mutex<Vec<PullGrant>>,
     open: Mutex<VecDeque<Digest>>,
-}
-
-/// The key of an image reference as the CRI labels and PullImage both name it.
-fn image_key(image: &str) -> Option<String> {
-    image.parse::<Reference>().ok().map(|r| r.to_string())
 }
 
 impl Tenants {
@@ -160,9 +156,10 @@ impl Tenants {
         self.ttl
     }
 
-    /// Keeps `credential` while containerd pulls `image` with it (until the guard is dropped).
+    /// Keeps `credential` while containerd pulls `image` with it (until the guard is dropped);
+    /// none for an image PullImage names in a way no reference parses.
     pub fn begin_pull(&self, image: &str, credential: Credential) -> Option<PendingPull<'_>> {
-        let key = image_key(image)?;
+        let key: Reference = image.parse().ok()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut pending = self.pending.lock();
         if pending.values().map(Vec::len).sum::<usize>() >= MAX_PENDING {
@@ -185,22 +182,18 @@ impl Tenants {
     }
 
     /// The credentials of the pulls of `image` in flight, oldest first.
-    pub fn pending_for(&self, image: &str) -> Vec<Credential> {
-        let Some(key) = image_key(image) else {
-            return Vec::new();
-        };
+    pub fn pending_for(&self, image: &Reference) -> Vec<Credential> {
         let pending = self.pending.lock();
         pending
-            .get(&key)
+            .get(image)
             .map(|pulls| pulls.iter().map(|p| p.credential.clone()).collect())
             .unwrap_or_default()
     }
 
     /// Notes that the pulls of `image` in flight classified layers under manifest `digest`.
-    pub fn note_classified(&self, image: &str, digest: Digest) {
-        let Some(key) = image_key(image) else { return };
+    pub fn note_classified(&self, image: &Reference, digest: Digest) {
         let mut pending = self.pending.lock();
-        for pull in pending.get_mut(&key).into_iter().flatten() {
+        for pull in pending.get_mut(image).into_iter().flatten() {
             if pull.digests.len() < MAX_DIGESTS {
                 pull.digests.insert(digest);
             }
@@ -328,26 +321,27 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn pending_credentials_live_only_as_long_as_their_pull() {
         let t = Tenants::new(Verification::IfPrivate, Duration::from_secs(60));
+        let image: Reference = "r.example/vm/a:1".parse().unwrap();
         let a = t.begin_pull("r.example/vm/a:1", cred("alice")).unwrap();
         {
             let _b = t.begin_pull("r.example/vm/a:1", cred("mallory")).unwrap();
             let users: Vec<String> = t
-                .pending_for("r.example/vm/a:1")
+                .pending_for(&image)
                 .into_iter()
                 .map(|c| c.username)
                 .collect();
             assert_eq!(users, ["alice", "mallory"]);
-            t.note_classified("r.example/vm/a:1", Digest::of(b"m"));
+            t.note_classified(&image, Digest::of(b"m"));
         }
         // Mallory's pull ended (failed): her credentials are gone, nothing was granted.
-        assert_eq!(t.pending_for("r.example/vm/a:1").len(), 1);
+        assert_eq!(t.pending_for(&image).len(), 1);
         assert_eq!(a.digests(), BTreeSet::from([Digest::of(b"m")]));
-        assert!(t.pending_for("r.example/vm/other:1").is_empty());
-        drop(a);
-        assert!(t.pending_for("r.example/vm/a:1").is_empty());
         assert!(t
-            .covering(&"r.example/vm/a:1".parse().unwrap(), &Digest::of(b"m"))
+            .pending_for(&"r.example/vm/other:1".parse().unwrap())
             .is_empty());
+        drop(a);
+        assert!(t.pending_for(&image).is_empty());
+        assert!(t.covering(&image, &Digest::of(b"m")).is_empty());
     }
 
     #[tokio::test(start_paused = true)]
