@@ -371,24 +371,33 @@ fn transfer_service_and_image_volumes(
         daemon.decisions()
     );
 
-    // An image volume of that image, as kubelet asks for one: by the image's id.
+    // An image volume of that image, as kubelet asks for one: by the image's id. CRI learns of
+    // an image pulled outside it from containerd's image events, after the pull returned.
     let id = rt().block_on(async {
-        ctd.images()
-            .await
-            .unwrap()
-            .image_status(cri::ImageStatusRequest {
-                image: Some(cri::ImageSpec {
-                    image: upstream.clone(),
-                    ..Default::default()
-                }),
-                verbose: false,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .image
-            .expect("the pulled image is known to CRI")
-            .id
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let status = ctd
+                .images()
+                .await
+                .unwrap()
+                .image_status(cri::ImageStatusRequest {
+                    image: Some(cri::ImageSpec {
+                        image: upstream.clone(),
+                        ..Default::default()
+                    }),
+                    verbose: false,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            match status.image {
+                Some(image) => break image.id,
+                None if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                None => panic!("the image pulled through the transfer service is not known to CRI 10 s after the pull"),
+            }
+        }
     });
     let before = proxy.bytes_to_client();
     let container =
