@@ -442,10 +442,6 @@ impl RegistryClient {
             Ask::Mirrors => endpoints.retain(|e| e.mirror),
             Ask::AnyEndpoint | Ask::Background => {}
         }
-        let mirrors: Vec<String> = (endpoints.iter())
-            .filter(|e| e.mirror)
-            .map(|e| e.base.clone())
-            .collect();
         let ranges = blob.map(|b| (b, ask.purpose()));
         for ep in self.shared.health.order(endpoints, ranges) {
             let mut asking = match ranges {
@@ -458,8 +454,7 @@ impl RegistryClient {
                 _ => None,
             };
             if let Some((blob, health::Purpose::Whole)) = ranges.filter(|_| !ep.mirror) {
-                let bases = mirrors.iter().map(String::as_str);
-                if self.shared.health.filling(bases, blob).is_some() {
+                if self.filling(r, blob).is_some() {
                     return Err(Error::new(
                         ErrorKind::FailedPrecondition,
                         format!("a mirror of {} is filling blob {blob} from the registry: a background read waits for it rather than ask the registry for {what}", r.registry),
