@@ -6,17 +6,22 @@
 //! shaped-link 127.0.0.1:5001 127.0.0.1:5000 20 200     # the "cluster" link
 //! ```
 //!
-//! The kernel here has no netem, so delay is added in user space: each direction is a link of
-//! its own with half the round trip as propagation delay and the bandwidth as its rate, shared
-//! by every connection (as one bottleneck link would be). Bytes read from one side are given a
-//! departure time on that direction's link (they wait for the bytes before them to be sent at
-//! the link's rate) and are written to the other side one propagation delay after departing.
-//! Many bytes can be in flight at once, so a sender that keeps the pipe full gets the link's
-//! bandwidth, and one request-response costs at least one round trip: what TCP over a real
-//! link of that shape gives (without loss or slow start).
+//! The kernel here has no netem, so the link is made in user space. Each direction is a link of
+//! its own, shared by every connection as one bottleneck would be: a wire of the link's rate
+//! with half the round trip as propagation delay, behind a fair queue — one queue per
+//! connection, served a piece at a time in turn, as Linux's default qdisc (fq_codel) serves
+//! flows — so a short answer is not queued behind another connection's bulk transfer.
+//!
+//! Each connection's direction has a window: bytes read from its sender and not yet delivered
+//! to its receiver are at most [`WINDOW`] (Linux's largest default send buffer), as TCP's flow
+//! control bounds what a sender has in flight. A sender that keeps its window full gets the
+//! link's bandwidth (or its fair share), one request-response costs at least one round trip,
+//! and a receiver that hangs up stops its sender within a window, not after whatever the sender
+//! could have written. What it does not model: loss, slow start.
 //!
 //! It prints `listening on ADDR` once it accepts connections, and runs until killed.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,52 +30,125 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-/// Largest piece of data scheduled at once (smaller than a TCP window, so pieces pipeline).
+/// Largest piece of data read and scheduled at once (the fair queue's quantum).
 const PIECE: usize = 16 << 10;
-/// Pieces in flight per connection direction: enough for 10 Gbit/s × 50 ms.
-const IN_FLIGHT: usize = 4096;
+/// Bytes of one connection's direction in flight at most (read from its sender, not yet
+/// delivered): `net.ipv4.tcp_wmem`'s default maximum.
+const WINDOW: usize = 4 << 20;
+/// How late the wire's clock may fall behind a timer's wake-up and still send back to back.
+const SLACK: Duration = Duration::from_millis(5);
 
-/// One direction of the link: when it is free to send the next byte.
+/// A piece on its way, holding its part of its connection's window until delivered.
+struct Piece {
+    bytes: Vec<u8>,
+    _window: OwnedSemaphorePermit,
+}
+
+/// One connection's direction as the link sees it: the pieces waiting for the wire, and where
+/// the wire hands them over (at their arrival time).
+struct Flow {
+    waiting: Mutex<VecDeque<Piece>>,
+    deliver: mpsc::UnboundedSender<(Instant, Piece)>,
+}
+
+/// One direction of the link: the flows with pieces waiting, in the order they are served.
 struct Link {
     bytes_per_sec: f64,
     delay: Duration,
-    free_at: Mutex<Instant>,
+    turns: Mutex<VecDeque<Arc<Flow>>>,
+    ready: Notify,
 }
 
 impl Link {
-    /// When `n` bytes handed over now arrive at the other end.
-    fn schedule(&self, n: usize) -> Instant {
-        let now = Instant::now();
-        let mut free_at = self.free_at.lock();
-        let start = (*free_at).max(now);
-        let departs = start + Duration::from_secs_f64(n as f64 / self.bytes_per_sec);
-        *free_at = departs;
-        departs + self.delay
+    /// Queues `piece` on `flow`'s queue (and `flow` for a turn if it had nothing waiting).
+    fn enqueue(&self, flow: &Arc<Flow>, piece: Piece) {
+        let mut turns = self.turns.lock();
+        let mut waiting = flow.waiting.lock();
+        if waiting.is_empty() {
+            turns.push_back(Arc::clone(flow));
+        }
+        waiting.push_back(piece);
+        drop(waiting);
+        drop(turns);
+        self.ready.notify_one();
+    }
+
+    /// The next piece to send: the first piece of the flow whose turn it is (that flow goes to
+    /// the back of the line if it has more).
+    fn next(&self) -> Option<(Arc<Flow>, Piece)> {
+        let mut turns = self.turns.lock();
+        let flow = turns.pop_front()?;
+        let mut waiting = flow.waiting.lock();
+        let piece = waiting.pop_front()?;
+        let more = !waiting.is_empty();
+        drop(waiting);
+        if more {
+            turns.push_back(Arc::clone(&flow));
+        }
+        Some((flow, piece))
+    }
+
+    /// The wire: sends the queued pieces one after the other at the link's rate; each arrives
+    /// one propagation delay after it has been sent. A piece whose receiver has gone is dropped
+    /// without using the wire.
+    async fn run(self: Arc<Self>) {
+        let mut free_at = Instant::now();
+        loop {
+            let ready = self.ready.notified();
+            let Some((flow, piece)) = self.next() else {
+                ready.await;
+                continue;
+            };
+            if flow.deliver.is_closed() {
+                continue;
+            }
+            let now = Instant::now();
+            let start = if free_at + SLACK < now { now } else { free_at };
+            free_at = start + Duration::from_secs_f64(piece.bytes.len() as f64 / self.bytes_per_sec);
+            let _ = flow.deliver.send((free_at + self.delay, piece));
+            if free_at > now {
+                tokio::time::sleep_until(free_at).await;
+            }
+        }
     }
 }
 
-/// Copies `from` to `to` through `link`.
+/// Copies `from` to `to` through `link`, at most [`WINDOW`] bytes in flight; stops reading
+/// `from` once `to` is gone.
 async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Arc<Link>) {
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<(Instant, Vec<u8>)>(IN_FLIGHT);
+    let (deliver, mut arrivals) = mpsc::unbounded_channel::<(Instant, Piece)>();
+    let flow = Arc::new(Flow {
+        waiting: Mutex::new(VecDeque::new()),
+        deliver,
+    });
+    let window = Arc::new(Semaphore::new(WINDOW));
     let reader = async move {
         let mut buf = vec![0u8; PIECE];
         loop {
-            let n = match from.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
+            let n = tokio::select! {
+                read = from.read(&mut buf) => match read {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                },
+                () = flow.deliver.closed() => break,
             };
-            let arrives = link.schedule(n);
-            if tx.send((arrives, buf[..n].to_vec())).await.is_err() {
+            let Ok(permit) = Arc::clone(&window).acquire_many_owned(n as u32).await else {
                 break;
-            }
+            };
+            let piece = Piece {
+                bytes: buf[..n].to_vec(),
+                _window: permit,
+            };
+            link.enqueue(&flow, piece);
         }
     };
     let writer = async move {
-        while let Some((arrives, piece)) = rx.recv().await {
+        while let Some((arrives, piece)) = arrivals.recv().await {
             tokio::time::sleep_until(arrives).await;
-            if to.write_all(&piece).await.is_err() {
+            if to.write_all(&piece.bytes).await.is_err() {
                 return;
             }
         }
@@ -103,11 +181,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("the bandwidth must be positive".into());
     }
     let link = || {
-        Arc::new(Link {
+        let link = Arc::new(Link {
             bytes_per_sec,
             delay,
-            free_at: Mutex::new(Instant::now()),
-        })
+            turns: Mutex::new(VecDeque::new()),
+            ready: Notify::new(),
+        });
+        tokio::spawn(Arc::clone(&link).run());
+        link
     };
     let (up, down) = (link(), link());
     let listener = TcpListener::bind(listen).await?;
