@@ -19,7 +19,8 @@
 #                  what a pull costs the same fleet (not run unless named in FLEET_MODES).
 # For each: the origin's body bytes (and as multiples of the blob B), its GETs of the disk's
 # blob and its other requests, the nodes' boot times (start to boot set read: p50, p99; "p99 own
-# cpu": less what each node's threads waited for a CPU, i.e. on a machine of its own), the time
+# cpu": less what each node's threads waited for a CPU, i.e. on a machine of its own; "mount
+# p99": start to the disk file's appearing, the image resolved through the mirror), the time
 # from the start until every node was hydrated, wrong reads, and the CPU seconds the nodes, the
 # cache and the harness (relay, origin, driver) used, to show when two cores are the limit.
 # FLEET_NODES ("1 20 100"), FLEET_MODES, FLEET_SLICE (another slice size for nginx),
@@ -127,13 +128,15 @@ def rank(p, ok=ok):
     return ok[min(len(ok) - 1, max(0, -(-len(ok) * p // 100) - 1))] if ok else float("nan")
 # Each node's time less what its threads waited for a CPU: the node on a machine of its own.
 own = sorted(t - w for t, w in zip(r["times"], r["cpu_waits"]) if t is not None)
+mounts = sorted(t for t in r["mounted"] if t is not None)
 c = r["cpu"]
 harness = c.get("link", 0) + c.get("origin", 0) + c["driver"]
 hydrated = [t for t in r.get("hydrated", []) if t is not None]
 all_hydrated = f"{max(hydrated):.1f}" if hydrated and len(hydrated) == len(r["times"]) else "-"
 late = f"{r['late']:.2f}" if r.get("late") is not None else "-"
 print(f"{mode} {n} {int(nbytes) / 1e6:.1f} {int(nbytes) / int(size):.2f} {gets} {other} "
-      f"{rank(50):.2f} {rank(99):.2f} {rank(99, own):.2f} {all_hydrated} {late} "
+      f"{rank(50):.2f} {rank(99):.2f} {rank(99, own):.2f} {rank(99, mounts):.2f} "
+      f"{all_hydrated} {late} "
       f"{r.get('wrong', 0)} {len(r['times']) - len(ok)} {preheat} {c['nodes']} "
       f"{c.get('cache', 0)} {harness:.1f} {r['wall']}")
 PY
@@ -161,9 +164,9 @@ done
 {
   echo
   echo "A fleet booting one disk at once and hydrating it, the nodes' default configuration ($MIB MiB of random data, blob B = $((BLOB_SIZE / 1000000)) MB; 50 scattered 64 KiB reads per node, each checked; full-*: each node downloads the whole blob), origin behind the cluster link (20 ms, 200 Mbit/s), same run; hydrated s: from the start until every node held the whole disk; late: the late node's boot; preheat MB: what the preheat cost the origin before the rollout; CPU seconds of the nodes, the cache and the harness (link relay, origin, driver):"
-  printf '  %-13s %5s %10s %6s %9s %9s %7s %7s %12s %10s %7s %6s %6s %10s %9s %9s %11s %7s\n' mode nodes "origin MB" "x B" "blob GETs" "other req" "p50 s" "p99 s" "p99 own cpu" "hydrated s" "late s" wrong failed "preheat MB" "node cpu" "cache cpu" "harness cpu" "wall s"
+  printf '  %-13s %5s %10s %6s %9s %9s %7s %7s %12s %12s %10s %7s %6s %6s %10s %9s %9s %11s %7s\n' mode nodes "origin MB" "x B" "blob GETs" "other req" "p50 s" "p99 s" "p99 own cpu" "mount p99 s" "hydrated s" "late s" wrong failed "preheat MB" "node cpu" "cache cpu" "harness cpu" "wall s"
   for row in "${ROWS[@]}"; do
     # shellcheck disable=SC2086
-    printf '  %-13s %5s %10s %6s %9s %9s %7s %7s %12s %10s %7s %6s %6s %10s %9s %9s %11s %7s\n' $row
+    printf '  %-13s %5s %10s %6s %9s %9s %7s %7s %12s %12s %10s %7s %6s %6s %10s %9s %9s %11s %7s\n' $row
   done
 } | tee -a "$RESULTS"

@@ -7,7 +7,7 @@ reads the boot set (one 64 KiB pread per line of READS, each compared with the s
 --expect, the disk published), timing the node from its start, then waits until the node says
 the whole disk is cached and checked ("hydrated"). With --late, the last node starts only once
 the others have booted (while they hydrate) and reads --late-reads. Prints one JSON object: the
-nodes' boot times (null: failed), their hydration times, wrong reads, how long each node's
+nodes' boot times (null: failed), when each node's disk appeared (mounted), their hydration times, wrong reads, how long each node's
 threads (its mount's and its reader) waited for a CPU during its boot, and the CPU seconds the
 nodes, this driver and the processes named by --watch used during the run.
 
@@ -79,6 +79,7 @@ def main():
     before = {n: sum(cpu(p) for p in ps) for n, ps in watch.items()}
     self_before = resource.getrusage(resource.RUSAGE_SELF)
     times = [None] * a.nodes
+    mounted = [None] * a.nodes
     hydrated = [None] * a.nodes
     wrong = [0]
     booted = threading.Semaphore(0)
@@ -123,6 +124,7 @@ def main():
                 time.sleep(0.05)
             ok = disk is not None
             if ok:
+                mounted[i] = round(time.monotonic() - t0, 3)
                 try:
                     fd = os.open(disk, os.O_RDONLY)
                     for off in (late_offsets if late else offsets):
@@ -180,6 +182,7 @@ def main():
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     json.dump({
         "times": times,
+        "mounted": mounted,
         "hydrated": hydrated,
         "wrong": wrong[0],
         "late": times[-1] if a.late else None,

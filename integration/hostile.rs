@@ -55,6 +55,8 @@ struct Content {
     manifests: HashMap<(String, String), (String, Vec<u8>)>,
     /// (repository, digest) → blob.
     blobs: HashMap<(String, String), Blob>,
+    /// Range requests of blobs answered.
+    ranges_asked: usize,
 }
 
 /// The in-process registry, serving until dropped.
@@ -115,6 +117,7 @@ async fn serve(
             .body(Body::from(blob.bytes.to_vec()))
             .unwrap();
     };
+    content.lock().ranges_asked += 1;
     let answer = if blob.at.contains(&range.start) {
         blob.answer.clone()
     } else {
@@ -176,7 +179,16 @@ impl HostileRegistry {
         let app = axum::Router::new()
             .route("/v2/", axum::routing::get(|| async { "{}" }))
             .route("/v2/{*rest}", axum::routing::get(serve))
-            .with_state(Arc::clone(&content));
+            .with_state(Arc::clone(&content))
+            // Used as a mirror, it declares itself a Range cache (as the shipped slice cache
+            // does), so nodes send it their reads from the first.
+            .layer(axum::middleware::map_response(|mut r: Response| async {
+                r.headers_mut().insert(
+                    vmdisk::registry::health::RANGE_CACHE_HEADER,
+                    header::HeaderValue::from_static("slice"),
+                );
+                r
+            }));
         runtime.spawn(async move { axum::serve(listener, app).await });
         HostileRegistry {
             port,
@@ -187,6 +199,11 @@ impl HostileRegistry {
 
     pub(crate) fn host(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Range requests of blobs it answered.
+    pub(crate) fn ranges_asked(&self) -> usize {
+        self.content.lock().ranges_asked
     }
 
     fn put_blob(&self, repo: &str, digest: Digest, bytes: Vec<u8>) {
@@ -948,6 +965,7 @@ fn a_mirror_serving_a_damaged_toc_does_not_keep_the_mount_from_the_registry() {
     );
     let (read, _) = direct_read(&mount.disk, 0, data.len());
     assert!(read.unwrap() == data, "the published bytes");
+    assert!(mirror.ranges_asked() > 0, "the mirror was asked");
     let stats = mount.stop();
     assert_eq!(stats["read_errors"].as_u64(), Some(0), "{stats}");
 }

@@ -630,11 +630,7 @@ async fn mount(args: MountArgs) -> Result<()> {
         .map_err(|e| e.context("--cache-size"))?;
     let trust = args.policy.verifier()?;
     let cache = crate::cache::CacheRoot::open(&args.cache)?;
-    // What this node learns about its mirrors is kept with its cache.
-    let client = std::sync::Arc::new(RegistryClient::new(RegistryConfig {
-        notes: Some(args.cache.join(crate::registry::MIRROR_NOTES)),
-        ..registry.config()?
-    })?);
+    let client = std::sync::Arc::new(RegistryClient::new(registry.config()?)?);
     let opts = EngineOptions {
         fetch_deadline: std::time::Duration::from_secs(args.fetch_timeout),
         ..EngineOptions::default()

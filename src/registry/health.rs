@@ -10,47 +10,40 @@
 //! credentials): the request goes on to the next endpoint without the endpoint resting.
 //!
 //! A mirror that answers a Range request for a blob with the whole blob (a pull-through
-//! registry cache — CNCF distribution, Harbor — that does not hold it yet) is not failing:
+//! registry cache — CNCF distribution, Harbor, Zot — that does not hold it yet) is not failing:
 //! it has started fetching that blob from the origin to store it, and every further request
 //! for the blob before it holds it makes it stream another copy from the origin. So that blob
-//! (not the mirror) rests there: its ranges go to the other endpoints, and the mirror is asked
-//! again for them after [`BLOB_REST`], doubling up to [`MAX_BLOB_REST`], until it answers
-//! with a range. A mirror asked for a blob it has not served ranges of that sends no answer
-//! within the mirror deadline ([`Failure::Silent`]) rests the blob there too: a pull-through
-//! cache answers only once the origin has started sending, which on a busy link takes seconds,
-//! and asking again at once would start another stream from the origin.
+//! (not the mirror) rests there: the mirror is asked again for it after [`BLOB_REST`],
+//! doubling up to [`MAX_BLOB_REST`], until it answers with a range. A mirror asked for a blob
+//! it has not served ranges of that sends no answer within the mirror deadline
+//! ([`Failure::Silent`]) rests the blob there too: a pull-through cache answers only once the
+//! origin has started sending, which on a busy link takes seconds, and asking again at once
+//! would only start another stream from the origin.
 //!
-//! What a mirror does with a blob shows only at its answer, and a pull-through cache that
-//! holds one blob (the config another node had it fetch) answers that blob's ranges as a
-//! Range cache does. So a mirror that has not served ranges of a blob is asked for it by one
-//! request at a time ([`Health::first_ask`]); the others wait for that answer, while the ask is
-//! young, or go on to the next endpoint ([`Health::claim`]), and a reader waits for it only
-//! briefly (the registry client's hedge: `transport::MIRROR_HEDGE`).
+//! **A reader's ranges go to a mirror only where they are answered as ranges**: a mirror that
+//! declares itself a Range cache (its answers carry [`RANGE_CACHE_HEADER`], as the shipped
+//! nginx slice cache's do: it answers any range at once, one slice fetch per fleet), or one
+//! that has served ranges of that blob in this process (it holds it). Any other mirror is
+//! passed by for the *demand* ranges ([`Purpose::Demand`]) of a blob: merely asking a
+//! pull-through cache for a blob it lacks — a Range GET or a HEAD alike — makes it fetch the
+//! whole blob from the origin, and on a node's first reads of a disk that fill takes the boot
+//! reads' share of the link; and no answer tells such a cache from a Range cache before the
+//! first range of a blob (one that holds the config answers its range as a Range cache does).
+//! Reads of a whole blob in the background ([`Purpose::Whole`]: hydration, a preheat) do ask
+//! every mirror: a pull-through cache's one fill then serves the fleet, and a range it answers
+//! shows it holds the blob (readers use it from then on); while it fills (the blob rests
+//! there), such reads wait for it ([`Health::filling`], at most [`MAX_FILL_WAIT`]) instead of
+//! fetching the blob from the origin once per node. What a mirror declares is what its latest
+//! answer said: the address may come to serve something else.
 //!
-//! The first such answer also teaches that the mirror *is* such a cache (a Range cache — nginx's
-//! slice cache — never answers one), and so does a whole answer to a Range request covering a
-//! whole small blob (a config: [`Health::answered_whole`]), which costs nothing more than the
-//! fetch it is part of and comes before any read of a disk. From then on the mirror is passed
-//! by for the *demand* ranges ([`Purpose::Demand`]) of every blob it was not asked for before
-//! and has not answered a range of in this process, because merely asking it for a blob it
-//! does not hold — a Range GET or a HEAD — makes it fetch the whole blob from the origin,
-//! which on a node's first reads of a disk costs the node's reads the link's bandwidth. Reads
-//! of a whole blob in the background ([`Purpose::Whole`]: hydration, a preheat) do ask it: its
-//! one fill then serves the fleet; while it fills (the blob rests there), such reads wait for
-//! it ([`Health::filling`], at most [`MAX_FILL_WAIT`]) instead of fetching the blob from the
-//! origin once per node. (A blob it was asked for is being fetched there anyway: it is asked
-//! again after its rest, and used once it answers with ranges.) What was
-//! learnt is kept in a notes file when the client has one (the node's cache), so the daemon's
-//! mount servers, each a process of its own, and later starts know it. It holds for
-//! [`NOTE_LIFETIME`] from when it was learnt: the address may come to serve something else (a
-//! slice cache put where the pull-through cache was), and a note that never expired would pass
-//! it by for good. After that the mirror is asked again, and a whole-blob answer teaches it
-//! again.
+//! A mirror that has not served ranges of a blob is asked for it by one request at a time
+//! ([`Health::first_ask`]); the others wait for that answer, while the ask is young, or go on
+//! to the next endpoint ([`Health::claim`]), and a reader waits for it only briefly (the
+//! registry client's hedge: `transport::MIRROR_HEDGE`).
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -73,13 +66,10 @@ pub const MAX_BLOB_REST: Duration = Duration::from_secs(600);
 pub const MAX_FILL_WAIT: Duration = Duration::from_secs(600);
 /// Most blob rests (and blobs known held) kept per mirror: the expired are forgotten first.
 const MAX_BLOB_RESTS: usize = 4096;
-/// How long what was learnt of a mirror (that it fills whole blobs) holds, in this process and
-/// in the notes file.
-pub const NOTE_LIFETIME: Duration = Duration::from_secs(24 * 3600);
-/// Most mirrors a notes file names (it is the node's file, and untrusted: more are ignored).
-const MAX_NOTED: usize = 64;
-/// Longest line of a notes file.
-const MAX_NOTE: usize = 512;
+/// The response header by which a mirror declares itself a Range cache (any value): it answers
+/// any range of a blob at once, whether it holds the blob or not (the shipped nginx slice
+/// cache, `config/nginx-regional-cache.conf`, sends it on every answer).
+pub const RANGE_CACHE_HEADER: &str = "vmdisk-range-cache";
 
 /// What one endpoint did since this process started (monotonic).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -93,14 +83,15 @@ pub struct EndpointCounters {
     pub bytes: u64,
 }
 
-/// What ranges of a blob are read for: whether a mirror known to fill whole blobs (a
-/// pull-through cache) is asked for a blob it has not served ranges of.
+/// What ranges of a blob are read for: whether a mirror that has not served ranges of the blob
+/// and does not declare itself a Range cache is asked for them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Purpose {
     /// A reader waits for them (a guest's reads, a TOC): such a mirror is passed by.
     Demand,
-    /// The whole blob, in the background (hydration, a preheat): such a mirror is asked (its
-    /// one fill serves every node) and, while it fills, waited for ([`Health::filling`]).
+    /// The whole blob, in the background (hydration, a preheat): such a mirror is asked (a
+    /// pull-through cache's one fill serves every node) and, while it fills, waited for
+    /// ([`Health::filling`]).
     Whole,
 }
 
@@ -131,44 +122,14 @@ struct State {
     counters: EndpointCounters,
     /// Blobs resting here: a Range request for each was answered with the whole blob.
     blob_rests: HashMap<Digest, BlobRest>,
-    /// Set when this mirror is known to fetch a whole blob when asked for one it lacks (a
-    /// pull-through registry cache).
-    fills: Option<Fills>,
-    /// Set when it answered a Range request covering a whole blob with that range: it serves
-    /// ranges, or held that blob (what it is shows at its first whole answer).
-    ranged_whole: bool,
+    /// Whether its latest answer declared it a Range cache ([`RANGE_CACHE_HEADER`]); none
+    /// before its first answer.
+    declares_ranges: Option<bool>,
     /// Blobs it answered a range of in this process (a mirror): it holds them.
     served: HashSet<Digest>,
     /// Blobs a request is asking it for now that it has not served ranges of, with when it
     /// asked: one such ask at a time ([`Health::first_ask`]).
     asking: HashMap<Digest, Instant>,
-}
-
-/// What is known of a mirror that fetches whole blobs it lacks.
-#[derive(Debug)]
-struct Fills {
-    /// When it stops holding: [`NOTE_LIFETIME`] after it was learnt (here, or by the process
-    /// whose note this is).
-    expires: Instant,
-    /// When it was learnt, on the wall clock, for the notes file.
-    noted: SystemTime,
-}
-
-impl Fills {
-    fn learnt_at(noted: SystemTime) -> Fills {
-        let age = SystemTime::now()
-            .duration_since(noted)
-            .unwrap_or(Duration::ZERO);
-        Fills {
-            expires: Instant::now() + NOTE_LIFETIME.saturating_sub(age),
-            noted,
-        }
-    }
-
-    /// Whether it still holds at `now`.
-    fn current(&self, now: Instant) -> bool {
-        now < self.expires
-    }
 }
 
 impl State {
@@ -198,28 +159,18 @@ impl State {
                 .min(MAX_BLOB_REST);
     }
 
-    /// Knows this mirror fills whole blobs it lacks; whether that is new.
-    fn learn_fills(&mut self, now: Instant) -> bool {
-        if self.fills.as_ref().is_some_and(|f| f.current(now)) {
-            return false;
-        }
-        self.fills = Some(Fills::learnt_at(SystemTime::now()));
-        true
-    }
-
-    /// Whether ranges of `blob` read for `purpose` should pass this endpoint by for now.
-    fn passes_by(&self, blob: &Digest, purpose: Purpose, now: Instant) -> bool {
-        match (self.blob_rests.get(blob), purpose) {
-            // Asked before and answered whole: it has been fetching the blob since.
-            (Some(rest), _) => rest.until > now,
-            // Never asked: a pull-through cache would fetch it whole for the asking, which a
-            // background read of the whole blob wants (one fill for the fleet) and a reader
-            // must not wait behind.
-            (None, Purpose::Demand) => {
-                self.fills.as_ref().is_some_and(|f| f.current(now)) && !self.served.contains(blob)
-            }
-            (None, Purpose::Whole) => false,
-        }
+    /// Whether ranges of `blob` read for `purpose` should pass this mirror by for now: while
+    /// the blob rests here (asked before, and answered whole or not in time: it has been
+    /// fetching the blob since), and, for a reader, unless it serves ranges of the blob (it
+    /// declares itself a Range cache, or served ranges of it).
+    /// (`state`: none if nothing was asked of it yet.)
+    fn passes_by(state: Option<&State>, blob: &Digest, purpose: Purpose, now: Instant) -> bool {
+        let rests = state
+            .and_then(|s| s.blob_rests.get(blob))
+            .is_some_and(|r| r.until > now);
+        let serves =
+            state.is_some_and(|s| s.declares_ranges == Some(true) || s.served.contains(blob));
+        rests || (purpose == Purpose::Demand && !serves)
     }
 
     /// Until when a background read of `blob` waits for this mirror's fill of it, if it is
@@ -228,44 +179,6 @@ impl State {
         let rest = self.blob_rests.get(blob)?;
         (rest.until > now && now < rest.since + MAX_FILL_WAIT).then_some(rest.until)
     }
-}
-
-/// The mirrors a notes file names as pull-through caches, with when each was learnt, those
-/// still current (the node's file, and untrusted: bounded in lines and their length; a line
-/// `<base> <unix seconds>`; a time to come is taken as now, a line with no time, from before
-/// notes had one, as the file's own).
-fn read_notes(notes: &Path) -> Vec<(String, SystemTime)> {
-    let Ok(text) = std::fs::read_to_string(notes) else {
-        return Vec::new();
-    };
-    let now = SystemTime::now();
-    let written = std::fs::metadata(notes)
-        .and_then(|m| m.modified())
-        .unwrap_or(now);
-    text.lines()
-        .filter(|l| !l.is_empty() && l.len() <= MAX_NOTE)
-        .take(MAX_NOTED)
-        .filter_map(|l| {
-            let (base, noted) = match l.split_once(' ') {
-                Some((base, secs)) => {
-                    let secs = secs.trim().parse::<u64>().ok()?;
-                    (base, SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
-                }
-                None => (l, written),
-            };
-            let noted = noted.min(now);
-            let current = now.duration_since(noted).unwrap_or(Duration::ZERO) < NOTE_LIFETIME;
-            current.then(|| (base.to_string(), noted))
-        })
-        .collect()
-}
-
-/// A notes file's line for mirror `base`, learnt at `noted`.
-fn note_line(base: &str, noted: SystemTime) -> String {
-    let secs = noted
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    format!("{base} {secs}\n")
 }
 
 /// A claim of [`Health::first_ask`], given up when dropped (it may outlive the request that
@@ -307,32 +220,13 @@ struct BlobRest {
 #[derive(Debug, Default)]
 pub struct Health {
     states: Mutex<HashMap<String, State>>,
-    /// Where what was learnt about mirrors is kept.
-    notes: Option<PathBuf>,
+    /// Each mirror's look before a reader's first range ([`Health::look`]), by base URL.
+    looks: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<()>>>>,
     /// Told when a claim of [`Health::first_ask`] is given up.
     released: tokio::sync::Notify,
 }
 
 impl Health {
-    /// Health that keeps what it learns about mirrors in `notes` (and knows what is there).
-    pub fn with_notes(notes: &Path) -> Self {
-        let states = read_notes(notes)
-            .into_iter()
-            .map(|(base, noted)| {
-                let state = State {
-                    fills: Some(Fills::learnt_at(noted)),
-                    ..State::default()
-                };
-                (base, state)
-            })
-            .collect();
-        Health {
-            states: Mutex::new(states),
-            notes: Some(notes.to_path_buf()),
-            released: tokio::sync::Notify::new(),
-        }
-    }
-
     fn with<T>(&self, base: &str, f: impl FnOnce(&mut State) -> T) -> T {
         let mut states = self.states.lock();
         // Every chunk request comes here: no key allocation once the endpoint is known.
@@ -343,8 +237,8 @@ impl Health {
     }
 
     /// `endpoints` in the order to try them for a request (for ranges of `blob` read for a
-    /// purpose, if given): those not resting (nor passing ranges of `blob` by) first, each
-    /// group in the configured order.
+    /// purpose, if given): those not resting (nor mirrors passing ranges of `blob` by) first,
+    /// each group in the configured order.
     pub fn order(
         &self,
         endpoints: Vec<Endpoint>,
@@ -353,10 +247,11 @@ impl Health {
         let now = Instant::now();
         let states = self.states.lock();
         let resting = |e: &Endpoint| {
-            states.get(&e.base).is_some_and(|s| {
-                s.resting_until.is_some_and(|t| t > now)
-                    || ranges.is_some_and(|(b, purpose)| s.passes_by(b, purpose, now))
-            })
+            let state = states.get(&e.base);
+            state.is_some_and(|s| s.resting_until.is_some_and(|t| t > now))
+                || ranges.is_some_and(|(b, purpose)| {
+                    e.mirror && State::passes_by(state, b, purpose, now)
+                })
         };
         let (mut ready, rest): (Vec<_>, Vec<_>) = endpoints.into_iter().partition(|e| !resting(e));
         ready.extend(rest);
@@ -378,29 +273,31 @@ impl Health {
             .min()
     }
 
-    /// Mirror `base` answered a Range request covering a whole blob with `200` and the whole
-    /// blob: it did not hold it and fetched it whole (a pull-through cache), which it is now
-    /// known, and noted, to be. Nothing rests: the answer was what was wanted.
-    pub fn answered_whole(&self, base: &str) {
-        if self.with(base, |s| s.learn_fills(Instant::now())) {
-            self.note_filler(base);
-        }
+    /// Mirror `base` answered a request; whether the answer declared it a Range cache
+    /// ([`RANGE_CACHE_HEADER`]).
+    pub fn answered(&self, base: &str, declares_ranges: bool) {
+        self.with(base, |s| {
+            if s.declares_ranges != Some(declares_ranges) {
+                tracing::info!(endpoint = %base, declares_ranges, "a mirror's answer says whether it is a Range cache: readers' ranges go there only if so, or for blobs it has served ranges of");
+            }
+            s.declares_ranges = Some(declares_ranges);
+        });
     }
 
-    /// Whether mirror `base` has shown whether it fills whole blobs it lacks (a whole answer
-    /// to a Range request), as far as one answer can: a Range cache, or a pull-through cache
-    /// that held the blob asked for, answers alike.
-    pub fn shown(&self, base: &str) -> bool {
-        let now = Instant::now();
-        self.states
-            .lock()
-            .get(base)
-            .is_some_and(|s| s.ranged_whole || s.fills.as_ref().is_some_and(|f| f.current(now)))
+    /// Whether mirror `base` declared itself a Range cache in its latest answer; none if it
+    /// has not answered yet.
+    pub fn declares_ranges(&self, base: &str) -> Option<bool> {
+        self.states.lock().get(base).and_then(|s| s.declares_ranges)
     }
 
-    /// Mirror `base` answered a Range request covering a whole blob with that range.
-    pub fn answered_range(&self, base: &str) {
-        self.with(base, |s| s.ranged_whole = true);
+    /// Runs `look` once for mirror `base` (concurrent callers wait for that one): what a
+    /// reader's first range needs to know of a mirror no answer has come from yet.
+    pub async fn look<F>(&self, base: &str, look: F)
+    where
+        F: std::future::Future<Output = ()>,
+    {
+        let once = Arc::clone(self.looks.lock().entry(base.to_string()).or_default());
+        once.get_or_init(|| look).await;
     }
 
     /// A request's claim to ask mirror `base` for ranges of `blob`: where it has not served
@@ -483,11 +380,10 @@ impl Health {
     }
 
     /// `base` failed a request: `Endpoint` (it rests and the failure is counted), `Refused`
-    /// (a 401 or 403: counted, no rest), `NotFound` (neither), `WholeBlob` (counted; the
-    /// blob rests there, [`BLOB_REST`] doubling up to [`MAX_BLOB_REST`], and the mirror is
-    /// known, and noted, to be a pull-through cache) or `Silent` (the blob rests there).
+    /// (a 401 or 403: counted, no rest), `NotFound` (neither), `WholeBlob` or `Silent`
+    /// (counted; the blob rests there, [`BLOB_REST`] doubling up to [`MAX_BLOB_REST`]).
     pub fn failed(&self, base: &str, failure: Failure) {
-        let learnt = self.with(base, |s| {
+        self.with(base, |s| {
             if failure != Failure::NotFound {
                 s.counters.failures += 1;
             }
@@ -498,77 +394,11 @@ impl Health {
                         .saturating_mul(1 << (s.failures_in_a_row - 1).min(6))
                         .min(MAX_REST);
                     s.resting_until = Some(Instant::now() + rest);
-                    false
                 }
-                Failure::WholeBlob(blob) => {
-                    s.rest_blob(blob);
-                    s.learn_fills(Instant::now())
-                }
-                Failure::Silent(blob) => {
-                    s.rest_blob(blob);
-                    false
-                }
-                Failure::Refused | Failure::NotFound => false,
+                Failure::WholeBlob(blob) | Failure::Silent(blob) => s.rest_blob(blob),
+                Failure::Refused | Failure::NotFound => {}
             }
         });
-        if learnt {
-            self.note_filler(base);
-        }
-    }
-
-    /// Whether mirror `base` is known to fetch whole blobs it is asked for and lacks.
-    #[cfg(test)]
-    fn fills_whole_blobs(&self, base: &str) -> bool {
-        let now = Instant::now();
-        self.states
-            .lock()
-            .get(base)
-            .is_some_and(|s| s.fills.as_ref().is_some_and(|f| f.current(now)))
-    }
-
-    /// Keeps in the notes file (off the async workers) that mirror `base` fetches whole blobs
-    /// it lacks; a failure to keep it only means learning it again.
-    fn note_filler(&self, base: &str) {
-        tracing::info!(endpoint = %base, "this mirror fetches a whole blob from the origin when asked for one it lacks (a pull-through registry cache): disk reads pass it by for blobs it has not served a range of");
-        let Some(notes) = self.notes.clone() else {
-            return;
-        };
-        let noted: Vec<(String, SystemTime)> = {
-            let now = Instant::now();
-            let states = self.states.lock();
-            states
-                .iter()
-                .filter(|(b, _)| b.len() <= MAX_NOTE)
-                .filter_map(|(b, s)| {
-                    let f = s.fills.as_ref().filter(|f| f.current(now))?;
-                    Some((b.clone(), f.noted))
-                })
-                .take(MAX_NOTED)
-                .collect()
-        };
-        let keep = move || {
-            // Other processes of the node (its mount servers) keep what they learnt here too:
-            // theirs stay (the later of two notes of one mirror), and each writes its own
-            // temporary file.
-            let mut all = read_notes(&notes);
-            for (base, at) in noted {
-                if let Some((_, kept)) = all.iter_mut().find(|(b, _)| *b == base) {
-                    *kept = (*kept).max(at);
-                } else if all.len() < MAX_NOTED {
-                    all.push((base, at));
-                }
-            }
-            let text: String = all.iter().map(|(b, at)| note_line(b, *at)).collect();
-            let tmp = notes.with_extension(format!("tmp-{}", std::process::id()));
-            let kept = std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &notes));
-            if let Err(e) = kept {
-                tracing::warn!(file = %notes.display(), error = %e, "keeping what was learnt about a mirror failed");
-            }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(keep)),
-            Err(_) => keep(),
-        }
     }
 
     /// Every endpoint's counters, by base URL, sorted.
@@ -587,9 +417,11 @@ impl Health {
 mod tests {
     use super::*;
 
+    /// An endpoint at `base`: the registry itself if it starts with `o` (origin), else a mirror.
     fn ep(base: &str) -> Endpoint {
         let mut e = Endpoint::upstream("x", true);
         e.base = base.to_string();
+        e.mirror = !base.starts_with('o');
         e
     }
 
@@ -646,8 +478,8 @@ mod tests {
         assert_eq!(bases(&h.order(all(), None)), ["m", "o"]);
     }
 
-    /// Background reads of a whole blob ask a mirror known to fill whole blobs for one it
-    /// has not served, where a reader's pass it by; while it fills they wait (until the blob's
+    /// Background reads of a whole blob ask a mirror that does not declare itself a Range
+    /// cache for one it has not served, where a reader's pass it by; while it fills they wait (until the blob's
     /// rest ends, at most [`MAX_FILL_WAIT`] from its first whole answer). Answers to requests
     /// sent before a rest began do not make it longer.
     #[tokio::test(start_paused = true)]
@@ -655,8 +487,7 @@ mod tests {
         let h = Health::default();
         let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
         let all = || vec![ep("m"), ep("o")];
-        h.answered_whole("m");
-        assert!(h.fills_whole_blobs("m") && h.shown("m"));
+        h.answered("m", false);
         assert_eq!(
             bases(&h.order(all(), Some((&a, Purpose::Demand)))),
             ["o", "m"]
@@ -706,10 +537,6 @@ mod tests {
         let held = h.first_ask("m", &a).expect("held");
         assert!(held.first_of().is_none() && h.first_ask("m", &a).is_some());
         drop(held);
-        // A mirror that answered a whole range with a range has shown itself, as far as one
-        // answer can; one never asked has not.
-        h.answered_range("r");
-        assert!(h.shown("r") && !h.fills_whole_blobs("r") && !h.shown("new"));
     }
 
     /// A mirror is asked for a blob it has not served ranges of by one request at a time
@@ -734,7 +561,6 @@ mod tests {
         h.failed("m", Failure::Silent(c));
         drop(again);
         assert!(h.first_ask("m", &c).is_none(), "the blob rests there");
-        assert!(!h.fills_whole_blobs("m") && !h.shown("m"));
         assert_eq!(h.filling(["m"], &c), Some(Instant::now() + BLOB_REST));
         tokio::time::advance(BLOB_REST).await;
         let third = h.first_ask("m", &c).expect("asked after the rest");
@@ -772,107 +598,62 @@ mod tests {
         assert_eq!(Instant::now() - started, within / 2, "not at all past it");
     }
 
-    /// What was learnt of a mirror holds for [`NOTE_LIFETIME`], in the process and in the
-    /// notes file (also one written before notes had a time, by the file's age); then the
-    /// mirror is asked again and a whole answer teaches it again, for another lifetime.
+    /// A reader's ranges go to a mirror that declares itself a Range cache in its latest
+    /// answer, or that served ranges of the blob; never to one that has not answered yet or
+    /// declares nothing (the registry itself is never passed by for that). What it declares
+    /// is what its latest answer says.
     #[tokio::test(start_paused = true)]
-    async fn what_was_learnt_of_a_mirror_expires() {
-        let dir = tempfile::tempdir().unwrap();
-        let notes = dir.path().join("mirrors");
-        let (a, b, c) = (Digest::of(b"a"), Digest::of(b"b"), Digest::of(b"c"));
-        let all = || vec![ep("m"), ep("o")];
+    async fn a_readers_ranges_go_to_a_mirror_that_declares_a_range_cache_or_served_the_blob() {
         let h = Health::default();
-        h.failed("m", Failure::WholeBlob(a));
-        tokio::time::advance(NOTE_LIFETIME - Duration::from_secs(1)).await;
-        assert_eq!(
-            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
-            ["o", "m"]
+        let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
+        let all = || vec![ep("m"), ep("o")];
+        let demand = |blob| bases(&h.order(all(), Some((blob, Purpose::Demand)))).join(" ");
+        let whole = |blob| bases(&h.order(all(), Some((blob, Purpose::Whole)))).join(" ");
+        assert_eq!((demand(&a), whole(&a)), ("o m".into(), "m o".into()));
+        assert_eq!(h.declares_ranges("m"), None);
+        h.answered("m", false);
+        assert_eq!(demand(&a), "o m");
+        h.succeeded("m", Some(&a));
+        assert_eq!((demand(&a), demand(&b)), ("m o".into(), "o m".into()));
+        h.answered("m", true);
+        assert_eq!(demand(&b), "m o");
+        assert_eq!(h.declares_ranges("m"), Some(true));
+        h.answered("m", false);
+        assert_eq!((demand(&a), demand(&b)), ("m o".into(), "o m".into()));
+        // A look is made once, however many readers wait for it.
+        let h = Arc::new(Health::default());
+        let looks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let look = |h: Arc<Health>, looks: Arc<std::sync::atomic::AtomicUsize>| async move {
+            h.look("m", async {
+                looks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            })
+            .await
+        };
+        let both = tokio::join!(
+            look(Arc::clone(&h), Arc::clone(&looks)),
+            look(Arc::clone(&h), Arc::clone(&looks))
         );
-        tokio::time::advance(Duration::from_secs(2)).await;
-        assert_eq!(
-            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
-            ["m", "o"]
-        );
-        h.failed("m", Failure::WholeBlob(b));
-        assert_eq!(
-            bases(&h.order(all(), Some((&c, Purpose::Demand)))),
-            ["o", "m"],
-            "learnt again"
-        );
-        // In the notes: a day-old note is forgotten, a fresh one kept; one from the future is
-        // taken as now.
-        let now = SystemTime::now();
-        let day = NOTE_LIFETIME + Duration::from_secs(60);
-        let text = [
-            note_line("old", now - day),
-            note_line("new", now - Duration::from_secs(60)),
-            note_line("future", now + day * 100),
-            "bad not-a-time\n".to_string(),
-        ]
-        .concat();
-        std::fs::write(&notes, text).unwrap();
-        let read = Health::with_notes(&notes);
-        assert!(!read.fills_whole_blobs("old"));
-        assert!(read.fills_whole_blobs("new"));
-        assert!(read.fills_whole_blobs("future"));
-        assert!(!read.fills_whole_blobs("bad"));
-        assert_eq!(
-            bases(&read.order(vec![ep("old"), ep("o")], Some((&a, Purpose::Demand)))),
-            ["old", "o"]
-        );
-        // A line with no time is as old as the file.
-        std::fs::write(&notes, "legacy\n").unwrap();
-        assert!(Health::with_notes(&notes).fills_whole_blobs("legacy"));
-        let old = std::fs::File::options().write(true).open(&notes).unwrap();
-        old.set_modified(now - day).unwrap();
-        assert!(!Health::with_notes(&notes).fills_whole_blobs("legacy"));
+        assert_eq!(both, ((), ()));
+        look(Arc::clone(&h), Arc::clone(&looks)).await;
+        assert_eq!(looks.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 
     /// A blob a pull-through cache answered with whole rests there, growing each time; a range
-    /// from it ends the rest. The mirror itself does not rest (manifests go there), but it is
-    /// known for what it is: other blobs' ranges pass it by until it served a range of them.
+    /// from it ends the rest. The mirror itself does not rest (manifests go there). (The
+    /// mirror here declares a Range cache, so only the rest passes it by.)
     #[tokio::test(start_paused = true)]
-    async fn a_blob_a_mirror_answers_whole_rests_there_and_the_mirror_is_known() {
-        let dir = tempfile::tempdir().unwrap();
-        let notes = dir.path().join("mirrors");
-        let h = Health::with_notes(&notes);
+    async fn a_blob_a_mirror_answers_whole_rests_there() {
         let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
         let all = || vec![ep("m"), ep("o")];
-        assert_eq!(
-            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
-            ["m", "o"]
-        );
+        let h = Health::default();
+        h.answered("m", true);
         h.failed("m", Failure::WholeBlob(a));
         assert_eq!(
             bases(&h.order(all(), Some((&a, Purpose::Demand)))),
             ["o", "m"]
         );
-        assert_eq!(
-            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
-            ["o", "m"]
-        );
         assert_eq!(bases(&h.order(all(), None)), ["m", "o"]);
-        h.succeeded("m", Some(&b));
-        assert_eq!(
-            bases(&h.order(all(), Some((&b, Purpose::Demand)))),
-            ["m", "o"]
-        );
-        // Another process of the node knows it from the notes.
-        for _ in 0..100 {
-            if notes.exists() {
-                break;
-            }
-            tokio::task::yield_now().await;
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let other = Health::with_notes(&notes);
-        assert!(other.fills_whole_blobs("m") && !other.fills_whole_blobs("o"));
-        assert_eq!(
-            bases(&other.order(all(), Some((&b, Purpose::Demand)))),
-            ["o", "m"]
-        );
-        let h = Health::default();
-        h.failed("m", Failure::WholeBlob(a));
         assert_eq!(h.counters().iter().map(|c| c.1.failures).sum::<u64>(), 1);
         tokio::time::advance(BLOB_REST + Duration::from_millis(10)).await;
         assert_eq!(

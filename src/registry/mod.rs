@@ -42,9 +42,6 @@ use self::token::{CachedAuth, Principal};
 use self::transport::TlsSettings;
 pub use crate::retry::RetryPolicy;
 
-/// The name of the file in a cache where what clients learnt about mirrors is kept.
-pub const MIRROR_NOTES: &str = "mirrors";
-
 /// Which endpoints a fetch asks: the one way a caller chooses, from resolution and the
 /// engine down to the request ([`RegistryClient::get_blob_range`] and every whole fetch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,9 +131,6 @@ pub struct RegistryConfig {
     pub index_repositories: Vec<Reference>,
     /// The CAs registries' certificates are checked against (beside an endpoint's own).
     pub roots: roots::Roots,
-    /// Where what the client learns about mirrors is kept across processes (in the node's
-    /// cache; [`health`]).
-    pub notes: Option<PathBuf>,
 }
 
 impl RegistryClient {
@@ -211,12 +205,6 @@ pub trait Registry: Send + Sync {
     fn filling(&self, _r: &Reference, _digest: &Digest) -> Option<tokio::time::Instant> {
         None
     }
-    /// Whether a mirror of `r`'s registry has not yet shown whether it fills whole blobs it
-    /// lacks: a disk's ranges then wait for a small blob's answer (its config, fetched as a
-    /// range: [`RegistryClient::get_blob`]), which shows it, rather than start such a fill.
-    fn mirror_unknown(&self, _r: &Reference) -> bool {
-        false
-    }
     /// The referrers of manifest `digest` in `r`'s repository with one of `artifact_types`
     /// (see [`RegistryClient::referrers`]); none where the store has no referrers.
     fn referrers<'a>(
@@ -285,10 +273,6 @@ impl Registry for RegistryClient {
         RegistryClient::filling(self, r, digest)
     }
 
-    fn mirror_unknown(&self, r: &Reference) -> bool {
-        RegistryClient::mirror_unknown(self, r)
-    }
-
     fn referrers<'a>(
         &'a self,
         r: &'a Reference,
@@ -328,10 +312,7 @@ impl RegistryClient {
             Some(files) => CredentialStore::from_files(files)?,
             None => CredentialStore::from_env()?,
         };
-        let health = match &config.notes {
-            Some(notes) => health::Health::with_notes(notes),
-            None => health::Health::default(),
-        };
+        let health = health::Health::default();
         Ok(RegistryClient {
             shared: std::sync::Arc::new(Shared {
                 config,

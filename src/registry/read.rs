@@ -226,32 +226,12 @@ impl RegistryClient {
             )));
         }
         let what = &format!("blob {}", desc.digest);
-        // A mirror is asked for the blob as a range covering all of it: a pull-through cache
-        // that lacks it answers `200` (and fetches it whole), which teaches what it is before
-        // any disk read asks it for a blob (`Health::answered_whole`); the bytes are the same
-        // either way.
-        let whole_range = format!("bytes=0-{}", desc.size.saturating_sub(1));
-        let as_range = |ep: &Endpoint| ep.mirror && desc.size > 0;
         self.pull(
             r,
             what,
             Ask::AnyEndpoint,
-            |ep| {
-                let req = Req::get(ep, r, &format!("blobs/{}", desc.digest));
-                if as_range(ep) {
-                    req.header(RANGE, &whole_range)
-                } else {
-                    req
-                }
-            },
+            |ep| Req::get(ep, r, &format!("blobs/{}", desc.digest)),
             |resp, ep| async move {
-                match resp.status() {
-                    StatusCode::OK if as_range(&ep) => self.shared.health.answered_whole(&ep.base),
-                    StatusCode::PARTIAL_CONTENT if as_range(&ep) => {
-                        self.shared.health.answered_range(&ep.base)
-                    }
-                    _ => {}
-                }
                 let bytes = self.body(&ep, resp, desc.size, what).await?;
                 if bytes.len() as u64 != desc.size {
                     return Err(Error::corrupt(format!(

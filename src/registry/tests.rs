@@ -246,39 +246,73 @@ fn serve_blob(blob: &[u8], headers: &HeaderMap, ranges: bool) -> Response {
 /// How a test mirror answers blob requests.
 #[derive(Clone, Copy)]
 enum Mirror {
-    /// The whole blob with 200, whatever the Range (a pull-through cache that does not have
+    /// The whole blob with 200, whatever the Range (a pull-through cache that does not hold
     /// the blob yet).
     WholeBlob,
-    /// Bytes that are not the blob's.
+    /// The blob's ranges, and every answer declares a Range cache (nginx's slice cache).
+    RangeCache,
+    /// The blob's ranges, declaring nothing (a pull-through cache, or a registry, that holds
+    /// the blob).
+    Holds,
+    /// Bytes that are not the blob's, from a mirror that declares a Range cache.
     WrongBytes,
-    /// The blob's ranges (a Range cache, or a pull-through cache that holds the blob).
-    Ranges,
-    /// The whole blob with 200 after this long (a pull-through cache that lacks the blob,
-    /// behind a busy link to the origin).
-    SlowWhole(Duration),
+    /// A Range cache's ranges after this long (a slice cache behind a busy link).
+    SlowRanges(Duration),
 }
 
-/// Serves a mirror of one blob that behaves as `how`; counts its requests.
-async fn serve_mirror(how: Mirror, blob: Vec<u8>, hits: Arc<AtomicUsize>) -> String {
+impl Mirror {
+    fn declares_ranges(self) -> bool {
+        matches!(
+            self,
+            Mirror::RangeCache | Mirror::WrongBytes | Mirror::SlowRanges(_)
+        )
+    }
+}
+
+/// Serves a mirror of one blob that behaves as `how`; counts its blob requests (`hits`) and
+/// the looks at its API root (`GET /v2/`).
+async fn serve_mirror(
+    how: Mirror,
+    blob: Vec<u8>,
+    hits: Arc<AtomicUsize>,
+    looks: Arc<AtomicUsize>,
+) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let host = listener.local_addr().unwrap().to_string();
-    let app = axum::Router::new().route(
-        "/v2/{*rest}",
-        axum::routing::get(move |headers: HeaderMap| {
-            hits.fetch_add(1, Ordering::SeqCst);
-            let blob = match how {
-                Mirror::WrongBytes => blob.iter().map(|b| b ^ 0xff).collect(),
-                _ => blob.clone(),
-            };
-            let ranges = !matches!(how, Mirror::WholeBlob | Mirror::SlowWhole(_));
-            async move {
-                if let Mirror::SlowWhole(after) = how {
-                    tokio::time::sleep(after).await;
+    let declare = move |mut resp: Response| {
+        if how.declares_ranges() {
+            resp.headers_mut().insert(
+                health::RANGE_CACHE_HEADER,
+                header::HeaderValue::from_static("slice"),
+            );
+        }
+        resp
+    };
+    let app = axum::Router::new()
+        .route(
+            "/v2/",
+            axum::routing::get(move || {
+                looks.fetch_add(1, Ordering::SeqCst);
+                async move { declare(respond(StatusCode::OK).body(Body::from("{}")).unwrap()) }
+            }),
+        )
+        .route(
+            "/v2/{*rest}",
+            axum::routing::get(move |headers: HeaderMap| {
+                hits.fetch_add(1, Ordering::SeqCst);
+                let blob = match how {
+                    Mirror::WrongBytes => blob.iter().map(|b| b ^ 0xff).collect(),
+                    _ => blob.clone(),
+                };
+                let ranges = !matches!(how, Mirror::WholeBlob);
+                async move {
+                    if let Mirror::SlowRanges(after) = how {
+                        tokio::time::sleep(after).await;
+                    }
+                    declare(serve_blob(&blob, &headers, ranges))
                 }
-                serve_blob(&blob, &headers, ranges)
-            }
-        }),
-    );
+            }),
+        );
     tokio::spawn(async move { axum::serve(listener, app).await });
     host
 }
@@ -318,8 +352,10 @@ struct Mirrored {
     blob: Vec<u8>,
     digest: Digest,
     mirror: String,
-    /// Requests the mirror received.
+    /// Blob requests the mirror received.
     hits: Arc<AtomicUsize>,
+    /// Looks at its API root (`GET /v2/`) it received.
+    looks: Arc<AtomicUsize>,
     client: RegistryClient,
     _hosts_dir: tempfile::TempDir,
 }
@@ -331,8 +367,8 @@ impl Mirrored {
         let digest = Digest::of(&blob);
         origin.blobs.lock().insert(digest.to_string(), blob.clone());
         let host = serve(Arc::clone(&origin)).await;
-        let hits = Arc::new(AtomicUsize::new(0));
-        let mirror = serve_mirror(how, blob.clone(), Arc::clone(&hits)).await;
+        let (hits, looks) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let mirror = serve_mirror(how, blob.clone(), Arc::clone(&hits), Arc::clone(&looks)).await;
         let dir = tempfile::tempdir().unwrap();
         let client = mirrored_client(dir.path(), &host, &mirror, with_server);
         Mirrored {
@@ -342,6 +378,7 @@ impl Mirrored {
             digest,
             mirror,
             hits,
+            looks,
             client,
             _hosts_dir: dir,
         }
@@ -349,6 +386,10 @@ impl Mirrored {
 
     fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
+    }
+
+    fn looks(&self) -> usize {
+        self.looks.load(Ordering::SeqCst)
     }
 
     /// The blob's descriptor.
@@ -547,117 +588,127 @@ async fn a_body_that_never_ends_fails_at_its_deadline() {
     );
 }
 
+/// A reader's ranges pass by a mirror that does not declare itself a Range cache: asking a
+/// pull-through cache for a blob it lacks would start its fill of the whole blob from the
+/// origin during the boot. One look at its API root (which starts nothing) tells, once.
 #[tokio::test]
-async fn a_blob_a_mirror_answers_whole_is_passed_by_there_and_rests() {
+async fn a_readers_ranges_pass_by_a_mirror_that_does_not_declare_itself_a_range_cache() {
     let m = Mirrored::start(Mirror::WholeBlob, true).await;
     let r = reference(&m.host, "1");
-    let got = m
-        .client
-        .get_blob_range(&r, &m.digest, 100..4196, Ask::AnyEndpoint)
-        .await
-        .unwrap();
-    assert_eq!(&got[..], &m.blob[100..4196]);
-    assert_eq!(m.hits(), 1, "the mirror was asked once");
-    assert_eq!(m.origin_gets(), 1, "then the registry");
-    // The blob rests at the mirror: the next reads of it go to the registry first, without
-    // asking the mirror (each ask would have it stream another copy from the origin).
-    for _ in 0..3 {
+    for range in [100..4196, 0..10, 10..20] {
         let got = m
             .client
-            .get_blob_range(&r, &m.digest, 0..10, Ask::AnyEndpoint)
+            .get_blob_range(&r, &m.digest, range.clone(), Ask::AnyEndpoint)
             .await
             .unwrap();
-        assert_eq!(&got[..], &m.blob[..10]);
+        assert_eq!(&got[..], &m.blob[range.start as usize..range.end as usize]);
     }
-    assert_eq!(m.hits(), 1);
-    assert_eq!(m.origin_gets(), 4);
-    let counters = m.client.shared.health.counters();
-    let of = |base: &str| {
-        counters
-            .iter()
-            .find(|(b, _)| b == base)
-            .map(|(_, c)| c.clone())
-            .unwrap()
-    };
-    // Counted as a failure (not what was asked), though the mirror does not rest.
-    let mc = of(&format!("http://{}", m.mirror));
-    assert_eq!((mc.requests, mc.failures), (1, 1));
-    let o = of(&format!("http://{}", m.host));
-    assert_eq!((o.requests, o.failures, o.bytes), (4, 0, 4096 + 30));
-    // Longer than an endpoint's first rest: still passed by for this blob.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    m.client
-        .get_blob_range(&r, &m.digest, 0..10, Ask::AnyEndpoint)
-        .await
-        .unwrap();
-    assert_eq!(m.hits(), 1);
+    assert_eq!(
+        (m.looks(), m.hits(), m.origin_gets()),
+        (1, 0, 3),
+        "one look, no blob request at the mirror"
+    );
+    // A whole blob (a config) is fetched through it as from any mirror.
+    assert_eq!(
+        m.client
+            .get_blob(&r, &m.descriptor(), 1 << 20)
+            .await
+            .unwrap(),
+        m.blob
+    );
+    assert_eq!((m.hits(), m.origin_gets()), (1, 3));
 }
 
-/// A small blob fetched whole is asked of a mirror as a range covering it: a pull-through
-/// cache that lacks it answers with all of it and `200`, which shows what the mirror is before
-/// any range of a disk is asked of it. From then on a reader's ranges pass it by, and hydration
-/// (a background read) asks it — its one fill serves the fleet — and waits while it fills.
+/// Hydration (a background read of the whole blob) asks a mirror that does not declare itself
+/// a Range cache: a pull-through cache's one fill serves the fleet. Answered whole, the read
+/// does not go on to the registry: it, and later ones, wait for the fill; the blob rests there.
 #[tokio::test]
-async fn a_pull_through_mirror_shows_itself_on_a_small_blob_and_hydration_waits_for_its_fill() {
+async fn hydration_asks_a_pull_through_mirror_and_waits_for_its_fill() {
     let m = Mirrored::start(Mirror::WholeBlob, true).await;
     let r = reference(&m.host, "1");
-    let desc = m.descriptor();
-    assert!(m.client.mirror_unknown(&r));
-    assert_eq!(m.client.get_blob(&r, &desc, 1 << 20).await.unwrap(), m.blob);
-    assert_eq!(
-        (m.hits(), m.origin_gets()),
-        (1, 0),
-        "the mirror's whole answer is used"
-    );
-    assert!(!m.client.mirror_unknown(&r));
-    let other = Digest::of(b"another blob of the repository");
-    m.origin.blobs.lock().insert(
-        other.to_string(),
-        b"another blob of the repository".to_vec(),
-    );
-    // A reader's range of a blob the mirror has not served passes it by.
-    let got = m
-        .client
-        .get_blob_range(&r, &other, 0..7, Ask::AnyEndpoint)
-        .await
-        .unwrap();
-    assert_eq!(&got[..], b"another");
-    assert_eq!(m.hits(), 1, "not asked: it would fetch the blob whole");
-    assert_eq!(m.client.filling(&r, &other), None);
-    // Hydration asks it (the fill it starts serves every node); answered whole, the read
-    // does not go on to the registry: it, and later ones, wait for the fill.
-    let gets = count(&m.origin, &format!("GET /vm/disk/blobs/{other}"));
+    assert_eq!(m.client.filling(&r, &m.digest), None);
     let waits = m
         .client
-        .get_blob_range(&r, &other, 8..15, Ask::Background)
+        .get_blob_range(&r, &m.digest, 8..15, Ask::Background)
         .await
         .unwrap_err();
     assert_eq!(waits.kind(), ErrorKind::FailedPrecondition, "{waits}");
-    assert_eq!(m.hits(), 2);
     assert_eq!(
-        count(&m.origin, &format!("GET /vm/disk/blobs/{other}")),
-        gets,
-        "the registry is not asked while the mirror fills"
+        (m.looks(), m.hits(), m.origin_gets()),
+        (0, 1, 0),
+        "asked; the registry is not asked while the mirror fills"
     );
-    let until = m.client.filling(&r, &other).expect("waits for the fill");
+    let until = m.client.filling(&r, &m.digest).expect("waits for the fill");
     let wait = until - tokio::time::Instant::now();
     assert!(
         wait > Duration::from_secs(4) && wait <= health::BLOB_REST,
         "{wait:?}"
     );
+    // Counted as a failure (not what was asked), though the mirror does not rest.
+    let counters = m.client.shared.health.counters();
+    let (_, mc) = counters
+        .iter()
+        .find(|(b, _)| *b == format!("http://{}", m.mirror))
+        .unwrap();
+    assert_eq!((mc.requests, mc.failures), (1, 1));
     // The registry itself is never waited for.
     let alone = client(vec![]);
-    assert_eq!(alone.filling(&r, &other), None);
+    assert_eq!(alone.filling(&r, &m.digest), None);
+}
+
+/// A mirror that declares nothing but holds the blob (a pull-through cache after its fill, a
+/// registry) gets a reader's ranges of it once a background read got a range of it there.
+#[tokio::test]
+async fn a_mirror_that_served_ranges_of_a_blob_gets_a_readers_ranges_of_it() {
+    let m = Mirrored::start(Mirror::Holds, true).await;
+    let r = reference(&m.host, "1");
+    let read =
+        |range: std::ops::Range<u64>, ask| m.client.get_blob_range(&r, &m.digest, range, ask);
+    assert_eq!(
+        &read(0..10, Ask::AnyEndpoint).await.unwrap()[..],
+        &m.blob[..10]
+    );
+    assert_eq!((m.hits(), m.origin_gets()), (0, 1));
+    assert_eq!(
+        &read(10..20, Ask::Background).await.unwrap()[..],
+        &m.blob[10..20]
+    );
+    assert_eq!((m.hits(), m.origin_gets()), (1, 1));
+    assert_eq!(
+        &read(20..30, Ask::AnyEndpoint).await.unwrap()[..],
+        &m.blob[20..30]
+    );
+    assert_eq!(
+        (m.hits(), m.origin_gets()),
+        (2, 1),
+        "served: readers go there"
+    );
+}
+
+/// A mirror that declares itself a Range cache gets a reader's ranges from the first.
+#[tokio::test]
+async fn a_range_cache_gets_a_readers_ranges_from_the_first() {
+    let m = Mirrored::start(Mirror::RangeCache, true).await;
+    let r = reference(&m.host, "1");
+    for range in [10..20, 30..40] {
+        let got = m
+            .client
+            .get_blob_range(&r, &m.digest, range.clone(), Ask::AnyEndpoint)
+            .await
+            .unwrap();
+        assert_eq!(&got[..], &m.blob[range.start as usize..range.end as usize]);
+    }
+    assert_eq!((m.looks(), m.hits(), m.origin_gets()), (1, 2, 0));
 }
 
 /// A reader waits for a mirror's first answer for a blob [`transport::MIRROR_HEDGE`] at
-/// most: a pull-through cache that lacks the blob answers once the origin sends it, seconds
-/// on a busy link. The read goes to the registry, the mirror's answer is learnt in the
-/// background, and while it is awaited the reader's next ranges pass the mirror by.
+/// most: a cold cache behind a busy link may take seconds. The read goes to the registry, the
+/// mirror's answer is learnt in the background, and while it is awaited the reader's next
+/// ranges pass the mirror by; once it came (a range), they go there.
 #[tokio::test]
 async fn a_reader_does_not_wait_for_a_slow_first_answer_of_a_mirror() {
     let slow = Duration::from_secs(3);
-    let m = Mirrored::start(Mirror::SlowWhole(slow), true).await;
+    let m = Mirrored::start(Mirror::SlowRanges(slow), true).await;
     let r = reference(&m.host, "1");
     let started = std::time::Instant::now();
     let got = m
@@ -682,32 +733,20 @@ async fn a_reader_does_not_wait_for_a_slow_first_answer_of_a_mirror() {
         (1, 2),
         "one ask of the mirror in flight"
     );
-    assert!(m.client.mirror_unknown(&r));
     tokio::time::sleep(slow).await;
-    assert!(
-        !m.client.mirror_unknown(&r),
-        "its whole answer, learnt in the background, shows a pull-through cache"
-    );
-    assert!(m.client.filling(&r, &m.digest).is_some());
-}
-
-/// A mirror that answers the small blob's range with a range is not a pull-through cache
-/// lacking it: readers' ranges go there.
-#[tokio::test]
-async fn a_mirror_that_answers_ranges_is_asked_for_a_readers_ranges() {
-    let m = Mirrored::start(Mirror::Ranges, true).await;
-    let r = reference(&m.host, "1");
-    let desc = m.descriptor();
-    assert!(m.client.mirror_unknown(&r));
-    assert_eq!(m.client.get_blob(&r, &desc, 1 << 20).await.unwrap(), m.blob);
-    assert!(!m.client.mirror_unknown(&r), "shown by its answer");
-    let got = m
+    let started = std::time::Instant::now();
+    let third = m
         .client
-        .get_blob_range(&r, &m.digest, 10..20, Ask::AnyEndpoint)
+        .get_blob_range(&r, &m.digest, 20..30, Ask::AnyEndpoint)
         .await
         .unwrap();
-    assert_eq!(&got[..], &m.blob[10..20]);
-    assert_eq!((m.hits(), m.origin_gets()), (2, 0));
+    assert_eq!(&third[..], &m.blob[20..30]);
+    assert_eq!(
+        (m.hits(), m.origin_gets()),
+        (2, 2),
+        "its range, learnt in the background, shows it serves the blob"
+    );
+    assert!(started.elapsed() >= slow, "asked, however slow it is now");
 }
 
 #[tokio::test]

@@ -204,6 +204,7 @@ impl RegistryClient {
         let mut refused = Vec::new();
         loop {
             let resp = Self::send_once(&client, ep, r, req, header.as_deref()).await?;
+            self.heard(ep, &resp);
             if resp.status() != StatusCode::UNAUTHORIZED {
                 return Ok(resp);
             }
@@ -260,6 +261,40 @@ impl RegistryClient {
                 ));
             }
         }
+    }
+
+    /// What an answer of `ep` tells: whether a mirror declares itself a Range cache.
+    fn heard(&self, ep: &Endpoint, resp: &reqwest::Response) {
+        if ep.mirror {
+            let declares = resp.headers().contains_key(health::RANGE_CACHE_HEADER);
+            self.shared.health.answered(&ep.base, declares);
+        }
+    }
+
+    /// Learns whether mirror `ep` declares itself a Range cache, for a reader's ranges, if no
+    /// answer has come from it yet: asks it `GET /v2/` (once per process, within
+    /// [`MIRROR_HEDGE`]; an answer that starts no fill). A mirror that does not answer in time
+    /// is taken for one that does not declare it (readers' ranges pass it by until it does).
+    async fn look_at(&self, ep: &Endpoint, r: &Reference) {
+        if self.shared.health.declares_ranges(&ep.base).is_some() {
+            return;
+        }
+        self.shared
+            .health
+            .look(&ep.base, async {
+                let Ok(client) = self.http(ep) else { return };
+                let req = Req::new(Method::GET, ep.url(""));
+                self.shared.health.sent(&ep.base);
+                let asked = Self::send_once(&client, ep, r, &req, None);
+                match tokio::time::timeout(MIRROR_HEDGE, asked).await {
+                    Ok(Ok(resp)) => self.heard(ep, &resp),
+                    _ => {
+                        tracing::debug!(endpoint = %ep.base, "the mirror did not answer a look in time: readers' ranges pass it by until it declares itself a Range cache");
+                        self.shared.health.failed(&ep.base, health::Failure::Endpoint);
+                    }
+                }
+            })
+            .await;
     }
 
     /// `req` sent to `ep` once with `client`, carrying authorization `header` if any: the
@@ -379,16 +414,6 @@ impl RegistryClient {
         self.shared.health.filling(mirrors, digest)
     }
 
-    /// Whether a mirror of `r`'s registry has not shown yet whether it fills whole blobs it
-    /// lacks ([`health::Health::shown`]).
-    pub(super) fn mirror_unknown(&self, r: &Reference) -> bool {
-        self.endpoints(r, Access::Pull).is_ok_and(|endpoints| {
-            endpoints
-                .iter()
-                .any(|e| e.mirror && !self.shared.health.shown(&e.base))
-        })
-    }
-
     /// Fetches something whose answer `take` reads and checks (status, length, digest), under
     /// the retry policy: each try goes to every pull endpoint in turn ([`Self::sweep`]), and
     /// a try that failed transiently everywhere (no answer, a reset, a 5xx, a cut or corrupt
@@ -416,8 +441,9 @@ impl RegistryClient {
     /// accepts, mirrors first, resting ones (see [`health`]) last; whatever fails at one
     /// endpoint sends the request on to the next. The error returned is the registry's own if
     /// it was asked, else the last mirror's. An authentication error from the registry itself
-    /// is returned at once. For ranges of `blob`: a mirror that has not served ranges of it is
-    /// asked by one request at a time (the others wait for its answer [`MIRROR_HEDGE`] at
+    /// is returned at once. For ranges of `blob`: a reader's pass by a mirror that neither
+    /// declares itself a Range cache ([`Self::look_at`]) nor has served ranges of the blob; a
+    /// mirror that has not served ranges of it is asked by one request at a time (the others wait for its answer [`MIRROR_HEDGE`] at
     /// most, then pass it by), a reader waits for that answer as long at most
     /// ([`Self::hedged`]), a whole-blob answer (a pull-through cache filling itself) or none has
     /// the blob rest there ([`health`]), and a background read does not ask the registry while
@@ -443,6 +469,11 @@ impl RegistryClient {
             Ask::AnyEndpoint | Ask::Background => {}
         }
         let ranges = blob.map(|b| (b, ask.purpose()));
+        if let Some((_, health::Purpose::Demand)) = ranges {
+            for ep in endpoints.iter().filter(|e| e.mirror) {
+                self.look_at(ep, r).await;
+            }
+        }
         for ep in self.shared.health.order(endpoints, ranges) {
             let mut asking = match ranges {
                 Some((blob, _)) if ep.mirror => {
@@ -571,11 +602,25 @@ impl RegistryClient {
             return Some(joined.unwrap_or_else(|e| Err(lost(e))));
         }
         tracing::debug!(endpoint = %ep.base, %what, "the mirror has not answered a first ask of this blob within the hedge: asking the next endpoint, and learning its answer in the background");
+        let answered = async move { asked.await.unwrap_or_else(|e| Err(lost(e))) };
+        self.learn_later(ep, r, answered, asking);
+        None
+    }
+
+    /// Learns, in the background, what mirror `ep` does with the blob `asking` claims from its
+    /// answer `answered` — a range (it serves the blob), the whole blob (it is filling it: the
+    /// blob rests there), none — and drops the body; the claim is held until then.
+    fn learn_later(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        answered: impl std::future::Future<Output = Result<reqwest::Response>> + Send + 'static,
+        asking: health::Asking,
+    ) {
         let (client, ep, r) = (self.clone(), ep.clone(), r.clone());
         tokio::spawn(async move {
             let blob = asking.first_of().copied();
-            let answered = asked.await.unwrap_or_else(|e| Err(lost(e)));
-            match answered {
+            match answered.await {
                 Ok(resp) if resp.status() == StatusCode::PARTIAL_CONTENT => {
                     client.shared.health.succeeded(&ep.base, blob.as_ref())
                 }
@@ -591,7 +636,6 @@ impl RegistryClient {
             }
             drop(asking);
         });
-        None
     }
 
     /// What failure `e` of a request to `ep` (for ranges of `blob`; `first`: a mirror's first

@@ -175,9 +175,8 @@ pub async fn disk_layer_id(
 
 /// The image config of `manifest` (kept, or fetched by its digest and kept) and, when it was
 /// fetched with a cache to keep it in, the TOC at `loc` of `layer`: what the layer's server
-/// needs next, fetched alongside the config rather than a round trip later — unless a mirror
-/// has not shown yet what it is ([`Registry::mirror_unknown`]). (A TOC that fails here is not
-/// this call's failure: the server fetches it again and says why.)
+/// needs next, fetched alongside the config rather than a round trip later. (A TOC that fails
+/// here is not this call's failure: the server fetches it again and says why.)
 async fn config_and_toc(
     client: &dyn Registry,
     cache: Option<&CacheRoot>,
@@ -200,10 +199,8 @@ async fn config_and_toc(
             .await
             .map_err(|e| e.context(format!("fetching the image config of {reference}")))
     };
-    // A mirror not known yet first answers the config (fetched as a range), which shows
-    // whether it is a pull-through cache a range of the disk would start a fill at.
     let (config, toc) = match cache {
-        Some(_) if !client.mirror_unknown(reference) => {
+        Some(_) => {
             let mut config = std::pin::pin!(fetch_config);
             let mut toc = std::pin::pin!(fetch_toc(client, reference, &layer.digest, loc));
             let (config, toc) = tokio::select! {
@@ -220,7 +217,7 @@ async fn config_and_toc(
             };
             (config?, toc.and_then(|t| t.ok()))
         }
-        _ => (fetch_config.await?, None),
+        None => (fetch_config.await?, None),
     };
     keep(cache, digest, config.clone()).await;
     Ok((config, toc))

@@ -394,7 +394,6 @@ impl Config {
             retry: crate::retry::RetryPolicy::registry(std::time::Duration::from_secs(
                 self.registry.fetch_timeout,
             )),
-            notes: Some(self.cache_dir().join(crate::registry::MIRROR_NOTES)),
             ..RegistryConfig::default()
         }
     }
