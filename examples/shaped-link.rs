@@ -107,7 +107,8 @@ impl Link {
             }
             let now = Instant::now();
             let start = if free_at + SLACK < now { now } else { free_at };
-            free_at = start + Duration::from_secs_f64(piece.bytes.len() as f64 / self.bytes_per_sec);
+            free_at =
+                start + Duration::from_secs_f64(piece.bytes.len() as f64 / self.bytes_per_sec);
             let _ = flow.deliver.send((free_at + self.delay, piece));
             if free_at > now {
                 tokio::time::sleep_until(free_at).await;
