@@ -9,8 +9,8 @@ use crate::boot::boot;
 use crate::cri::{rt, CriContainerd, Daemon};
 use crate::harness::{run, sha256_file, vmdisk, vmdisk_ok, FaultProxy, Registry, Scratch};
 use crate::index::{bootable_raw, manifest_digest};
+use vmdisk::oci::reference::Reference;
 use vmdisk::oci::{Descriptor, OCI_INDEX, OCI_MANIFEST};
-use vmdisk::reference::Reference;
 use vmdisk::registry::{RegistryClient, RegistryConfig};
 
 /// A layer of a test artifact: its bytes, media type and annotations.
@@ -287,7 +287,7 @@ fn a_plain_qcow2_artifact_loads_lazily_and_lying_ones_are_refused() {
         bytes.clone(),
         serde_json::json!({
             "org.opencontainers.image.title": "guest.qcow2",
-            vmdisk::format::layout::ANN_DISK_DIGEST: vmdisk::digest::Digest::of(b"other").to_string(),
+            vmdisk::format::layout::ANN_DISK_DIGEST: vmdisk::oci::digest::Digest::of(b"other").to_string(),
         }),
     );
     let out = vmdisk(&["index", &b]);

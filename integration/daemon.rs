@@ -306,7 +306,7 @@ fn prefetch_after_a_failed_hydration_starts_again_and_wait_names_its_timeout() {
     let (blob, _) = layer.blob();
     reg.put_blob_answering(
         "flaky/disk",
-        vmdisk::digest::Digest::of(&blob),
+        vmdisk::oci::digest::Digest::of(&blob),
         blob,
         Answer::Honest,
         0..0,

@@ -15,11 +15,11 @@ use axum::extract::{Path as UrlPath, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::Response;
 use parking_lot::Mutex;
-use vmdisk::digest::Digest;
 use vmdisk::format::toc::{Toc, TocEntry};
 use vmdisk::format::zstd_chunked::{
     decode_toc, EncodedChunk, EntryMeta, LayerWriter, ANN_TOC_CHECKSUM, ANN_TOC_POSITION,
 };
+use vmdisk::oci::digest::Digest;
 
 use crate::harness::*;
 
@@ -1071,7 +1071,7 @@ fn ready_disks_are_keyed_and_named_by_what_was_verified() {
     // Each reference's by-name link and libvirt volume point at its own disk.
     let ready = daemon.ready.clone();
     for (reference, bytes) in [(&victim_ref, &good), (&attacker_ref, &evil)] {
-        let name = vmdisk::ready::alias_name(reference);
+        let name = vmdisk::serve::ready::alias_name(reference);
         let by_name = ready.join("by-name").join(&name).join("disk.img");
         assert!(
             std::fs::read(&by_name).unwrap() == **bytes,

@@ -12,7 +12,7 @@ use crate::harness::{
     Scratch,
 };
 use vmdisk::format::seekable;
-use vmdisk::reference::Reference;
+use vmdisk::oci::reference::Reference;
 use vmdisk::registry::{RegistryClient, RegistryConfig};
 
 fn client() -> RegistryClient {

@@ -249,7 +249,7 @@ fn matrix(release: Release) {
     // and its usage counts the disk vmdisk keeps (containerd asks a committed snapshot once;
     // vmdisk answers with what its layer takes once read whole; stats every second here).
     let layer_dir = {
-        let key: vmdisk::digest::Digest = daemon.disks()[0].layer_key.parse().unwrap();
+        let key: vmdisk::oci::digest::Digest = daemon.disks()[0].layer_key.parse().unwrap();
         vmdisk::cache::CacheRoot::open(&daemon.root.join("cache"))
             .unwrap()
             .layer_dir(&key)
@@ -467,7 +467,7 @@ fn unservable_volume_is_never_empty(
         std::thread::sleep(Duration::from_millis(20));
     }
     run("umount", &["-l", &disk.mountpoint]);
-    let key: vmdisk::digest::Digest = disk.layer_key.parse().unwrap();
+    let key: vmdisk::oci::digest::Digest = disk.layer_key.parse().unwrap();
     let cache = vmdisk::cache::CacheRoot::open(&daemon.root.join("cache"))
         .unwrap()
         .layer_dir(&key);

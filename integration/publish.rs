@@ -630,7 +630,7 @@ fn blobs_mount_across_repositories() {
     make_qcow2(&disk, "64M", &[(0, 1 << 20, 0x42)]);
     let source = format!("{}/vm/source:1", reg.host());
     vmdisk_ok(&["push", disk.to_str().unwrap(), &source]);
-    let layer: vmdisk::digest::Digest = inspect_json(&source)["platforms"][0]["layers"][0]
+    let layer: vmdisk::oci::digest::Digest = inspect_json(&source)["platforms"][0]["layers"][0]
         ["digest"]
         .as_str()
         .unwrap()
@@ -642,7 +642,7 @@ fn blobs_mount_across_repositories() {
         ..Default::default()
     })
     .unwrap();
-    let target: vmdisk::reference::Reference =
+    let target: vmdisk::oci::reference::Reference =
         format!("{}/vm/target:1", reg.host()).parse().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -655,7 +655,7 @@ fn blobs_mount_across_repositories() {
             "registry mounts the blob"
         );
         assert!(client.blob_exists(&target, &layer).await.unwrap());
-        let absent = vmdisk::digest::Digest::of(b"never pushed");
+        let absent = vmdisk::oci::digest::Digest::of(b"never pushed");
         assert!(
             !client
                 .mount_blob(&target, &absent, "vm/source")

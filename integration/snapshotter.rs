@@ -837,7 +837,7 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     let alias = daemon
         .ready
         .join("by-name")
-        .join(vmdisk::ready::alias_name(&format!(
+        .join(vmdisk::serve::ready::alias_name(&format!(
             "{}/small:1",
             reg.host()
         )));
@@ -847,7 +847,7 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
     // (The same manifest digest at a dead registry would be served: its manifest and config
     // were kept when they were verified. One this node never saw cannot be.)
     let dead = format!("127.0.0.1:{}/small:1", free_port());
-    let unseen = vmdisk::digest::Digest::of(b"a manifest this node never saw").to_string();
+    let unseen = vmdisk::oci::digest::Digest::of(b"a manifest this node never saw").to_string();
     let m = prepare(&mut s, "extract-dead", cri(&dead, &unseen, &layer))
         .unwrap()
         .into_inner()

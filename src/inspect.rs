@@ -18,11 +18,11 @@ use crate::format::disk::{self, DiskFormat};
 use crate::format::tree::NodeKind;
 use crate::format::zstd_chunked::{self, TocLocation};
 use crate::format::{artifact, seekable};
+use crate::oci::reference::Reference;
 use crate::oci::{
     self, Descriptor, ImageConfig, LayerCompression, Manifest, ManifestKind, Platform,
 };
 use crate::policy::Verifier;
-use crate::reference::Reference;
 use crate::registry::{Ask, RegistryClient};
 
 /// The whole report.
@@ -295,7 +295,7 @@ async fn inspect_artifact(
         }
     };
     let rep = &mut layers[disk.position];
-    let manifest_digest: crate::digest::Digest = digest.parse()?;
+    let manifest_digest: crate::oci::digest::Digest = digest.parse()?;
     let pinned = r.with_digest(manifest_digest);
     match crate::resolve::seekable_layer(client, trust, &pinned, m, manifest_digest).await {
         Ok((meta, index)) => {
@@ -360,7 +360,7 @@ async fn seekable_index(
     trust: &Verifier,
     r: &Reference,
     m: &Manifest,
-    manifest_digest: crate::digest::Digest,
+    manifest_digest: crate::oci::digest::Digest,
     rep: &mut LayerReport,
 ) -> Result<()> {
     let pinned = r.with_digest(manifest_digest);

@@ -10,27 +10,13 @@ use std::path::Path;
 const LAYERS: [(&str, &[&str]); 6] = [
     ("binaries", &["bin", "cli", "snapshotter", "shim"]),
     ("features", &["publish", "inspect", "trace", "setup"]),
-    (
-        "serving",
-        &[
-            "serve", "ready", "fuse", "view", "engine", "resolve", "policy",
-        ],
-    ),
+    ("serving", &["serve", "view", "engine", "resolve", "policy"]),
     ("model", &["layer", "cache", "registry"]),
     ("formats", &["format"]),
     (
         "vocabulary",
         &[
-            "error",
-            "digest",
-            "oci",
-            "reference",
-            "units",
-            "task",
-            "retry",
-            "dirs",
-            "logging",
-            "api",
+            "error", "oci", "units", "task", "retry", "dirs", "logging", "api",
         ],
     ),
 ];

@@ -15,12 +15,10 @@
 pub mod api;
 pub mod cache;
 pub mod cli;
-pub mod digest;
 pub mod dirs;
 pub mod engine;
 pub mod error;
 pub mod format;
-pub mod fuse;
 pub mod inspect;
 pub mod layer;
 #[cfg(test)]
@@ -29,8 +27,6 @@ pub mod logging;
 pub mod oci;
 pub mod policy;
 pub mod publish;
-pub mod ready;
-pub mod reference;
 pub mod registry;
 pub mod resolve;
 pub mod retry;

@@ -23,7 +23,7 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
-use crate::ready::Handed;
+use crate::serve::ready::Handed;
 
 /// The pod annotation naming the VM image.
 pub const ANN_IMAGE: &str = "vmdisk.io/image";
@@ -166,14 +166,21 @@ pub fn image_value(
 ) -> String {
     let dir = Path::new(&disk.ready_dir);
     match (provider, handed) {
-        (Provider::Kata, Handed::AsPublished) => crate::ready::published_path(dir, &disk.disk_path)
+        (Provider::Kata, Handed::AsPublished) => {
+            crate::serve::ready::published_path(dir, &disk.disk_path)
+                .display()
+                .to_string()
+        }
+        (Provider::Kata, Handed::Raw) => dir
+            .join(crate::serve::ready::RAW_NAME)
             .display()
             .to_string(),
-        (Provider::Kata, Handed::Raw) => dir.join(crate::ready::RAW_NAME).display().to_string(),
         (Provider::Libvirt, Handed::AsPublished) => {
-            crate::ready::volume_name(reference, DiskFormat::Qcow2)
+            crate::serve::ready::volume_name(reference, DiskFormat::Qcow2)
         }
-        (Provider::Libvirt, Handed::Raw) => crate::ready::volume_name(reference, DiskFormat::Raw),
+        (Provider::Libvirt, Handed::Raw) => {
+            crate::serve::ready::volume_name(reference, DiskFormat::Raw)
+        }
         (Provider::Name, _) => reference.to_string(),
     }
 }
@@ -272,7 +279,7 @@ pub async fn prepare(
         )
     })??;
     if runtime.provider != Provider::Name && handed == Handed::Raw {
-        crate::ready::raw_view_path(Path::new(&disk.ready_dir))
+        crate::serve::ready::raw_view_path(Path::new(&disk.ready_dir))
             .map_err(|e| e.context(format!("vmdisk: {ANN_IMAGE}={reference}")))?;
     }
     let value = image_value(runtime.provider, &reference, &disk, handed);

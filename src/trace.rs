@@ -18,11 +18,11 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::digest::Digest;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::{self, Descriptor};
-use crate::reference::Reference;
 use crate::registry::RegistryClient;
 
 /// Media type of a trace blob, and artifact type of its manifest.

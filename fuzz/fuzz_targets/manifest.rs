@@ -19,7 +19,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(annotations) = serde_json::from_slice(data) {
         let _ = vmdisk::format::zstd_chunked::TocLocation::from_annotations(&annotations);
     }
-    let layer = vmdisk::digest::Digest::of(b"layer");
+    let layer = vmdisk::oci::digest::Digest::of(b"layer");
     if let Ok(trace) = vmdisk::trace::BootTrace::parse(data, &layer, 1 << 30) {
         assert!(trace.byte_ranges().iter().all(|r| r.end <= 1 << 30 && !r.is_empty()));
     }

@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vmdisk::digest::Digest;
+use vmdisk::oci::digest::Digest;
 use vmdisk::format::seekable::{Compression, Expected, Layout, SeekIndex, Span};
 
 fuzz_target!(|data: &[u8]| {

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vmdisk::digest::Digest;
+use vmdisk::oci::digest::Digest;
 use vmdisk::format::toc::parse_toc;
 use vmdisk::format::zstd_chunked::{read_toc, TocLocation};
 

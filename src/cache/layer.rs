@@ -21,8 +21,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::memory::MemoryBudget;
-use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::oci::digest::Digest;
 
 const BITMAP_MAGIC: &[u8; 8] = b"VMDKBMP1";
 const BITMAP_HEADER: u64 = 16;

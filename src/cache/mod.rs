@@ -41,9 +41,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::layer::LayerMeta;
+use crate::oci::digest::Digest;
 
 pub use layer::LayerCache;
 

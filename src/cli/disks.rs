@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use crate::api::vmdisk::v1::{DiskRequest, GcRequest, ListDisksRequest, StatusRequest};
 use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
-use crate::ready::Handed;
-use crate::reference::Reference;
+use crate::oci::reference::Reference;
 use crate::registry::{RegistryClient, RegistryConfig};
+use crate::serve::ready::Handed;
 
 use super::{GcArgs, LsArgs, ManageArgs, PathArgs, PrefetchArgs, RefArgs};
 
@@ -29,7 +29,7 @@ pub(super) async fn path(args: PathArgs) -> Result<()> {
             volume_path(&disk, &args.reference, handed(args.raw))?.display()
         );
     } else if args.raw {
-        let raw = crate::ready::raw_view_path(Path::new(&disk.ready_dir))?;
+        let raw = crate::serve::ready::raw_view_path(Path::new(&disk.ready_dir))?;
         println!("{}", raw.display());
     } else {
         println!("{}", ready_path(&disk, Handed::AsPublished));
@@ -256,12 +256,12 @@ fn volume_path(
     let volumes = ready_dir
         .parent()
         .unwrap_or(ready_dir)
-        .join(crate::ready::VOLUMES_DIR);
+        .join(crate::serve::ready::VOLUMES_DIR);
     let names = match handed {
-        Handed::Raw => vec![crate::ready::volume_name(reference, DiskFormat::Raw)],
+        Handed::Raw => vec![crate::serve::ready::volume_name(reference, DiskFormat::Raw)],
         Handed::AsPublished => vec![
-            crate::ready::volume_name(reference, DiskFormat::Qcow2),
-            crate::ready::volume_name(reference, DiskFormat::Raw),
+            crate::serve::ready::volume_name(reference, DiskFormat::Qcow2),
+            crate::serve::ready::volume_name(reference, DiskFormat::Raw),
         ],
     };
     names
@@ -281,8 +281,8 @@ fn volume_path(
 fn ready_path(disk: &crate::api::vmdisk::v1::Disk, handed: Handed) -> String {
     let dir = Path::new(&disk.ready_dir);
     let path = match handed {
-        Handed::Raw => dir.join(crate::ready::RAW_NAME),
-        Handed::AsPublished => crate::ready::published_path(dir, &disk.disk_path),
+        Handed::Raw => dir.join(crate::serve::ready::RAW_NAME),
+        Handed::AsPublished => crate::serve::ready::published_path(dir, &disk.disk_path),
     };
     path.display().to_string()
 }

@@ -14,8 +14,8 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::disk::DiskFormat;
+use crate::oci::reference::Reference;
 use crate::oci::{Descriptor, Platform};
-use crate::reference::Reference;
 use crate::registry::{RegistryClient, RegistryConfig};
 use crate::serve::{Hydrate, ServeOptions};
 
@@ -433,7 +433,7 @@ pub struct InspectArgs {
 
 /// `text` as a repository, for flag `flag`.
 fn repository(text: &str, flag: &str) -> Result<Reference> {
-    crate::reference::parse_repository(text).map_err(|e| e.context(flag))
+    crate::oci::reference::parse_repository(text).map_err(|e| e.context(flag))
 }
 
 #[derive(Args, Debug)]

@@ -15,10 +15,10 @@ use std::time::Instant;
 use futures_util::StreamExt;
 
 use super::PreheatArgs;
-use crate::digest::{Digest, Hasher};
 use crate::error::{Error, ErrorKind, Result};
+use crate::oci::digest::{Digest, Hasher};
+use crate::oci::reference::Reference;
 use crate::oci::Descriptor;
-use crate::reference::Reference;
 use crate::registry::{Ask, Registry, RegistryClient};
 
 /// Bytes of one range asked of the mirrors: 16 of the shipped slice cache's 512 KiB slices.

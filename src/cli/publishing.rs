@@ -3,12 +3,12 @@
 
 use std::path::PathBuf;
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::Platform;
 use crate::publish::{self, PublishOptions};
-use crate::reference::Reference;
 
 use super::{repository, ConvertArgs, IndexArgs, InspectArgs, PushArgs};
 

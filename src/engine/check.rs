@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use super::stats::Stats;
 use super::{hydrate, Engine};
-use crate::digest::Digest;
+use crate::oci::digest::Digest;
 
 /// What a pass over the cache ([`Engine::check_cache`]) found.
 #[derive(Debug, Default)]

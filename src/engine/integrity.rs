@@ -31,11 +31,11 @@ use std::sync::Arc;
 
 use super::{Engine, Stats};
 use crate::cache::{CacheRoot, Integrity};
-use crate::digest::Hasher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::tree::{clean_path, NodeKind};
 use crate::layer::Layer;
 use crate::layer::{Ask, Extent, Held, Piece, StreamKind};
+use crate::oci::digest::Hasher;
 use crate::registry::AskUntilChecksFail;
 use crate::task::blocking;
 

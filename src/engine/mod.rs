@@ -50,9 +50,9 @@ use self::stats::Stats;
 use crate::cache::layer::Kept;
 use crate::cache::memory::MemoryBudget;
 use crate::cache::{CacheRoot, Integrity, LayerCache};
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::{Ask, Fetch, Layer, Resolved};
+use crate::oci::digest::Digest;
 use crate::task::off_the_runtime;
 
 /// Tunables of the engine.

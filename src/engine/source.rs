@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::layer::{Ask, Fetch};
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::registry::health::EndpointCounters;
 use crate::registry::Registry;
 

@@ -14,10 +14,10 @@
 
 use std::io::Read;
 
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::layout::{is_disk_path, ANN_DISK_DIGEST, ANN_PATH, DISK_DIRS};
 use crate::format::tree::clean_path;
+use crate::oci::digest::Digest;
 use crate::oci::{self, Descriptor, Manifest};
 
 /// The file name a layer carries (OCI's standard annotation, set by oras).

@@ -8,10 +8,10 @@
 
 use std::io::Read;
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::toc::Toc;
 use crate::format::tree::{Chunk, Node};
+use crate::oci::digest::Digest;
 
 /// The layer annotation pinning the TOC JSON's sha256.
 pub const ANN_TOC_DIGEST: &str = "containerd.io/snapshot/stargz/toc.digest";

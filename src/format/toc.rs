@@ -8,8 +8,8 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use super::tree::{clean_path, place, Chunk, Node, NodeKind, Seen};
-use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::oci::digest::Digest;
 
 /// Largest chunk (uncompressed) we accept from a third-party TOC.
 pub const MAX_CHUNK_SIZE: u64 = 64 << 20;

@@ -7,8 +7,8 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::oci::digest::Digest;
 
 /// One chunk of a regular file.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -18,10 +18,10 @@ use futures_util::future::BoxFuture;
 
 pub use record::{IndexSource, LayerFormat, LayerId, LayerKind, LayerMeta};
 
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::tree::{Chunk, Node, NodeKind};
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 
 /// A regular file of the layer and its place in the chunk table.
 #[derive(Clone, Debug)]
@@ -425,7 +425,7 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     }
 
     /// A second blob the codec reads besides the layer's (a seekable index's windows blob).
-    fn windows_blob(&self) -> Option<crate::digest::Digest> {
+    fn windows_blob(&self) -> Option<crate::oci::digest::Digest> {
         None
     }
 

@@ -3,10 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::seekable::{Compression, Layout};
 use crate::format::zstd_chunked::TocLocation;
+use crate::oci::digest::Digest;
 
 /// What kind of layer it is, and so where its TOC or index is and how its bytes decode
 /// ([`super::codec`] has one codec per kind).
@@ -103,7 +103,7 @@ impl LayerId {
 #[serde(try_from = "MetaRecord", into = "MetaRecord")]
 pub struct LayerMeta {
     /// Registry and repository to fetch chunks from (the reference it was resolved from).
-    pub reference: crate::reference::Reference,
+    pub reference: crate::oci::reference::Reference,
     pub layer_digest: Digest,
     pub layer_size: u64,
     pub toc_offset: u64,
@@ -154,7 +154,7 @@ impl LayerMeta {
 /// an eStargz flag, so caches of earlier versions keep their layers.
 #[derive(Clone, Serialize, Deserialize)]
 struct MetaRecord {
-    reference: crate::reference::Reference,
+    reference: crate::oci::reference::Reference,
     layer_digest: Digest,
     layer_size: u64,
     toc_offset: u64,

@@ -18,7 +18,7 @@ use serde_json::Value;
 
 use super::keys::{PublicKey, MAX_KEY_FILE};
 use crate::error::{Error, Result};
-use crate::reference::Reference;
+use crate::oci::reference::Reference;
 
 /// Longest policy file read.
 pub const MAX_POLICY_FILE: u64 = 1 << 20;

@@ -16,10 +16,10 @@ use serde::Deserialize;
 
 use super::containers::Identity;
 use super::keys::PublicKey;
-use crate::digest::Digest;
 use crate::error::{ErrorKind, Result};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::{self, ManifestKind};
-use crate::reference::Reference;
 use crate::registry::Registry;
 
 pub const BUNDLE_TYPE: &str = "application/vnd.dev.sigstore.bundle.v0.3+json";

@@ -26,10 +26,10 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 
 use crate::cache::CacheRoot;
-use crate::digest::{Digest, Hasher};
 use crate::error::{Error, ErrorKind, Result};
+use crate::oci::digest::{Digest, Hasher};
+use crate::oci::reference::Reference;
 use crate::oci::ManifestKind;
-use crate::reference::Reference;
 use crate::registry::Registry;
 use crate::task::blocking;
 

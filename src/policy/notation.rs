@@ -22,9 +22,9 @@ use serde::Deserialize;
 use webpki::ring as alg;
 
 use super::keys::ecdsa_fixed_to_der;
-use crate::digest::Digest;
 use crate::error::{Error, Result};
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::registry::Registry;
 
 pub const SIGNATURE_TYPE: &str = "application/vnd.cncf.notary.signature";

@@ -7,12 +7,12 @@
 
 use serde::Serialize;
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::disk::{self, DiskFormat};
 use crate::format::seekable::{self, Layout};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::Descriptor;
-use crate::reference::Reference;
 use crate::registry::RegistryClient;
 use crate::resolve;
 
@@ -45,7 +45,7 @@ pub struct IndexReport {
 fn disk_of(
     built: &seekable::Built,
     disk_path: Option<String>,
-    layer: &crate::digest::Digest,
+    layer: &crate::oci::digest::Digest,
     reference: &Reference,
 ) -> Result<String> {
     Ok(match disk_path {

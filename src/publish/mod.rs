@@ -16,7 +16,6 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use self::pipeline::{build_layer, BuiltLayer, ChunkingOptions, LayerContent};
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::artifact;
 use crate::format::disk::{self, DiskFormat};
@@ -26,8 +25,9 @@ use crate::format::layout::{
 };
 use crate::format::tree::clean_path;
 use crate::format::zstd_chunked::{EntryMeta, TocLocation};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::{self, Descriptor, ImageConfig, Manifest, ManifestKind, Platform, RootFs};
-use crate::reference::Reference;
 use crate::registry::{BlobUpload, RegistryClient, UPLOAD_SEGMENT};
 
 /// Default chunk size: 256 KiB (see docs/format.md for the measurement behind it).

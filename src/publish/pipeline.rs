@@ -10,9 +10,9 @@ use std::sync::{mpsc, Arc};
 
 use parking_lot::Mutex;
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::zstd_chunked::{EncodedChunk, EntryMeta, LayerSummary, LayerWriter};
+use crate::oci::digest::Digest;
 
 /// How to cut and compress.
 #[derive(Clone, Copy, Debug)]

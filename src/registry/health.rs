@@ -49,7 +49,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::hosts::Endpoint;
-use crate::digest::Digest;
+use crate::oci::digest::Digest;
 
 /// The longest an endpoint rests after failures in a row.
 pub const MAX_REST: Duration = Duration::from_secs(30);

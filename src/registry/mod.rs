@@ -31,10 +31,10 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 
 use self::auth::CredentialStore;
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::{Descriptor, ManifestKind};
-use crate::reference::Reference;
 
 pub use self::push::{BlobUpload, UPLOAD_SEGMENT};
 pub use self::read::BlobReader;

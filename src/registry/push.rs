@@ -11,10 +11,10 @@ use super::hosts::Endpoint;
 use super::token::Access;
 use super::transport::Req;
 use super::RegistryClient;
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::{self, Descriptor};
-use crate::reference::Reference;
 
 /// Upload segment sent in one PATCH. Three are alive at most while pushing (one on the wire,
 /// one queued, one filling), so this bounds the push's buffer memory at 24 MiB; smaller

@@ -9,11 +9,11 @@ use reqwest::{Method, StatusCode};
 use super::hosts::Endpoint;
 use super::transport::Req;
 use super::{Ask, FetchedManifest, RegistryClient};
-use crate::digest::{Digest, Hasher};
 use crate::error::{Error, ErrorKind, Result};
+use crate::oci::digest::{Digest, Hasher};
+use crate::oci::reference::Reference;
 use crate::oci::ManifestKind;
 use crate::oci::{self, Descriptor};
-use crate::reference::Reference;
 use std::io::Read;
 
 /// The manifest and index media types asked for (`Accept`).

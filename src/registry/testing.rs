@@ -14,10 +14,10 @@ use parking_lot::Mutex;
 use super::auth::Credential;
 use super::granted::Granted;
 use super::{FetchedManifest, Registry};
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::Descriptor;
-use crate::reference::Reference;
 
 /// What the registry holds.
 #[derive(Default)]

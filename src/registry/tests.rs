@@ -18,9 +18,9 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 
 use super::{health, RegistryClient, RegistryConfig, RetryPolicy};
-use crate::digest::Digest;
 use crate::error::ErrorKind;
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 
 /// What the test server saw and holds.
 #[derive(Default)]
@@ -392,6 +392,22 @@ impl Mirrored {
         self.looks.load(Ordering::SeqCst)
     }
 
+    /// Reads `ranges` of the blob as a reader does, one after the other; checks each.
+    async fn read(&self, ranges: &[std::ops::Range<u64>]) {
+        let r = reference(&self.host, "1");
+        for range in ranges {
+            let got = self
+                .client
+                .get_blob_range(&r, &self.digest, range.clone(), Ask::AnyEndpoint)
+                .await
+                .unwrap();
+            assert_eq!(
+                &got[..],
+                &self.blob[range.start as usize..range.end as usize]
+            );
+        }
+    }
+
     /// The blob's descriptor.
     fn descriptor(&self) -> crate::oci::Descriptor {
         crate::oci::Descriptor {
@@ -595,14 +611,7 @@ async fn a_body_that_never_ends_fails_at_its_deadline() {
 async fn a_readers_ranges_pass_by_a_mirror_that_does_not_declare_itself_a_range_cache() {
     let m = Mirrored::start(Mirror::WholeBlob, true).await;
     let r = reference(&m.host, "1");
-    for range in [100..4196, 0..10, 10..20] {
-        let got = m
-            .client
-            .get_blob_range(&r, &m.digest, range.clone(), Ask::AnyEndpoint)
-            .await
-            .unwrap();
-        assert_eq!(&got[..], &m.blob[range.start as usize..range.end as usize]);
-    }
+    m.read(&[100..4196, 0..10, 10..20]).await;
     assert_eq!(
         (m.looks(), m.hits(), m.origin_gets()),
         (1, 0, 3),
@@ -689,15 +698,7 @@ async fn a_mirror_that_served_ranges_of_a_blob_gets_a_readers_ranges_of_it() {
 #[tokio::test]
 async fn a_range_cache_gets_a_readers_ranges_from_the_first() {
     let m = Mirrored::start(Mirror::RangeCache, true).await;
-    let r = reference(&m.host, "1");
-    for range in [10..20, 30..40] {
-        let got = m
-            .client
-            .get_blob_range(&r, &m.digest, range.clone(), Ask::AnyEndpoint)
-            .await
-            .unwrap();
-        assert_eq!(&got[..], &m.blob[range.start as usize..range.end as usize]);
-    }
+    m.read(&[10..20, 30..40]).await;
     assert_eq!((m.looks(), m.hits(), m.origin_gets()), (1, 2, 0));
 }
 

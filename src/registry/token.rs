@@ -10,7 +10,7 @@ use super::auth::{self, Challenge};
 use super::hosts::Endpoint;
 use super::{read_limited, registry_error_text, RegistryClient};
 use crate::error::{Error, ErrorKind, Result};
-use crate::reference::{is_loopback_host, Reference};
+use crate::oci::reference::{is_loopback_host, Reference};
 
 /// Whose credential a request carries: the node's own (or none), or one granted, named by a
 /// digest of user and secret (two grants with the same user name stay apart).

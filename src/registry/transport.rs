@@ -16,9 +16,9 @@ use std::path::PathBuf;
 use super::hosts::Endpoint;
 use super::token::{scope, Access, Candidate, Principal};
 use super::{health, read_limited, registry_error_text, roots, Ask, RegistryClient};
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
-use crate::reference::{is_loopback_host, Reference};
+use crate::oci::digest::Digest;
+use crate::oci::reference::{is_loopback_host, Reference};
 
 /// What distinguishes one HTTP client from another: TLS verification, CAs, client identity.
 pub(super) type TlsSettings = (bool, Vec<PathBuf>, Option<(PathBuf, Option<PathBuf>)>);

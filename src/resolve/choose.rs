@@ -10,13 +10,13 @@
 
 use super::{diff_id_of, image_config};
 use crate::cache::CacheRoot;
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::seekable::{Compression, Expected, Layout};
 use crate::format::zstd_chunked::TocLocation;
 use crate::format::{artifact, estargz};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::{self, Descriptor};
-use crate::reference::Reference;
 use crate::registry::Registry;
 
 /// Picks the disk layer of a manifest: the topmost layer with a TOC, zstd:chunked or eStargz.

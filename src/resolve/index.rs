@@ -4,13 +4,13 @@
 
 use super::choose::index_target;
 use crate::cache::CacheRoot;
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::seekable::{self, Compression, Expected, Layout, SeekIndex};
 use crate::layer::{IndexSource, LayerFormat, LayerId, LayerKind, LayerMeta};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::{self, Descriptor, ManifestKind};
 use crate::policy::Verifier;
-use crate::reference::Reference;
 use crate::registry::Registry;
 use crate::task::blocking;
 

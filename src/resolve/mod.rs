@@ -23,13 +23,13 @@ use self::choose::{disk_path_of, estargz_toc_digest};
 use self::index::seekable_layer_id;
 use self::toc::fetch_toc_of;
 use crate::cache::{CacheRoot, RefRecord};
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::TocLocation;
 use crate::layer::{Held, Layer, LayerKind, LayerMeta, Resolved};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::{self, Descriptor, ManifestKind, Platform};
 use crate::policy::Verifier;
-use crate::reference::Reference;
 use crate::registry::Registry;
 use crate::task::blocking;
 

@@ -4,14 +4,14 @@
 //! only the pinned bytes pass.
 
 use crate::cache::CacheRoot;
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::estargz;
 use crate::format::seekable;
 use crate::format::zstd_chunked::TocLocation;
 use crate::layer::{Held, LayerKind, LayerMeta};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::Descriptor;
-use crate::reference::Reference;
 use crate::registry::{Ask, AskUntilChecksFail, Registry};
 use crate::task::blocking;
 

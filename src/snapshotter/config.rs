@@ -375,11 +375,11 @@ impl Config {
     }
 
     /// The index repositories, parsed: each a repository, without tag or digest.
-    pub fn index_repositories(&self) -> Result<Vec<crate::reference::Reference>> {
+    pub fn index_repositories(&self) -> Result<Vec<crate::oci::reference::Reference>> {
         self.registry
             .index_repositories
             .iter()
-            .map(|r| crate::reference::parse_repository(r))
+            .map(|r| crate::oci::reference::parse_repository(r))
             .collect()
     }
 

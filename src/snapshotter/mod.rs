@@ -70,7 +70,7 @@ pub struct Snapshotter {
     /// Which namespace's pulls granted what.
     pub tenants: Tenants,
     /// What each layer's server said last ([`Snapshotter::statuses`]).
-    recent: parking_lot::Mutex<HashMap<crate::digest::Digest, control::LayerStatus>>,
+    recent: parking_lot::Mutex<HashMap<crate::oci::digest::Digest, control::LayerStatus>>,
     /// Notified at each lazy pull ([`prepare::pods::watch`] looks for pods it will not serve).
     pub lazily_pulled: std::sync::Arc<tokio::sync::Notify>,
 }
@@ -314,7 +314,7 @@ impl Snapshotter {
 
     /// Removes `key` and its directory; returns its remote layer, for
     /// [`Snapshotter::stop_unused`] to stop if nothing else uses it.
-    pub fn remove(&self, key: &str) -> Result<Option<crate::digest::Digest>> {
+    pub fn remove(&self, key: &str) -> Result<Option<crate::oci::digest::Digest>> {
         let _g = self.guard();
         let record = self.store.remove(key)?;
         if let Some(remote) = record.remote {
@@ -355,7 +355,7 @@ impl Snapshotter {
 
     /// Removes snapshot directories no record names (left by crashes or failed removals) and
     /// returns the remote layers no snapshot uses.
-    pub fn cleanup(&self) -> Result<Vec<crate::digest::Digest>> {
+    pub fn cleanup(&self) -> Result<Vec<crate::oci::digest::Digest>> {
         let _g = self.guard();
         let records = self.store.list()?;
         let ids: std::collections::HashSet<String> =
@@ -413,8 +413,8 @@ impl Snapshotter {
     /// alias) and the snapshots using them (a disk kept by EnsureDisk as `pin:<reference>`).
     pub fn remote_layers(
         &self,
-    ) -> Result<BTreeMap<crate::digest::Digest, (RemoteLayerRef, Vec<String>)>> {
-        let mut out: BTreeMap<crate::digest::Digest, (RemoteLayerRef, Vec<String>)> =
+    ) -> Result<BTreeMap<crate::oci::digest::Digest, (RemoteLayerRef, Vec<String>)>> {
+        let mut out: BTreeMap<crate::oci::digest::Digest, (RemoteLayerRef, Vec<String>)> =
             BTreeMap::new();
         let pins = self
             .store

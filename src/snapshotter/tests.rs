@@ -17,10 +17,10 @@ use super::prepare::classify::{
 use super::servers::control::LayerStatus;
 use super::servers::supervisor::Supervisor;
 use super::{CacheSettings, Snapshotter};
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::zstd_chunked::{ANN_TOC_CHECKSUM, ANN_TOC_POSITION};
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::registry::auth::Credential;
 use crate::registry::granted::Grant;
 use crate::registry::testing::MemoryRegistry;

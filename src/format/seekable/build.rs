@@ -7,9 +7,9 @@ use std::io::Read;
 use super::zran::BlockInflater;
 use super::{Compression, Entry, Expected, Layout, SeekIndex, Span, Windows};
 use super::{MAX_ENTRIES, MAX_SPANS, VERSION, WINDOW};
-use crate::digest::{Digest, Hasher};
 use crate::error::{Error, Result};
 use crate::format::artifact::Codec;
+use crate::oci::digest::{Digest, Hasher};
 
 /// How many bytes of the stream's start [`build`] hands back: enough to identify a disk.
 pub const HEAD_BYTES: u64 = 66 << 10;

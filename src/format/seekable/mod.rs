@@ -29,9 +29,9 @@ pub use build::{build, Built, HEAD_BYTES};
 
 use serde::{Deserialize, Serialize};
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::tree::clean_path;
+use crate::oci::digest::Digest;
 
 /// The artifact type of the index's manifest (and of its referrer descriptor).
 pub const ARTIFACT_TYPE: &str = "application/vnd.vmdisk.seekable-index.v2";
@@ -503,7 +503,7 @@ pub(crate) mod testing {
     use std::io::Write;
 
     use super::{build, Expected, SeekIndex, Windows};
-    use crate::digest::Digest;
+    use crate::oci::digest::Digest;
 
     /// A tar of `files` as KubeVirt's containerDisk build writes it (uid/gid 107, 0644).
     pub fn tar_of(files: &[(&str, Vec<u8>)]) -> Vec<u8> {

@@ -25,8 +25,8 @@ use std::ops::Range;
 use super::toc::{parse_toc, Toc};
 use super::tree::{Chunk, Node};
 use super::zstd_frames::{check_regular_frames, decompress_bounded, SKIPPABLE_HEADER};
-use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::oci::digest::Digest;
 
 /// TOC checksum annotation (current containers/storage).
 pub const ANN_TOC_CHECKSUM: &str = "io.github.containers.zstd-chunked.manifest-checksum";

@@ -9,11 +9,11 @@ use super::{
     TocLocation, ANN_TARSPLIT_POSITION, ANN_TOC_CHECKSUM, ANN_TOC_CHECKSUM_OLD, ANN_TOC_POSITION,
     ANN_TOC_POSITION_OLD, FOOTER_MAGIC, MANIFEST_TYPE_CRFS,
 };
-use crate::digest::{Digest, Hasher};
 use crate::error::{Error, Result};
 use crate::format::tarsplit::{TarSplitWriter, CRC64_ISO};
 use crate::format::toc::{Toc, TocEntry};
 use crate::format::zstd_frames::{SKIPPABLE_HEADER, SKIPPABLE_MAGIC};
+use crate::oci::digest::{Digest, Hasher};
 
 /// Tar metadata of a file or directory written into a layer.
 #[derive(Clone, Debug)]

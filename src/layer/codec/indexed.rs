@@ -178,7 +178,7 @@ impl Codec for Indexed {
         }
     }
 
-    fn windows_blob(&self) -> Option<crate::digest::Digest> {
+    fn windows_blob(&self) -> Option<crate::oci::digest::Digest> {
         self.index.windows.map(|w| w.digest)
     }
 

@@ -20,7 +20,7 @@ pub mod zstd_chunked;
 use super::{fetch_checked, MAX_REGION_BYTES, MAX_REGION_DECODED};
 use super::{Ask, Codec, Fetch, Layer, LayerKind, LayerMeta, Piece, Resolved, Store, Table};
 use crate::error::{Error, Result};
-use crate::reference::Reference;
+use crate::oci::reference::Reference;
 
 /// Most regions fetched at once.
 const REGION_FETCHES: usize = 8;

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::reference::Reference;
+use crate::oci::reference::Reference;
 use crate::registry::granted::Granted;
 use crate::registry::Registry;
 use crate::snapshotter::daemon::store::RemoteLayerRef;
@@ -35,7 +35,7 @@ impl Snapshotter {
         self: &Arc<Self>,
         reference: &str,
         requester: &Requester,
-    ) -> Result<crate::digest::Digest> {
+    ) -> Result<crate::oci::digest::Digest> {
         let parsed: Reference = reference.parse()?;
         let cache = self.classifier.cache();
         let (remote, grants, checked_now, ahead) = match self

@@ -286,7 +286,7 @@ impl ManageService {
     async fn ensure(
         &self,
         request: Request<mpb::DiskRequest>,
-    ) -> Result<crate::digest::Digest, Status> {
+    ) -> Result<crate::oci::digest::Digest, Status> {
         let request = request.into_inner();
         self.snapshotter
             .ensure_disk(
@@ -297,7 +297,10 @@ impl ManageService {
             .map_err(Status::from)
     }
 
-    async fn disk(&self, layer: &crate::digest::Digest) -> Result<Response<mpb::Disk>, Status> {
+    async fn disk(
+        &self,
+        layer: &crate::oci::digest::Digest,
+    ) -> Result<Response<mpb::Disk>, Status> {
         let want = layer.to_string();
         disks(&self.snapshotter, Freshness::Now)
             .await

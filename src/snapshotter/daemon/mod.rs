@@ -85,7 +85,7 @@ pub fn link_image_filesystem(config: &Config) -> Result<bool> {
         }
         Err(_) => {}
     }
-    crate::ready::replace_symlink(&link, &target)?;
+    crate::serve::ready::replace_symlink(&link, &target)?;
     tracing::info!(link = %link.display(), target = %target.display(), "containerd's image filesystem for this snapshotter points at its root");
     Ok(true)
 }
@@ -164,7 +164,7 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
     // Node state is root's alone; the ready disks root's and the VMM group's.
     crate::dirs::private(&config.root)?;
     crate::dirs::private(&config.cache_dir())?;
-    crate::ready::prepare_root(&config.ready_dir, config.vmm_gid()?)?;
+    crate::serve::ready::prepare_root(&config.ready_dir, config.vmm_gid()?)?;
     keep_image_filesystem_linked(config).await?;
     let client = Arc::new(RegistryClient::new(config.registry_config())?);
     // Which namespace's pulls granted what (the CRI proxy tells); memory only.

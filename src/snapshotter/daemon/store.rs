@@ -12,9 +12,9 @@ use std::path::Path;
 use redb::{Database, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 
 const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");

@@ -20,10 +20,10 @@ use tonic::{Request, Response, Status};
 
 use crate::api::vmdisk::v1 as pb;
 use crate::cache::CacheRoot;
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::layer::Held;
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::registry::granted::Granted;
 use crate::registry::roots::Roots;
 use crate::serve::Serving;
@@ -512,12 +512,12 @@ async fn start(
 fn ready_dir(
     config: &Config,
     vmm_gid: u32,
-    digest: &crate::digest::Digest,
+    digest: &crate::oci::digest::Digest,
     reference: &Reference,
     alias: Option<&str>,
     record: Option<&crate::cache::RefRecord>,
-) -> crate::ready::ReadyDir {
-    crate::ready::ReadyDir::new(
+) -> crate::serve::ready::ReadyDir {
+    crate::serve::ready::ReadyDir::new(
         &config.ready_dir,
         vmm_gid,
         digest,

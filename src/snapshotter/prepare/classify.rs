@@ -15,11 +15,11 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::cache::CacheRoot;
-use crate::digest::Digest;
 use crate::error::{ErrorKind, Result};
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::oci::{self, ManifestKind};
 use crate::policy::Verifier;
-use crate::reference::Reference;
 use crate::registry::Registry;
 use crate::task::blocking;
 

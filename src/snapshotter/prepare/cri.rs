@@ -19,9 +19,9 @@ use k8s_cri::v1::image_service_server::{ImageService, ImageServiceServer};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::registry::auth::Credential;
 use crate::snapshotter::config::CriConfig;
 use crate::snapshotter::Snapshotter;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use self::classify::{CriLabels, Decision, Outcome, LABEL_REMOTE, LABEL_TARGET};
 use crate::error::{Error, ErrorKind, Result};
-use crate::reference::Reference;
+use crate::oci::reference::Reference;
 use crate::registry::granted::{Grant, Granted};
 use crate::registry::Registry;
 use crate::snapshotter::daemon::store::{Kind, RemoteLayerRef};
@@ -206,7 +206,7 @@ impl Snapshotter {
     pub(super) fn fetch_ahead(
         &self,
         client: &Arc<dyn Registry>,
-        layer: crate::digest::Digest,
+        layer: crate::oci::digest::Digest,
     ) -> Option<Ahead> {
         self.classifier
             .cache()
@@ -261,7 +261,7 @@ impl Snapshotter {
         target: &str,
         parent: &str,
         (labels, named): (&BTreeMap<String, String>, Option<&str>),
-        (reference, layer): (&Reference, crate::digest::Digest),
+        (reference, layer): (&Reference, crate::oci::digest::Digest),
         pull: PullAccess<'_>,
     ) -> Result<Served> {
         let ahead = self.fetch_ahead(pull.client, layer);

@@ -26,8 +26,8 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use crate::digest::Digest;
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::registry::auth::Credential;
 use crate::registry::granted::Grant;
 

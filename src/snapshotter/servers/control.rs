@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::api::vmdisk::v1 as pb;
-use crate::digest::Digest;
 use crate::engine::stats::StatsSnapshot;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
+use crate::oci::digest::Digest;
 
 pub use pb::{
     BlobBytes, Credentials, EndpointCounters, Handover, HydrationState, LayerCounters, LayerStatus,

@@ -16,7 +16,10 @@ impl Snapshotter {
     /// Stops the servers of `layers` that no snapshot or pin uses (after Remove, RemoveDisk or
     /// Cleanup); returns how many it stopped. Each layer is checked and stopped under its own
     /// lock, and its server's final counters are kept.
-    pub async fn stop_unused(self: &Arc<Self>, layers: Vec<crate::digest::Digest>) -> Result<u32> {
+    pub async fn stop_unused(
+        self: &Arc<Self>,
+        layers: Vec<crate::oci::digest::Digest>,
+    ) -> Result<u32> {
         let mut stopped = 0;
         for layer in layers {
             let _lock = self.layer_locks.lock(&layer).await;
@@ -55,7 +58,7 @@ impl Snapshotter {
     pub async fn hand_grant(
         self: &Arc<Self>,
         grant: &Grant,
-        digests: &std::collections::BTreeSet<crate::digest::Digest>,
+        digests: &std::collections::BTreeSet<crate::oci::digest::Digest>,
     ) -> Result<()> {
         let me = Arc::clone(self);
         let layers = blocking(move || me.remote_layers()).await?;
@@ -79,9 +82,9 @@ impl Snapshotter {
     /// for them. `layers` are every recorded layer (the answers kept for others are dropped).
     pub async fn statuses(
         &self,
-        layers: impl IntoIterator<Item = crate::digest::Digest>,
+        layers: impl IntoIterator<Item = crate::oci::digest::Digest>,
         fresh: Freshness,
-    ) -> HashMap<crate::digest::Digest, Option<control::LayerStatus>> {
+    ) -> HashMap<crate::oci::digest::Digest, Option<control::LayerStatus>> {
         let asked = layers.into_iter().map(|layer| async move {
             let recent = match fresh {
                 Freshness::Prompt(wait) => {

@@ -22,10 +22,10 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 
-use crate::digest::Digest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
-use crate::reference::Reference;
+use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 use crate::registry::granted::Grant;
 use crate::snapshotter::servers::control::{self, LayerPaths, LayerStatus, Need, ServerState};
 
@@ -241,7 +241,7 @@ impl Supervisor for LayerServers {
     }
 
     fn ready_dir(&self, reference: &Reference) -> Option<PathBuf> {
-        Some(crate::ready::dir_of(
+        Some(crate::serve::ready::dir_of(
             &self.command.ready_dir,
             &reference.digest?,
         ))

@@ -22,9 +22,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
+use crate::oci::digest::Digest;
 
 /// The raw view's file name.
 pub const RAW_NAME: &str = "disk.raw";

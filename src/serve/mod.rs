@@ -8,6 +8,9 @@
 //! (or later, when [`Serving::hydrate`] is called). It never unmounts a busy mount: an unmount
 //! while files are open is refused and the layer keeps serving.
 
+pub mod fuse;
+pub mod ready;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,9 +25,9 @@ use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
 use crate::policy::Verifier;
-use crate::ready::{ReadyDir, ReadyMetadata};
 use crate::registry::Registry;
 use crate::resolve::Wanted;
+use crate::serve::ready::{ReadyDir, ReadyMetadata};
 use crate::view::file::LayerFile;
 use crate::view::qcow2::RawDisk;
 
@@ -149,7 +152,7 @@ async fn describe(engine: &Arc<Engine>, ready: &ReadyDir) -> Result<(RawDisk, Re
         format: described.format,
         virtual_size: described.virtual_size,
         disk_size,
-        disk: crate::ready::published_name(&path),
+        disk: crate::serve::ready::published_name(&path),
         path_in_image: format!("/{path}"),
         raw_error,
     };
@@ -207,12 +210,12 @@ pub async fn start(
     dir: &Path,
     opts: &ServeOptions,
 ) -> Result<Serving> {
-    let fs = crate::fuse::LayerFs::new(
+    let fs = crate::serve::fuse::LayerFs::new(
         Arc::clone(&engine),
         tokio::runtime::Handle::current(),
         opts.passthrough,
     );
-    let session = crate::fuse::mount(fs, dir)?;
+    let session = crate::serve::fuse::mount(fs, dir)?;
     let ready = opts.ready.as_ref().map(|dir| {
         Arc::new(ReadyDisk {
             dir: dir.clone(),
@@ -363,13 +366,20 @@ fn mount_ready(
     let dir = &ready.dir;
     let json = serde_json::to_vec_pretty(&metadata).expect("metadata serialises");
     let links = dir.links(&metadata);
-    let fs = crate::fuse::LayerFs::ready(engine, runtime, ready.passthrough, raw, json, dir.group);
+    let fs = crate::serve::fuse::LayerFs::ready(
+        engine,
+        runtime,
+        ready.passthrough,
+        raw,
+        json,
+        dir.group,
+    );
     let _ = nix::mount::umount2(&dir.dir, nix::mount::MntFlags::MNT_DETACH);
-    crate::ready::prepare_root(&dir.root, dir.group)?;
+    crate::serve::ready::prepare_root(&dir.root, dir.group)?;
     crate::dirs::shared(&dir.dir, dir.group)?;
-    let session = crate::fuse::mount(fs, &dir.dir)?;
+    let session = crate::serve::fuse::mount(fs, &dir.dir)?;
     for (link, target) in &links {
-        crate::ready::replace_symlink(link, target)?;
+        crate::serve::ready::replace_symlink(link, target)?;
     }
     *state = ReadyState::Mounted(ReadyMount { session, links });
     Ok(())

@@ -229,8 +229,8 @@ impl LayerFs {
     }
 
     /// The ready-disk directory of a layer: its disk as published (under its own file name,
-    /// [`crate::ready::published_name`]), `disk.raw` (unless unavailable) and `metadata.json`;
-    /// readable by root and `group` only (0750 and 0440, [`crate::ready`]).
+    /// [`crate::serve::ready::published_name`]), `disk.raw` (unless unavailable) and `metadata.json`;
+    /// readable by root and `group` only (0750 and 0440, [`crate::serve::ready`]).
     pub fn ready(
         engine: Arc<Engine>,
         runtime: tokio::runtime::Handle,
@@ -242,7 +242,7 @@ impl LayerFs {
         let layer = &engine.layer;
         let node = &layer.nodes[layer.files[layer.disk].node];
         let time = mtime(node.mod_time.as_deref());
-        let name = crate::ready::published_name(&node.path);
+        let name = crate::serve::ready::published_name(&node.path);
         let disk: Arc<dyn DiskView> = Arc::new(LayerFile::disk(Arc::clone(&engine)));
         let dir = |ino| Inode {
             attr: attr(ino, FileType::Directory, 0, 0o750, 0, group, time),
@@ -261,7 +261,7 @@ impl LayerFs {
         let mut root = dir(ROOT);
         root.children = vec![
             (OsString::from(&name), 2),
-            (OsString::from(crate::ready::METADATA_NAME), 4),
+            (OsString::from(crate::serve::ready::METADATA_NAME), 4),
         ];
         let raw_inode = match raw {
             RawDisk::View(view) => Some(file(3, view.size(), Content::View(view))),
@@ -270,7 +270,7 @@ impl LayerFs {
         };
         if raw_inode.is_some() {
             root.children
-                .push((OsString::from(crate::ready::RAW_NAME), 3));
+                .push((OsString::from(crate::serve::ready::RAW_NAME), 3));
         }
         // Inode 3 exists either way (numbers are positions); without a raw view nothing names it.
         let raw_inode = raw_inode.unwrap_or_else(|| file(3, 0, Content::None));

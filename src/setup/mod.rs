@@ -58,11 +58,11 @@ pub enum Setup {
 /// The snippet vmdisk ships for `release` and `setup`.
 pub fn snippet(release: Release, setup: Setup) -> Result<&'static str> {
     Ok(match (release, setup) {
-        (Release::V1_6, Setup::AllImages) => include_str!("../config/containerd-1.6.toml"),
-        (Release::V1_7, Setup::AllImages) => include_str!("../config/containerd-1.7.toml"),
-        (Release::V2, Setup::AllImages) => include_str!("../config/containerd-2.x.toml"),
-        (Release::V1_7, Setup::Handlers) => include_str!("../config/containerd-1.7-handlers.toml"),
-        (Release::V2, Setup::Handlers) => include_str!("../config/containerd-2.x-handlers.toml"),
+        (Release::V1_6, Setup::AllImages) => include_str!("../../config/containerd-1.6.toml"),
+        (Release::V1_7, Setup::AllImages) => include_str!("../../config/containerd-1.7.toml"),
+        (Release::V2, Setup::AllImages) => include_str!("../../config/containerd-2.x.toml"),
+        (Release::V1_7, Setup::Handlers) => include_str!("../../config/containerd-1.7-handlers.toml"),
+        (Release::V2, Setup::Handlers) => include_str!("../../config/containerd-2.x-handlers.toml"),
         (Release::V1_6, Setup::Handlers) => {
             return Err(Error::unsupported(
                 "containerd 1.6 has one CRI snapshotter for every image and no per-handler one: run vmdisk as the node's snapshotter (the Debian package and config/containerd-1.6.toml), not per handler",

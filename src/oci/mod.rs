@@ -1,12 +1,15 @@
 //! OCI and Docker image types: descriptors, manifests, indexes and configs, with the media
 //! types we read and write. Parsing is strict about what we use and tolerant of extra fields.
 
+pub mod digest;
+pub mod reference;
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::oci::digest::Digest;
 
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";

@@ -4,8 +4,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::oci::digest::Digest;
 
 /// The registry docker.io names resolve to.
 pub const DOCKER_HUB: &str = "docker.io";
