@@ -426,33 +426,6 @@ pub fn plain_http_host(certs: &Path, host: &str) {
     .unwrap();
 }
 
-/// Deep-merges `from` into `into` (tables key by key; anything else replaced).
-pub fn merge_toml(into: &mut toml::Value, from: toml::Value) {
-    match (into, from) {
-        (toml::Value::Table(a), toml::Value::Table(b)) => {
-            for (k, v) in b {
-                match a.get_mut(&k) {
-                    Some(existing) => merge_toml(existing, v),
-                    None => {
-                        a.insert(k, v);
-                    }
-                }
-            }
-        }
-        (slot, v) => *slot = v,
-    }
-}
-
-/// Replaces every string `from` in `value` with `to` (the shipped snippets' paths).
-fn replace_strings(value: &mut toml::Value, from: &str, to: &str) {
-    match value {
-        toml::Value::String(s) if s == from => *s = to.to_string(),
-        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| replace_strings(v, from, to)),
-        toml::Value::Array(a) => a.iter_mut().for_each(|v| replace_strings(v, from, to)),
-        _ => {}
-    }
-}
-
 /// containerd with the CRI plugin using vmdisk as its snapshotter.
 pub struct CriContainerd {
     child: Child,
@@ -541,13 +514,12 @@ state = "{d}/state"
             plain_http_host(&certs, &format!("127.0.0.1:{p}"));
         }
         let socket = dir.join("containerd.sock");
-        let mut config: toml::Value =
-            toml::from_str(&std::fs::read_to_string(release.snippet()).unwrap()).unwrap();
-        replace_strings(
-            &mut config,
-            "/run/vmdisk/snapshotter.sock",
-            snapshotter.to_str().unwrap(),
-        );
+        let socket_value = toml_edit::Value::from(snapshotter.to_str().unwrap()).to_string();
+        let mut config: toml_edit::DocumentMut = std::fs::read_to_string(release.snippet())
+            .unwrap()
+            .replace("\"/run/vmdisk/snapshotter.sock\"", &socket_value)
+            .parse()
+            .unwrap();
         let (d, s, c) = (dir.display(), socket.display(), certs.display());
         let machine = if release.v3() {
             format!(
@@ -583,9 +555,11 @@ state = "{d}/state"
 "#
             )
         };
-        merge_toml(&mut config, toml::from_str(&machine).unwrap());
+        // The product's merge (`vmdisk containerd-config`'s), the machine's settings over the
+        // snippet's.
+        vmdisk::setup::toml_merge::merge_into(&mut config, &machine.parse().unwrap());
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("config.toml"), toml::to_string(&config).unwrap()).unwrap();
+        std::fs::write(dir.join("config.toml"), config.to_string()).unwrap();
         Self::launch(release, dir, socket, &[])
     }
 
