@@ -339,10 +339,7 @@ async fn read_stream(
     let source = meta
         .index_source()
         .ok_or_else(|| Error::corrupt("the layer's record names no seekable index"))?;
-    let windows = match index.windows {
-        Some(w) => Some((source.repository.parse()?, w.digest)),
-        None => None,
-    };
+    let windows = index.windows.map(|w| (source.repository.clone(), w.digest));
     let client: std::sync::Arc<dyn crate::registry::Registry> = std::sync::Arc::new(client.clone());
     let reference = meta.reference.clone();
     let sources =

@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::format::seekable::{Compression, Layout};
 use crate::format::zstd_chunked::TocLocation;
 use crate::oci::digest::Digest;
+use crate::oci::reference::Reference;
 
 /// What kind of layer it is, and so where its TOC or index is and how its bytes decode
 /// ([`super::codec`] has one codec per kind).
@@ -45,8 +46,9 @@ pub enum LayerFormat {
 /// Where a layer's seekable index was found, and the layer's compression and layout.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct IndexSource {
-    /// The repository holding the index (`registry/repository`).
-    pub repository: String,
+    /// The repository holding the index (`registry/repository`; parsed, and so checked, when a
+    /// record is read).
+    pub repository: Reference,
     pub compression: Compression,
     /// A tar (an image layer) or the disk file itself (a disk artifact's layer).
     #[serde(default)]
@@ -244,7 +246,7 @@ mod tests {
     #[test]
     fn records_and_keys_are_those_of_earlier_versions() {
         let indexed = LayerKind::Indexed(IndexSource {
-            repository: "r.example/vm".into(),
+            repository: "r.example/vm".parse().unwrap(),
             compression: Compression::Gzip,
             layout: Layout::Tar,
         });

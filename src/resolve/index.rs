@@ -79,7 +79,7 @@ fn indexed_meta(
         disk_path,
         diff_id: found.diff_id,
         kind: LayerKind::Indexed(IndexSource {
-            repository: found.repository.to_string(),
+            repository: found.repository.clone(),
             compression: found.compression,
             layout: found.layout,
         }),

@@ -427,7 +427,7 @@ async fn an_index_is_trusted_only_for_its_image_and_layer_and_the_newest_valid_o
     let Some(source) = resolved.meta.index_source() else {
         panic!("read through an index: {:?}", resolved.meta.kind);
     };
-    assert_eq!(source.repository, format!("{REGISTRY}/vm"));
+    assert_eq!(source.repository.to_string(), format!("{REGISTRY}/vm"));
     assert_eq!(
         resolved.meta.toc_digest,
         Digest::of(&layer.index.encode().unwrap())

@@ -100,7 +100,6 @@ pub(super) async fn fetch_toc_of(
 ) -> Result<(Vec<u8>, Held)> {
     match &meta.kind {
         LayerKind::Indexed(source) => {
-            let repo: Reference = source.repository.parse()?;
             let desc = Descriptor {
                 media_type: seekable::MEDIA_TYPE.into(),
                 digest: meta.toc_digest,
@@ -108,7 +107,7 @@ pub(super) async fn fetch_toc_of(
                 ..Descriptor::of(seekable::MEDIA_TYPE, b"")
             };
             let index = client
-                .get_blob(&repo, &desc, seekable::MAX_INDEX_BYTES)
+                .get_blob(&source.repository, &desc, seekable::MAX_INDEX_BYTES)
                 .await?;
             Ok((index, Held::default()))
         }

@@ -63,7 +63,7 @@ pub async fn open_engine(
     let (layer, mut held) = crate::resolve::resolve(client.as_ref(), cache, trust, wanted).await?;
     // A gzip layer's windows blob sits beside its index.
     let windows = match (layer.codec().windows_blob(), layer.meta.index_source()) {
-        (Some(digest), Some(source)) => Some((source.repository.parse()?, digest)),
+        (Some(digest), Some(source)) => Some((source.repository.clone(), digest)),
         _ => None,
     };
     let sources = Sources::in_registry(client, &layer.reference, layer.meta.layer_digest, windows);

@@ -148,7 +148,7 @@ fn engine_of_indexed_at(
         disk_path: disk_path.map(str::to_string),
         diff_id: Digest::of(tar),
         kind: LayerKind::Indexed(IndexSource {
-            repository: "127.0.0.1:1/test/t".into(),
+            repository: "127.0.0.1:1/test/t".parse().unwrap(),
             compression: index.compression,
             layout: index.layout,
         }),
