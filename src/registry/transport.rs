@@ -443,11 +443,12 @@ impl RegistryClient {
     /// it was asked, else the last mirror's. An authentication error from the registry itself
     /// is returned at once. For ranges of `blob`: a reader's pass by a mirror that neither
     /// declares itself a Range cache ([`Self::look_at`]) nor has served ranges of the blob; a
-    /// mirror that has not served ranges of it is asked by one request at a time (the others wait for its answer [`MIRROR_HEDGE`] at
-    /// most, then pass it by), a reader waits for that answer as long at most
-    /// ([`Self::hedged`]), a whole-blob answer (a pull-through cache filling itself) or none has
-    /// the blob rest there ([`health`]), and a background read does not ask the registry while
-    /// a mirror fills the blob (it waits for the fill: [`super::Registry::filling`]).
+    /// mirror that has not served ranges of it is asked by one request at a time (the others
+    /// wait for its answer [`MIRROR_HEDGE`] at most, then pass it by), a reader waits for that
+    /// answer as long at most ([`Self::hedged`]), a whole-blob answer (a pull-through cache
+    /// filling itself) or none has the blob rest there ([`health`]), and a background read does
+    /// not ask the registry while a mirror fills the blob (it waits for the fill:
+    /// [`super::Registry::filling`]).
     pub(super) async fn sweep<T, F>(
         &self,
         r: &Reference,
@@ -602,25 +603,11 @@ impl RegistryClient {
             return Some(joined.unwrap_or_else(|e| Err(lost(e))));
         }
         tracing::debug!(endpoint = %ep.base, %what, "the mirror has not answered a first ask of this blob within the hedge: asking the next endpoint, and learning its answer in the background");
-        let answered = async move { asked.await.unwrap_or_else(|e| Err(lost(e))) };
-        self.learn_later(ep, r, answered, asking);
-        None
-    }
-
-    /// Learns, in the background, what mirror `ep` does with the blob `asking` claims from its
-    /// answer `answered` — a range (it serves the blob), the whole blob (it is filling it: the
-    /// blob rests there), none — and drops the body; the claim is held until then.
-    fn learn_later(
-        &self,
-        ep: &Endpoint,
-        r: &Reference,
-        answered: impl std::future::Future<Output = Result<reqwest::Response>> + Send + 'static,
-        asking: health::Asking,
-    ) {
         let (client, ep, r) = (self.clone(), ep.clone(), r.clone());
         tokio::spawn(async move {
             let blob = asking.first_of().copied();
-            match answered.await {
+            let answered = asked.await.unwrap_or_else(|e| Err(lost(e)));
+            match answered {
                 Ok(resp) if resp.status() == StatusCode::PARTIAL_CONTENT => {
                     client.shared.health.succeeded(&ep.base, blob.as_ref())
                 }
@@ -636,6 +623,7 @@ impl RegistryClient {
             }
             drop(asking);
         });
+        None
     }
 
     /// What failure `e` of a request to `ep` (for ranges of `blob`; `first`: a mirror's first
