@@ -100,7 +100,7 @@ struct Regions {
 
 /// A region of the blob to fetch: its slot in the pieces, its blob range and the decoded bytes
 /// to drop (the chunk's own, when the region is read from the chunk's start).
-struct Wanted {
+struct RegionToFetch {
     slot: usize,
     range: std::ops::Range<u64>,
     skip: u64,
@@ -109,7 +109,7 @@ struct Wanted {
 impl Regions {
     /// The layer's pieces in stream order (the regions still empty) and the regions to fetch.
     /// A region larger than a tar header region or TOC can be is refused.
-    fn plan(&self, layer: &Layer) -> Result<(Vec<Piece>, Vec<Wanted>)> {
+    fn plan(&self, layer: &Layer) -> Result<(Vec<Piece>, Vec<RegionToFetch>)> {
         let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
         order.sort_unstable_by_key(|&i| layer.chunks[i].compressed.start);
         let mut wanted = Vec::new();
@@ -123,7 +123,7 @@ impl Regions {
                         "bytes {at}..{end} of the layer belong to no chunk and are more than the {MAX_REGION_BYTES} a tar header region or the TOC can take"
                     )));
                 }
-                wanted.push(Wanted {
+                wanted.push(RegionToFetch {
                     slot: pieces.len(),
                     range: at..end,
                     skip,
@@ -158,7 +158,7 @@ async fn blob_pieces(
     use futures_util::StreamExt;
     let (mut pieces, wanted) = regions.plan(layer)?;
     let mut fetched = futures_util::stream::iter(wanted.into_iter().map(
-        |Wanted { slot, range, skip }| async move {
+        |RegionToFetch { slot, range, skip }| async move {
             let what = format!(
                 "bytes {}..{} of layer {}",
                 range.start, range.end, layer.meta.layer_digest

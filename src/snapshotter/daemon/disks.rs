@@ -13,8 +13,8 @@ use crate::snapshotter::prepare::tenants;
 use crate::snapshotter::servers::control;
 use crate::snapshotter::{blocking, Requester, Snapshotter};
 
-/// How a requester may read a disk ([`Snapshotter::authorize`]).
-enum Access {
+/// How a requester may read a disk ([`Snapshotter::disk_source`]).
+enum DiskSource {
     /// Through the registry with `client` (the node's credentials, or the namespace's `grant`).
     Fetch {
         client: Arc<dyn Registry>,
@@ -39,10 +39,10 @@ impl Snapshotter {
         let parsed: Reference = reference.parse()?;
         let cache = self.classifier.cache();
         let (remote, grants, checked_now, ahead) = match self
-            .authorize(reference, &parsed, requester)
+            .disk_source(reference, &parsed, requester)
             .await?
         {
-            Access::Fetch { client, grant } => {
+            DiskSource::Fetch { client, grant } => {
                 match crate::resolve::platform_manifest(client.as_ref(), cache, &parsed).await {
                     Ok((manifest, digest, _)) => {
                         let trust = self.classifier.trust();
@@ -105,7 +105,7 @@ impl Snapshotter {
                     Err(e) => return Err(e),
                 }
             }
-            Access::Held(r) => (r, Vec::new(), false, None),
+            DiskSource::Held(r) => (r, Vec::new(), false, None),
         };
         if !checked_now {
             // Served from what the node holds: it must have been accepted under the policy in
@@ -173,15 +173,15 @@ impl Snapshotter {
     /// digest succeeded, if the node's own credentials read the image, or if a grant of its
     /// own reads the digest it pulled; failing that, under [`tenants::Verification::Never`],
     /// it gets what the node holds for the reference.
-    async fn authorize(
+    async fn disk_source(
         self: &Arc<Self>,
         reference: &str,
         parsed: &Reference,
         requester: &Requester,
-    ) -> Result<Access> {
+    ) -> Result<DiskSource> {
         let base = Arc::clone(self.classifier.client());
         let Requester::Namespace(ns) = requester else {
-            return Ok(Access::Fetch {
+            return Ok(DiskSource::Fetch {
                 client: base,
                 grant: None,
             });
@@ -195,7 +195,7 @@ impl Snapshotter {
             .digest
             .and_then(|d| grants.iter().find(|g| g.digests.contains(&d)))
         {
-            return Ok(Access::Fetch {
+            return Ok(DiskSource::Fetch {
                 client: scoped(g),
                 grant: Some(g.clone()),
             });
@@ -204,7 +204,7 @@ impl Snapshotter {
         match base.check_manifest(parsed).await {
             Ok(digest) => {
                 self.tenants.note_open(digest);
-                return Ok(Access::Fetch {
+                return Ok(DiskSource::Fetch {
                     client: base,
                     grant: None,
                 });
@@ -215,7 +215,7 @@ impl Snapshotter {
                 return match known.filter(|k| self.may_serve_held(ns, parsed, Some(k))) {
                     Some(k) => {
                         tracing::warn!(reference, namespace = ns, error = %e.chain(), "registry unreachable; serving the disk kept before");
-                        Ok(Access::Held(k))
+                        Ok(DiskSource::Held(k))
                     }
                     None => Err(e.context(format!(
                         "cannot tell whether namespace {ns} may read {reference}"
@@ -229,7 +229,7 @@ impl Snapshotter {
         for g in &grants {
             match scoped(g).check_manifest(parsed).await {
                 Ok(d) if g.digests.contains(&d) => {
-                    return Ok(Access::Fetch {
+                    return Ok(DiskSource::Fetch {
                         client: scoped(g),
                         grant: Some(g.clone()),
                     })
@@ -241,7 +241,7 @@ impl Snapshotter {
         }
         if self.tenants.policy == tenants::Verification::Never {
             if let Some(k) = self.known(reference, parsed).await? {
-                return Ok(Access::Held(k));
+                return Ok(DiskSource::Held(k));
             }
         }
         let why = match other {
