@@ -23,7 +23,7 @@
 # p99": start to the disk file's appearing, the image resolved through the mirror), the time
 # from the start until every node was hydrated, wrong reads, and the CPU seconds the nodes, the
 # cache and the harness (relay, origin, driver) used, to show when two cores are the limit.
-# FLEET_NODES ("1 20 100"), FLEET_MODES, FLEET_SLICE (another slice size for nginx),
+# FLEET_NODES ("1 20 100"), FLEET_MODES, FLEET_ORIGIN (token, open: above), FLEET_SLICE (another slice size for nginx),
 # FLEET_FULL_MAX (10: the largest fleet a link-bound full pull is run for), BASE_BIN (another
 # build's vmdisk, run as a mode "before" through the slice cache).
 set -euo pipefail
@@ -33,7 +33,18 @@ RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 MIB=${FLEET_MIB:-128}
 source integration/containerd.sh
 bench_scratch fleet
-start_registry "$B"
+# The origin asks for a token, as public registries (Docker Hub, ghcr.io, quay.io) do, its token
+# service behind a link of its own; FLEET_ORIGIN=open: one that asks for none, as some private
+# registries (distribution's pull-through cache then asks the origin's /v2/ before every request
+# it passes on, one at a time: docs/fleet.md).
+REALM=
+if [ "${FLEET_ORIGIN:-token}" = token ]; then
+  mkdir -p "$B/tokens"
+  start_token_service "$B/tokens"
+  start_cluster_link "$B/tokens" "$TOKENS"
+  REALM=http://$CLUSTER/token
+fi
+start_registry "$B" "$REALM"
 ORIGIN=$REG
 start_cluster_link "$B" "$ORIGIN"
 random_qcow2 "$B/fleet.qcow2" "$MIB"
@@ -142,7 +153,7 @@ print(f"{mode} {n} {int(nbytes) / 1e6:.1f} {int(nbytes) / int(size):.2f} {gets} 
 PY
 }
 
-read -r BLOB BLOB_SIZE < <(curl -s -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$ORIGIN/v2/vm/fleet/manifests/1" |
+read -r BLOB BLOB_SIZE < <(curl -s -H 'Authorization: Bearer anonymous' -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$ORIGIN/v2/vm/fleet/manifests/1" |
   python3 -c 'import json, sys; l = max(json.load(sys.stdin)["layers"], key=lambda l: l["size"]); print(l["digest"], l["size"])')
 RELAY_PID=$(pgrep -f "$RELAY $CLUSTER")
 ORIGIN_PID=$(pgrep -f "docker-registry serve $B/registry.yml")
@@ -163,7 +174,7 @@ for N in ${FLEET_NODES:-1 20 100}; do
 done
 {
   echo
-  echo "A fleet booting one disk at once and hydrating it, the nodes' default configuration ($MIB MiB of random data, blob B = $((BLOB_SIZE / 1000000)) MB; 50 scattered 64 KiB reads per node, each checked; full-*: each node downloads the whole blob), origin behind the cluster link (20 ms, 200 Mbit/s), same run; hydrated s: from the start until every node held the whole disk; late: the late node's boot; preheat MB: what the preheat cost the origin before the rollout; CPU seconds of the nodes, the cache and the harness (link relay, origin, driver):"
+  echo "A fleet booting one disk at once and hydrating it, the nodes' default configuration ($MIB MiB of random data, blob B = $((BLOB_SIZE / 1000000)) MB; 50 scattered 64 KiB reads per node, each checked; full-*: each node downloads the whole blob), origin behind the cluster link (20 ms, 200 Mbit/s), ${FLEET_ORIGIN:-token} origin, same run; hydrated s: from the start until every node held the whole disk; late: the late node's boot; preheat MB: what the preheat cost the origin before the rollout; CPU seconds of the nodes, the cache and the harness (link relay, origin, driver):"
   printf '  %-13s %5s %10s %6s %9s %9s %7s %7s %12s %12s %10s %7s %6s %6s %10s %9s %9s %11s %7s\n' mode nodes "origin MB" "x B" "blob GETs" "other req" "p50 s" "p99 s" "p99 own cpu" "mount p99 s" "hydrated s" "late s" wrong failed "preheat MB" "node cpu" "cache cpu" "harness cpu" "wall s"
   for row in "${ROWS[@]}"; do
     # shellcheck disable=SC2086

@@ -123,16 +123,41 @@ PY
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-# start_registry DIR: a registry (CNCF distribution) on a free loopback port storing in
-# DIR/registry, logging each request with its response size to DIR/registry.log; sets REG.
+# start_registry DIR [REALM]: a registry (CNCF distribution) on a free loopback port storing in
+# DIR/registry, logging each request with its response size to DIR/registry.log; sets REG. With
+# REALM it answers a request without a token with the challenge public registries send (401,
+# Bearer realm=REALM) and takes any token (distribution's "silly" access control): a token
+# service such as start_token_service's hands them out to anyone, as for a public image.
 start_registry() {
   local port; port=$(free_port)
   REG=127.0.0.1:$port
   mkdir -p "$1/registry"
   printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s }, delete: { enabled: true } }\nhttp: { addr: %s }\n' "$1/registry" "$REG" > "$1/registry.yml"
+  [ -z "${2:-}" ] || printf 'auth: { silly: { realm: "%s", service: origin } }\n' "$2" >> "$1/registry.yml"
   docker-registry serve "$1/registry.yml" > "$1/registry.log" 2>&1 &
   PIDS+=($!)
-  for _ in $(seq 100); do curl -sf "http://$REG/v2/" > /dev/null && break; sleep 0.1; done
+  for _ in $(seq 100); do curl -s -o /dev/null "http://$REG/v2/" && break; sleep 0.1; done
+}
+
+# start_token_service DIR: an anonymous token service on a free loopback port (any GET gets a
+# token for 5 minutes, as a public registry's does for a public image); sets TOKENS to its
+# host:port. Logs to DIR/tokens.log.
+start_token_service() {
+  TOKENS=127.0.0.1:$(free_port)
+  python3 - "${TOKENS#*:}" > "$1/tokens.log" 2>&1 <<'PY' &
+import http.server, sys
+class Tokens(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b'{"token": "anonymous", "access_token": "anonymous", "expires_in": 300}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Tokens).serve_forever()
+PY
+  PIDS+=($!)
+  for _ in $(seq 100); do curl -sf "http://$TOKENS/token" > /dev/null && break; sleep 0.1; done
 }
 
 # start_cluster_link DIR UPSTREAM: the shaped "cluster" link to UPSTREAM (20 ms round trip,
