@@ -13,6 +13,7 @@ use std::io::Read;
 
 use serde::Serialize;
 
+use crate::engine::blob::Blob;
 use crate::error::{Error, Result};
 use crate::format::disk::{self, DiskFormat};
 use crate::format::tree::NodeKind;
@@ -23,7 +24,7 @@ use crate::oci::{
     self, Descriptor, ImageConfig, LayerCompression, Manifest, ManifestKind, Platform,
 };
 use crate::policy::Verifier;
-use crate::registry::{Ask, RegistryClient};
+use crate::registry::{Ask, Registry, RegistryClient};
 
 /// The whole report.
 #[derive(Debug, Serialize)]
@@ -343,7 +344,7 @@ async fn read_stream(
     let client: std::sync::Arc<dyn crate::registry::Registry> = std::sync::Arc::new(client.clone());
     let reference = meta.reference.clone();
     let sources =
-        crate::engine::source::Sources::in_registry(client, &reference, meta.layer_digest, windows);
+        crate::engine::blob::Sources::in_registry(client, &reference, meta.layer_digest, windows);
     let ask = crate::layer::Ask::AnyEndpoint;
     crate::layer::codec::indexed::SpanReader::new(index, &sources, ask)
         .read(range)
@@ -507,25 +508,21 @@ async fn inspect_nodes(
             let head = if first.zeros {
                 vec![0u8; first.size as usize]
             } else {
-                let frame = client
-                    .retry_policy()
-                    .run("the disk's first chunk", || {
-                        client.get_blob_range(
-                            r,
-                            &desc.digest,
-                            first.compressed.clone(),
-                            Ask::AnyEndpoint,
-                        )
-                    })
-                    .await?;
-                let decoded = if estargz {
-                    let last = (first.size == disk.size)
-                        .then(|| crate::format::estargz::padding(disk.size));
-                    crate::format::estargz::decode_chunk(&frame, first, last)
-                } else {
-                    crate::format::zstd_chunked::decode_chunk(&frame, first)
-                };
-                decoded.map_err(|e| e.context(format!("first chunk of {}", disk.path)))?
+                // Bytes that fail to decode or verify are fetched again from the registry.
+                let blob = &Blob::in_registry(client as &dyn Registry, r, desc.digest);
+                let what = format!("the first chunk of {}", disk.path);
+                crate::layer::fetch_checked(&what, Ask::AnyEndpoint, |ask| async move {
+                    let frame = blob.fetch(first.compressed.clone(), ask).await?;
+                    if estargz {
+                        let last = (first.size == disk.size)
+                            .then(|| crate::format::estargz::padding(disk.size));
+                        crate::format::estargz::decode_chunk(&frame, first, last)
+                    } else {
+                        crate::format::zstd_chunked::decode_chunk(&frame, first)
+                    }
+                })
+                .await
+                .map_err(|e| e.context(format!("first chunk of {}", disk.path)))?
             };
             let (format, virtual_size) = disk::identify(&head, disk.size)?;
             (

@@ -15,8 +15,9 @@ use std::time::Instant;
 use futures_util::StreamExt;
 
 use super::PreheatArgs;
+use crate::engine::blob::Blob;
 use crate::error::{Error, ErrorKind, Result};
-use crate::oci::digest::{Digest, Hasher};
+use crate::oci::digest::Hasher;
 use crate::oci::reference::Reference;
 use crate::oci::Descriptor;
 use crate::registry::{Ask, Registry, RegistryClient};
@@ -67,13 +68,13 @@ async fn warm(client: &RegistryClient, r: &Reference, layer: &Descriptor) -> Res
     let mut ranges = (0..layer.size)
         .step_by(PIECE as usize)
         .map(|start| start..(start + PIECE).min(layer.size));
+    let blob = &Blob::in_registry(client as &dyn Registry, r, layer.digest);
     let mut hasher = Hasher::new();
     if let Some(first) = ranges.next() {
-        hasher.update(&piece(client, r, &layer.digest, first).await?);
+        hasher.update(&piece(blob, first).await?);
     }
     let mut rest =
-        futures_util::stream::iter(ranges.map(|range| piece(client, r, &layer.digest, range)))
-            .buffered(IN_FLIGHT);
+        futures_util::stream::iter(ranges.map(|range| piece(blob, range))).buffered(IN_FLIGHT);
     while let Some(bytes) = rest.next().await {
         hasher.update(&bytes?);
     }
@@ -87,24 +88,13 @@ async fn warm(client: &RegistryClient, r: &Reference, layer: &Descriptor) -> Res
     Ok(())
 }
 
-/// `range` of blob `digest` from the mirrors, under the registry retry policy; while a mirror
-/// fills the blob (a pull-through cache), asked again when it may hold it, for at most
+/// `range` of `blob` from the mirrors, under the registry retry policy; while a mirror fills
+/// the blob (a pull-through cache), asked again when it may hold it, for at most
 /// `registry::health::MAX_FILL_WAIT`.
-async fn piece(
-    client: &RegistryClient,
-    r: &Reference,
-    digest: &Digest,
-    range: Range<u64>,
-) -> Result<bytes::Bytes> {
-    let what = format!("bytes {}-{} of blob {digest}", range.start, range.end - 1);
+async fn piece(blob: &Blob<'_>, range: Range<u64>) -> Result<bytes::Bytes> {
     loop {
-        let tried = client
-            .retry_policy()
-            .run(&what, || {
-                client.get_blob_range(r, digest, range.clone(), Ask::Mirrors)
-            })
-            .await;
-        match (tried, client.filling(r, digest)) {
+        let tried = blob.fetch(range.clone(), Ask::Mirrors).await;
+        match (tried, blob.filling()) {
             (Ok(bytes), _) => return Ok(bytes),
             (Err(_), Some(until)) => tokio::time::sleep_until(until).await,
             (Err(e), None) if e.kind() == ErrorKind::Unsupported => {

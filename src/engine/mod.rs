@@ -25,11 +25,11 @@
 //! reads on its own threads and misses from a task, so a missing chunk never blocks reads of
 //! cached data.
 
+pub mod blob;
 mod check;
 mod hydrate;
 pub mod integrity;
 pub mod readahead;
-pub mod source;
 pub mod stats;
 mod trace;
 
@@ -44,8 +44,8 @@ use parking_lot::Mutex;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 
+use self::blob::Sources;
 pub use self::check::CacheCheck;
-use self::source::{BlobSource, Sources};
 use self::stats::Stats;
 use crate::cache::layer::Kept;
 use crate::cache::memory::MemoryBudget;
@@ -98,12 +98,6 @@ const READ_TRIES: u32 = 3;
 /// within the deadline and this ([`Engine::read_unrecorded`]).
 pub const READ_GRACE: Duration = Duration::from_secs(2);
 
-/// How many fetch deadlines a range hydration fetches may take, its tries included (3 minutes
-/// by default): nobody waits on it, and a link a fleet's hydrations share can give each request
-/// a small share (100 nodes behind 200 Mbit/s). Never shared with a reader's fetch, which has
-/// the read's deadline.
-const HYDRATION_FETCH_DEADLINES: u32 = 6;
-
 /// How long a chunk whose fetch for a reader failed fails again at once
 /// ([`Engine::recently_failed`]).
 const FAILED_RECENTLY: Duration = Duration::from_secs(1);
@@ -141,21 +135,16 @@ struct DedupSource {
     size: u64,
 }
 
-/// The answer of a blob range's fetch others wait for (unset until it came).
-type SharedFetch = watch::Sender<Option<bytes::Bytes>>;
-
 /// A lazily loaded layer: its chunk index, its cache and the fetch machinery.
 pub struct Engine {
     pub layer: Layer,
     pub cache: LayerCache,
-    pub stats: Stats,
+    pub stats: Arc<Stats>,
+    /// The layer's blobs, read for readers under the fetch deadline, counted in `stats`.
     sources: Sources,
     inflight: Mutex<HashMap<usize, watch::Sender<Option<bool>>>>,
     /// Chunks whose fetch failed, when and why ([`Engine::recently_failed`]).
     failed: Mutex<HashMap<usize, (Instant, ErrorKind, String)>>,
-    /// Blob ranges being fetched, by range: whoever asks for the same bytes meanwhile waits
-    /// for that answer instead of asking again ([`Engine::fetch_range`]).
-    shared_fetches: Mutex<HashMap<(u64, u64), SharedFetch>>,
     /// Requests in flight for readers (demand) and for hydration, apart: a read never waits
     /// for a slot hydration holds.
     fetch_slots: Semaphore,
@@ -298,14 +287,15 @@ impl Engine {
         sources: Sources,
         opts: EngineOptions,
     ) -> Arc<Engine> {
+        let stats = Arc::new(Stats::default());
+        let sources = sources.for_reads(opts.fetch_deadline, &stats);
         Arc::new(Engine {
             layer,
             cache,
-            stats: Stats::default(),
+            stats,
             sources,
             inflight: Mutex::new(HashMap::new()),
             failed: Mutex::new(HashMap::new()),
-            shared_fetches: Mutex::new(HashMap::new()),
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             hydrate_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             last_demand: Mutex::new(Instant::now()),
@@ -700,98 +690,11 @@ impl Engine {
         first.compressed.start..last.compressed.end
     }
 
-    /// One Range request of the layer's blob, which must answer exactly the bytes asked for,
-    /// retried on network errors until the deadline; `ask`: whom (the registry itself, for
-    /// bytes that failed verification once).
-    /// Concurrent asks of any endpoint for the same bytes share one request (a gzip layer's
-    /// first span is wanted by the structure check, for the tar header, and by the disk's
-    /// head at once); a waiter whose sharer failed or was dropped asks on its own.
+    /// One Range request of the layer's blob for a reader or hydration ([`blob::Blob::fetch`]:
+    /// shared, retried on network errors until the fetch deadline, counted); `ask`: whom (the
+    /// registry itself, for bytes that failed verification once).
     async fn fetch_range(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {
-        if ask != Ask::AnyEndpoint {
-            return self.fetch_range_alone(range, ask).await;
-        }
-        let key = (range.start, range.end);
-        let waiting = {
-            let mut shared = self.shared_fetches.lock();
-            match shared.get(&key) {
-                Some(tx) => Some(tx.subscribe()),
-                None => {
-                    shared.insert(key, watch::channel(None).0);
-                    None
-                }
-            }
-        };
-        if let Some(mut rx) = waiting {
-            if let Ok(answer) = rx.wait_for(|v| v.is_some()).await {
-                if let Some(bytes) = answer.clone() {
-                    return Ok(bytes);
-                }
-            }
-            return self.fetch_range_alone(range, ask).await;
-        }
-        // Dropped with the fetch (cancelled or failed): the entry goes, waiters see the sender
-        // gone and ask on their own.
-        struct Sharing<'a>(&'a Engine, (u64, u64));
-        impl Drop for Sharing<'_> {
-            fn drop(&mut self) {
-                self.0.shared_fetches.lock().remove(&self.1);
-            }
-        }
-        let sharing = Sharing(self, key);
-        let result = self.fetch_range_alone(range, ask).await;
-        if let Ok(bytes) = &result {
-            if let Some(tx) = self.shared_fetches.lock().get(&key) {
-                tx.send_replace(Some(bytes.clone()));
-            }
-        }
-        drop(sharing);
-        result
-    }
-
-    /// [`Engine::fetch_range`] without sharing.
-    async fn fetch_range_alone(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {
-        let what = format!("layer {}", self.layer.meta.layer_digest);
-        self.fetch_from(self.sources.blob.as_ref(), &what, range, ask)
-            .await
-    }
-
-    /// [`Engine::fetch_range`] of `source`, `what` its blob (for errors), under the retry
-    /// policy with the engine's fetch deadline: a read waits at most that long, body included,
-    /// so a registry that trickles bytes cannot hold it. A hydration's fetch
-    /// ([`Ask::Background`]) has [`HYDRATION_FETCH_DEADLINES`] of them.
-    async fn fetch_from(
-        &self,
-        blob: &dyn BlobSource,
-        what: &str,
-        range: Range<u64>,
-        ask: Ask,
-    ) -> Result<bytes::Bytes> {
-        let deadline = match ask {
-            Ask::Background => self.opts.fetch_deadline * HYDRATION_FETCH_DEADLINES,
-            _ => self.opts.fetch_deadline,
-        };
-        let policy = crate::retry::RetryPolicy::demand_range(deadline);
-        let what = format!("fetching bytes {}..{} of {what}", range.start, range.end);
-        policy
-            .run(&what, || async {
-                let started = Instant::now();
-                Stats::add(&self.stats.fetch_requests, 1);
-                match blob.fetch(range.clone(), ask).await {
-                    Ok(bytes) => {
-                        Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
-                        Stats::add(
-                            &self.stats.fetch_micros,
-                            started.elapsed().as_micros() as u64,
-                        );
-                        Ok(bytes)
-                    }
-                    Err(e) => {
-                        Stats::add(&self.stats.fetch_errors, 1);
-                        Err(e.context(what.as_str()))
-                    }
-                }
-            })
-            .await
+        self.sources.blob.fetch(range, ask).await
     }
 
     /// Reads `size` bytes of file `file` at `offset` (short at the end of the file),
@@ -920,19 +823,14 @@ impl Engine {
     }
 }
 
-/// The engine fetches for its layer's codec: the blob and the windows blob, counted and under
-/// its deadline.
+/// The engine fetches for its layer's codec through its blobs, counted and under its deadline.
 impl Fetch for Engine {
     fn blob(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
-        Box::pin(self.fetch_range(range, ask))
+        Fetch::blob(&self.sources, range, ask)
     }
 
     fn windows(&self, range: Range<u64>, ask: Ask) -> BoxFuture<'_, Result<bytes::Bytes>> {
-        Box::pin(async move {
-            let source = self.sources.windows()?;
-            let what = "the index's windows blob";
-            self.fetch_from(source, what, range, ask).await
-        })
+        Fetch::windows(&self.sources, range, ask)
     }
 }
 

@@ -1,18 +1,20 @@
 //! Fetching a layer's TOC (or seekable index) and checking it against the digest that pins
 //! it: a zstd:chunked TOC by its annotation's range, an eStargz TOC through its footer, an index
-//! by its blob digest. Cut or flipped bytes are fetched again under the client's retry policy;
-//! only the pinned bytes pass.
+//! by its blob digest. Ranges are read through the layer's [`Blob`]; cut or flipped bytes are
+//! fetched again from the registry itself ([`crate::layer::fetch_checked`]); only the pinned
+//! bytes pass.
 
 use crate::cache::CacheRoot;
+use crate::engine::blob::Blob;
 use crate::error::{Error, Result};
 use crate::format::estargz;
 use crate::format::seekable;
 use crate::format::zstd_chunked::TocLocation;
-use crate::layer::{Held, LayerKind, LayerMeta};
+use crate::layer::{fetch_checked, Held, LayerKind, LayerMeta};
 use crate::oci::digest::Digest;
 use crate::oci::reference::Reference;
 use crate::oci::Descriptor;
-use crate::registry::{Ask, AskUntilChecksFail, Registry};
+use crate::registry::{Ask, Registry};
 use crate::task::blocking;
 
 /// How much of an eStargz blob's end one request fetches: the footer and, when it fits, the
@@ -36,36 +38,31 @@ pub async fn fetch_estargz_toc(
     // Footer and TOC member are fetched and checked again if what came does not hold up (cut,
     // flipped), from the registry itself: the TOC's digest is pinned, so only the published
     // TOC passes.
-    let asking = AskUntilChecksFail::default();
-    let asking = &asking;
-    client
-        .retry_policy()
-        .run(
-            &format!("the eStargz TOC of layer {layer}"),
-            || async move {
-                asking.noted(
-                    estargz_toc_once(client, reference, layer, size, digest, asking.ask()).await,
-                )
-            },
-        )
-        .await
+    let blob = layer_blob(client, reference, layer);
+    let what = format!("the eStargz TOC of layer {layer}");
+    fetch_checked(&what, Ask::AnyEndpoint, |ask| {
+        estargz_toc_once(&blob, size, digest, ask)
+    })
+    .await
+    .map_err(|e| e.context(what))
+}
+
+/// Blob `layer` of `reference`'s repository, named as a layer in errors.
+fn layer_blob<'c>(client: &'c dyn Registry, reference: &Reference, layer: Digest) -> Blob<'c> {
+    Blob::in_registry(client, reference, layer).named(format!("layer {layer}"))
 }
 
 /// One try of [`fetch_estargz_toc`], asking `ask`: the blob's tail (footer and, usually, the
 /// TOC member), the member's head if it begins before the tail, the TOC checked.
 async fn estargz_toc_once(
-    client: &dyn Registry,
-    reference: &Reference,
-    layer: Digest,
+    blob: &Blob<'_>,
     size: u64,
     digest: Digest,
     ask: Ask,
 ) -> Result<(u64, Vec<u8>)> {
     let footer_at = size - estargz::FOOTER_SIZE;
     let tail_at = size.saturating_sub(ESTARGZ_TAIL);
-    let tail = client
-        .get_blob_range(reference, &layer, tail_at..size, ask)
-        .await?;
+    let tail = blob.fetch(tail_at..size, ask).await?;
     let footer = &tail[(footer_at - tail_at) as usize..];
     let offset = estargz::toc_offset(footer, size)?;
     if footer_at - offset > estargz::MAX_TOC_MEMBER {
@@ -80,10 +77,7 @@ async fn estargz_toc_once(
         Some(start) => before_footer[start as usize..].to_vec(),
         // The member begins before the tail: its head is fetched, the rest is here.
         None => {
-            let mut head = client
-                .get_blob_range(reference, &layer, offset..tail_at, ask)
-                .await?
-                .to_vec();
+            let mut head = blob.fetch(offset..tail_at, ask).await?.to_vec();
             head.extend_from_slice(before_footer);
             head
         }
@@ -147,7 +141,8 @@ pub async fn fetch_toc(
     layer: &Digest,
     loc: &TocLocation,
 ) -> Result<Vec<u8>> {
-    let (toc, _) = fetch_toc_from(client, reference, layer, loc, loc.offset).await?;
+    let blob = layer_blob(client, reference, *layer);
+    let (toc, _) = fetch_toc_from(&blob, loc, loc.offset).await?;
     Ok(toc)
 }
 
@@ -171,19 +166,17 @@ pub(super) async fn fetch_toc_and_neighbours(
 ) -> Result<(Vec<u8>, Held)> {
     let from = loc.offset.saturating_sub(NEIGHBOURS);
     let head = 0..NEIGHBOURS.min(from);
+    let blob = layer_blob(client, reference, *layer);
     let head_bytes = async {
         match head.is_empty() {
             true => None,
-            false => client
-                .get_blob_range(reference, layer, head.clone(), Ask::AnyEndpoint)
-                .await
-                .ok(),
+            false => blob.fetch(head.clone(), Ask::AnyEndpoint).await.ok(),
         }
     };
     // Only a guess: never waited for long (the check fetches what is missing under the
     // engine's deadlines).
     let (toc, head_bytes) = tokio::join!(
-        fetch_toc_from(client, reference, layer, loc, from),
+        fetch_toc_from(&blob, loc, from),
         tokio::time::timeout(NEIGHBOURS_WAIT, head_bytes)
     );
     let (toc, before) = toc?;
@@ -239,15 +232,10 @@ pub async fn fetch_structure_ahead(client: &dyn Registry, cache: &CacheRoot, key
             return Held::default();
         }
     };
-    let fetches = ranges.into_iter().map(|range| {
-        let (reference, digest) = (&reference, &digest);
-        async move {
-            let bytes = client
-                .get_blob_range(reference, digest, range.clone(), Ask::AnyEndpoint)
-                .await
-                .ok()?;
-            Some((range.start, bytes))
-        }
+    let blob = &layer_blob(client, &reference, digest);
+    let fetches = ranges.into_iter().map(|range| async move {
+        let bytes = blob.fetch(range.clone(), Ask::AnyEndpoint).await.ok()?;
+        Some((range.start, bytes))
     });
     let fetched = tokio::time::timeout(AHEAD_WAIT, futures_util::future::join_all(fetches))
         .await
@@ -259,36 +247,23 @@ pub async fn fetch_structure_ahead(client: &dyn Registry, cache: &CacheRoot, key
     held
 }
 
-/// The TOC `loc` places in blob `layer`, fetched by one request from byte `from` (at most its
+/// The TOC `loc` places in `blob`, fetched by one request from byte `from` (at most its
 /// offset), verified against its pinned checksum; with the bytes before it.
 async fn fetch_toc_from(
-    client: &dyn Registry,
-    reference: &Reference,
-    layer: &Digest,
+    blob: &Blob<'_>,
     loc: &TocLocation,
     from: u64,
 ) -> Result<(Vec<u8>, bytes::Bytes)> {
-    let range = from..loc.range().end;
+    let range = &(from..loc.range().end);
     let before = (loc.offset - from) as usize;
     // Bytes that fail the pinned checksum are fetched again from the registry itself.
-    let asking = AskUntilChecksFail::default();
-    client
-        .retry_policy()
-        .run(
-            &format!("the zstd:chunked TOC of layer {layer}"),
-            || async {
-                asking.noted(
-                    async {
-                        let bytes = client
-                            .get_blob_range(reference, layer, range.clone(), asking.ask())
-                            .await?;
-                        let toc = &bytes[before..];
-                        loc.checksum.verify(toc, "zstd:chunked TOC")?;
-                        Ok((toc.to_vec(), bytes.slice(..before)))
-                    }
-                    .await,
-                )
-            },
-        )
-        .await
+    let what = format!("the zstd:chunked TOC of {}", blob.what());
+    fetch_checked(&what, Ask::AnyEndpoint, |ask| async move {
+        let bytes = blob.fetch(range.clone(), ask).await?;
+        let toc = &bytes[before..];
+        loc.checksum.verify(toc, "zstd:chunked TOC")?;
+        Ok((toc.to_vec(), bytes.slice(..before)))
+    })
+    .await
+    .map_err(|e| e.context(what))
 }

@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 
 use crate::cache::{CacheRoot, Integrity};
-use crate::engine::source::Sources;
+use crate::engine::blob::Sources;
 use crate::engine::stats::StatsSnapshot;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};

@@ -22,7 +22,7 @@ fn reopened(engine: &Engine, dir: &std::path::Path, blob: &Arc<FakeBlob>) -> Arc
     )
     .unwrap();
     let sources = Sources {
-        blob: Box::new(Arc::clone(blob)),
+        blob: test_blob(Arc::clone(blob)),
         windows: None,
     };
     Engine::with_source(again, cache, sources, engine.opts.clone())

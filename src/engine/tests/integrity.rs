@@ -182,7 +182,7 @@ async fn a_registry_that_never_finishes_an_answer_fails_the_read_at_the_deadline
         engine.layer,
         engine.cache,
         Sources {
-            blob: Box::new(Stalled),
+            blob: test_blob(Stalled),
             windows: None,
         },
         EngineOptions {

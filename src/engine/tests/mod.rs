@@ -4,6 +4,7 @@
 mod check;
 mod integrity;
 
+use super::blob::{Blob, BlobSource};
 use super::*;
 use crate::format::toc::Toc;
 use crate::format::zstd_chunked::{decode_chunk, decode_toc, TocLocation};
@@ -47,6 +48,15 @@ impl BlobSource for Arc<FakeBlob> {
             Ok(bytes::Bytes::from(bytes))
         })
     }
+}
+
+/// `source` as an engine's blob (its engine sets how it is read).
+fn test_blob(source: impl BlobSource + 'static) -> Blob<'static> {
+    Blob::new(
+        source,
+        "the test blob",
+        crate::retry::RetryPolicy::default(),
+    )
 }
 
 const CHUNK: usize = 4096;
@@ -110,8 +120,8 @@ fn engine_of_sources(
         ..FakeBlob::default()
     });
     let sources = Sources {
-        blob: Box::new(Arc::clone(&source)),
-        windows: windows.map(|_| Box::new(Arc::clone(&windows_source)) as Box<dyn BlobSource>),
+        blob: test_blob(Arc::clone(&source)),
+        windows: windows.map(|_| test_blob(Arc::clone(&windows_source))),
     };
     let engine = Engine::with_source(layer, cache, sources, opts);
     (engine, source, windows_source, dir)
@@ -238,7 +248,7 @@ async fn concurrent_asks_for_the_same_bytes_share_one_request() {
     assert!(gone.is_err(), "the sharer was dropped");
     assert_eq!(answer.unwrap().len() as u64, range.end - range.start);
     assert_eq!(asked(), 6);
-    assert!(engine.shared_fetches.lock().is_empty());
+    assert_eq!(engine.sources.blob.reads_in_flight(), 0);
 }
 
 #[tokio::test]
@@ -758,4 +768,29 @@ async fn read_all(engine: &Engine) -> Result<Vec<u8>> {
             engine.layer.file_size(engine.layer.disk),
         )
         .await
+}
+
+/// What `vmdisk inspect` reads an index's spans with (a codec fetching through `Sources`, no
+/// engine): each read retried under the blob's policy, as an engine's are.
+#[tokio::test]
+async fn a_blob_read_without_an_engine_is_retried_and_counted() {
+    let source = Arc::new(FakeBlob {
+        blob: content(1),
+        ..FakeBlob::default()
+    });
+    *source.failures.lock() = 1;
+    let policy = crate::retry::RetryPolicy::demand_range(Duration::from_secs(5));
+    let sources = Sources {
+        blob: Blob::new(Arc::clone(&source), "the test blob", policy),
+        windows: None,
+    };
+    let got = Fetch::blob(&sources, 0..100, Ask::AnyEndpoint)
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &source.blob[..100]);
+    assert_eq!(
+        source.calls.lock().len(),
+        2,
+        "the failed request was asked again"
+    );
 }
