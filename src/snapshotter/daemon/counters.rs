@@ -15,66 +15,17 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::engine::stats::{StatsSnapshot, METRICS};
 use crate::error::{Error, Result};
 use crate::snapshotter::servers::control::LayerCounters;
 
-/// One engine counter the daemon keeps: metric name (without `_total`), help, and where the
-/// value is in a server's counters.
-pub type LayerCounter = (&'static str, &'static str, fn(&LayerCounters) -> u64);
-
-/// The engine counters the daemon keeps.
-pub const LAYER_COUNTERS: [LayerCounter; 9] = [
-    (
-        "vmdisk_registry_bytes",
-        "Compressed chunk bytes received from registries.",
-        |c| c.bytes_fetched,
-    ),
-    (
-        "vmdisk_registry_requests",
-        "Range requests sent for chunks.",
-        |c| c.fetch_requests,
-    ),
-    (
-        "vmdisk_chunks_fetched",
-        "Chunks fetched and verified.",
-        |c| c.chunks_fetched,
-    ),
-    (
-        "vmdisk_chunks_deduplicated",
-        "Chunks copied from another cached layer instead of fetched.",
-        |c| c.chunks_deduplicated,
-    ),
-    (
-        "vmdisk_verify_failures",
-        "Chunks that failed digest verification.",
-        |c| c.verify_failures,
-    ),
-    ("vmdisk_read_errors", "FUSE reads answered with EIO.", |c| {
-        c.read_errors
-    }),
-    (
-        "vmdisk_served_bytes",
-        "Bytes returned to FUSE readers by the servers (passthrough reads excluded).",
-        |c| c.bytes_served,
-    ),
-    (
-        "vmdisk_integrity_failures",
-        "Checks of a complete layer that found it differs from its image config.",
-        |c| c.integrity_failures,
-    ),
-    (
-        "vmdisk_cache_damaged",
-        "Cached chunks that were not what was verified when read back (each fetched again).",
-        |c| c.cache_damaged,
-    ),
-];
-
-/// The totals a server's counters feed, by name: [`LAYER_COUNTERS`], and per registry
+/// The totals a server's counters feed, by name: the engine's [`METRICS`], and per registry
 /// endpoint `endpoint/<requests|failures|bytes>/<base URL>`.
 fn reported_values(counters: &LayerCounters) -> Vec<(String, u64)> {
-    let mut out: Vec<(String, u64)> = LAYER_COUNTERS
+    let engine = StatsSnapshot::from(counters);
+    let mut out: Vec<(String, u64)> = METRICS
         .iter()
-        .map(|(name, _, get)| (name.to_string(), get(counters)))
+        .map(|(name, _, get)| (name.to_string(), get(&engine)))
         .collect();
     for e in &counters.endpoints {
         for (what, value) in [

@@ -12,8 +12,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use crate::engine::stats::METRICS;
 use crate::error::{Error, Result};
-use crate::snapshotter::daemon::counters::LAYER_COUNTERS;
 use crate::snapshotter::daemon::grpc::{disks, LISTED};
 use crate::snapshotter::prepare::classify::Outcome;
 use crate::snapshotter::Snapshotter;
@@ -96,7 +96,7 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
         "Failed snapshots API calls by method (Prepare's AlreadyExists handshake excluded).",
         errors,
     );
-    for (name, help, _) in LAYER_COUNTERS {
+    for &(name, help, _) in METRICS {
         registry.register(name, help, counter(s.counters.get(name)));
     }
     for (what, help) in [

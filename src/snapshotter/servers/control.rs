@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::api::vmdisk::v1 as pb;
-use crate::engine::stats::StatsSnapshot;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
 use crate::oci::digest::Digest;
@@ -314,32 +313,6 @@ pub fn grant_of(message: pb::Credentials) -> crate::registry::granted::Grant {
         },
         Duration::from_secs(message.ttl_seconds),
     )
-}
-
-impl From<StatsSnapshot> for LayerCounters {
-    fn from(s: StatsSnapshot) -> Self {
-        LayerCounters {
-            read_calls: s.read_calls,
-            bytes_served: s.bytes_served,
-            cache_hits: s.cache_hits,
-            cache_misses: s.cache_misses,
-            bytes_fetched: s.bytes_fetched,
-            fetch_requests: s.fetch_requests,
-            chunks_fetched: s.chunks_fetched,
-            chunks_deduplicated: s.chunks_deduplicated,
-            bytes_deduplicated: s.bytes_deduplicated,
-            verify_failures: s.verify_failures,
-            fetch_errors: s.fetch_errors,
-            read_errors: s.read_errors,
-            fetch_micros: s.fetch_micros,
-            passthrough_opens: s.passthrough_opens,
-            integrity_failures: s.integrity_failures,
-            cache_damaged: s.cache_damaged,
-            cache_full: s.cache_full,
-            memory_held: s.memory_held,
-            endpoints: Vec::new(),
-        }
-    }
 }
 
 /// A server's counters: its engine's, and per registry endpoint.
