@@ -19,12 +19,15 @@ use crate::format::disk::{self, DiskFormat};
 use crate::format::tree::NodeKind;
 use crate::format::zstd_chunked::{self, TocLocation};
 use crate::format::{artifact, seekable};
+use crate::layer::LayerKind;
+use crate::oci::digest::Digest;
 use crate::oci::reference::Reference;
 use crate::oci::{
     self, Descriptor, ImageConfig, LayerCompression, Manifest, ManifestKind, Platform,
 };
 use crate::policy::Verifier;
 use crate::registry::{Ask, Registry, RegistryClient};
+use crate::resolve::LayerForm;
 
 /// The whole report.
 #[derive(Debug, Serialize)]
@@ -388,28 +391,32 @@ async fn seekable_index(
     Ok(())
 }
 
+/// One layer, by what its descriptor says it is ([`crate::resolve::layer_form`]).
 async fn inspect_layer(
     client: &RegistryClient,
     r: &Reference,
     desc: &Descriptor,
 ) -> Result<LayerReport> {
-    if let Some(toc) = desc.annotations.get(crate::format::estargz::ANN_TOC_DIGEST) {
-        return match inspect_estargz(client, r, desc, toc).await {
+    let form = match crate::resolve::layer_form(desc) {
+        Ok(form) => form,
+        // A TOC annotation that is there but refused: the layer cannot be read lazily.
+        Err(e) => {
+            let mut rep = LayerReport::new(desc, "unknown");
+            rep.reason = Some(format!("its TOC annotations are refused: {}", e.chain()));
+            return Ok(rep);
+        }
+    };
+    match form {
+        LayerForm::ZstdChunked(loc) => inspect_chunked(client, r, desc, &loc).await,
+        LayerForm::Estargz(toc) => match inspect_estargz(client, r, desc, toc).await {
             Err(e) if e.kind() != crate::error::ErrorKind::Network => {
                 let mut rep = LayerReport::new(desc, "estargz");
                 rep.reason = Some(format!("eStargz layer that cannot be read: {}", e.chain()));
                 Ok(rep)
             }
             other => other,
-        };
-    }
-    let compression = oci::layer_compression(&desc.media_type);
-    match (
-        TocLocation::from_annotations(&desc.annotations)?,
-        compression,
-    ) {
-        (Some(loc), Some(LayerCompression::Zstd)) => inspect_chunked(client, r, desc, &loc).await,
-        (_, Some(c)) => {
+        },
+        LayerForm::Plain(c) => {
             let layout = match c {
                 LayerCompression::None => "tar",
                 LayerCompression::Gzip => "gzip",
@@ -420,7 +427,7 @@ async fn inspect_layer(
             rep.disk = peek_stream_disk(client, r, desc, c).await?;
             Ok(rep)
         }
-        (_, None) => {
+        LayerForm::NotTar => {
             let mut rep = LayerReport::new(desc, "unknown");
             rep.reason = Some(format!("media type {} is not a tar layer", desc.media_type));
             Ok(rep)
@@ -440,40 +447,35 @@ async fn inspect_chunked(
     loc.check_within(desc.size)?;
     let compressed = crate::resolve::fetch_toc(client, r, &desc.digest, loc).await?;
     let nodes = zstd_chunked::read_toc(&compressed, loc)?;
-    inspect_nodes(client, r, desc, rep, &nodes, false).await
+    inspect_nodes(client, r, desc, rep, &nodes, &LayerKind::ZstdChunked).await
 }
 
-/// An eStargz layer: its footer and TOC (checked against the annotation `toc`) read.
+/// An eStargz layer: its footer and TOC (checked against the digest `toc` its annotation pins)
+/// read.
 async fn inspect_estargz(
     client: &RegistryClient,
     r: &Reference,
     desc: &Descriptor,
-    toc: &str,
+    toc: Digest,
 ) -> Result<LayerReport> {
     let mut rep = LayerReport::new(desc, "estargz");
-    let digest = toc.parse().map_err(|e: Error| {
-        e.context(format!(
-            "annotation {}",
-            crate::format::estargz::ANN_TOC_DIGEST
-        ))
-    })?;
     let (offset, json) =
-        crate::resolve::fetch_estargz_toc(client, r, desc.digest, desc.size, digest).await?;
+        crate::resolve::fetch_estargz_toc(client, r, desc.digest, desc.size, toc).await?;
     rep.toc_size = desc.size - crate::format::estargz::FOOTER_SIZE - offset;
     rep.toc_uncompressed_size = json.len() as u64;
     let nodes = crate::format::estargz::nodes(&json, offset)?;
-    inspect_nodes(client, r, desc, rep, &nodes, true).await
+    inspect_nodes(client, r, desc, rep, &nodes, &LayerKind::Estargz).await
 }
 
-/// What a layer's validated TOC `nodes` say about its disk; `estargz` for how its first chunk
-/// is decoded.
+/// What a layer's validated TOC `nodes` say about its disk; `kind`: how its first chunk is
+/// decoded (by the layer's codec).
 async fn inspect_nodes(
     client: &RegistryClient,
     r: &Reference,
     desc: &Descriptor,
     mut rep: LayerReport,
     nodes: &[crate::format::tree::Node],
-    estargz: bool,
+    kind: &LayerKind,
 ) -> Result<LayerReport> {
     let wanted = desc
         .annotations
@@ -513,13 +515,7 @@ async fn inspect_nodes(
                 let what = format!("the first chunk of {}", disk.path);
                 crate::layer::fetch_checked(&what, Ask::AnyEndpoint, |ask| async move {
                     let frame = blob.fetch(first.compressed.clone(), ask).await?;
-                    if estargz {
-                        let last = (first.size == disk.size)
-                            .then(|| crate::format::estargz::padding(disk.size));
-                        crate::format::estargz::decode_chunk(&frame, first, last)
-                    } else {
-                        crate::format::zstd_chunked::decode_chunk(&frame, first)
-                    }
+                    crate::layer::codec::decode_chunk_alone(kind, first, disk.size, &frame)
                 })
                 .await
                 .map_err(|e| e.context(format!("first chunk of {}", disk.path)))?

@@ -19,24 +19,54 @@ use crate::oci::reference::Reference;
 use crate::oci::{self, Descriptor};
 use crate::registry::Registry;
 
-/// Picks the disk layer of a manifest: the topmost layer with a TOC, zstd:chunked or eStargz.
-pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
-    m.layers
-        .iter()
-        .rev()
-        .find(|l| match oci::layer_compression(&l.media_type) {
-            Some(oci::LayerCompression::Zstd) => TocLocation::from_annotations(&l.annotations)
-                .ok()
-                .flatten()
-                .is_some(),
-            Some(oci::LayerCompression::Gzip) => estargz_toc_digest(l).is_some(),
-            _ => false,
-        })
+/// What a layer's descriptor says it is, by its media type and annotations: the one place
+/// this is read from them (resolution, the daemon's classifier through [`disk_layer`],
+/// `vmdisk index`, `vmdisk inspect`).
+#[derive(Debug)]
+pub enum LayerForm {
+    /// A zstd:chunked layer, its TOC where its annotations put it.
+    ZstdChunked(TocLocation),
+    /// An eStargz layer (gzip), the digest its annotation pins for its TOC.
+    Estargz(Digest),
+    /// A tar layer with no TOC of its own, of this compression: read lazily only through a
+    /// seekable index.
+    Plain(oci::LayerCompression),
+    /// Not a tar layer.
+    NotTar,
 }
 
-/// The TOC digest an eStargz layer's annotation pins, if it is one.
-pub(super) fn estargz_toc_digest(layer: &Descriptor) -> Option<Digest> {
-    layer.annotations.get(estargz::ANN_TOC_DIGEST)?.parse().ok()
+/// What `layer`'s descriptor says it is; an error names a TOC annotation that is there but
+/// refused (malformed, out of bounds).
+pub fn layer_form(layer: &Descriptor) -> Result<LayerForm> {
+    let Some(compression) = oci::layer_compression(&layer.media_type) else {
+        return Ok(LayerForm::NotTar);
+    };
+    Ok(match compression {
+        oci::LayerCompression::Zstd => match TocLocation::from_annotations(&layer.annotations)? {
+            Some(loc) => LayerForm::ZstdChunked(loc),
+            None => LayerForm::Plain(compression),
+        },
+        oci::LayerCompression::Gzip => match layer.annotations.get(estargz::ANN_TOC_DIGEST) {
+            Some(digest) => LayerForm::Estargz(digest.parse().map_err(|e: Error| {
+                e.context(format!("annotation {}", estargz::ANN_TOC_DIGEST))
+            })?),
+            None => LayerForm::Plain(compression),
+        },
+        oci::LayerCompression::None => LayerForm::Plain(compression),
+    })
+}
+
+/// Picks the disk layer of a manifest: the topmost layer with a TOC, zstd:chunked or eStargz.
+pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
+    disk_layer_and_form(m).map(|(layer, _)| layer)
+}
+
+/// [`disk_layer`] with its form: [`LayerForm::ZstdChunked`] or [`LayerForm::Estargz`].
+pub(super) fn disk_layer_and_form(m: &oci::Manifest) -> Option<(&Descriptor, LayerForm)> {
+    m.layers.iter().rev().find_map(|l| match layer_form(l) {
+        Ok(form @ (LayerForm::ZstdChunked(_) | LayerForm::Estargz(_))) => Some((l, form)),
+        _ => None,
+    })
 }
 
 /// The disk's path in `layer`, when its annotation names one.

@@ -19,7 +19,7 @@ pub mod index;
 mod tests;
 pub mod toc;
 
-use self::choose::{disk_path_of, estargz_toc_digest};
+use self::choose::{disk_layer_and_form, disk_path_of};
 use self::index::seekable_layer_id;
 use self::toc::fetch_toc_of;
 use crate::cache::{CacheRoot, RefRecord};
@@ -33,7 +33,9 @@ use crate::policy::Verifier;
 use crate::registry::Registry;
 use crate::task::blocking;
 
-pub use self::choose::{disk_layer, index_target, indexable_layer, IndexTarget};
+pub use self::choose::{
+    disk_layer, index_target, indexable_layer, layer_form, IndexTarget, LayerForm,
+};
 pub use self::index::seekable_layer;
 pub use self::toc::{fetch_estargz_toc, fetch_structure_ahead, fetch_toc};
 
@@ -116,13 +118,13 @@ pub async fn disk_layer_id(
     manifest_digest: Digest,
     expected: Option<Digest>,
 ) -> Result<(Descriptor, LayerMeta)> {
-    let Some(layer) = disk_layer(manifest) else {
+    let Some((layer, form)) = disk_layer_and_form(manifest) else {
         // TOC annotations that are there but refused say why, not "no lazy layer".
         if let Some(e) = manifest
             .layers
             .iter()
             .rev()
-            .find_map(|l| TocLocation::from_annotations(&l.annotations).err())
+            .find_map(|l| layer_form(l).err())
         {
             return Err(e.context(reference));
         }
@@ -131,22 +133,26 @@ pub async fn disk_layer_id(
         keep_layer(cache, &meta, index).await;
         return Ok((layer, meta));
     };
-    if let Some(toc_digest) = estargz_toc_digest(layer) {
-        let estargz = EstargzLayer {
-            reference,
-            manifest,
-            layer,
-            toc_digest,
-        };
-        if let (Some(cache), Some(expected)) = (cache, expected) {
-            if let Some(meta) = kept_estargz_meta(client, cache, &estargz, expected).await? {
-                return Ok((layer.clone(), meta));
+    let loc = match form {
+        LayerForm::ZstdChunked(loc) => loc,
+        LayerForm::Estargz(toc_digest) => {
+            let estargz = EstargzLayer {
+                reference,
+                manifest,
+                layer,
+                toc_digest,
+            };
+            if let (Some(cache), Some(expected)) = (cache, expected) {
+                if let Some(meta) = kept_estargz_meta(client, cache, &estargz, expected).await? {
+                    return Ok((layer.clone(), meta));
+                }
             }
+            return estargz_layer_id(client, cache, &estargz).await;
         }
-        return estargz_layer_id(client, cache, &estargz).await;
-    }
-    let loc = TocLocation::from_annotations(&layer.annotations)?
-        .expect("disk_layer checked the TOC annotations");
+        LayerForm::Plain(_) | LayerForm::NotTar => {
+            unreachable!("disk_layer_and_form picks a layer with a TOC")
+        }
+    };
     loc.check_within(layer.size)?;
     let disk_path = disk_path_of(layer)?;
     let (config, toc) = config_and_toc(client, cache, reference, manifest, layer, &loc).await?;

@@ -10,6 +10,7 @@ use futures_util::future::BoxFuture;
 use super::{blob_pieces, decode_each, Regions};
 use crate::error::{Error, Result};
 use crate::format::estargz::{self, decode_chunk, inflate_members};
+use crate::format::tree::Chunk;
 use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, MAX_REGION_DECODED};
 use crate::layer::{Layer, LayerMeta, Table};
 
@@ -27,8 +28,17 @@ pub(crate) fn table(meta: &LayerMeta, json: &[u8]) -> Result<Table> {
 /// When chunk `idx` is the last of its file, the file's tar padding (kept in its member).
 fn last_of_file(layer: &Layer, idx: usize) -> Option<u64> {
     let (file, chunk) = layer.chunk(idx);
-    let size = layer.file_size(file);
-    (chunk.offset + chunk.size == size).then(|| estargz::padding(size))
+    padding_after(chunk, layer.file_size(file))
+}
+
+/// When `chunk` is the last of its file of `file_size` bytes, the file's tar padding.
+fn padding_after(chunk: &Chunk, file_size: u64) -> Option<u64> {
+    (chunk.offset + chunk.size == file_size).then(|| estargz::padding(file_size))
+}
+
+/// The content of `chunk` of a file of `file_size` bytes from its gzip `members`, checked.
+pub(super) fn decode_alone(members: &[u8], chunk: &Chunk, file_size: u64) -> Result<Vec<u8>> {
+    decode_chunk(members, chunk, padding_after(chunk, file_size))
 }
 
 /// Where the regions between an eStargz layer's chunks lie: up to the TOC's member, or the

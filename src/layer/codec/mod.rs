@@ -48,6 +48,25 @@ pub fn open(
     Layer::new(reference, meta, table, codec, resolved)
 }
 
+/// The content of one chunk of a file `file_size` bytes long in a layer of `kind`, decoded
+/// alone from its compressed bytes `frame` and checked against its digest: what `vmdisk
+/// inspect` reads of a disk's first chunk before any layer is opened. A layer read through a
+/// seekable index has no chunk that decodes alone.
+pub fn decode_chunk_alone(
+    kind: &LayerKind,
+    chunk: &crate::format::tree::Chunk,
+    file_size: u64,
+    frame: &[u8],
+) -> Result<Vec<u8>> {
+    match kind {
+        LayerKind::ZstdChunked => crate::format::zstd_chunked::decode_chunk(frame, chunk),
+        LayerKind::Estargz => estargz::decode_alone(frame, chunk, file_size),
+        LayerKind::Indexed(_) => Err(Error::unsupported(
+            "a span of a layer read through a seekable index decodes only with its window",
+        )),
+    }
+}
+
 /// The blob ranges the structure check of the layer `meta` records reads
 /// ([`Codec::structure_ranges`]), from its verified TOC or index bytes `toc`; a layer read
 /// through a seekable index has none, which is known without parsing its index.
