@@ -563,6 +563,58 @@ state = "{d}/state"
         Self::launch(release, dir, socket, &[])
     }
 
+    /// containerd 1.6 as installed, with its own snapshotters (overlayfs) and nothing of
+    /// vmdisk: what an ordinary node pulls a published image with (`ctr`).
+    pub fn start_plain(scratch: &Scratch) -> Self {
+        require("containerd");
+        require("ctr");
+        let dir = scratch.path("ctd");
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("containerd.sock");
+        std::fs::write(
+            dir.join("config.toml"),
+            format!(
+                "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n[grpc]\n  address = \"{s}\"\n[plugins.\"io.containerd.grpc.v1.cri\"]\n  disable_cgroup = true\n",
+                d = dir.display(),
+                s = socket.display()
+            ),
+        )
+        .unwrap();
+        Self::launch(Release::V1_6, dir, socket, &[])
+    }
+
+    /// `ctr images pull` (plain HTTP), then mounts the image's rootfs at `at` (`ctr images
+    /// mount`) until the answer is dropped.
+    pub fn pull_and_mount(
+        &self,
+        reference: &str,
+        platform: Option<&str>,
+        at: &Path,
+    ) -> Mounted<'_> {
+        let platform: Vec<&str> = platform.map(|p| vec!["--platform", p]).unwrap_or_default();
+        let ctr = |args: &[&str]| {
+            let out = self.ctr(args);
+            assert!(
+                out.status.success(),
+                "ctr {args:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        ctr(&[
+            &["images", "pull", "--plain-http"],
+            &platform[..],
+            &[reference],
+        ]
+        .concat());
+        std::fs::create_dir_all(at).unwrap();
+        let at_s = at.to_str().unwrap();
+        ctr(&[&["images", "mount"], &platform[..], &[reference, at_s]].concat());
+        Mounted {
+            ctd: self,
+            at: at.to_path_buf(),
+        }
+    }
+
     /// containerd `release` with the configuration the test wrote at `<scratch>/ctd/config.toml`
     /// (its `grpc.address` must be `<scratch>/ctd/containerd.sock`).
     pub fn start_config(scratch: &Scratch, release: Release) -> Self {
@@ -974,6 +1026,20 @@ state = "{d}/state"
             .await
             .unwrap();
         })
+    }
+}
+
+/// An image's rootfs mounted by `ctr images mount`; unmounted when dropped.
+pub struct Mounted<'a> {
+    ctd: &'a CriContainerd,
+    pub at: PathBuf,
+}
+
+impl Drop for Mounted<'_> {
+    fn drop(&mut self) {
+        let _ = self
+            .ctd
+            .ctr(&["images", "unmount", self.at.to_str().unwrap()]);
     }
 }
 

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use crate::cri::CriContainerd;
 use crate::harness::*;
 
 /// Pushes a two-platform peer-pod image (`/image/podvm.qcow2`); returns the disks.
@@ -43,7 +44,7 @@ fn pushed_qcow2_unpacks_identically_with_plain_containerd() {
         "last line is the digest: {out}"
     );
 
-    let ctd = Containerd::start(&scratch);
+    let ctd = CriContainerd::start_plain(&scratch);
     let mnt = ctd.pull_and_mount(&reference, None, &scratch.path("rootfs"));
     let pulled = mnt.at.join("disk/fedora.qcow2");
     let meta = std::fs::metadata(&pulled).unwrap();
@@ -232,7 +233,7 @@ fn plain_containerdisks_are_reported_not_lazy_and_convert_to_lazy_identical_disk
     assert_eq!(layer["disk"]["digest"], sha256_file(&disk));
     assert_eq!(report["platforms"][0]["platform"], "linux/amd64");
 
-    let ctd = Containerd::start(&scratch);
+    let ctd = CriContainerd::start_plain(&scratch);
     let mnt = ctd.pull_and_mount(&target, None, &scratch.path("rootfs"));
     assert_eq!(
         sha256_file(&mnt.at.join("disk/alpine.qcow2")),
@@ -262,7 +263,7 @@ fn multi_arch_push_builds_an_index_and_peer_pod_paths_work() {
     assert_eq!(arm_layer["disk"]["path"], "image/podvm.qcow2");
     assert_eq!(arm_layer["disk"]["virtual_size"], 128u64 << 20);
 
-    let ctd = Containerd::start(&scratch);
+    let ctd = CriContainerd::start_plain(&scratch);
     let mnt = ctd.pull_and_mount(&reference, Some("linux/arm64"), &scratch.path("rootfs"));
     assert_eq!(
         sha256_file(&mnt.at.join("image/podvm.qcow2")),
@@ -610,7 +611,7 @@ fn an_upload_cut_mid_body_is_resumed_or_restarted_and_lands_intact() {
     // Whether the registry let the upload resume, or cancelled it (distribution 2.8 usually
     // does) and vmdisk uploaded the layer anew, depends on timing; both must land intact.
     // The registry checked the blob digest when the upload completed; pull it to be sure.
-    let ctd = Containerd::start(&scratch);
+    let ctd = CriContainerd::start_plain(&scratch);
     let mnt = ctd.pull_and_mount(
         &format!("{}/vm/resume:1", reg.host()),
         None,
