@@ -1152,3 +1152,16 @@ pub fn assert_served_through(what: &str, saw: &ReaderSaw, qemu: &QemuSaw) {
         saw.longest
     );
 }
+
+/// A Docker config file in `dir` holding `user`'s credentials for registry `host`.
+pub fn docker_config(dir: &Path, host: &str, user: &str, password: &str) -> PathBuf {
+    use base64::Engine as _;
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    let path = dir.join(format!("config-{user}-{password}.json"));
+    std::fs::write(
+        &path,
+        format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#),
+    )
+    .unwrap();
+    path
+}

@@ -1,8 +1,6 @@
 //! Publishing: `vmdisk push`, `convert` and `inspect` against a real registry, checked with
 //! tools that know nothing of vmdisk (containerd, curl, skopeo, qemu-img).
 
-use std::path::Path;
-
 use crate::cri::CriContainerd;
 use crate::harness::*;
 
@@ -370,18 +368,6 @@ fn raw_vmdk_and_ova_inputs_are_published() {
         (Some("disk/vm-disk1.qcow2"), Some(32 << 20))
     );
     assert_eq!(layer["lazy"], true);
-}
-
-fn docker_config(dir: &Path, host: &str, user: &str, password: &str) -> std::path::PathBuf {
-    use base64::Engine as _;
-    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-    let path = dir.join(format!("config-{user}-{password}.json"));
-    std::fs::write(
-        &path,
-        format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#),
-    )
-    .unwrap();
-    path
 }
 
 #[test]
