@@ -166,6 +166,17 @@ fn io(what: String) -> impl FnOnce(std::io::Error) -> Error {
     move |e| Error::io(what, e)
 }
 
+/// `path` opened for reading and writing, made if missing (never truncated).
+fn open_rw(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(io(format!("opening {}", path.display())))
+}
+
 impl LayerCache {
     /// Opens the cache of a layer in `dir` with one data file per size in `files` and
     /// `chunks` chunks. Takes the layer's lock shared, so eviction leaves it alone while it is
@@ -173,25 +184,14 @@ impl LayerCache {
     pub fn open(dir: &Path, files: &[u64], chunks: usize) -> Result<Self> {
         std::fs::create_dir_all(dir.join(super::names::DATA))
             .map_err(io(format!("creating {}", dir.display())))?;
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(dir.join(super::names::LOCK))
-            .map_err(io(format!("opening {}/lock", dir.display())))?;
+        let lock = open_rw(&dir.join(super::names::LOCK))?;
         lock.lock_shared()
             .map_err(io(format!("locking {}", dir.display())))?;
         let _ = File::create(dir.join(super::names::LAST_USED));
         let mut data = Vec::with_capacity(files.len());
         for (n, &size) in files.iter().enumerate() {
             let path = super::data_file(dir, n);
-            let f = OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .read(true)
-                .write(true)
-                .open(&path)
-                .map_err(io(format!("opening {}", path.display())))?;
+            let f = open_rw(&path)?;
             if f.metadata().map(|m| m.len()).unwrap_or(0) != size {
                 f.set_len(size)
                     .map_err(io(format!("sizing {}", path.display())))?;
@@ -199,13 +199,7 @@ impl LayerCache {
             data.push(f);
         }
         let sums_path = dir.join(super::names::SUMS);
-        let sums = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&sums_path)
-            .map_err(io(format!("opening {}", sums_path.display())))?;
+        let sums = open_rw(&sums_path)?;
         if sums.metadata().map(|m| m.len()).unwrap_or(0) != chunks as u64 * 32 {
             // For another layout: no sum is known (a hole reads as none).
             sums.set_len(0)
@@ -213,13 +207,7 @@ impl LayerCache {
                 .map_err(io(format!("sizing {}", sums_path.display())))?;
         }
         let bitmap_path = dir.join(super::names::BITMAP);
-        let bitmap = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&bitmap_path)
-            .map_err(io(format!("opening {}", bitmap_path.display())))?;
+        let bitmap = open_rw(&bitmap_path)?;
         let bits = match read_bitmap(&bitmap, chunks) {
             Some(bits) => bits,
             None => {
