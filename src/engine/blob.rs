@@ -98,6 +98,12 @@ impl<'s> Blob<'s> {
         Blob::new(source, format!("blob {digest}"), policy)
     }
 
+    /// Layer blob `digest` of `reference`'s repository ([`Blob::in_registry`]), named as a
+    /// layer in errors ("layer sha256:…").
+    pub fn layer(client: impl Into<Client<'s>>, reference: &Reference, digest: Digest) -> Self {
+        Blob::in_registry(client, reference, digest).named(format!("layer {digest}"))
+    }
+
     /// This blob as a reader reads it: each read within `deadline` ([`RetryPolicy::demand_range`]),
     /// counted in `stats`.
     pub fn for_reads(self, deadline: Duration, stats: Arc<Stats>) -> Self {
@@ -240,7 +246,7 @@ impl Sources {
                 .named(format!("the index's windows blob {digest}"))
         });
         Sources {
-            blob: Blob::in_registry(client, reference, blob).named(format!("layer {blob}")),
+            blob: Blob::layer(client, reference, blob),
             windows,
         }
     }

@@ -38,18 +38,13 @@ pub async fn fetch_estargz_toc(
     // Footer and TOC member are fetched and checked again if what came does not hold up (cut,
     // flipped), from the registry itself: the TOC's digest is pinned, so only the published
     // TOC passes.
-    let blob = layer_blob(client, reference, layer);
+    let blob = Blob::layer(client, reference, layer);
     let what = format!("the eStargz TOC of layer {layer}");
     fetch_checked(&what, Ask::AnyEndpoint, |ask| {
         estargz_toc_once(&blob, size, digest, ask)
     })
     .await
     .map_err(|e| e.context(what))
-}
-
-/// Blob `layer` of `reference`'s repository, named as a layer in errors.
-fn layer_blob<'c>(client: &'c dyn Registry, reference: &Reference, layer: Digest) -> Blob<'c> {
-    Blob::in_registry(client, reference, layer).named(format!("layer {layer}"))
 }
 
 /// One try of [`fetch_estargz_toc`], asking `ask`: the blob's tail (footer and, usually, the
@@ -141,7 +136,7 @@ pub async fn fetch_toc(
     layer: &Digest,
     loc: &TocLocation,
 ) -> Result<Vec<u8>> {
-    let blob = layer_blob(client, reference, *layer);
+    let blob = Blob::layer(client, reference, *layer);
     let (toc, _) = fetch_toc_from(&blob, loc, loc.offset).await?;
     Ok(toc)
 }
@@ -166,7 +161,7 @@ pub(super) async fn fetch_toc_and_neighbours(
 ) -> Result<(Vec<u8>, Held)> {
     let from = loc.offset.saturating_sub(NEIGHBOURS);
     let head = 0..NEIGHBOURS.min(from);
-    let blob = layer_blob(client, reference, *layer);
+    let blob = Blob::layer(client, reference, *layer);
     let head_bytes = async {
         match head.is_empty() {
             true => None,
@@ -232,7 +227,7 @@ pub async fn fetch_structure_ahead(client: &dyn Registry, cache: &CacheRoot, key
             return Held::default();
         }
     };
-    let blob = &layer_blob(client, &reference, digest);
+    let blob = &Blob::layer(client, &reference, digest);
     let fetches = ranges.into_iter().map(|range| async move {
         let bytes = blob.fetch(range.clone(), Ask::AnyEndpoint).await.ok()?;
         Some((range.start, bytes))
