@@ -74,7 +74,7 @@ fn main() -> std::process::ExitCode {
             }) => {
                 let job = vmdisk::snapshotter::mount_server::Assignment {
                     reference,
-                    layer: layer.parse()?,
+                    layer,
                     alias,
                     need,
                 };

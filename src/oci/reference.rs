@@ -58,7 +58,6 @@ impl Reference {
     }
 }
 
-/// Whether `host[:port]` names the loopback interface.
 /// `text` as a repository (`registry/repository`, no tag or digest), such as a place to
 /// publish to or search in.
 pub fn parse_repository(text: &str) -> Result<Reference> {
@@ -71,6 +70,7 @@ pub fn parse_repository(text: &str) -> Result<Reference> {
     Ok(r)
 }
 
+/// Whether `host[:port]` names the loopback interface.
 pub fn is_loopback_host(host_port: &str) -> bool {
     let host = if let Some(rest) = host_port.strip_prefix('[') {
         rest.split(']').next().unwrap_or("")
@@ -103,11 +103,37 @@ fn valid_tag(t: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
+/// docker/distribution's domain: dot-separated names of letters, digits and inner `-`, or an
+/// IPv6 address in brackets, then an optional `:port`.
 fn valid_host(h: &str) -> bool {
-    !h.is_empty()
-        && h.len() <= 255
-        && h.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'))
+    let (host, port) = match h.strip_prefix('[') {
+        Some(rest) => match rest.split_once(']') {
+            Some((v6, port)) => {
+                if v6.is_empty() || !v6.bytes().all(|b| b.is_ascii_hexdigit() || b == b':') {
+                    return false;
+                }
+                (None, port)
+            }
+            None => return false,
+        },
+        None => match h.find(':') {
+            Some(at) => (Some(&h[..at]), &h[at..]),
+            None => (Some(h), ""),
+        },
+    };
+    let port_ok = port.is_empty()
+        || port.strip_prefix(':').is_some_and(|p| {
+            !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit())
+        });
+    let label_ok = |l: &str| {
+        let b = l.as_bytes();
+        !b.is_empty()
+            && b.len() <= 63
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+            && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'-')
+    };
+    h.len() <= 255 && port_ok && host.is_none_or(|host| host.split('.').all(label_ok))
 }
 
 impl FromStr for Reference {
@@ -197,6 +223,59 @@ impl<'de> serde::Deserialize<'de> for Reference {
     }
 }
 
+/// An image as a user or a pull named it: the text as written and that text parsed. The text
+/// names the image's ready-disk links (`fedora:39` is `by-name/fedora+39`, where the name a
+/// user typed finds its disk), so it is kept as written, not as the reference displays
+/// (`docker.io/library/fedora:39`). Kept in records as the text, parsed (and so checked) when
+/// read back.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ImageName {
+    text: String,
+    reference: Reference,
+}
+
+impl ImageName {
+    /// The name as written.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// The image it names.
+    pub fn reference(&self) -> &Reference {
+        &self.reference
+    }
+}
+
+impl FromStr for ImageName {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(ImageName {
+            reference: s.parse()?,
+            text: s.to_string(),
+        })
+    }
+}
+
+impl fmt::Display for ImageName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl serde::Serialize for ImageName {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ImageName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,6 +300,20 @@ mod tests {
         assert_eq!(r.to_string(), format!("quay.io/a/b:t@{d}"));
         let r: Reference = "localhost/x".parse().unwrap();
         assert_eq!(r.registry, "localhost");
+        let r: Reference = "[::1]:5000/x".parse().unwrap();
+        assert_eq!(r.registry, "[::1]:5000");
+        assert!(r.is_loopback());
+    }
+
+    #[test]
+    fn an_image_name_keeps_the_text_it_was_written_as() {
+        let name: ImageName = "fedora:39".parse().unwrap();
+        assert_eq!(name.as_str(), "fedora:39");
+        assert_eq!(name.reference().to_string(), "docker.io/library/fedora:39");
+        let json = serde_json::to_string(&name).unwrap();
+        assert_eq!(json, "\"fedora:39\"");
+        assert_eq!(serde_json::from_str::<ImageName>(&json).unwrap(), name);
+        assert!(serde_json::from_str::<ImageName>("\"UPPER/case\"").is_err());
     }
 
     #[test]
@@ -233,6 +326,11 @@ mod tests {
             "repo@sha256:zz",
             "reg.io/-x",
             "r:",
+            "../x",
+            "a..b/x",
+            "-a.io/x",
+            "a.io:port/x",
+            "[::1/x",
         ] {
             let err = bad.parse::<Reference>().unwrap_err();
             assert!(err.to_string().contains("malformed"), "{bad}: {err}");

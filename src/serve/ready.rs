@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
 use crate::oci::digest::Digest;
+use crate::oci::reference::ImageName;
 
 /// The raw view's file name.
 pub const RAW_NAME: &str = "disk.raw";
@@ -80,7 +81,7 @@ impl ReadyDir {
         root: &Path,
         group: u32,
         manifest: &Digest,
-        alias: Option<&str>,
+        alias: Option<&ImageName>,
         reference: String,
         platform: String,
     ) -> Self {
@@ -88,8 +89,8 @@ impl ReadyDir {
             root: root.to_path_buf(),
             group,
             dir: dir_of(root, manifest),
-            alias: alias.map(|a| root.join("by-name").join(alias_name(a))),
-            volumes: alias.map(|a| root.join(VOLUMES_DIR).join(alias_name(a))),
+            alias: alias.map(|a| root.join("by-name").join(alias_name(a.as_str()))),
+            volumes: alias.map(|a| root.join(VOLUMES_DIR).join(alias_name(a.as_str()))),
             reference,
             platform,
         }
@@ -276,7 +277,7 @@ mod tests {
             Path::new("/run/vmdisk/disks"),
             0,
             &manifest,
-            Some("r.example/vm:1"),
+            Some(&"r.example/vm:1".parse().unwrap()),
             "r.example/vm@sha256:x".into(),
             "linux/amd64".into(),
         );

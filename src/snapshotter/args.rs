@@ -5,6 +5,9 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
+use crate::oci::digest::Digest;
+use crate::oci::reference::{ImageName, Reference};
+
 /// containerd proxy snapshotter that serves VM-disk layers lazily.
 ///
 /// Serves containerd's snapshots API (a proxy plugin) on `address`, every ordinary layer as
@@ -38,12 +41,12 @@ pub enum Internal {
     #[command(hide = true)]
     ServeLayer {
         #[arg(long)]
-        reference: String,
+        reference: Reference,
         #[arg(long)]
-        layer: String,
+        layer: Digest,
         /// A readable name for the ready-disk directory (the image reference pulled).
         #[arg(long)]
-        alias: Option<String>,
+        alias: Option<ImageName>,
         /// What the server is started for: the layer's files (a pull), or also its ready-disk
         /// directory (EnsureDisk), whose disk head it then fetches while it starts.
         #[arg(long, value_enum, default_value = "layer")]

@@ -35,8 +35,7 @@ use std::path::{Path, PathBuf};
 use daemon::counters::Counters;
 use daemon::store::{Kind, Record, RemoteLayerRef, Store, Usage};
 use parking_lot::Mutex;
-use prepare::classify::Classifier;
-use prepare::tenants::Tenants;
+use prepare::Pulls;
 use servers::control;
 use servers::supervisor::{LayerLocks, Supervisor};
 
@@ -62,13 +61,13 @@ pub struct Snapshotter {
     pub servers: Box<dyn Supervisor>,
     /// Held while a layer's server is started or stopped with the records that use it.
     layer_locks: LayerLocks,
-    classifier: Classifier,
+    /// How images are read, trusted, classified and granted: a Prepare's and the management
+    /// API's alike.
+    pub pulls: Pulls,
     /// Decisions, calls and the servers' engine counters.
     pub counters: Counters,
     overlay_index_off: bool,
     cache: CacheSettings,
-    /// Which namespace's pulls granted what.
-    pub tenants: Tenants,
     /// What each layer's server said last ([`Snapshotter::statuses`]).
     recent: parking_lot::Mutex<HashMap<crate::oci::digest::Digest, control::LayerStatus>>,
     /// Notified at each lazy pull ([`prepare::pods::watch`] looks for pods it will not serve).
@@ -125,9 +124,8 @@ impl Snapshotter {
     pub fn open(
         root: &Path,
         servers: Box<dyn Supervisor>,
-        classifier: Classifier,
+        pulls: Pulls,
         cache: CacheSettings,
-        tenants: Tenants,
     ) -> Result<Self> {
         crate::dirs::private(root)?;
         crate::dirs::private(&root.join("snapshots"))?;
@@ -139,11 +137,10 @@ impl Snapshotter {
             lock: Mutex::new(()),
             servers,
             layer_locks: LayerLocks::default(),
-            classifier,
+            pulls,
             counters: Counters::load(&root.join("counters.json")),
             overlay_index_off: Path::new("/sys/module/overlay/parameters/index").exists(),
             cache,
-            tenants,
             recent: parking_lot::Mutex::new(HashMap::new()),
             lazily_pulled: Default::default(),
         })

@@ -101,7 +101,7 @@ impl Supervisor for FakeSupervisor {
         &'a self,
         layer: &'a Digest,
         reference: &'a Reference,
-        _alias: Option<&'a str>,
+        _alias: Option<&'a crate::oci::reference::ImageName>,
         grants: &'a [Grant],
         _need: super::servers::control::Need,
         _ahead: Option<super::servers::supervisor::Ahead>,
@@ -155,16 +155,18 @@ fn fixture_with(policy: super::prepare::tenants::Verification) -> Fixture {
     let snapshotter = Snapshotter::open(
         &dir.path().join("root"),
         Box::new(Arc::clone(&supervisor)),
-        Classifier::new(
-            Arc::clone(&registry) as Arc<dyn Registry>,
-            None,
-            Default::default(),
+        super::prepare::Pulls::new(
+            Classifier::new(
+                Arc::clone(&registry) as Arc<dyn Registry>,
+                None,
+                Default::default(),
+            ),
+            super::prepare::tenants::Tenants::new(policy, std::time::Duration::from_secs(3600)),
         ),
         CacheSettings {
             dir: dir.path().join("cache"),
             limit: None,
         },
-        super::prepare::tenants::Tenants::new(policy, std::time::Duration::from_secs(3600)),
     )
     .unwrap();
     Fixture {
@@ -619,6 +621,7 @@ async fn a_namespace_gets_a_private_disk_only_through_its_own_pull() {
     // tenant-a's pull with alice's credentials succeeded: tenant-a gets the disk, and its
     // server fetches with alice's credentials.
     f.snapshotter
+        .pulls
         .tenants
         .grant("tenant-a", &image, user("alice"), [manifest].into());
     f.ensure(IMAGE, "tenant-a").await.unwrap();
@@ -636,12 +639,14 @@ async fn a_namespace_gets_a_private_disk_only_through_its_own_pull() {
     // tenant-b's own pull of another digest of the repository does not cover this one.
     let older = Digest::of(b"an older manifest");
     f.snapshotter
+        .pulls
         .tenants
         .grant("tenant-b", &image, user("bob"), [older].into());
     let e = f.ensure(IMAGE, "tenant-b").await.unwrap_err();
     assert!(e.chain().contains("pulled other digests"), "{}", e.chain());
     // Once tenant-b's own pull of it succeeded, tenant-b gets it with its own credentials.
     f.snapshotter
+        .pulls
         .tenants
         .grant("tenant-b", &image, user("bob"), [manifest].into());
     f.ensure(IMAGE, "tenant-b").await.unwrap();
@@ -656,6 +661,7 @@ async fn what_the_node_holds_is_served_to_a_namespace_as_the_policy_says() {
         let manifest = f.private_image(&["alice"]);
         let image: Reference = IMAGE.parse().unwrap();
         f.snapshotter
+            .pulls
             .tenants
             .grant("tenant-a", &image, user("alice"), [manifest].into());
         f.ensure(IMAGE, "tenant-a").await.unwrap();
@@ -703,11 +709,13 @@ async fn a_pull_in_flight_hands_its_server_only_credentials_that_read_the_image(
     // Two pulls in flight: mallory's password is wrong, alice's right.
     let mallory = f
         .snapshotter
+        .pulls
         .tenants
         .begin_pull(IMAGE, user("mallory"))
         .unwrap();
     let alice = f
         .snapshotter
+        .pulls
         .tenants
         .begin_pull(IMAGE, user("alice"))
         .unwrap();
@@ -726,6 +734,7 @@ async fn a_pull_in_flight_hands_its_server_only_credentials_that_read_the_image(
     drop((mallory, alice));
     assert!(f
         .snapshotter
+        .pulls
         .tenants
         .pending_for(&IMAGE.parse().unwrap())
         .is_empty());

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::oci::reference::Reference;
+use crate::oci::reference::{ImageName, Reference};
 use crate::registry::granted::Granted;
 use crate::registry::Registry;
 use crate::snapshotter::daemon::store::RemoteLayerRef;
@@ -36,20 +36,21 @@ impl Snapshotter {
         reference: &str,
         requester: &Requester,
     ) -> Result<crate::oci::digest::Digest> {
-        let parsed: Reference = reference.parse()?;
-        let cache = self.classifier.cache();
+        let name: ImageName = reference.parse()?;
+        let parsed = name.reference();
+        let cache = self.pulls.cache();
         let (remote, grants, checked_now, ahead) = match self
-            .disk_source(reference, &parsed, requester)
+            .disk_source(reference, parsed, requester)
             .await?
         {
             DiskSource::Fetch { client, grant } => {
-                match crate::resolve::platform_manifest(client.as_ref(), cache, &parsed).await {
+                match crate::resolve::platform_manifest(client.as_ref(), cache, parsed).await {
                     Ok((manifest, digest, _)) => {
-                        let trust = self.classifier.trust();
+                        let trust = self.pulls.trust();
                         let pinned = parsed.with_digest(digest);
                         // Signatures and the layer's TOC at once; the disk only if both hold.
                         let (checked, layer) = tokio::join!(
-                            trust.check_image(client.as_ref(), cache, &parsed, digest),
+                            trust.check_image(client.as_ref(), cache, parsed, digest),
                             crate::resolve::disk_layer_id(
                                 client.as_ref(),
                                 cache,
@@ -62,36 +63,36 @@ impl Snapshotter {
                         );
                         checked?;
                         let (_, meta) = layer?;
-                        let mut grants = self.tenants.covering(&parsed, &digest);
+                        let mut grants = self.pulls.tenants.covering(parsed, &digest);
                         match (&grant, requester) {
                             (Some(g), Requester::Namespace(ns)) => {
                                 // The platform manifest joins the grant it was read through.
                                 for top in &g.digests {
-                                    self.tenants.extend(ns, &parsed, top, digest);
+                                    self.pulls.tenants.extend(ns, parsed, top, digest);
                                 }
                                 if !grants.iter().any(|h| h.credential == g.credential) {
                                     grants.push(g.grant());
                                 }
                             }
-                            _ => self.tenants.note_open(digest),
+                            _ => self.pulls.tenants.note_open(digest),
                         }
                         (
                             RemoteLayerRef {
                                 reference: pinned,
                                 layer: meta.id().key(),
-                                alias: Some(reference.to_string()),
+                                alias: Some(name.clone()),
                             },
                             grants,
                             true,
-                            self.fetch_ahead(&client, meta.id().key()),
+                            self.pulls.fetch_ahead(&client, meta.id().key()),
                         )
                     }
                     Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::Timeout) => {
-                        let known = self.known(reference, &parsed).await?;
+                        let known = self.known(reference, parsed).await?;
                         let allowed = match requester {
                             Requester::Node => true,
                             Requester::Namespace(ns) => {
-                                self.may_serve_held(ns, &parsed, known.as_ref())
+                                self.may_serve_held(ns, parsed, known.as_ref())
                             }
                         };
                         match known.filter(|_| allowed) {
@@ -118,7 +119,7 @@ impl Snapshotter {
             .ensure(
                 &layer,
                 &remote.reference,
-                remote.alias.as_deref(),
+                remote.alias.as_ref(),
                 &grants,
                 control::Need::ReadyDisk,
                 ahead,
@@ -133,12 +134,12 @@ impl Snapshotter {
     /// Refuses a disk the node holds unless the signature policy in force accepted it (as its
     /// pinned reference or the name it was pulled as) on this node.
     async fn held_accepted(&self, remote: &RemoteLayerRef) -> Result<()> {
-        let trust = self.classifier.trust();
+        let trust = self.pulls.trust();
         if !trust.is_set() {
             return Ok(());
         }
         let accepted = trust.accepted_offline();
-        let (cache, held) = (self.classifier.cache().cloned(), remote.clone());
+        let (cache, held) = (self.pulls.cache().cloned(), remote.clone());
         let ok = blocking(move || {
             let remote = held;
             let Some(cache) = cache else { return Ok(false) };
@@ -146,12 +147,8 @@ impl Snapshotter {
             let Some(digest) = pinned.digest else {
                 return Ok(false);
             };
-            let names = std::iter::once(pinned.clone()).chain(
-                remote
-                    .alias
-                    .as_deref()
-                    .and_then(|a| a.parse::<Reference>().ok()),
-            );
+            let names = std::iter::once(pinned.clone())
+                .chain(remote.alias.as_ref().map(|a| a.reference().clone()));
             Ok(names.into_iter().any(|n| accepted(&cache, &n, &digest)))
         })
         .await?;
@@ -179,7 +176,7 @@ impl Snapshotter {
         parsed: &Reference,
         requester: &Requester,
     ) -> Result<DiskSource> {
-        let base = Arc::clone(self.classifier.client());
+        let base = Arc::clone(self.pulls.client());
         let Requester::Namespace(ns) = requester else {
             return Ok(DiskSource::Fetch {
                 client: base,
@@ -189,7 +186,7 @@ impl Snapshotter {
         let scoped = |g: &tenants::PullGrant| -> Arc<dyn Registry> {
             Arc::clone(&base).with_grants(Arc::new(Granted::of([g.grant()])))
         };
-        let grants = self.tenants.grants_of(ns, parsed);
+        let grants = self.pulls.tenants.grants_of(ns, parsed);
         // The namespace's own pull of this very digest succeeded.
         if let Some(g) = parsed
             .digest
@@ -203,7 +200,7 @@ impl Snapshotter {
         // The node's own credentials read it: anyone may have it.
         match base.check_manifest(parsed).await {
             Ok(digest) => {
-                self.tenants.note_open(digest);
+                self.pulls.tenants.note_open(digest);
                 return Ok(DiskSource::Fetch {
                     client: base,
                     grant: None,
@@ -239,7 +236,7 @@ impl Snapshotter {
                 Err(e) => return Err(e),
             }
         }
-        if self.tenants.policy == tenants::Verification::Never {
+        if self.pulls.tenants.policy == tenants::Verification::Never {
             if let Some(k) = self.known(reference, parsed).await? {
                 return Ok(DiskSource::Held(k));
             }
@@ -272,7 +269,7 @@ impl Snapshotter {
                 return Ok(Some(r));
             }
             Ok(me.remote_layers()?.into_values().map(|(r, _)| r).find(|r| {
-                r.alias.as_deref() == Some(reference.as_str())
+                r.alias.as_ref().map(ImageName::as_str) == Some(reference.as_str())
                     || parsed.digest.is_some_and(|d| {
                         let p = &r.reference;
                         p.digest == Some(d)
@@ -291,13 +288,14 @@ impl Snapshotter {
             return false;
         };
         let own = self
+            .pulls
             .tenants
             .grants_of(ns, parsed)
             .iter()
             .any(|g| g.digests.contains(&digest));
-        match self.tenants.policy {
+        match self.pulls.tenants.policy {
             tenants::Verification::Never => true,
-            tenants::Verification::IfPrivate => own || self.tenants.is_open(&digest),
+            tenants::Verification::IfPrivate => own || self.pulls.tenants.is_open(&digest),
             tenants::Verification::Always => own,
         }
     }

@@ -217,7 +217,8 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
             let classifier = Classifier::new(client, Some(kept), Arc::new(trust))
                 .with_content_store(ContentStore::of_root(&containerd_root))
                 .with_index_search(index_search);
-            Snapshotter::open(&root, Box::new(servers), classifier, cache, tenants)
+            let pulls = crate::snapshotter::prepare::Pulls::new(classifier, tenants);
+            Snapshotter::open(&root, Box::new(servers), pulls, cache)
         })
         .await?,
     ))

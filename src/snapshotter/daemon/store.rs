@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::oci::digest::Digest;
-use crate::oci::reference::Reference;
+use crate::oci::reference::{ImageName, Reference};
 
 const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
@@ -50,7 +50,7 @@ pub struct RemoteLayerRef {
     pub layer: Digest,
     /// The image name it was pulled as (the ready-disk directory's readable alias).
     #[serde(default)]
-    pub alias: Option<String>,
+    pub alias: Option<ImageName>,
 }
 
 /// Disk usage of a snapshot's own directory.

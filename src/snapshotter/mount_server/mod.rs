@@ -23,7 +23,7 @@ use crate::cache::CacheRoot;
 use crate::error::{Error, Result};
 use crate::layer::Held;
 use crate::oci::digest::Digest;
-use crate::oci::reference::Reference;
+use crate::oci::reference::{ImageName, Reference};
 use crate::registry::granted::Granted;
 use crate::registry::roots::Roots;
 use crate::serve::Serving;
@@ -250,11 +250,11 @@ async fn handover_from_stdin() -> Result<(pb::Handover, oneshot::Receiver<Held>)
 #[derive(Debug, Clone)]
 pub struct Assignment {
     /// The image, by digest.
-    pub reference: String,
+    pub reference: Reference,
     /// The layer key the daemon expects it to resolve to.
     pub layer: Digest,
     /// A readable name for the ready-disk directory (the image reference pulled).
-    pub alias: Option<String>,
+    pub alias: Option<ImageName>,
     /// What its first caller needs.
     pub need: Need,
 }
@@ -263,7 +263,7 @@ pub struct Assignment {
 /// and the credentials of pulls of the image on stdin first (else the server reads the
 /// system's roots and has only the node's credentials).
 pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> Result<()> {
-    let (reference, layer) = (job.reference.as_str(), &job.layer);
+    let (reference, layer) = (&job.reference, &job.layer);
     let granted = Arc::new(Granted::default());
     let (roots, ahead) = if handover {
         let (handed, ahead) = handover_from_stdin().await?;
@@ -420,8 +420,7 @@ async fn start(
     paths: &LayerPaths,
     granted: Arc<Granted>,
 ) -> Result<Serving> {
-    let (layer, alias) = (&job.layer, job.alias.as_deref());
-    let reference: Reference = job.reference.parse()?;
+    let (layer, alias, reference) = (&job.layer, job.alias.as_ref(), &job.reference);
     let digest = reference.digest.ok_or_else(|| {
         Error::invalid(format!(
             "{reference}: serve-layer needs a reference by digest"
@@ -441,10 +440,7 @@ async fn start(
         Need::ReadyDisk => crate::serve::Warm::DiskHead,
     };
     // The policy is asked about the name the daemon checked (its decision is in the cache).
-    let named = match alias.map(str::parse::<Reference>) {
-        Some(Ok(alias)) => alias,
-        _ => reference.clone(),
-    };
+    let named = alias.map_or(reference, ImageName::reference);
     // The mount point and the VMM's group (a lookup in the node's group database) are made
     // ready while the layer opens.
     let (vmm_group, mountpoint) = (config.clone(), paths.mountpoint.clone());
@@ -457,8 +453,8 @@ async fn start(
         &cache,
         &trust,
         crate::resolve::Wanted {
-            named: &named,
-            reference: &reference,
+            named,
+            reference,
             // Its record, kept when the daemon classified the layer, saves fetching its TOC.
             expected: Some(*layer),
         },
@@ -480,7 +476,7 @@ async fn start(
         .await
         .ok()
         .flatten();
-    let ready = ready_dir(config, vmm_gid, &digest, &reference, alias, record.as_ref());
+    let ready = ready_dir(config, vmm_gid, &digest, reference, alias, record.as_ref());
     let serving = crate::serve::start(
         Arc::clone(&engine),
         &cache,
@@ -500,7 +496,7 @@ async fn start(
         tokio::spawn(crate::trace::replay_published(
             client,
             engine,
-            reference,
+            reference.clone(),
             record.manifest_digest,
         ));
     }
@@ -514,7 +510,7 @@ fn ready_dir(
     vmm_gid: u32,
     digest: &crate::oci::digest::Digest,
     reference: &Reference,
-    alias: Option<&str>,
+    alias: Option<&ImageName>,
     record: Option<&crate::cache::RefRecord>,
 ) -> crate::serve::ready::ReadyDir {
     crate::serve::ready::ReadyDir::new(

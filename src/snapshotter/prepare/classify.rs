@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use crate::cache::CacheRoot;
 use crate::error::{ErrorKind, Result};
 use crate::oci::digest::Digest;
-use crate::oci::reference::Reference;
+use crate::oci::reference::{ImageName, Reference};
 use crate::oci::{self, ManifestKind};
 use crate::policy::Verifier;
 use crate::registry::Registry;
@@ -476,11 +476,8 @@ impl Classifier {
 /// flight and the store's alias all take it from here. Each label is `None` where it is
 /// missing, an error where it is malformed.
 pub struct CriLabels {
-    /// The image as the pull named it (`cri.image-ref`), as written: the store's alias of the
-    /// layer.
-    pub named: Option<String>,
-    /// That image, parsed.
-    pub image: Option<Result<Reference>>,
+    /// The image as the pull named it (`cri.image-ref`): the store's alias of the layer.
+    pub image: Option<Result<ImageName>>,
     /// Its platform manifest (`cri.manifest-digest`).
     pub manifest: Option<Result<Digest>>,
     /// The layer being unpacked (`cri.layer-digest`).
@@ -492,12 +489,10 @@ pub struct CriLabels {
 impl CriLabels {
     /// The CRI labels among a Prepare's `labels`.
     pub fn read(labels: &BTreeMap<String, String>) -> Self {
-        let named = labels.get(LABEL_IMAGE_REF).cloned();
         CriLabels {
-            image: named.as_deref().map(str::parse),
+            image: labels.get(LABEL_IMAGE_REF).map(|n| n.parse()),
             manifest: labels.get(LABEL_MANIFEST).map(|m| m.parse()),
             layer: labels.get(LABEL_LAYER).map(|l| l.parse()),
-            named,
             candidate: labels
                 .keys()
                 .any(|k| k.starts_with(crate::format::layout::ANN_PREFIX)),
@@ -506,6 +501,11 @@ impl CriLabels {
 
     /// The image, where its label is there and well formed.
     pub fn image(&self) -> Option<&Reference> {
+        self.named().map(ImageName::reference)
+    }
+
+    /// The image as the pull named it, where its label is there and well formed.
+    pub fn named(&self) -> Option<&ImageName> {
         self.image.as_ref()?.as_ref().ok()
     }
 
@@ -520,7 +520,7 @@ impl CriLabels {
             ));
         };
         let malformed = |e: &crate::error::Error| (Reason::MalformedLabels, e.chain());
-        let image = image.as_ref().map_err(malformed)?;
+        let image = image.as_ref().map_err(malformed)?.reference();
         let manifest = manifest.as_ref().map_err(malformed)?;
         let layer = layer.as_ref().map_err(malformed)?;
         Ok((image.with_digest(*manifest), *layer))
@@ -534,7 +534,7 @@ impl CriLabels {
         };
         let owned = |e: &crate::error::Error| crate::error::Error::new(e.kind(), e.chain());
         Ok(Some((
-            image.as_ref().map_err(owned)?,
+            image.as_ref().map_err(owned)?.reference(),
             *manifest.as_ref().map_err(owned)?,
         )))
     }

@@ -109,6 +109,7 @@ impl Proxy {
         }
         let grant = self
             .snapshotter
+            .pulls
             .tenants
             .grant(namespace, &reference, credential, digests);
         tracing::info!(
@@ -167,7 +168,7 @@ impl ImageService for Proxy {
         // Pending while containerd pulls: that pull's own layers may be classified with them.
         let pending = credential
             .clone()
-            .and_then(|c| self.snapshotter.tenants.begin_pull(&image, c));
+            .and_then(|c| self.snapshotter.pulls.tenants.begin_pull(&image, c));
         let answer = self
             .client()
             .pull_image(forward(request, PULL_DEADLINE))

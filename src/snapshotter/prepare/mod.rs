@@ -1,6 +1,9 @@
-//! Prepare with containerd's remote-snapshot handshake: whether a layer is a lazily loadable
-//! disk ([`crate::snapshotter::prepare::classify`]), the signature policy, the credentials of the pulls in flight,
-//! and the layer's server started before the target snapshot is recorded.
+//! A Prepare with containerd's remote-snapshot handshake. [`Pulls`] judges the layer being
+//! unpacked: whether the signature policy accepts its image, whether it is a lazily loadable
+//! disk ([`classify`]), and what the CRI pulls of the image in flight may read with
+//! ([`tenants`]); the snapshotter then starts the layer's server and records the target
+//! snapshot ([`Snapshotter::prepare`]). The disks of the management API
+//! ([`crate::snapshotter::daemon::disks`]) are read, checked and granted by the same [`Pulls`].
 
 pub mod classify;
 pub mod cri;
@@ -10,9 +13,14 @@ pub mod tenants;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use self::classify::{CriLabels, Decision, Outcome, LABEL_REMOTE, LABEL_TARGET};
+use self::classify::{Classifier, CriLabels, Decision, Outcome, LABEL_REMOTE, LABEL_TARGET};
+use self::tenants::Tenants;
+use crate::cache::CacheRoot;
 use crate::error::{Error, ErrorKind, Result};
+use crate::oci::digest::Digest;
 use crate::oci::reference::Reference;
+use crate::policy::Verifier;
+use crate::registry::auth::Credential;
 use crate::registry::granted::{Grant, Granted};
 use crate::registry::Registry;
 use crate::snapshotter::daemon::store::{Kind, RemoteLayerRef};
@@ -20,12 +28,162 @@ use crate::snapshotter::servers::control;
 use crate::snapshotter::servers::supervisor::Ahead;
 use crate::snapshotter::{blocking, Mount, Snapshotter};
 
-/// What a Prepare may read the image with: a client with the node's credentials and those of
-/// the CRI pulls of the image in flight, and those credentials.
-#[derive(Clone, Copy)]
-struct PullAccess<'a> {
-    client: &'a Arc<dyn Registry>,
-    pending: &'a [crate::registry::auth::Credential],
+/// What the daemon knows of image pulls, for a Prepare and the management API's disks alike:
+/// how an image is read (the node's registry client, the cache of verified manifests), whether
+/// it is trusted (the signature policy), whether a layer is a disk (the classifier), and what
+/// each namespace's pulls granted (the tenants). Held by the [`Snapshotter`]; it keeps no
+/// snapshot and starts no server.
+pub struct Pulls {
+    classifier: Classifier,
+    /// Which namespace's pulls granted what.
+    pub tenants: Tenants,
+}
+
+/// A Prepare's layer as [`Pulls::judge`] found it.
+pub struct Judged {
+    /// What the Prepare's CRI labels say of the layer and its image.
+    pub cri: CriLabels,
+    /// A client that reads the image: the node's credentials, then those of the CRI pulls of
+    /// it in flight.
+    pub client: Arc<dyn Registry>,
+    /// Those pulls' credentials.
+    pub pending: Vec<Credential>,
+    /// What the layer is.
+    pub decision: Decision,
+}
+
+impl Pulls {
+    pub fn new(classifier: Classifier, tenants: Tenants) -> Self {
+        Pulls {
+            classifier,
+            tenants,
+        }
+    }
+
+    /// The registry client, with the node's own credentials.
+    pub fn client(&self) -> &Arc<dyn Registry> {
+        self.classifier.client()
+    }
+
+    /// The node's signature policy.
+    pub fn trust(&self) -> &Verifier {
+        self.classifier.trust()
+    }
+
+    /// The cache that keeps verified manifests and configs, if any.
+    pub fn cache(&self) -> Option<&CacheRoot> {
+        self.classifier.cache()
+    }
+
+    /// Checks the image a Prepare with `labels` unpacks against the signature policy and
+    /// classifies the layer, with the credentials of the CRI pulls of the image in flight
+    /// (containerd is pulling it with them: that is why it asks). An error: the policy refuses
+    /// the image. A layer classified as a disk is noted as one of that image's pulls.
+    pub async fn judge(&self, labels: &BTreeMap<String, String>) -> Result<Judged> {
+        let cri = CriLabels::read(labels);
+        let image = cri.image();
+        let pending = image.map_or_else(Vec::new, |i| self.tenants.pending_for(i));
+        let client = self.client_with(image.cloned(), &pending);
+        // The signatures are fetched while the layer is classified (manifest, config, TOC:
+        // nothing of the disk), and nothing is served before both are done.
+        let (checked, decision) = tokio::join!(
+            self.check_policy(&cri, client.as_ref()),
+            self.classifier.classify(&cri, client.as_ref())
+        );
+        checked?;
+        if let (Decision::Remote { reference, .. }, Some(image)) = (&decision, image) {
+            if let Some(digest) = reference.digest {
+                self.tenants.note_classified(image, digest);
+            }
+        }
+        Ok(Judged {
+            cri,
+            client,
+            pending,
+            decision,
+        })
+    }
+
+    /// Whether the signature policy accepts the image a Prepare with `cri`'s labels unpacks
+    /// (the reference as pulled and the platform manifest digest). Without those labels
+    /// containerd pulls outside CRI (`ctr`), and nothing is checked here.
+    async fn check_policy(&self, cri: &CriLabels, client: &dyn Registry) -> Result<()> {
+        let trust = self.trust();
+        if !trust.is_set() {
+            return Ok(());
+        }
+        let Some((image, digest)) = cri.pulled()? else {
+            return Ok(());
+        };
+        trust.check_image(client, self.cache(), image, digest).await
+    }
+
+    /// The registry client acting with the node's credentials and `credentials` for the
+    /// repository of `image` (tried after the node's, in order).
+    fn client_with(
+        &self,
+        image: Option<Reference>,
+        credentials: &[Credential],
+    ) -> Arc<dyn Registry> {
+        let base = Arc::clone(self.client());
+        match image {
+            Some(image) if !credentials.is_empty() => {
+                base.with_grants(Arc::new(Granted::of(credentials.iter().map(|c| {
+                    Grant::new(
+                        &image.registry,
+                        &image.repository,
+                        c.clone(),
+                        self.tenants.ttl(),
+                    )
+                }))))
+            }
+            _ => base,
+        }
+    }
+
+    /// Starts fetching the blob bytes the structure check of `layer`'s server reads, with
+    /// `client` (one that read the image's manifest and TOC), when a cache keeps its record and
+    /// TOC: from before the server is started, so that they come while it starts.
+    pub fn fetch_ahead(&self, client: &Arc<dyn Registry>, layer: Digest) -> Option<Ahead> {
+        self.cache()
+            .map(|cache| Ahead::fetch(Arc::clone(client), cache.clone(), layer))
+    }
+
+    /// What a new mount server of `reference` (pinned by digest) may fetch with: the grants of
+    /// succeeded pulls that covered it, and, if the node's own credentials do not read it, the
+    /// first credential of a pull in flight that does (asked of the registry now, so a wrong
+    /// one is never handed over).
+    async fn grants_for_server(&self, reference: &Reference, pending: &[Credential]) -> Vec<Grant> {
+        let Some(digest) = reference.digest else {
+            return Vec::new();
+        };
+        let mut grants = self.tenants.covering(reference, &digest);
+        if pending.is_empty() {
+            return grants;
+        }
+        match self.client().check_manifest(reference).await {
+            Ok(_) => return grants,
+            Err(e) if e.kind() == ErrorKind::Auth => {}
+            Err(e) => {
+                tracing::warn!(%reference, error = %e.chain(), "cannot tell which credentials read the image");
+                return grants;
+            }
+        }
+        for credential in pending {
+            let client =
+                self.client_with(Some(reference.clone()), std::slice::from_ref(credential));
+            if client.check_manifest(reference).await.is_ok() {
+                grants.push(Grant::new(
+                    &reference.registry,
+                    &reference.repository,
+                    credential.clone(),
+                    self.tenants.ttl(),
+                ));
+                break;
+            }
+        }
+        grants
+    }
 }
 
 /// What a remote Prepare did: made the remote snapshot, or found it made.
@@ -72,12 +230,10 @@ impl Snapshotter {
             .map(Some)
     }
 
-    /// Checks the image against the signature policy, classifies the layer and, if it is a
-    /// disk, serves it remotely; whether the target snapshot now exists. An image the policy
-    /// refuses fails the Prepare (and so containerd's pull), whatever the layer: an ordinary
-    /// pull of it would unpack the same unverified bytes. Every outcome is counted and
-    /// logged. The classification may use the credentials of the CRI pulls of this image in
-    /// flight (containerd is pulling it with them: that is why it asks).
+    /// Judges the layer ([`Pulls::judge`]) and, if it is a disk, serves it remotely; whether
+    /// the target snapshot now exists. An image the policy refuses fails the Prepare (and so
+    /// containerd's pull), whatever the layer: an ordinary pull of it would unpack the same
+    /// unverified bytes. Every outcome is counted and logged.
     async fn try_remote(
         self: &Arc<Self>,
         target: &str,
@@ -85,37 +241,18 @@ impl Snapshotter {
         labels: &BTreeMap<String, String>,
     ) -> Result<bool> {
         let started = std::time::Instant::now();
-        let cri = CriLabels::read(labels);
-        let image = cri.image();
-        let pending = image.map_or_else(Vec::new, |i| self.tenants.pending_for(i));
-        let client = self.client_with(image.cloned(), &pending);
-        // The signatures are fetched while the layer is classified (manifest, config, TOC:
-        // nothing of the disk), and nothing is served before both are done.
-        let (checked, decision) = tokio::join!(
-            self.check_policy(&cri, client.as_ref()),
-            self.classifier.classify(&cri, client.as_ref())
-        );
-        if let Err(e) = checked {
-            self.counters.add(&Outcome::RefusedByPolicy.counter(), 1);
-            tracing::warn!(error = %e.chain(), "the signature policy refuses the image; the pull fails");
-            return Err(e);
-        }
-        match decision {
+        let judged = match self.pulls.judge(labels).await {
+            Ok(judged) => judged,
+            Err(e) => {
+                self.counters.add(&Outcome::RefusedByPolicy.counter(), 1);
+                tracing::warn!(error = %e.chain(), "the signature policy refuses the image; the pull fails");
+                return Err(e);
+            }
+        };
+        match &judged.decision {
             Decision::Remote { reference, layer } => {
-                if let (Some(image), Some(digest)) = (image, reference.digest) {
-                    self.tenants.note_classified(image, digest);
-                }
                 match self
-                    .prepare_remote(
-                        target,
-                        parent,
-                        (labels, cri.named.as_deref()),
-                        (&reference, layer),
-                        PullAccess {
-                            client: &client,
-                            pending: &pending,
-                        },
-                    )
+                    .prepare_remote(target, parent, labels, (reference, *layer), &judged)
                     .await
                 {
                     Ok(served) => {
@@ -137,15 +274,15 @@ impl Snapshotter {
                 detail,
                 candidate,
             } => {
-                if candidate {
-                    self.counters.add(&Outcome::Fallback(reason).counter(), 1);
+                if *candidate {
+                    self.counters.add(&Outcome::Fallback(*reason).counter(), 1);
                     tracing::warn!(
                         reason = reason.as_str(),
                         detail,
                         "a published VM-disk layer is pulled normally"
                     );
                 } else {
-                    self.counters.add(&Outcome::Ordinary(reason).counter(), 1);
+                    self.counters.add(&Outcome::Ordinary(*reason).counter(), 1);
                     tracing::info!(
                         reason = reason.as_str(),
                         detail,
@@ -157,114 +294,18 @@ impl Snapshotter {
         Ok(false)
     }
 
-    /// Whether the signature policy accepts the image a Prepare with `labels` unpacks (its
-    /// CRI labels name it: the reference as pulled and the platform manifest digest). Without
-    /// those labels containerd pulls outside CRI (`ctr`), and nothing is checked here.
-    async fn check_policy(
-        &self,
-        cri: &CriLabels,
-        client: &dyn crate::registry::Registry,
-    ) -> Result<()> {
-        let trust = self.classifier.trust();
-        if !trust.is_set() {
-            return Ok(());
-        }
-        let Some((image, digest)) = cri.pulled()? else {
-            return Ok(());
-        };
-        trust
-            .check_image(client, self.classifier.cache(), image, digest)
-            .await
-    }
-
-    /// The registry client acting with the node's credentials and `credentials` for the
-    /// repository of `image` (tried after the node's, in order).
-    fn client_with(
-        &self,
-        image: Option<Reference>,
-        credentials: &[crate::registry::auth::Credential],
-    ) -> Arc<dyn Registry> {
-        let base = Arc::clone(self.classifier.client());
-        match image {
-            Some(image) if !credentials.is_empty() => {
-                base.with_grants(Arc::new(Granted::of(credentials.iter().map(|c| {
-                    Grant::new(
-                        &image.registry,
-                        &image.repository,
-                        c.clone(),
-                        self.tenants.ttl(),
-                    )
-                }))))
-            }
-            _ => base,
-        }
-    }
-
-    /// Starts fetching the blob bytes the structure check of `layer`'s server reads, with
-    /// `client` (one that read the image's manifest and TOC), when a cache keeps its record and
-    /// TOC: from before the server is started, so that they come while it starts.
-    pub(super) fn fetch_ahead(
-        &self,
-        client: &Arc<dyn Registry>,
-        layer: crate::oci::digest::Digest,
-    ) -> Option<Ahead> {
-        self.classifier
-            .cache()
-            .map(|cache| Ahead::fetch(Arc::clone(client), cache.clone(), layer))
-    }
-
-    /// What a new mount server of `reference` (pinned by digest) may fetch with: the grants of
-    /// succeeded pulls that covered it, and, if the node's own credentials do not read it, the
-    /// first credential of a pull in flight that does (asked of the registry now, so a wrong
-    /// one is never handed over).
-    async fn grants_for_server(
-        &self,
-        reference: &Reference,
-        pending: &[crate::registry::auth::Credential],
-    ) -> Vec<Grant> {
-        let Some(digest) = reference.digest else {
-            return Vec::new();
-        };
-        let mut grants = self.tenants.covering(reference, &digest);
-        if pending.is_empty() {
-            return grants;
-        }
-        match self.classifier.client().check_manifest(reference).await {
-            Ok(_) => return grants,
-            Err(e) if e.kind() == ErrorKind::Auth => {}
-            Err(e) => {
-                tracing::warn!(%reference, error = %e.chain(), "cannot tell which credentials read the image");
-                return grants;
-            }
-        }
-        for credential in pending {
-            let client =
-                self.client_with(Some(reference.clone()), std::slice::from_ref(credential));
-            if client.check_manifest(reference).await.is_ok() {
-                grants.push(Grant::new(
-                    &reference.registry,
-                    &reference.repository,
-                    credential.clone(),
-                    self.tenants.ttl(),
-                ));
-                break;
-            }
-        }
-        grants
-    }
-
     /// Serves `layer` of `reference` (classified remote) as snapshot `target` with the
-    /// Prepare's `labels`, the image as the pull `named` it (the store's alias), and what the
-    /// `pull` in flight may read.
+    /// Prepare's `labels`, as `judged` reads the image (the image as the pull named it is the
+    /// store's alias).
     async fn prepare_remote(
         self: &Arc<Self>,
         target: &str,
         parent: &str,
-        (labels, named): (&BTreeMap<String, String>, Option<&str>),
-        (reference, layer): (&Reference, crate::oci::digest::Digest),
-        pull: PullAccess<'_>,
+        labels: &BTreeMap<String, String>,
+        (reference, layer): (&Reference, Digest),
+        judged: &Judged,
     ) -> Result<Served> {
-        let ahead = self.fetch_ahead(pull.client, layer);
+        let ahead = self.pulls.fetch_ahead(&judged.client, layer);
         let me = Arc::clone(self);
         let name = target.to_string();
         if let Some(existing) = blocking(move || me.store.get(&name)).await? {
@@ -276,14 +317,17 @@ impl Snapshotter {
                 format!("a different snapshot is named {target:?} already"),
             ));
         }
-        let alias = named.map(str::to_string);
-        let grants = self.grants_for_server(reference, pull.pending).await;
+        let alias = judged.cri.named().cloned();
+        let grants = self
+            .pulls
+            .grants_for_server(reference, &judged.pending)
+            .await;
         let lock = self.layer_locks.lock(&layer).await;
         self.servers
             .ensure(
                 &layer,
                 reference,
-                alias.as_deref(),
+                alias.as_ref(),
                 &grants,
                 control::Need::Layer,
                 ahead,

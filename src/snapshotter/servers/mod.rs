@@ -147,7 +147,7 @@ impl Snapshotter {
                 .ensure(
                     layer,
                     &remote.reference,
-                    remote.alias.as_deref(),
+                    remote.alias.as_ref(),
                     &[],
                     // A disk kept by EnsureDisk wants its ready-disk directory back.
                     match snapshots.iter().any(|u| u.starts_with(PIN_USER)) {
@@ -192,7 +192,7 @@ impl Snapshotter {
                 .ensure(
                     &layer,
                     &remote.reference,
-                    remote.alias.as_deref(),
+                    remote.alias.as_ref(),
                     &[],
                     control::Need::Layer,
                     None,

@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
 use crate::oci::digest::Digest;
-use crate::oci::reference::Reference;
+use crate::oci::reference::{ImageName, Reference};
 use crate::registry::granted::Grant;
 use crate::snapshotter::servers::control::{self, LayerPaths, LayerStatus, Need, ServerState};
 
@@ -106,7 +106,7 @@ pub trait Supervisor: Send + Sync {
         &'a self,
         layer: &'a Digest,
         reference: &'a Reference,
-        alias: Option<&'a str>,
+        alias: Option<&'a ImageName>,
         grants: &'a [Grant],
         need: Need,
         ahead: Option<Ahead>,
@@ -145,7 +145,7 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
         &'a self,
         layer: &'a Digest,
         reference: &'a Reference,
-        alias: Option<&'a str>,
+        alias: Option<&'a ImageName>,
         grants: &'a [Grant],
         need: Need,
         ahead: Option<Ahead>,
@@ -260,7 +260,7 @@ impl Supervisor for LayerServers {
         &'a self,
         layer: &'a Digest,
         reference: &'a Reference,
-        alias: Option<&'a str>,
+        alias: Option<&'a ImageName>,
         grants: &'a [Grant],
         need: Need,
         ahead: Option<Ahead>,
@@ -286,7 +286,7 @@ impl LayerServers {
         &self,
         layer: &Digest,
         reference: &Reference,
-        alias: Option<&str>,
+        alias: Option<&ImageName>,
         grants: &[Grant],
         need: Need,
         ahead: Option<Ahead>,
@@ -346,7 +346,7 @@ impl LayerServers {
         &self,
         layer: &Digest,
         reference: &Reference,
-        alias: Option<&str>,
+        alias: Option<&ImageName>,
         grants: &[Grant],
         need: Need,
         ahead: Option<Ahead>,
@@ -382,7 +382,7 @@ impl LayerServers {
                     .get_name(),
             );
         if let Some(alias) = alias {
-            cmd.arg("--alias").arg(alias);
+            cmd.arg("--alias").arg(alias.as_str());
         }
         if let Some(level) = command.nice {
             cmd.arg(format!("--nice={level}"));
