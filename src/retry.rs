@@ -101,6 +101,17 @@ impl RetryPolicy {
         }
     }
 
+    /// For unit tests against servers on loopback: 4 tries, 10 to 50 ms apart, within 45 s.
+    #[cfg(test)]
+    pub fn quick() -> Self {
+        RetryPolicy {
+            attempts: 4,
+            base_delay: Duration::from_millis(10),
+            max_delay: Duration::from_millis(50),
+            deadline: Duration::from_secs(45),
+        }
+    }
+
     /// This policy with another overall deadline.
     pub fn with_deadline(&self, deadline: Duration) -> Self {
         RetryPolicy {

@@ -15,7 +15,8 @@
 //! - **Faults.** Network errors and truncated answers are retried with backoff until a
 //!   deadline, which bounds every attempt too (a registry that trickles bytes cannot hold a
 //!   read past it); then the read fails.
-//! - **Dedup.** A chunk whose digest is already cached under another layer is copied locally.
+//! - **Dedup** ([`dedup`]). A chunk whose digest is already cached under another layer is
+//!   copied locally, and checked like a fetch.
 //! - **Beyond readers** ([`trace`], [`hydrate`]): boot traces recorded and replayed, and the
 //!   whole layer fetched in the background while readers rest.
 //!
@@ -27,6 +28,7 @@
 
 pub mod blob;
 mod check;
+mod dedup;
 mod hydrate;
 pub mod integrity;
 pub mod readahead;
@@ -35,7 +37,6 @@ mod trace;
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,7 +52,7 @@ use crate::cache::layer::Kept;
 use crate::cache::memory::MemoryBudget;
 use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::error::{Error, ErrorKind, Result};
-use crate::layer::{Ask, Fetch, Layer, Resolved};
+use crate::layer::{Ask, Fetch, Layer};
 use crate::oci::digest::Digest;
 use crate::task::off_the_runtime;
 
@@ -128,13 +129,6 @@ const READERS_REST: Duration = Duration::from_secs(5);
 /// How long hydration waits before each batch while the cache's disk is full.
 const HYDRATE_WHEN_FULL: Duration = Duration::from_secs(5);
 
-/// Where a chunk with a given digest can be copied from.
-struct DedupSource {
-    path: PathBuf,
-    offset: u64,
-    size: u64,
-}
-
 /// A lazily loaded layer: its chunk index, its cache and the fetch machinery.
 pub struct Engine {
     pub layer: Layer,
@@ -151,9 +145,9 @@ pub struct Engine {
     hydrate_slots: Semaphore,
     /// When a reader last had to fetch ([`Engine::wait_until_readers_rest`]).
     last_demand: Mutex<Instant>,
-    /// Chunks of other cached layers by digest; built after the mount is ready
+    /// Chunks of other cached layers by digest; indexed after the mount is ready
     /// ([`Engine::index_other_layers`]), empty until then.
-    dedup: std::sync::OnceLock<HashMap<Digest, DedupSource>>,
+    other_layers: dedup::OtherLayers,
     /// What the check of the complete layer found, once it did (unset: pending); a failure
     /// stops every read. Set once, read lock-free on every read.
     integrity: std::sync::OnceLock<Integrity>,
@@ -189,41 +183,6 @@ impl Drop for Claim<'_> {
     fn drop(&mut self) {
         self.finish(false);
     }
-}
-
-fn build_dedup(cache: &CacheRoot, own: &Digest) -> HashMap<Digest, DedupSource> {
-    let mut map = HashMap::new();
-    for digest in cache.layers().into_iter().filter(|d| d != own) {
-        // A layer found to differ from its config shares nothing.
-        if matches!(cache.load_integrity(&digest), Some(Integrity::Failed(_))) {
-            continue;
-        }
-        let Some((meta, toc)) = cache.load_layer_meta(&digest) else {
-            continue;
-        };
-        let reference = meta.reference.clone();
-        let Ok(layer) = crate::layer::codec::open(reference, meta, &toc, Resolved::Offline) else {
-            continue;
-        };
-        let dir = cache.layer_dir(&digest);
-        let Some(bits) = crate::cache::layer::durable_bits(&dir, layer.chunks.len()) else {
-            continue;
-        };
-        for idx in 0..layer.chunks.len() {
-            let (file, chunk) = layer.chunk(idx);
-            if bits[idx / 8] & (1 << (idx % 8)) == 0 {
-                continue;
-            }
-            if let Some(d) = chunk.digest {
-                map.entry(d).or_insert(DedupSource {
-                    path: crate::cache::data_file(&dir, file),
-                    offset: chunk.offset,
-                    size: chunk.size,
-                });
-            }
-        }
-    }
-    map
 }
 
 impl Engine {
@@ -299,7 +258,7 @@ impl Engine {
             fetch_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             hydrate_slots: Semaphore::new(opts.max_concurrent_fetches.max(1)),
             last_demand: Mutex::new(Instant::now()),
-            dedup: std::sync::OnceLock::new(),
+            other_layers: Default::default(),
             integrity: std::sync::OnceLock::new(),
             checking: tokio::sync::Mutex::new(()),
             recorder: std::sync::OnceLock::new(),
@@ -311,12 +270,8 @@ impl Engine {
     /// with this one are copied instead of fetched. Reads every cached TOC: run it off the
     /// start-up path (blocking I/O); until it is done, shared chunks are simply fetched.
     pub fn index_other_layers(&self, cache: &CacheRoot) {
-        let index = build_dedup(cache, &self.layer.key());
-        tracing::info!(
-            sources = index.len(),
-            "indexed chunks of other cached layers"
-        );
-        let _ = self.dedup.set(index);
+        let sources = self.other_layers.index(cache, &self.layer.key());
+        tracing::info!(sources, "indexed chunks of other cached layers");
     }
 
     /// The engine's options.
@@ -477,7 +432,7 @@ impl Engine {
         let _slot = slots.acquire().await.expect("semaphore never closed");
         let mut need: Vec<usize> = Vec::new();
         for &idx in run {
-            if !self.copy_from_dedup(idx) {
+            if !self.copy_from_other_layer(idx) {
                 need.push(idx);
             }
         }
@@ -494,25 +449,15 @@ impl Engine {
         Ok(())
     }
 
-    fn copy_from_dedup(&self, idx: usize) -> bool {
+    /// Keeps chunk `idx` copied from another cached layer ([`dedup`]); whether it did.
+    fn copy_from_other_layer(&self, idx: usize) -> bool {
         let (file, chunk) = self.layer.chunk(idx);
-        let Some(source) = chunk.digest.and_then(|d| self.dedup.get()?.get(&d)) else {
+        let Some(data) = chunk
+            .digest
+            .and_then(|d| self.other_layers.copy(&d, chunk.size))
+        else {
             return false;
         };
-        if source.size != chunk.size {
-            return false;
-        }
-        let mut data = vec![0u8; chunk.size as usize];
-        let read = std::fs::File::open(&source.path)
-            .and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut data, source.offset));
-        // Verify anyway: the other layer's bytes are ours, but cheap to check.
-        if read.is_err()
-            || chunk
-                .digest
-                .is_some_and(|d| d.verify(&data, "dedup copy").is_err())
-        {
-            return false;
-        }
         if self.keep(idx, file, chunk.offset, &data).is_err() {
             return false;
         }

@@ -447,12 +447,7 @@ async fn serve(server: Arc<Server>) -> String {
 fn config(auth_files: Vec<std::path::PathBuf>) -> RegistryConfig {
     RegistryConfig {
         auth_files: Some(auth_files),
-        retry: RetryPolicy {
-            attempts: 4,
-            base_delay: Duration::from_millis(10),
-            max_delay: Duration::from_millis(50),
-            deadline: Duration::from_secs(45),
-        },
+        retry: RetryPolicy::quick(),
         ..Default::default()
     }
 }

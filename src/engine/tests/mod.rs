@@ -1,14 +1,16 @@
 //! The engine's tests: reads, shared fetches, retries and checks against a blob in memory;
-//! the cache's checks in `check.rs`, the layer's integrity in `integrity.rs`.
+//! the cache's checks in `check.rs`, copies from other layers in `dedup.rs`, the layer's
+//! integrity in `integrity.rs`.
 
 mod check;
+mod dedup;
 mod integrity;
 
 use super::blob::{Blob, BlobSource};
 use super::*;
 use crate::format::toc::Toc;
 use crate::format::zstd_chunked::{decode_chunk, decode_toc, TocLocation};
-use crate::layer::{Held, IndexSource, LayerKind, LayerMeta};
+use crate::layer::{Held, IndexSource, LayerKind, LayerMeta, Resolved};
 
 /// A blob in memory that records requests and can fail or corrupt the next answers.
 #[derive(Default)]
