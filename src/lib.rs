@@ -6,11 +6,13 @@
 //! - [`publish`]: building and pushing lazily loadable images (`vmdisk push`, `convert`).
 //! - [`inspect`]: reading any image and describing how lazily loadable it is.
 //! - [`cache`]: the persistent block cache (data files, presence bitmaps, eviction).
-//! - [`remote`], [`engine`], [`fuse`], [`serve`]: a lazily loaded layer, from chunk index to
-//!   FUSE mount; [`ready`]: the ready-disk directory handed to runtimes; [`trace`]: boot
-//!   traces, recorded once and fetched first at every cold start.
+//! - [`resolve`], [`layer`], [`engine`], [`view`], [`serve`]: a lazily loaded layer, from image
+//!   to chunk index to FUSE mount ([`serve::fuse`]); [`serve::ready`]: the ready-disk directory
+//!   handed to runtimes; [`trace`]: boot traces, recorded once and fetched first at every cold
+//!   start.
 //! - [`snapshotter`]: the containerd proxy snapshotter daemon; [`api`]: its gRPC definitions.
-//! - [`oci`], [`reference`], [`digest`], [`error`], [`units`], [`task`]: the shared vocabulary.
+//! - [`oci`] ([`oci::reference`], [`oci::digest`]), [`error`], [`units`], [`task`],
+//!   [`retry`]: the shared vocabulary.
 
 pub mod api;
 pub mod cache;

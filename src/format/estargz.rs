@@ -3,7 +3,7 @@
 //! member, the TOC (`stargz.index.json`, a tar entry) is the last member before a 51-byte
 //! footer, and the layer annotation `containerd.io/snapshot/stargz/toc.digest` pins the TOC
 //! JSON. The TOC's entries have the fields containers/storage's zstd:chunked TOC took from it,
-//! so they are validated by the same validator ([`super::zstd_chunked::TocValidator`]) once
+//! so they are validated by the same validator ([`super::toc::TocValidator`]) once
 //! each file's compressed end is known.
 
 use std::io::Read;

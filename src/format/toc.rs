@@ -118,7 +118,7 @@ fn parse_opt_digest(s: &str, what: &str) -> Result<Option<Digest>> {
 
 impl Toc {
     /// Validates the whole document (see [`TocValidator`]); readers of a registry's TOC use
-    /// [`read_toc`], which never holds the document.
+    /// [`super::zstd_chunked::read_toc`], which never holds the document.
     pub fn nodes(&self, data_end: u64) -> Result<Vec<Node>> {
         let mut validator = TocValidator::new(data_end);
         for entry in &self.entries {

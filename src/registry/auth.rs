@@ -143,7 +143,7 @@ impl CredentialStore {
         Ok(CredentialStore { files })
     }
 
-    /// The credential for `registry` (host[:port]), if any file has one.
+    /// The credential for `registry` (`host[:port]`), if any file has one.
     pub async fn get(&self, registry: &str) -> Result<Option<Credential>> {
         let want = normalize_key(registry);
         for (path, config) in &self.files {

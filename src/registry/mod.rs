@@ -118,7 +118,7 @@ impl AskUntilChecksFail {
 /// Client settings; the defaults are safe (HTTPS except on loopback).
 #[derive(Clone, Debug, Default)]
 pub struct RegistryConfig {
-    /// Registry hosts (host[:port]) that may be spoken to over plain HTTP.
+    /// Registry hosts (`host[:port]`) that may be spoken to over plain HTTP.
     pub plain_http_hosts: Vec<String>,
     /// Plain HTTP for every registry this client talks to (the `--plain-http` flag).
     pub plain_http: bool,

@@ -130,7 +130,7 @@ pub struct RegistrySettings {
     /// Docker config files with credentials; empty means the usual search path
     /// (REGISTRY_AUTH_FILE, $DOCKER_CONFIG, ~/.docker/config.json).
     pub auth_files: Vec<PathBuf>,
-    /// Registries (host[:port]) spoken to over plain HTTP; loopback always may.
+    /// Registries (`host[:port]`) spoken to over plain HTTP; loopback always may.
     pub plain_http_hosts: Vec<String>,
     /// Seconds a fetch (a read's chunks, a manifest, a TOC) keeps retrying before it fails
     /// (a read with EIO).

@@ -45,7 +45,7 @@ impl Kind {
 pub struct RemoteLayerRef {
     /// `registry/repository@manifest-digest` the layer was resolved from.
     pub reference: Reference,
-    /// The layer's key ([`crate::cache::LayerId::key`]): what was verified about it, not the
+    /// The layer's key ([`crate::layer::LayerId::key`]): what was verified about it, not the
     /// blob digest its manifest claims. Names its mount and cache.
     pub layer: Digest,
     /// The image name it was pulled as (the ready-disk directory's readable alias).

@@ -34,7 +34,7 @@ pub const LABEL_REMOTE: &str = "containerd.io/snapshot/remote";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// Serve the layer lazily from `reference` (repository@manifest digest); `layer` is the
-    /// layer's key ([`crate::cache::LayerId::key`]), what its cache and mount are named by.
+    /// layer's key ([`crate::layer::LayerId::key`]), what its cache and mount are named by.
     Remote { reference: Reference, layer: Digest },
     /// Let containerd download and apply it. `candidate`: the layer looked like a published
     /// disk (our labels), so this is a fallback worth a warning.

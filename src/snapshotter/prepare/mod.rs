@@ -2,8 +2,8 @@
 //! unpacked: whether the signature policy accepts its image, whether it is a lazily loadable
 //! disk ([`classify`]), and what the CRI pulls of the image in flight may read with
 //! ([`tenants`]); the snapshotter then starts the layer's server and records the target
-//! snapshot ([`Snapshotter::prepare`]). The disks of the management API
-//! ([`crate::snapshotter::daemon::disks`]) are read, checked and granted by the same [`Pulls`].
+//! snapshot ([`Snapshotter::prepare`]). The disks of the management API (`daemon/disks.rs`)
+//! are read, checked and granted by the same [`Pulls`].
 
 pub mod classify;
 pub mod cri;
