@@ -4,15 +4,13 @@
 use super::pipeline::{build_layer, BuiltLayer, ChunkingOptions, LayerContent};
 use super::upload::{upload_streamed, with_restarts, SegmentSink};
 use super::{chunking, disk_entries, disk_facts_from_head, finish_disk, source_date};
-use super::{PublishOptions, Published};
+use super::{Conversion, Published};
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::artifact;
 use crate::format::layout::{is_disk_path, layer_path};
 use crate::format::tree::clean_path;
 use crate::oci::digest::Digest;
-use crate::oci::reference::Reference;
 use crate::oci::{self, Manifest, Platform};
-use crate::registry::RegistryClient;
 
 /// Which file of a source tar is the disk, and where it goes.
 #[derive(Clone, Debug)]
@@ -122,13 +120,11 @@ fn convert_layer(
 
 /// Republishes the disk of one source image (single platform) in the lazy layout.
 pub(super) async fn convert_image(
-    client: &RegistryClient,
-    source: &Reference,
+    job: &Conversion<'_>,
     manifest: &Manifest,
-    target: &Reference,
     platform: &Platform,
-    opts: &PublishOptions,
 ) -> Result<(Published, Vec<u8>)> {
+    let (client, source, target, opts) = (job.client, job.source, job.target, job.opts);
     let wanted = opts
         .path
         .as_deref()
@@ -152,7 +148,7 @@ pub(super) async fn convert_image(
         .await
         .context(format!("converting layer {} of {source}", layer.digest))?;
         if let Some(found) = found {
-            return finish_converted(client, source, target, found, platform, opts).await;
+            return finish_converted(job, found, platform).await;
         }
     }
     let place = opts
@@ -169,13 +165,11 @@ pub(super) async fn convert_image(
 
 /// Config and manifest for a disk republished from `source`, once its format is known.
 pub(super) async fn finish_converted(
-    client: &RegistryClient,
-    source: &Reference,
-    target: &Reference,
+    job: &Conversion<'_>,
     (built, path, size): ConvertedLayer,
     platform: &Platform,
-    opts: &PublishOptions,
 ) -> Result<(Published, Vec<u8>)> {
+    let (client, source, target, opts) = (job.client, job.source, job.target, job.opts);
     let (format, virtual_size) =
         disk_facts_from_head(&built.head, size).context(format!("{path} in {source}"))?;
     finish_disk(

@@ -4,14 +4,12 @@
 use super::convert::{convert_tar, finish_converted, read_to_end, ConvertedLayer, Selection};
 use super::pipeline::ChunkingOptions;
 use super::upload::{upload_streamed, with_restarts, SegmentSink};
-use super::{chunking, push_disk, PublishOptions, Published};
+use super::{chunking, push_disk, Conversion, PublishOptions, Published};
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::artifact;
 use crate::format::layout::layer_path;
 use crate::oci::digest::Digest;
-use crate::oci::reference::Reference;
 use crate::oci::{Manifest, Platform};
-use crate::registry::RegistryClient;
 
 /// What reading a disk artifact's disk layer gave.
 enum FromArtifact {
@@ -102,13 +100,11 @@ fn read_artifact_layer(
 /// with gzip, xz or zstd or not at all, or the disk in a tar archive it carries (the upstream
 /// peer-pod images' `podvm.tar.xz`). The disk goes to `--path`, else `/disk/<its name>`.
 pub(super) async fn convert_artifact(
-    client: &RegistryClient,
-    source: &Reference,
+    job: &Conversion<'_>,
     manifest: &Manifest,
-    target: &Reference,
     platform: &Platform,
-    opts: &PublishOptions,
 ) -> Result<(Published, Vec<u8>)> {
+    let (client, source, target, opts) = (job.client, job.source, job.target, job.opts);
     let Some(layer) = artifact::disk_source(manifest) else {
         return Err(Error::new(
             ErrorKind::NotFound,
@@ -136,7 +132,7 @@ pub(super) async fn convert_artifact(
     .context(format!("converting layer {} of {source}", desc.digest))?;
     match read {
         FromArtifact::Converted(found) => {
-            finish_converted(client, source, target, *found, platform, opts).await
+            finish_converted(job, *found, platform).await
         }
         FromArtifact::Spooled(file) => {
             let path = to.unwrap_or_else(|| {

@@ -351,19 +351,23 @@ pub fn check_target(target: &Reference) -> Result<()> {
     Ok(())
 }
 
-/// Republishes one manifest of `source`: an image's disk layer, or a disk artifact's disk.
-async fn convert_manifest(
-    client: &RegistryClient,
-    source: &Reference,
-    manifest: &Manifest,
-    target: &Reference,
-    platform: &Platform,
-    opts: &PublishOptions,
-) -> Result<(Published, Vec<u8>)> {
-    if artifact::is_artifact(manifest) {
-        from_artifact::convert_artifact(client, source, manifest, target, platform, opts).await
-    } else {
-        convert::convert_image(client, source, manifest, target, platform, opts).await
+/// A `vmdisk convert`: republished from `source` to `target` with `client`, as `opts` say.
+struct Conversion<'a> {
+    client: &'a RegistryClient,
+    source: &'a Reference,
+    target: &'a Reference,
+    opts: &'a PublishOptions,
+}
+
+impl Conversion<'_> {
+    /// Republishes `manifest`, the source's for `platform`: an image's disk layer, or a disk
+    /// artifact's disk.
+    async fn run(&self, manifest: &Manifest, platform: &Platform) -> Result<(Published, Vec<u8>)> {
+        if artifact::is_artifact(manifest) {
+            from_artifact::convert_artifact(self, manifest, platform).await
+        } else {
+            convert::convert_image(self, manifest, platform).await
+        }
     }
 }
 
@@ -385,6 +389,12 @@ pub async fn convert(
         .blob_exists(target, &Digest::of(b""))
         .await
         .context(format!("checking access to {target}"))?;
+    let conversion = Conversion {
+        client,
+        source,
+        target,
+        opts,
+    };
     let mut images = Vec::new();
     match fetched.manifest {
         ManifestKind::Image(m) => {
@@ -406,7 +416,7 @@ pub async fn convert(
                 tracing::warn!(%source, %platform, "the source names no platform; publishing it for the one given (--platform)");
                 platform.clone()
             });
-            images.push(convert_manifest(client, source, &m, target, &platform, opts).await?);
+            images.push(conversion.run(&m, &platform).await?);
         }
         ManifestKind::Index(index) => {
             for desc in &index.manifests {
@@ -422,7 +432,7 @@ pub async fn convert(
                         desc.digest
                     )));
                 };
-                images.push(convert_manifest(client, source, &m, target, &platform, opts).await?);
+                images.push(conversion.run(&m, &platform).await?);
             }
         }
     }
