@@ -348,6 +348,8 @@ fn signed_disks_are_served_and_everything_else_is_refused_before_a_byte() {
     let gz_digest = inspect_json(&gz)["digest"].as_str().unwrap().to_string();
     cosign_sign(&home, "trusted", &pinned(&gz, &gz_digest), &[]);
     vmdisk_ok(&["index", &gz]);
+    // The disks served above may still be fetched whole in the background.
+    wait_until_quiet(|| counted.bytes_to_client());
     let before = counted.bytes_to_client();
     refused(
         "an unsigned index",
