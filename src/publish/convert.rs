@@ -7,10 +7,11 @@ use super::{chunking, disk_entries, disk_facts_from_head, finish_disk, source_da
 use super::{Conversion, Published};
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::artifact;
-use crate::format::layout::{is_disk_path, layer_path};
+use crate::format::layout::is_disk_path;
 use crate::format::tree::clean_path;
 use crate::oci::digest::Digest;
-use crate::oci::{self, Manifest, Platform};
+use crate::oci::{self, Descriptor, Manifest, Platform};
+use crate::registry::BlobReader;
 
 /// Which file of a source tar is the disk, and where it goes.
 #[derive(Clone, Debug)]
@@ -124,29 +125,18 @@ pub(super) async fn convert_image(
     manifest: &Manifest,
     platform: &Platform,
 ) -> Result<(Published, Vec<u8>)> {
-    let (client, source, target, opts) = (job.client, job.source, job.target, job.opts);
-    let wanted = opts
-        .path
-        .as_deref()
-        .map(|p| layer_path(Some(p), ""))
-        .transpose()?;
+    let (source, opts) = (job.source, job.opts);
+    let wanted = opts.placement()?;
+    let chunks = chunking(opts);
     for layer in manifest.layers.iter().rev() {
         let Some(compression) = oci::layer_compression(&layer.media_type) else {
             continue;
         };
-        let chunks = chunking(opts);
-        let found = with_restarts(client, || {
-            let wanted = wanted.clone();
-            async move {
-                let blob = client.blob_reader(source, layer).await?;
-                upload_streamed(client, target, None, move |sink| {
-                    convert_layer(blob, compression, wanted, chunks, sink)
-                })
-                .await
-            }
+        let wanted = wanted.clone();
+        let found = republish_layer(job, layer, move |blob, sink| {
+            convert_layer(blob, compression, wanted.clone(), chunks, sink)
         })
-        .await
-        .context(format!("converting layer {} of {source}", layer.digest))?;
+        .await?;
         if let Some(found) = found {
             return finish_converted(job, found, platform).await;
         }
@@ -161,6 +151,33 @@ pub(super) async fn convert_image(
             "{source} ({platform}) has no regular file under {place}; name the disk with --path"
         ),
     ))
+}
+
+/// Reads source layer `layer` of `job` into `build` on a blocking thread, which streams what it
+/// builds into a new blob of the target; started again whole after a broken request
+/// ([`with_restarts`]).
+pub(super) async fn republish_layer<T, F>(
+    job: &Conversion<'_>,
+    layer: &Descriptor,
+    build: F,
+) -> Result<T>
+where
+    T: Send + 'static,
+    F: Fn(BlobReader, SegmentSink) -> Result<(T, Option<Digest>, SegmentSink)>
+        + Clone
+        + Send
+        + 'static,
+{
+    let (client, source, target) = (job.client, job.source, job.target);
+    with_restarts(client, || {
+        let build = build.clone();
+        async move {
+            let blob = client.blob_reader(source, layer).await?;
+            upload_streamed(client, target, None, move |sink| build(blob, sink)).await
+        }
+    })
+    .await
+    .context(format!("converting layer {} of {source}", layer.digest))
 }
 
 /// Config and manifest for a disk republished from `source`, once its format is known.

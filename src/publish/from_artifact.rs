@@ -1,13 +1,14 @@
 //! `vmdisk convert` of a disk artifact (one platform): its disk file, compressed or not, or
 //! the disk in a tar archive it carries (the upstream peer-pod images' `podvm.tar.xz`).
 
-use super::convert::{convert_tar, finish_converted, read_to_end, ConvertedLayer, Selection};
+use super::convert::{
+    convert_tar, finish_converted, read_to_end, republish_layer, ConvertedLayer, Selection,
+};
 use super::pipeline::ChunkingOptions;
-use super::upload::{upload_streamed, with_restarts, SegmentSink};
+use super::upload::SegmentSink;
 use super::{chunking, push_disk, Conversion, PublishOptions, Published};
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::artifact;
-use crate::format::layout::layer_path;
 use crate::oci::digest::Digest;
 use crate::oci::{Manifest, Platform};
 
@@ -112,24 +113,13 @@ pub(super) async fn convert_artifact(
         ));
     };
     let desc = layer.layer;
-    let to = opts
-        .path
-        .as_deref()
-        .map(|p| layer_path(Some(p), ""))
-        .transpose()?;
+    let to = opts.placement()?;
     let chunks = chunking(opts);
-    let read = with_restarts(client, || {
-        let to = to.clone();
-        async move {
-            let blob = client.blob_reader(source, desc).await?;
-            upload_streamed(client, target, None, move |sink| {
-                read_artifact_layer(blob, to, chunks, sink)
-            })
-            .await
-        }
+    let placed = to.clone();
+    let read = republish_layer(job, desc, move |blob, sink| {
+        read_artifact_layer(blob, placed.clone(), chunks, sink)
     })
-    .await
-    .context(format!("converting layer {} of {source}", desc.digest))?;
+    .await?;
     match read {
         FromArtifact::Converted(found) => {
             finish_converted(job, *found, platform).await

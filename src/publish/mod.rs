@@ -55,6 +55,16 @@ pub struct PublishOptions {
     pub format: Option<DiskFormat>,
 }
 
+impl PublishOptions {
+    /// `--path` as a path in the layer, if given.
+    fn placement(&self) -> Result<Option<String>> {
+        self.path
+            .as_deref()
+            .map(|p| layer_path(Some(p), ""))
+            .transpose()
+    }
+}
+
 impl Default for PublishOptions {
     fn default() -> Self {
         PublishOptions {
