@@ -161,7 +161,8 @@ pub struct ContainerdConfigArgs {
         value_name = "SOCK"
     )]
     pub containerd: PathBuf,
-    /// containerd's release (1.6, 1.7 or 2), instead of asking containerd.
+    /// containerd's release (1.6, 1.7, 2.1, 2.3, …), instead of asking containerd (a bare 2 is
+    /// taken as 2.0-2.2: a file it creates is written in configuration version 3).
     #[arg(long, value_name = "RELEASE")]
     pub release: Option<String>,
     /// vmdisk for the VM runtime handlers only (kubevirt, vmdisk, vmdisk-peerpods; their pods
@@ -544,9 +545,8 @@ async fn containerd_config(args: ContainerdConfigArgs) -> Result<()> {
         true => Setup::Handlers,
         false => Setup::AllImages,
     };
-    let snippet = crate::setup::snippet(release, setup)?;
     let platform = Platform::host().to_string();
-    let merged = crate::setup::merge(&current, snippet, &args.address, &platform)
+    let merged = crate::setup::merge(&current, release, setup, &args.address, &platform)
         .map_err(|e| e.context(args.config.display().to_string()))?;
     if args.dry_run {
         let path = args.config.display().to_string();

@@ -7,7 +7,13 @@
 //! table and comment as it was. containerd 1.x replaces a whole plugin section when an `imports` drop-in names
 //! it, so a drop-in would lose the node's `SystemdCgroup`, sandbox image and registry settings;
 //! a merge in place loses nothing. Arrays of tables (2.x's `unpack_config`) gain the entries
-//! they lack. A configuration of another config version is refused, naming the way out.
+//! they lack.
+//!
+//! The file keeps the configuration version it has ([`ConfigVersion`]): containerd 2.x reads
+//! versions 2 and 3 (and 4 from 2.3 on, which `containerd config default` and `config migrate`
+//! of 2.3 and 2.4 write), migrating older ones as it loads them. The snippet is written in the
+//! names the file's version uses ([`ConfigVersion::render`]); a file with no configuration
+//! gets the version its containerd writes itself, so containerd has nothing to migrate.
 
 use std::path::Path;
 use std::time::Duration;
@@ -23,8 +29,11 @@ pub mod toml_merge;
 pub enum Release {
     V1_6,
     V1_7,
-    /// 2.0 and later (config version 3).
+    /// 2.0 to 2.2 (they write configuration version 3).
     V2,
+    /// 2.3 and later (they write configuration version 4; the plugins vmdisk configures keep
+    /// their version-3 names).
+    V2_3,
 }
 
 impl Release {
@@ -32,16 +41,165 @@ impl Release {
     pub fn of_version(version: &str) -> Result<Self> {
         let v = version.trim().trim_start_matches('v');
         let mut parts = v.split(|c: char| !c.is_ascii_digit());
-        let (major, minor) = (parts.next(), parts.next());
-        match (major, minor) {
-            (Some("1"), Some("6")) => Ok(Release::V1_6),
-            (Some("1"), Some("7")) => Ok(Release::V1_7),
-            (Some(m), _) if m.parse::<u32>().is_ok_and(|m| m >= 2) => Ok(Release::V2),
+        let number = |p: Option<&str>| p.and_then(|p| p.parse::<u32>().ok());
+        match (number(parts.next()), number(parts.next())) {
+            (Some(1), Some(6)) => Ok(Release::V1_6),
+            (Some(1), Some(7)) => Ok(Release::V1_7),
+            (Some(2), Some(0..=2)) => Ok(Release::V2),
+            // `--release 2`: a 2.x that may be older than 2.3.
+            (Some(2), None) => Ok(Release::V2),
+            (Some(m), _) if m >= 2 => Ok(Release::V2_3),
             _ => Err(Error::unsupported(format!(
                 "containerd {version} is not one vmdisk has a configuration for (1.6, 1.7, 2.x)"
             ))),
         }
     }
+
+    /// How the release is written in messages.
+    fn name(self) -> &'static str {
+        match self {
+            Release::V1_6 => "1.6",
+            Release::V1_7 => "1.7",
+            Release::V2 => "2.0-2.2",
+            Release::V2_3 => "2.3 or later",
+        }
+    }
+
+    /// The configuration version this release writes itself (`containerd config default`).
+    pub fn config_version(self) -> ConfigVersion {
+        match self {
+            Release::V1_6 | Release::V1_7 => ConfigVersion::V2,
+            Release::V2 => ConfigVersion::V3,
+            Release::V2_3 => ConfigVersion::V4,
+        }
+    }
+
+    /// The configuration versions this release reads that vmdisk writes into (every one it
+    /// reads but version 1, whose short plugin names vmdisk does not write).
+    fn reads(self, version: ConfigVersion) -> bool {
+        match self {
+            Release::V1_6 | Release::V1_7 => version == ConfigVersion::V2,
+            Release::V2 | Release::V2_3 => version <= self.config_version(),
+        }
+    }
+}
+
+/// A containerd configuration file's `version`: what its tables are named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ConfigVersion {
+    /// containerd 1.x; 2.x migrates it: the CRI plugin is one (`io.containerd.grpc.v1.cri`).
+    V2,
+    /// containerd 2.0 and later: the CRI plugin split (`io.containerd.cri.v1.images`,
+    /// `io.containerd.cri.v1.runtime`).
+    V3,
+    /// containerd 2.3 and later: the servers' sections (`[grpc]`, `[ttrpc]`, `[metrics]`,
+    /// `[debug]`) became `io.containerd.server.v1.*` plugins; the CRI, transfer and proxy plugins
+    /// keep their version-3 names.
+    V4,
+}
+
+impl ConfigVersion {
+    /// The version a configuration document says it is, or why vmdisk does not write into it.
+    fn of(doc: &DocumentMut) -> Result<Self> {
+        match doc.get("version").map(|v| v.as_integer()) {
+            Some(Some(2)) => Ok(ConfigVersion::V2),
+            Some(Some(3)) => Ok(ConfigVersion::V3),
+            Some(Some(4)) => Ok(ConfigVersion::V4),
+            // containerd reads a file without `version` as version 1 (short plugin names).
+            None | Some(Some(1)) => Err(Error::unsupported(
+                "the containerd configuration is version 1 (it has no `version` line), whose short plugin names vmdisk does not write; put `version = 2` at its top and name each plugin table in full (`[plugins.cri]` becomes `[plugins.\"io.containerd.grpc.v1.cri\"]`), or start from what `containerd config default` prints",
+            )),
+            Some(other) => Err(Error::unsupported(format!(
+                "the containerd configuration says `version = {}`, which no containerd vmdisk knows writes (1.x: 2; 2.0-2.2: 2 or 3; 2.3 and later: 2, 3 or 4); check the file's first lines",
+                other.map_or_else(|| doc["version"].to_string().trim().to_string(), |v| v.to_string())
+            ))),
+        }
+    }
+
+    fn number(self) -> i64 {
+        match self {
+            ConfigVersion::V2 => 2,
+            ConfigVersion::V3 => 3,
+            ConfigVersion::V4 => 4,
+        }
+    }
+
+    /// `snippet` (a shipped one, in the version its release writes first: 2 for 1.x, 3 for 2.x)
+    /// written in this version's names. Versions 3 and 4 name every plugin vmdisk configures
+    /// alike. Version 2 read by containerd 2.x names the CRI plugin as 1.x did, and containerd
+    /// moves what it holds into the version-3 plugins as it loads the file — overwriting the
+    /// images plugin's snapshotter with the old section's, and keeping the old runtimes only if
+    /// the runtime plugin has none: so vmdisk's CRI keys go where containerd's migration takes
+    /// them from (its `images` and `runtime` plugins' migrations, inverted), and what has no
+    /// version-2 name (`runtime_platforms`, the transfer service, the proxy plugin) keeps its
+    /// full plugin name, which version 2 reads as it is.
+    fn render(self, mut snippet: DocumentMut) -> DocumentMut {
+        let written = snippet
+            .get("version")
+            .and_then(Item::as_integer)
+            .unwrap_or(2);
+        if written == 3 && self == ConfigVersion::V2 {
+            to_version_2(&mut snippet);
+        }
+        snippet["version"] = toml_edit::value(self.number());
+        snippet
+    }
+}
+
+/// The CRI plugin's keys that containerd 2.x's migration of a version-2 file takes from
+/// `[plugins."io.containerd.grpc.v1.cri".containerd]` into the images plugin.
+const IMAGES_KEYS_OF_VERSION_2: [&str; 3] = [
+    "snapshotter",
+    "disable_snapshot_annotations",
+    "discard_unpacked_layers",
+];
+
+/// A version-3 snippet's CRI tables moved to the names a version-2 file gives them (see
+/// [`ConfigVersion::render`]).
+fn to_version_2(snippet: &mut DocumentMut) {
+    let Some(plugins) = snippet.get_mut("plugins").and_then(Item::as_table_mut) else {
+        return;
+    };
+    let mut containerd = toml_edit::Table::new();
+    if let Some(images) = plugins
+        .get_mut("io.containerd.cri.v1.images")
+        .and_then(Item::as_table_mut)
+    {
+        for key in IMAGES_KEYS_OF_VERSION_2 {
+            if let Some((key, value)) = images.remove_entry(key) {
+                containerd.insert_formatted(&key, value);
+            }
+        }
+    }
+    if let Some(runtime) = plugins
+        .get_mut("io.containerd.cri.v1.runtime")
+        .and_then(Item::as_table_mut)
+    {
+        if let Some(Item::Table(moved)) = runtime.remove("containerd") {
+            for (key, value) in moved {
+                containerd.insert(&key, value);
+            }
+        }
+    }
+    for empty in [
+        "io.containerd.cri.v1.images",
+        "io.containerd.cri.v1.runtime",
+    ] {
+        if plugins
+            .get(empty)
+            .and_then(Item::as_table)
+            .is_some_and(toml_edit::Table::is_empty)
+        {
+            plugins.remove(empty);
+        }
+    }
+    if containerd.is_empty() {
+        return;
+    }
+    let mut cri = toml_edit::Table::new();
+    cri.set_implicit(true);
+    cri.insert("containerd", Item::Table(containerd));
+    plugins.insert("io.containerd.grpc.v1.cri", Item::Table(cri));
 }
 
 /// Which images go through vmdisk.
@@ -59,9 +217,13 @@ pub fn snippet(release: Release, setup: Setup) -> Result<&'static str> {
     Ok(match (release, setup) {
         (Release::V1_6, Setup::AllImages) => include_str!("../../config/containerd-1.6.toml"),
         (Release::V1_7, Setup::AllImages) => include_str!("../../config/containerd-1.7.toml"),
-        (Release::V2, Setup::AllImages) => include_str!("../../config/containerd-2.x.toml"),
+        (Release::V2 | Release::V2_3, Setup::AllImages) => {
+            include_str!("../../config/containerd-2.x.toml")
+        }
         (Release::V1_7, Setup::Handlers) => include_str!("../../config/containerd-1.7-handlers.toml"),
-        (Release::V2, Setup::Handlers) => include_str!("../../config/containerd-2.x-handlers.toml"),
+        (Release::V2 | Release::V2_3, Setup::Handlers) => {
+            include_str!("../../config/containerd-2.x-handlers.toml")
+        }
         (Release::V1_6, Setup::Handlers) => {
             return Err(Error::unsupported(
                 "containerd 1.6 has one CRI snapshotter for every image and no per-handler one: run vmdisk as the node's snapshotter (the Debian package and config/containerd-1.6.toml), not per handler",
@@ -113,13 +275,14 @@ pub async fn node_release(socket: &Path, config: &str) -> Result<(Release, Strin
     let version = config
         .parse::<DocumentMut>()
         .ok()
-        .and_then(|d| d.get("version").and_then(Item::as_integer));
+        .and_then(|d| ConfigVersion::of(&d).ok());
     match version {
-        Some(3) => Ok((Release::V2, "2.x (configuration version 3)".into())),
+        Some(ConfigVersion::V3) => Ok((Release::V2, "2.x (configuration version 3)".into())),
+        Some(ConfigVersion::V4) => Ok((Release::V2_3, "2.3 or later (configuration version 4)".into())),
         _ => Err(Error::new(
             ErrorKind::NotFound,
             format!(
-                "cannot tell which containerd this node runs: {}; {}; and the configuration file does not say version 3 (2.x) — name the release with --release 1.6, 1.7 or 2",
+                "cannot tell which containerd this node runs: {}; {}; and the configuration file does not say version 3 or 4 (2.x) — name the release with --release 1.6, 1.7, 2.1 or 2.3",
                 running.chain(),
                 installed.chain()
             ),
@@ -155,10 +318,17 @@ fn version_said(text: &str) -> Option<&str> {
     words.nth(1)
 }
 
-/// `config` (a containerd configuration file's text; empty for none) with `snippet` merged in:
-/// the snapshotter socket set to `socket` and the transfer platforms to `platform`.
-pub fn merge(config: &str, snippet: &str, socket: &Path, platform: &str) -> Result<String> {
-    let snippet = snippet
+/// `config` (a containerd configuration file's text; empty for none) with the snippet of
+/// `release` merged in, written in the file's configuration version (none: the one `release`
+/// writes): the snapshotter socket set to `socket` and the transfer platforms to `platform`.
+pub fn merge(
+    config: &str,
+    release: Release,
+    setup: Setup,
+    socket: &Path,
+    platform: &str,
+) -> Result<String> {
+    let snippet = snippet(release, setup)?
         .replace(
             "\"/run/vmdisk/snapshotter.sock\"",
             &toml_edit::Value::from(socket.display().to_string()).to_string(),
@@ -170,23 +340,22 @@ pub fn merge(config: &str, snippet: &str, socket: &Path, platform: &str) -> Resu
     let snippet: DocumentMut = snippet
         .parse()
         .map_err(|e| Error::invalid(format!("the shipped snippet does not parse: {e}")))?;
-    let want = snippet
-        .get("version")
-        .and_then(Item::as_integer)
-        .unwrap_or(1);
     if config.trim().is_empty() {
-        return Ok(snippet.to_string());
+        return Ok(release.config_version().render(snippet).to_string());
     }
     let mut doc: DocumentMut = config
         .parse()
         .map_err(|e| Error::invalid(format!("the containerd configuration does not parse: {e}")))?;
-    let have = doc.get("version").and_then(Item::as_integer).unwrap_or(1);
-    if have != want {
-        return Err(Error::invalid(format!(
-            "the containerd configuration is version {have}, this containerd's is written in version {want}; run `containerd config migrate` on it first (containerd 2.x reads version 2 but names its plugins as version 3 does)"
+    let version = ConfigVersion::of(&doc)?;
+    if !release.reads(version) {
+        return Err(Error::unsupported(format!(
+            "the containerd configuration is version {}, which containerd {} does not read (it writes version {}); a file written for another containerd release? `containerd config default` of the containerd installed prints one it reads",
+            version.number(),
+            release.name(),
+            release.config_version().number(),
         )));
     }
-    toml_merge::merge_into(&mut doc, &snippet);
+    toml_merge::merge_into(&mut doc, &version.render(snippet));
     Ok(doc.to_string())
 }
 
@@ -253,8 +422,7 @@ mod tests {
     #[test]
     fn merging_keeps_the_nodes_cri_settings_and_adds_vmdisks() {
         let sock = Path::new("/run/vmdisk/snapshotter.sock");
-        let snippet = snippet(Release::V1_7, Setup::Handlers).unwrap();
-        let merged = merge(NODE_17, snippet, sock, "linux/arm64").unwrap();
+        let merged = merge(NODE_17, Release::V1_7, Setup::Handlers, sock, "linux/arm64").unwrap();
         assert!(merged.contains("# the node's own comment"), "{merged}");
         let doc: toml::Value = toml::from_str(&merged).unwrap();
         let cri = ["plugins", "io.containerd.grpc.v1.cri"];
@@ -300,7 +468,7 @@ mod tests {
         );
         // Merging again changes nothing.
         assert_eq!(
-            merge(&merged, snippet, sock, "linux/arm64").unwrap(),
+            merge(&merged, Release::V1_7, Setup::Handlers, sock, "linux/arm64").unwrap(),
             merged
         );
     }
@@ -314,7 +482,8 @@ mod tests {
         let sock = Path::new("/run/vmdisk/snapshotter.sock");
         let merged = merge(
             NODE_17,
-            snippet(Release::V1_7, Setup::AllImages).unwrap(),
+            Release::V1_7,
+            Setup::AllImages,
             sock,
             "linux/amd64",
         )
@@ -357,7 +526,8 @@ mod tests {
         assert_eq!(
             merge(
                 &merged,
-                snippet(Release::V1_7, Setup::AllImages).unwrap(),
+                Release::V1_7,
+                Setup::AllImages,
                 sock,
                 "linux/amd64"
             )
@@ -367,13 +537,7 @@ mod tests {
 
         // containerd 2.x writes 'literal' strings: what is added follows.
         let node = "version = 3\n[plugins]\n  [plugins.'io.containerd.cri.v1.images']\n    snapshotter = 'overlayfs'\n";
-        let merged = merge(
-            node,
-            snippet(Release::V2, Setup::AllImages).unwrap(),
-            sock,
-            "linux/amd64",
-        )
-        .unwrap();
+        let merged = merge(node, Release::V2, Setup::AllImages, sock, "linux/amd64").unwrap();
         assert!(merged.contains("    snapshotter = 'vmdisk'\n"), "{merged}");
         assert!(
             merged.contains("  [proxy_plugins.vmdisk]\n    type = 'snapshot'\n")
@@ -395,6 +559,10 @@ mod tests {
             Some(Release::V2)
         );
         assert_eq!(
+            said("containerd github.com/containerd/containerd/v2 v2.4.2 abc\n"),
+            Some(Release::V2_3)
+        );
+        assert_eq!(
             said("containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+b1\n"),
             Some(Release::V1_6)
         );
@@ -406,7 +574,8 @@ mod tests {
         let node = "version = 3\n[[plugins.\"io.containerd.transfer.v1.local\".unpack_config]]\n  platform = \"linux/arm64\"\n  snapshotter = \"overlayfs\"\n  differ = \"walking\"\n";
         let merged = merge(
             node,
-            snippet(Release::V2, Setup::Handlers).unwrap(),
+            Release::V2,
+            Setup::Handlers,
             Path::new("/run/v.sock"),
             "linux/arm64",
         )
@@ -433,6 +602,158 @@ mod tests {
             .all(|u| u["platform"].as_str() == Some("linux/arm64")));
     }
 
+    /// What `containerd config default` of 2.3 and 2.4 writes, in part: version 4, the servers
+    /// as plugins.
+    const NODE_23: &str = r#"version = 4
+root = '/var/lib/containerd'
+state = '/run/containerd'
+
+[plugins]
+  [plugins.'io.containerd.cri.v1.images']
+    snapshotter = 'overlayfs'
+    [plugins.'io.containerd.cri.v1.images'.pinned_images]
+      sandbox = 'registry.k8s.io/pause:3.10.1'
+  [plugins.'io.containerd.cri.v1.runtime']
+    [plugins.'io.containerd.cri.v1.runtime'.containerd]
+      default_runtime_name = 'runc'
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes]
+        [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+          runtime_type = 'io.containerd.runc.v2'
+          [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+            SystemdCgroup = true
+  [plugins.'io.containerd.server.v1.grpc']
+    address = '/run/containerd/containerd.sock'
+  [plugins.'io.containerd.transfer.v1.local']
+    config_path = ''
+"#;
+
+    /// A 2.3 or 2.4 node's own file (version 4) stays version 4, with vmdisk's snapshotter,
+    /// handlers and proxy plugin where version 3 names them; one with no file gets version 4;
+    /// a 2.1 node's file is version 3 and stays so.
+    #[test]
+    fn a_version_4_file_stays_version_4() {
+        let sock = Path::new("/run/vmdisk/snapshotter.sock");
+        for setup in [Setup::AllImages, Setup::Handlers] {
+            let merged = merge(NODE_23, Release::V2_3, setup, sock, "linux/amd64").unwrap();
+            let doc: toml::Value = toml::from_str(&merged).unwrap();
+            assert_eq!(doc["version"].as_integer(), Some(4), "{merged}");
+            let images = &doc["plugins"]["io.containerd.cri.v1.images"];
+            let runtimes =
+                &doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"];
+            assert_eq!(
+                runtimes["runc"]["options"]["SystemdCgroup"].as_bool(),
+                Some(true)
+            );
+            assert_eq!(
+                runtimes["vmdisk"]["runtime_type"].as_str(),
+                Some("io.containerd.vmdisk.v2")
+            );
+            assert_eq!(
+                doc["proxy_plugins"]["vmdisk"]["address"].as_str(),
+                sock.to_str()
+            );
+            assert_eq!(
+                doc["plugins"]["io.containerd.server.v1.grpc"]["address"].as_str(),
+                Some("/run/containerd/containerd.sock")
+            );
+            let snapshotter = images["snapshotter"].as_str();
+            match setup {
+                Setup::AllImages => assert_eq!(snapshotter, Some("vmdisk")),
+                Setup::Handlers => {
+                    assert_eq!(snapshotter, Some("overlayfs"));
+                    assert_eq!(
+                        images["runtime_platforms"]["kubevirt"]["snapshotter"].as_str(),
+                        Some("vmdisk")
+                    );
+                }
+            }
+            assert!(
+                !merged.contains("[grpc]") && !merged.contains("io.containerd.grpc.v1.cri"),
+                "{merged}"
+            );
+            assert_eq!(
+                merge(&merged, Release::V2_3, setup, sock, "linux/amd64").unwrap(),
+                merged
+            );
+        }
+        let fresh = merge("", Release::V2_3, Setup::AllImages, sock, "linux/amd64").unwrap();
+        assert!(fresh.contains("\nversion = 4\n"), "{fresh}");
+        let fresh = merge("", Release::V2, Setup::AllImages, sock, "linux/amd64").unwrap();
+        assert!(fresh.contains("\nversion = 3\n"), "{fresh}");
+        // A version-3 file on 2.3 (kept from 2.1 across an upgrade) stays version 3.
+        let kept =
+            "version = 3\n[plugins.'io.containerd.cri.v1.images']\n  snapshotter = 'overlayfs'\n";
+        let merged = merge(kept, Release::V2_3, Setup::AllImages, sock, "linux/amd64").unwrap();
+        assert!(
+            merged.starts_with("version = 3\n") && merged.contains("snapshotter = 'vmdisk'"),
+            "{merged}"
+        );
+    }
+
+    /// containerd 2.x reading a version-2 file (written for 1.7, kept across an upgrade) moves
+    /// the old CRI section's snapshotter over the images plugin's, and keeps its runtimes only
+    /// if the runtime plugin has none: vmdisk's keys go under the old names, so the node's runc
+    /// and its own settings survive containerd's migration and vmdisk's snapshotter wins.
+    #[test]
+    fn a_version_2_file_for_containerd_2_gets_the_names_version_2_uses() {
+        let sock = Path::new("/run/vmdisk/snapshotter.sock");
+        for release in [Release::V2, Release::V2_3] {
+            let merged = merge(NODE_17, release, Setup::AllImages, sock, "linux/amd64").unwrap();
+            let doc: toml::Value = toml::from_str(&merged).unwrap();
+            assert_eq!(doc["version"].as_integer(), Some(2), "{merged}");
+            let cri = &doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"];
+            assert_eq!(cri["snapshotter"].as_str(), Some("vmdisk"), "{merged}");
+            assert_eq!(
+                cri["runtimes"]["runc"]["options"]["SystemdCgroup"].as_bool(),
+                Some(true)
+            );
+            assert_eq!(
+                cri["runtimes"]["vmdisk"]["runtime_type"].as_str(),
+                Some("io.containerd.vmdisk.v2")
+            );
+            // The 2.x snippet does not turn the snapshot annotations off (1.7's does).
+            assert!(
+                cri.get("disable_snapshot_annotations").is_none(),
+                "{merged}"
+            );
+            let plugins = doc["plugins"].as_table().unwrap();
+            assert!(
+                !plugins.contains_key("io.containerd.cri.v1.runtime"),
+                "{merged}"
+            );
+            assert!(
+                !plugins.contains_key("io.containerd.cri.v1.images"),
+                "{merged}"
+            );
+            assert_eq!(
+                doc["plugins"]["io.containerd.transfer.v1.local"]["unpack_config"][0]
+                    ["snapshotter"]
+                    .as_str(),
+                Some("vmdisk")
+            );
+            assert_eq!(
+                doc["proxy_plugins"]["vmdisk"]["exports"]["enable_remote_snapshot_annotations"]
+                    .as_str(),
+                Some("true")
+            );
+            let handlers = merge(NODE_17, release, Setup::Handlers, sock, "linux/amd64").unwrap();
+            let doc: toml::Value = toml::from_str(&handlers).unwrap();
+            let cri = &doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"];
+            assert_eq!(cri["snapshotter"].as_str(), Some("overlayfs"), "{handlers}");
+            assert_eq!(
+                cri["runtimes"]["kubevirt"]["snapshotter"].as_str(),
+                Some("vmdisk")
+            );
+            assert_eq!(
+                doc["plugins"]["io.containerd.cri.v1.images"]["runtime_platforms"]["kubevirt"]
+                    ["snapshotter"]
+                    .as_str(),
+                Some("vmdisk"),
+                "{handlers}"
+            );
+        }
+    }
+
     #[test]
     fn what_does_not_fit_is_refused() {
         let sock = Path::new("/s");
@@ -441,27 +762,32 @@ mod tests {
             snippet(Release::V1_6, Setup::Handlers).unwrap_err().kind(),
             ErrorKind::Unsupported
         );
-        // A version-2 file for containerd 2.x.
-        let e = merge(
-            "version = 2\n",
-            snippet(Release::V2, Setup::AllImages).unwrap(),
-            sock,
-            "linux/amd64",
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("containerd config migrate"), "{e}");
+        // A file of a version the release does not read, or no release writes, or version 1:
+        // each says what to do, and none sends to `containerd config migrate` (whose output
+        // would be refused again).
+        for (file, release, says) in [
+            (
+                "version = 3\n",
+                Release::V1_7,
+                "`containerd config default`",
+            ),
+            ("version = 4\n", Release::V2, "`containerd config default`"),
+            ("version = 5\n", Release::V2_3, "no containerd vmdisk knows"),
+            ("[plugins.cri]\n", Release::V2_3, "`version = 2`"),
+        ] {
+            let e = merge(file, release, Setup::AllImages, sock, "linux/amd64").unwrap_err();
+            assert!(e.to_string().contains(says), "{file}: {e}");
+            assert!(!e.to_string().contains("migrate"), "{file}: {e}");
+        }
         assert_eq!(Release::of_version("1.7.24~ds1").unwrap(), Release::V1_7);
         assert_eq!(Release::of_version("v2.1.9").unwrap(), Release::V2);
+        assert_eq!(Release::of_version("2").unwrap(), Release::V2);
+        assert_eq!(Release::of_version("v2.3.7").unwrap(), Release::V2_3);
+        assert_eq!(Release::of_version("2.4.2").unwrap(), Release::V2_3);
         assert_eq!(Release::of_version("1.6.20~ds1").unwrap(), Release::V1_6);
         assert!(Release::of_version("1.5.0").is_err());
         // No file yet: the snippet itself.
-        let fresh = merge(
-            "",
-            snippet(Release::V1_7, Setup::AllImages).unwrap(),
-            sock,
-            "linux/amd64",
-        )
-        .unwrap();
+        let fresh = merge("", Release::V1_7, Setup::AllImages, sock, "linux/amd64").unwrap();
         assert!(fresh.contains("address = \"/s\""), "{fresh}");
     }
 }
