@@ -36,6 +36,12 @@ pub struct Config {
     /// so that replacing the pod leaves running VMs' disks served ([`super::mount_server::cgroup`]). Empty:
     /// servers stay in the daemon's cgroup (the Debian package's unit keeps them alive).
     pub server_cgroup: String,
+    /// Seconds a mount server serves with no daemon asking after it (a running daemon asks
+    /// every second) before it stops by itself, as soon as no one has its disk open: what is
+    /// left of an uninstalled DaemonSet or package ends. A disk in use keeps its server until it
+    /// is closed. Longer than a daemon's replacement takes (its pod's image pull, a crash
+    /// loop's back-off). 0: never.
+    pub orphan_grace: u64,
     pub cache: CacheConfig,
     pub registry: RegistrySettings,
     pub metrics: MetricsConfig,
@@ -164,6 +170,7 @@ impl Default for Config {
             vmm_group: "kvm".into(),
             control_priority: 5,
             server_cgroup: String::new(),
+            orphan_grace: 900,
             cache: CacheConfig::default(),
             registry: RegistrySettings::default(),
             metrics: MetricsConfig::default(),

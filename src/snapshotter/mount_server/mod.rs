@@ -7,12 +7,16 @@
 //! `Stop` aborts a start that is still running, or unmounts (refused while busy) and exits.
 //! A server that failed to start waits for the daemon's `Stop` (at most [`FAILED_LINGER`]), so
 //! the daemon always learns why. SIGTERM and SIGINT stop it too, like `vmdisk mount`.
+//!
+//! A running daemon asks its servers' status every second. A server no daemon has asked after
+//! for `orphan_grace` (its daemon uninstalled, not replaced) stops as `Stop` would, once no one
+//! has its disk open: a VM still reading it keeps it served until it closes it.
 
 pub mod cgroup;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
@@ -58,11 +62,33 @@ struct Shared {
     /// Credentials of pulls of the image that succeeded, handed over by the daemon; memory
     /// only.
     granted: Arc<Granted>,
+    /// When a daemon last called (any call of the control service).
+    last_asked: Mutex<Instant>,
 }
 
 struct ControlService(Arc<Shared>);
 
 impl Shared {
+    /// Notes a daemon's call.
+    fn asked(&self) {
+        *self.last_asked.lock() = Instant::now();
+    }
+
+    /// Returns once no daemon has called for `grace`, and not before `not_before`; never if
+    /// `grace` is zero.
+    async fn orphaned(&self, grace: Duration, not_before: Instant) {
+        if grace.is_zero() {
+            return std::future::pending().await;
+        }
+        loop {
+            let due = (*self.last_asked.lock() + grace).max(not_before);
+            if Instant::now() >= due {
+                return;
+            }
+            tokio::time::sleep_until(due.into()).await;
+        }
+    }
+
     fn set_phase(&self, phase: Phase) {
         *self.phase.lock() = phase;
         self.phase_changed.notify_waiters();
@@ -158,6 +184,7 @@ impl pb::layer_server_server::LayerServer for ControlService {
         &self,
         request: Request<pb::LayerStatusRequest>,
     ) -> Result<Response<pb::LayerStatus>, Status> {
+        self.0.asked();
         let wait = u64::from(request.into_inner().wait_started_ms).min(1000);
         if wait > 0 {
             self.0.wait_started(Duration::from_millis(wait)).await;
@@ -169,6 +196,7 @@ impl pb::layer_server_server::LayerServer for ControlService {
         &self,
         _request: Request<pb::HydrateRequest>,
     ) -> Result<Response<pb::HydrateResponse>, Status> {
+        self.0.asked();
         let serving = self.0.serving()?;
         Ok(Response::new(pb::HydrateResponse {
             started: serving.hydrate(),
@@ -179,6 +207,7 @@ impl pb::layer_server_server::LayerServer for ControlService {
         &self,
         _request: Request<pb::MountReadyDirRequest>,
     ) -> Result<Response<pb::MountReadyDirResponse>, Status> {
+        self.0.asked();
         let serving = self.0.serving()?;
         // Its own task: a caller that gives up does not cut a description short.
         let ready_dir = tokio::spawn(async move { serving.mount_ready().await })
@@ -193,6 +222,7 @@ impl pb::layer_server_server::LayerServer for ControlService {
         &self,
         request: Request<pb::Credentials>,
     ) -> Result<Response<pb::SetCredentialsResponse>, Status> {
+        self.0.asked();
         self.0
             .granted
             .add(crate::snapshotter::servers::control::grant_of(
@@ -219,6 +249,9 @@ impl pb::layer_server_server::LayerServer for ControlService {
         }))
     }
 }
+
+/// How often a server no daemon asks after tries again to stop while its disk is in use.
+const ORPHAN_RETRY: Duration = Duration::from_secs(2);
 
 /// How long a server waits for the blob bytes the daemon fetches for it ([`control::hand_over`])
 /// at most, once it needs them.
@@ -296,6 +329,7 @@ pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> R
         phase_changed: tokio::sync::Notify::new(),
         stops,
         granted,
+        last_asked: Mutex::new(Instant::now()),
     });
     let (done, done_rx) = tokio::sync::watch::channel(false);
     let control_task = tokio::spawn(
@@ -372,11 +406,30 @@ async fn run(
     };
     shared.set_phase(Phase::Serving(Arc::clone(&serving)));
     tracing::info!(%reference, %layer, mountpoint = %paths.mountpoint.display(), "serving");
+    let grace = Duration::from_secs(config.orphan_grace);
+    let mut orphan_not_before = Instant::now();
+    let mut orphan_noted = false;
     loop {
         let reply = tokio::select! {
             Some(reply) = stop_requests.recv() => Some(reply),
             r = crate::serve::wait_for_signal() => { r?; None }
+            () = shared.orphaned(grace, orphan_not_before) => {
+                match serving.unmount() {
+                    Ok(()) => {
+                        tracing::info!(%layer, grace_secs = grace.as_secs(), "no daemon asked after this server and no one has its disk open: stopping");
+                        break;
+                    }
+                    Err(e) => {
+                        if !std::mem::replace(&mut orphan_noted, true) {
+                            tracing::info!(%layer, grace_secs = grace.as_secs(), why = %e.chain(), "no daemon asked after this server: it stops once its disk is closed");
+                        }
+                        orphan_not_before = Instant::now() + ORPHAN_RETRY;
+                        continue;
+                    }
+                }
+            }
         };
+        orphan_noted = false;
         match serving.unmount() {
             Ok(()) => {
                 let counters =
