@@ -3,7 +3,9 @@
 //! nowhere else: a transient failure — no connection, a reset, a timeout, a 5xx or 429, a
 //! short body, bytes that fail their digest — is tried again with exponential backoff and
 //! jitter (`backon`), until it succeeds, the attempts run out or the overall deadline passes;
-//! anything else (not found, refused credentials, a malformed answer) fails at once. Which
+//! anything else (not found, refused credentials, a malformed answer) fails at once. A
+//! failure that says how long to wait ([`RetryAfter`]: a registry's 429 or 503 with
+//! `Retry-After`) is not tried again sooner, within the deadline. Which
 //! endpoint a try goes to (the next mirror first, the registry itself last) is the registry
 //! client's business; this module only decides whether and when to try again.
 
@@ -32,6 +34,48 @@ impl Default for RetryPolicy {
             max_delay: Duration::from_secs(5),
             deadline: Duration::from_secs(60),
         }
+    }
+}
+
+/// How long the remote side asked to be left alone (`Retry-After` on a 429 or 503), carried as
+/// the source of the error of that answer: the next try waits at least that long.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryAfter(pub Duration);
+
+impl std::fmt::Display for RetryAfter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "asked to wait {:.1} s (Retry-After)",
+            self.0.as_secs_f32()
+        )
+    }
+}
+
+impl std::error::Error for RetryAfter {}
+
+impl RetryAfter {
+    /// The longest wait asked for of a `Retry-After` header's value in seconds (an HTTP date is
+    /// not read: the backoff stands).
+    pub const LONGEST: Duration = Duration::from_secs(120);
+
+    /// The wait a `Retry-After` header's value asks for, if it is a number of seconds (at most
+    /// [`RetryAfter::LONGEST`]).
+    pub fn parse(value: &str) -> Option<Self> {
+        let secs: u64 = value.trim().parse().ok()?;
+        Some(RetryAfter(Duration::from_secs(secs).min(Self::LONGEST)))
+    }
+
+    /// The wait `e` (or one of its causes) asks for.
+    pub fn of(e: &Error) -> Option<Duration> {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        while let Some(c) = cause {
+            if let Some(RetryAfter(wait)) = c.downcast_ref::<RetryAfter>() {
+                return Some(*wait);
+            }
+            cause = c.source();
+        }
+        None
     }
 }
 
@@ -151,6 +195,7 @@ impl RetryPolicy {
             .retry(backoff)
             .sleep(tokio::time::sleep)
             .when(|e| retry(e))
+            .adjust(|e, wait| wait.map(|w| RetryAfter::of(e).map_or(w, |asked| asked.max(w))))
             .notify(|e, wait| {
                 if e.kind() == ErrorKind::Corrupt {
                     tracing::warn!(what, error = %e.chain(), retry_in_ms = wait.as_millis() as u64, "bytes failed their check; fetching them again");
@@ -191,6 +236,39 @@ mod tests {
             max_delay: Duration::from_millis(5),
             deadline: Duration::from_millis(deadline_ms),
         }
+    }
+
+    /// A failure that asks for a wait (a 429 with Retry-After) is tried again no sooner, though
+    /// the backoff would have.
+    #[tokio::test]
+    async fn a_retry_after_is_waited_for() {
+        let tries = AtomicU32::new(0);
+        let started = std::time::Instant::now();
+        quick(3, 5000)
+            .run("a busy registry", || async {
+                match tries.fetch_add(1, Ordering::SeqCst) {
+                    0 => Err(Error::new(ErrorKind::Network, "HTTP 429")
+                        .with_source(RetryAfter(Duration::from_millis(400)))),
+                    _ => Ok(()),
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(tries.load(Ordering::SeqCst), 2);
+        assert!(
+            started.elapsed() >= Duration::from_millis(400),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            RetryAfter::parse(" 3 ").map(|r| r.0),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(
+            RetryAfter::parse("100000").map(|r| r.0),
+            Some(RetryAfter::LONGEST)
+        );
+        assert!(RetryAfter::parse("Wed, 21 Oct 2015 07:28:00 GMT").is_none());
     }
 
     #[tokio::test]

@@ -8,13 +8,15 @@
 //! manifests fetched by digest, configs and blobs are checked against their digests here;
 //! byte ranges are checked by the caller, who knows the chunk digests.
 //!
-//! `transport.rs` sends (endpoints in turn, credentials, deadlines), `token.rs` answers
-//! challenges, `read.rs` and `push.rs` are the two APIs built on them.
+//! `transport.rs` sends (endpoints in turn, credentials, deadlines, redirects), `token.rs`
+//! answers challenges, `locations.rs` keeps where redirected blobs are, `read.rs` and `push.rs`
+//! are the two APIs built on them.
 
 pub mod auth;
 pub mod granted;
 pub mod health;
 pub mod hosts;
+mod locations;
 mod push;
 mod read;
 pub mod roots;
@@ -143,11 +145,14 @@ impl RegistryClient {
 /// A registry client. Cheap to share behind an `Arc`; all methods take `&self`. It acts with
 /// the node's own credentials and those it was granted ([`granted`]); clients made with
 /// [`RegistryClient::with_grants`] share connections, endpoint health and tokens, each token
-/// kept under the credential it was got with.
+/// kept under the credential it was got with. The blob URLs its endpoints redirected it to
+/// ([`locations`]) are its own: a signed URL got with one client's credentials is never used
+/// by a client with others.
 #[derive(Clone)]
 pub struct RegistryClient {
     shared: std::sync::Arc<Shared>,
     granted: std::sync::Arc<granted::Granted>,
+    locations: std::sync::Arc<locations::Locations>,
 }
 
 /// What every client made from one [`RegistryClient::new`] shares.
@@ -323,6 +328,7 @@ impl RegistryClient {
                 health: std::sync::Arc::new(health),
             }),
             granted: std::sync::Arc::default(),
+            locations: std::sync::Arc::default(),
         })
     }
 
@@ -332,6 +338,7 @@ impl RegistryClient {
         RegistryClient {
             shared: std::sync::Arc::clone(&self.shared),
             granted,
+            locations: std::sync::Arc::default(),
         }
     }
 }

@@ -230,7 +230,7 @@ impl RegistryClient {
             r,
             what,
             Ask::AnyEndpoint,
-            |ep| Req::get(ep, r, &format!("blobs/{}", desc.digest)),
+            |ep| Req::get(ep, r, &format!("blobs/{}", desc.digest)).of_blob(desc.digest, false),
             |resp, ep| async move {
                 let bytes = self.body(&ep, resp, desc.size, what).await?;
                 if bytes.len() as u64 != desc.size {
@@ -270,7 +270,11 @@ impl RegistryClient {
             what,
             ask,
             Some(digest),
-            &|ep| Req::get(ep, r, &format!("blobs/{digest}")).header(RANGE, &header),
+            &|ep| {
+                Req::get(ep, r, &format!("blobs/{digest}"))
+                    .header(RANGE, &header)
+                    .of_blob(*digest, ask == Ask::Registry)
+            },
             &|resp: reqwest::Response, ep: Endpoint| async move {
                 let who = ep.describe(&r.registry);
                 if resp.status() != StatusCode::PARTIAL_CONTENT {
@@ -321,7 +325,7 @@ impl RegistryClient {
                 r,
                 &what,
                 Ask::AnyEndpoint,
-                |ep| Req::get(ep, r, &format!("blobs/{}", desc.digest)),
+                |ep| Req::get(ep, r, &format!("blobs/{}", desc.digest)).of_blob(desc.digest, false),
                 |resp, _| async move { Ok(resp) },
             )
             .await?;

@@ -38,6 +38,82 @@ struct Server {
     blobs: Mutex<HashMap<String, Vec<u8>>>,
     /// A manifest body that never ends.
     stall: bool,
+    /// Blob GETs are answered with a 307 to this blob host (a CDN), with its current signature.
+    redirect_to: Mutex<Option<Arc<BlobHost>>>,
+    /// 429 answers (`Retry-After: 1`) still to give to blob GETs.
+    busy: AtomicUsize,
+}
+
+/// A blob host as public registries redirect to (a CDN, S3): it serves a blob's ranges at
+/// `/cdn/<digest>?sig=<n>` while `n` is its current signature, refuses other signatures with
+/// 403 (expired or revoked) and any request that carries an `Authorization` (S3's 400).
+#[derive(Default)]
+struct BlobHost {
+    base: Mutex<String>,
+    blobs: Mutex<HashMap<String, Vec<u8>>>,
+    signature: AtomicUsize,
+    /// Requests by path and query, and whether they carried an Authorization header.
+    seen: Mutex<Vec<(String, bool)>>,
+    /// Redirect every request to this URL instead of answering it (a loop, a chain).
+    redirect: Mutex<Option<String>>,
+}
+
+async fn blob_host_handle(
+    State(host): State<Arc<BlobHost>>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let authorized = headers.contains_key(header::AUTHORIZATION);
+    host.seen.lock().push((uri.to_string(), authorized));
+    if let Some(to) = host.redirect.lock().clone() {
+        return respond(StatusCode::TEMPORARY_REDIRECT)
+            .header(header::LOCATION, to)
+            .body(Body::empty())
+            .unwrap();
+    }
+    if authorized {
+        return respond(StatusCode::BAD_REQUEST)
+            .body(Body::from("only one auth mechanism allowed"))
+            .unwrap();
+    }
+    let sig = format!("sig={}", host.signature.load(Ordering::SeqCst));
+    if uri.query() != Some(sig.as_str()) {
+        return respond(StatusCode::FORBIDDEN)
+            .body(Body::from("Request has expired"))
+            .unwrap();
+    }
+    let digest = uri.path().trim_start_matches("/cdn/");
+    match host.blobs.lock().get(digest) {
+        Some(blob) => serve_blob(blob, &headers, true),
+        None => respond(StatusCode::NOT_FOUND).body(Body::empty()).unwrap(),
+    }
+}
+
+impl BlobHost {
+    /// Serves a blob host on a loopback port of its own.
+    async fn start() -> Arc<Self> {
+        let host = Arc::new(BlobHost::default());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        *host.base.lock() = format!("http://{}", listener.local_addr().unwrap());
+        let app = axum::Router::new()
+            .route("/{*rest}", axum::routing::get(blob_host_handle))
+            .with_state(Arc::clone(&host));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        host
+    }
+
+    /// Where the registry redirects a GET of blob `digest` now.
+    fn url(&self, digest: &str) -> String {
+        format!(
+            "{}/cdn/{digest}?sig={}",
+            self.base.lock(),
+            self.signature.load(Ordering::SeqCst)
+        )
+    }
+
+    fn requests(&self) -> usize {
+        self.seen.lock().len()
+    }
 }
 
 const MANIFEST: &str = r#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","size":2},"layers":[]}"#;
@@ -68,6 +144,22 @@ async fn handle(
         .strip_prefix("vm/disk/blobs/")
         .filter(|_| method == Method::GET)
     {
+        if server
+            .busy
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return respond(StatusCode::TOO_MANY_REQUESTS)
+                .header(header::RETRY_AFTER, "1")
+                .body(Body::empty())
+                .unwrap();
+        }
+        if let Some(cdn) = server.redirect_to.lock().clone() {
+            return respond(StatusCode::TEMPORARY_REDIRECT)
+                .header(header::LOCATION, cdn.url(digest))
+                .body(Body::empty())
+                .unwrap();
+        }
         if let Some(blob) = server.blobs.lock().get(digest) {
             return serve_blob(blob, &headers, true);
         }
@@ -810,4 +902,166 @@ async fn a_mirror_that_is_down_costs_one_refused_connection() {
         .find(|(b, _)| *b == format!("http://{closed}"))
         .unwrap();
     assert_eq!((m.requests, m.failures), (1, 1), "tried once, not retried");
+}
+
+/// A registry that redirects blob GETs to a blob host with signed, expiring URLs, as every
+/// public registry does, behind a token: the first range of a blob asks the registry, the
+/// others go to the blob host directly without the registry's authorization (which the blob
+/// host would refuse), a burst of cold reads costs the registry one request, a URL the blob
+/// host refuses (expired) is resolved again once and the read goes on, and every byte is
+/// right.
+#[tokio::test]
+async fn a_blobs_redirect_is_resolved_once_and_kept_until_the_blob_host_refuses_it() {
+    let cdn = BlobHost::start().await;
+    let server = Arc::new(Server {
+        token: Some(("t0k3n".into(), "alice:s3cret".into())),
+        redirect_to: Mutex::new(Some(Arc::clone(&cdn))),
+        ..Default::default()
+    });
+    let host = serve(Arc::clone(&server)).await;
+    let blob: Vec<u8> = (0..1u32 << 20).map(|i| (i * 7 % 251) as u8).collect();
+    let digest = Digest::of(&blob);
+    cdn.blobs.lock().insert(digest.to_string(), blob.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let auth = {
+        use base64::Engine as _;
+        let path = dir.path().join("auth.json");
+        let auth = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
+        std::fs::write(
+            &path,
+            format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#),
+        )
+        .unwrap();
+        path
+    };
+    let c = client(vec![auth]);
+    let r = reference(&host, "1");
+    let read = |at: u64| {
+        let (c, r) = (c.clone(), r.clone());
+        async move {
+            c.get_blob_range(&r, &digest, at..at + 4096, Ask::AnyEndpoint)
+                .await
+                .map(|b| b.to_vec())
+        }
+    };
+    let registry_gets = || count(&server, &format!("GET /vm/disk/blobs/{digest}"));
+    // A burst of 16 cold reads at once.
+    let burst: Vec<_> = (0..16u64).map(|i| tokio::spawn(read(i * 65536))).collect();
+    for (i, got) in futures_util::future::join_all(burst)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        let at = i * 65536;
+        assert_eq!(got.unwrap().unwrap(), &blob[at..at + 4096]);
+    }
+    // The redirect's first ask carried the token (after the challenge); one ask resolved it.
+    assert_eq!(registry_gets(), 2, "{:?}", server.seen.lock());
+    for at in (0..200u64).map(|i| i * 4096) {
+        assert_eq!(
+            read(at).await.unwrap(),
+            &blob[at as usize..at as usize + 4096]
+        );
+    }
+    assert_eq!(registry_gets(), 2, "a kept URL asks the registry nothing");
+    assert_eq!(cdn.requests(), 216);
+    assert!(
+        cdn.seen.lock().iter().all(|(_, authorized)| !authorized),
+        "the registry's authorization reached the blob host"
+    );
+    // The URL expires: the next read is answered all the same, by a URL asked for once.
+    cdn.signature.store(1, Ordering::SeqCst);
+    for at in [0u64, 8192, 16384] {
+        assert_eq!(
+            read(at).await.unwrap(),
+            &blob[at as usize..at as usize + 4096]
+        );
+    }
+    assert_eq!(registry_gets(), 3, "{:?}", server.seen.lock());
+    // A whole blob goes the same way.
+    let desc = crate::oci::Descriptor::of("application/octet-stream", &blob);
+    assert_eq!(c.get_blob(&r, &desc, 2 << 20).await.unwrap(), blob);
+    assert_eq!(registry_gets(), 3);
+}
+
+/// Redirects that cannot be followed safely fail with an error that names them, after few
+/// requests: a loop back to a URL already asked, a chain longer than a few hops.
+#[tokio::test]
+async fn a_redirect_loop_or_a_long_chain_is_refused() {
+    let cdn = BlobHost::start().await;
+    let server = Arc::new(Server {
+        redirect_to: Mutex::new(Some(Arc::clone(&cdn))),
+        ..Default::default()
+    });
+    let host = serve(Arc::clone(&server)).await;
+    let digest = Digest::of(b"x");
+    let c = client(vec![]);
+    let r = reference(&host, "1");
+    *cdn.redirect.lock() = Some(format!("http://{host}/v2/vm/disk/blobs/{digest}"));
+    let e = c
+        .get_blob_range(&r, &digest, 0..1, Ask::AnyEndpoint)
+        .await
+        .unwrap_err();
+    assert!(e.chain().contains("redirect loop"), "{}", e.chain());
+    assert_eq!(e.kind(), ErrorKind::BadAnswer);
+    // Each hop goes to a new URL of the blob host: a chain.
+    let n = Arc::new(AtomicUsize::new(0));
+    let chain = {
+        let n = Arc::clone(&n);
+        axum::Router::new().route(
+            "/{*rest}",
+            axum::routing::get(move || {
+                let n = n.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    respond(StatusCode::FOUND)
+                        .header(header::LOCATION, format!("/hop/{}", n + 1))
+                        .body(Body::empty())
+                        .unwrap()
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let chain_host = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, chain).await });
+    *cdn.redirect.lock() = Some(format!("http://{chain_host}/hop/0"));
+    let e = c
+        .get_blob_range(&r, &digest, 0..1, Ask::AnyEndpoint)
+        .await
+        .unwrap_err();
+    assert!(e.chain().contains("more than 5 redirects"), "{}", e.chain());
+    assert!(
+        n.load(Ordering::SeqCst) <= 5,
+        "{} hops asked",
+        n.load(Ordering::SeqCst)
+    );
+}
+
+/// A registry that answers 429 with `Retry-After` is asked again no sooner.
+#[tokio::test]
+async fn a_busy_registrys_retry_after_is_honoured() {
+    let server = Arc::new(Server {
+        busy: AtomicUsize::new(1),
+        ..Default::default()
+    });
+    let host = serve(Arc::clone(&server)).await;
+    let blob = vec![7u8; 8192];
+    let digest = Digest::of(&blob);
+    server.blobs.lock().insert(digest.to_string(), blob.clone());
+    let c = client(vec![]);
+    let r = reference(&host, "1");
+    let started = std::time::Instant::now();
+    let got = RetryPolicy::quick()
+        .run("a range", || {
+            c.get_blob_range(&r, &digest, 0..4096, Ask::AnyEndpoint)
+        })
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &blob[..4096]);
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "asked again after {:?}, before its Retry-After",
+        started.elapsed()
+    );
+    assert_eq!(count(&server, &format!("GET /vm/disk/blobs/{digest}")), 2);
 }

@@ -1,19 +1,26 @@
 //! Sending requests: HTTP clients per TLS settings, the endpoints of a reference (mirrors from
-//! `hosts.toml`, then the registry), one request with the credentials that are accepted
-//! ([`RegistryClient::send`]), and one try of every endpoint in turn with what each answer
-//! teaches the endpoints' health ([`RegistryClient::sweep`]); the retry policy wraps a whole
-//! try ([`RegistryClient::pull`]). Bodies are read under a size limit and a deadline
-//! (`read_limited` in `mod.rs`).
+//! `hosts.toml`, then the registry), one request with the credentials that are accepted and
+//! the redirects it is answered with followed ([`RegistryClient::send`]), and one try of every
+//! endpoint in turn with what each answer teaches the endpoints' health
+//! ([`RegistryClient::sweep`]); the retry policy wraps a whole try ([`RegistryClient::pull`]).
+//! Bodies are read under a size limit and a deadline (`read_limited` in `mod.rs`).
+//!
+//! Redirects are followed here, not by the HTTP client: at most [`MAX_REDIRECTS`] hops, never
+//! from HTTPS to plain HTTP, never in a loop, and never with the registry's `Authorization`
+//! or the endpoint's own headers (a blob host — a CDN, S3, GCS, Azure — refuses a request that
+//! carries a second authentication, and must not learn the registry's). Where a blob's bytes
+//! were redirected to is kept ([`super::locations`]) and asked directly from then on.
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, WWW_AUTHENTICATE};
+use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, LOCATION, WWW_AUTHENTICATE};
 use reqwest::{Method, StatusCode};
 
 use std::path::PathBuf;
 
 use super::hosts::Endpoint;
+use super::locations::Lookup;
 use super::token::{scope, Access, Candidate, Principal};
 use super::{health, read_limited, registry_error_text, roots, Ask, RegistryClient};
 use crate::error::{Error, ErrorKind, Result};
@@ -33,7 +40,34 @@ pub(super) struct Req {
     pub(super) body: Option<Bytes>,
     /// Extra scopes the token must cover (cross-repository mount source).
     pub(super) extra_scope: Option<String>,
+    /// The blob whose bytes a GET asks for: where the endpoint redirects it is kept.
+    pub(super) blob: Option<BlobAsked>,
 }
+
+/// The blob a request asks for ([`Req::blob`]).
+#[derive(Clone, Copy)]
+pub(super) struct BlobAsked {
+    pub(super) digest: Digest,
+    /// Ask the endpoint where it is again, not the blob host it redirected to before: bytes
+    /// from there failed their check.
+    pub(super) refresh: bool,
+}
+
+/// The wait a 429 or 503 answer asks for (`Retry-After` in seconds).
+fn asked_wait(resp: &reqwest::Response) -> Option<crate::retry::RetryAfter> {
+    let status = resp.status();
+    if status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::SERVICE_UNAVAILABLE {
+        return None;
+    }
+    resp.headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(crate::retry::RetryAfter::parse)
+}
+
+/// How many redirects one request follows at most (a registry's API to a CDN, the CDN to an
+/// edge or the object store).
+pub(super) const MAX_REDIRECTS: usize = 5;
 
 impl Req {
     pub(super) fn new(method: Method, url: String) -> Self {
@@ -42,8 +76,15 @@ impl Req {
             headers: HeaderMap::new(),
             body: None,
             extra_scope: None,
+            blob: None,
             method,
         }
+    }
+
+    /// This request as one for the bytes of blob `digest` ([`Req::blob`]).
+    pub(super) fn of_blob(mut self, digest: Digest, refresh: bool) -> Self {
+        self.blob = Some(BlobAsked { digest, refresh });
+        self
     }
 
     /// A GET of `path` (e.g. `manifests/<tag>`) in `r`'s repository at `ep`.
@@ -119,6 +160,7 @@ impl RegistryClient {
     /// CAs.
     pub(super) fn build_http(ep: &Endpoint, roots: &roots::Roots) -> Result<reqwest::Client> {
         let mut builder = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
             .tls_built_in_root_certs(false)
             .user_agent(concat!("vmdisk/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(Duration::from_secs(10))
@@ -175,12 +217,165 @@ impl RegistryClient {
         })
     }
 
+    /// Sends `req` to `ep` once ([`Self::send_authorized`]) and follows the redirects it is
+    /// answered with ([`Self::follow`]); a request for a blob's bytes goes to where the
+    /// endpoint redirected it before, if that is kept and the blob host still answers it
+    /// (else the endpoint is asked again and its new redirect kept). Returns the final answer
+    /// as it is (the caller checks its status), or an error.
+    pub(super) async fn send(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        access: Access,
+        req: &Req,
+    ) -> Result<reqwest::Response> {
+        let Some(blob) = req.blob.filter(|_| req.method == Method::GET) else {
+            let resp = self.send_authorized(ep, r, access, req).await?;
+            return Ok(self.follow(ep, r, req, resp).await?.0);
+        };
+        let locations = &self.locations;
+        let (base, repository) = (ep.base.as_str(), r.repository.as_str());
+        let mut claim = match locations
+            .lookup(base, repository, &blob.digest, blob.refresh)
+            .await
+        {
+            Lookup::Kept(url) => {
+                match self.send_elsewhere(ep, r, &url, req).await {
+                    Ok(resp) if resp.status().is_success() => return Ok(resp),
+                    Ok(resp) => {
+                        tracing::debug!(endpoint = %ep.base, blob = %blob.digest, status = %resp.status(), "the blob host refused the URL it was redirected to (expired or revoked): asking the endpoint again")
+                    }
+                    Err(e) => {
+                        tracing::debug!(endpoint = %ep.base, blob = %blob.digest, error = %e.chain(), "the blob host it was redirected to failed: asking the endpoint again")
+                    }
+                }
+                locations.forget(base, repository, &blob.digest, &url);
+                match locations.lookup(base, repository, &blob.digest, true).await {
+                    Lookup::Kept(url) => {
+                        // Another request resolved it meanwhile.
+                        return self.send_elsewhere(ep, r, &url, req).await;
+                    }
+                    Lookup::Endpoint => None,
+                    Lookup::Resolve(claim) => Some(claim),
+                }
+            }
+            Lookup::Endpoint => None,
+            Lookup::Resolve(claim) => Some(claim),
+        };
+        let resp = self.send_authorized(ep, r, access, req).await?;
+        let (resp, redirected) = self.follow(ep, r, req, resp).await?;
+        if resp.status().is_success() {
+            match (claim.take(), redirected) {
+                (Some(claim), Some(url)) => claim.keep(url),
+                (Some(claim), None) => claim.direct(),
+                (None, _) => {}
+            }
+        }
+        Ok(resp)
+    }
+
+    /// `resp` (the answer of `ep` to `req`) with the redirects it names followed: each hop
+    /// sent without the registry's authorization or the endpoint's headers, at most
+    /// [`MAX_REDIRECTS`], never from HTTPS to another scheme, never to a URL already asked.
+    /// The final answer, and the URL it came from if it was redirected.
+    async fn follow(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        req: &Req,
+        mut resp: reqwest::Response,
+    ) -> Result<(reqwest::Response, Option<reqwest::Url>)> {
+        let who = ep.describe(&r.registry);
+        let refused = |why: String| {
+            Error::new(
+                ErrorKind::BadAnswer,
+                format!("{who} answered {} {}: {why}", req.method, req.url),
+            )
+        };
+        let mut at = reqwest::Url::parse(&req.url)
+            .map_err(|e| Error::invalid(format!("{}: {e}", req.url)))?;
+        let mut asked = vec![at.clone()];
+        loop {
+            if !matches!(resp.status().as_u16(), 301 | 302 | 303 | 307 | 308) {
+                let redirected = (asked.len() > 1).then_some(at);
+                return Ok((resp, redirected));
+            }
+            if asked.len() > MAX_REDIRECTS {
+                return Err(refused(format!(
+                    "more than {MAX_REDIRECTS} redirects (the last to {at}); refused"
+                )));
+            }
+            let location = resp
+                .headers()
+                .get(LOCATION)
+                .and_then(|v| v.to_str().ok())
+                .ok_or_else(|| refused(format!("HTTP {} without a Location", resp.status())))?;
+            let next = at
+                .join(location)
+                .map_err(|e| refused(format!("a redirect to {location:?}, not a URL ({e})")))?;
+            if !matches!(next.scheme(), "https" | "http")
+                || (at.scheme() == "https" && next.scheme() != "https")
+            {
+                return Err(refused(format!(
+                    "a redirect from {} to {}: refused (a blob's bytes never leave HTTPS; the registry or its storage's address is misconfigured)",
+                    at.scheme(),
+                    next.scheme()
+                )));
+            }
+            if asked.contains(&next) {
+                return Err(refused(format!("a redirect loop back to {next}; refused")));
+            }
+            asked.push(next.clone());
+            resp = self.send_elsewhere(ep, r, &next, req).await?;
+            at = next;
+        }
+    }
+
+    /// `req` sent to `url`, where `ep` redirected it: with its own headers (a Range) but
+    /// neither the registry's authorization nor the endpoint's headers; to another host than
+    /// the endpoint's with the client that trusts only the node's roots (the endpoint's CAs and
+    /// `skip_verify` are for the endpoint).
+    async fn send_elsewhere(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        url: &reqwest::Url,
+        req: &Req,
+    ) -> Result<reqwest::Response> {
+        let same_host = reqwest::Url::parse(&ep.base).is_ok_and(|base| {
+            base.host_str() == url.host_str()
+                && base.port_or_known_default() == url.port_or_known_default()
+        });
+        let client = if same_host {
+            self.http(ep)?
+        } else {
+            // The blob host as an endpoint of its own: the default TLS settings.
+            self.http(&Endpoint::upstream(url.host_str().unwrap_or(""), false))?
+        };
+        client
+            .request(req.method.clone(), url.clone())
+            .headers(req.headers.clone())
+            .send()
+            .await
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Network,
+                    format!(
+                        "{} redirected to {}, which did not answer",
+                        ep.describe(&r.registry),
+                        url.host_str().unwrap_or("?")
+                    ),
+                )
+                .with_source(e)
+            })
+    }
+
     /// Sends `req` to `ep` once, with the first credential whose authorization is kept, or
     /// none; answers a 401 by authorizing the next credential the client may use
     /// ([`RegistryClient::candidates`]) until one is accepted. Returns the registry's answer
     /// as it is (the caller checks its status) or a `Network` error; when every credential was
     /// refused, an `Auth` error naming each.
-    pub(super) async fn send(
+    async fn send_authorized(
         &self,
         ep: &Endpoint,
         r: &Reference,
@@ -349,13 +544,17 @@ impl RegistryClient {
                 let resp = self.send(ep, r, access, req).await?;
                 let status = resp.status();
                 if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
-                    return Err(Error::new(
+                    let e = Error::new(
                         ErrorKind::Network,
                         format!(
                             "{what}: {} answered HTTP {status}",
                             ep.describe(&r.registry)
                         ),
-                    ));
+                    );
+                    return Err(match asked_wait(&resp) {
+                        Some(wait) => e.with_source(wait),
+                        None => e,
+                    });
                 }
                 Ok(resp)
             })
@@ -372,6 +571,7 @@ impl RegistryClient {
         if status.is_success() {
             return Ok(resp);
         }
+        let wait = asked_wait(&resp);
         let body = read_limited(resp, 64 << 10, "error body")
             .await
             .unwrap_or_default();
@@ -394,13 +594,17 @@ impl RegistryClient {
         } else {
             String::new()
         };
-        Err(Error::new(
+        let e = Error::new(
             kind,
             format!(
                 "{what} {outcome} in {}/{} (HTTP {status}{detail}{via})",
                 r.registry, r.repository
             ),
-        ))
+        );
+        Err(match wait {
+            Some(wait) => e.with_source(wait),
+            None => e,
+        })
     }
 
     /// Until when background reads of blob `digest` wait for one of `r`'s mirrors to fill it
