@@ -416,6 +416,129 @@ impl Release {
     }
 }
 
+/// How a node's containerd configuration file came to be before vmdisk was installed on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeFile {
+    /// What `containerd config default` of the node's release prints, with kubeadm's
+    /// documented change (`SystemdCgroup = true`): a node set up as its installer sets it up.
+    OwnDefault,
+    /// The same of the release before it ([`Release::previous`]), kept across an upgrade.
+    Upgraded,
+    /// No file: containerd's built-in defaults.
+    Missing,
+}
+
+/// vmdisk's install steps, as docs/install.md gives them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InstallStep {
+    /// The Debian package's: `vmdisk containerd-config --write` (vmdisk for every image).
+    Package,
+    /// The DaemonSet's init container: the same with `--only-handlers`.
+    DaemonSet,
+}
+
+/// What vmdisk's install step did to a node's configuration file.
+pub struct NodeInstall {
+    /// The file before (empty: there was none).
+    pub original: String,
+    /// The file as vmdisk wrote it.
+    pub written: String,
+    /// What `vmdisk containerd-config` said.
+    pub said: String,
+}
+
+impl Release {
+    /// The release before it in the matrix, whose configuration a node upgraded to this one
+    /// keeps.
+    pub fn previous(self) -> Option<Release> {
+        let at = Self::ALL.iter().position(|r| *r == self)?;
+        at.checked_sub(1).map(|i| Self::ALL[i])
+    }
+
+    /// What `containerd config default` of this release prints, with kubeadm's documented
+    /// change for the systemd cgroup driver (`SystemdCgroup = false` made `true`).
+    pub fn default_config(self) -> String {
+        self.require();
+        let out = Command::new(self.bin_dir().join("containerd"))
+            .args(["config", "default"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{self:?} containerd config default: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            text.contains("SystemdCgroup = false"),
+            "{self:?}: no SystemdCgroup in its default configuration:\n{text}"
+        );
+        text.replace("SystemdCgroup = false", "SystemdCgroup = true")
+    }
+}
+
+/// The settings this machine needs in a containerd configuration of `version` for a test's
+/// containerd: its own root, state and sockets under `dir`, the sandbox image,
+/// `restrict_oom_score_adj`, plain HTTP to loopback registries through the `hosts.toml`
+/// directory `certs`, image stats every second, NRI off (two containerds would share its
+/// socket); with `cgroupfs`, runc's cgroupfs driver (this machine runs no systemd).
+pub(crate) fn machine_settings(
+    release: Release,
+    version: i64,
+    dir: &Path,
+    certs: &Path,
+    sandbox_image: &str,
+    cgroupfs: bool,
+) -> String {
+    let (d, c) = (dir.display(), certs.display());
+    let socket = dir.join("containerd.sock");
+    let s = socket.display();
+    let paths = format!("root = \"{d}/root\"\nstate = \"{d}/state\"\n");
+    let servers = if version >= 4 {
+        format!(
+            "[plugins.\"io.containerd.server.v1.grpc\"]\n  address = \"{s}\"\n[plugins.\"io.containerd.server.v1.ttrpc\"]\n  address = \"{s}.ttrpc\"\n"
+        )
+    } else {
+        format!("[grpc]\n  address = \"{s}\"\n")
+    };
+    let cri = if version >= 3 {
+        format!(
+            r#"[plugins."io.containerd.cri.v1.images"]
+  stats_collect_period = 1
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{sandbox_image}"
+  [plugins."io.containerd.cri.v1.images".registry]
+    config_path = "{c}"
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+"#
+        )
+    } else {
+        format!(
+            r#"[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{sandbox_image}"
+  restrict_oom_score_adj = true
+  disable_cgroup = true
+  stats_collect_period = 1
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{c}"
+"#
+        )
+    };
+    let runc = match (cgroupfs, version >= 3) {
+        (false, _) => String::new(),
+        (true, true) => "[plugins.\"io.containerd.cri.v1.runtime\".containerd.runtimes.runc.options]\n  SystemdCgroup = false\n".into(),
+        (true, false) => "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc.options]\n  SystemdCgroup = false\n".into(),
+    };
+    let others = match release {
+        Release::V1_6 => String::new(),
+        _ => format!(
+            "[plugins.\"io.containerd.transfer.v1.local\"]\n  config_path = \"{c}\"\n[plugins.\"io.containerd.nri.v1.nri\"]\n  disable = true\n"
+        ),
+    };
+    format!("{paths}{servers}{cri}{runc}{others}")
+}
+
 /// Writes `certs/<host>/hosts.toml` so containerd speaks plain HTTP to the registry `host`.
 pub fn plain_http_host(certs: &Path, host: &str) {
     std::fs::create_dir_all(certs.join(host)).unwrap();
@@ -496,13 +619,13 @@ state = "{d}/state"
     }
 
     /// containerd `release` configured with the snippet vmdisk ships for it, unchanged but for
-    /// the snapshotter's socket, merged into what this machine needs (its own root, state and
+    /// `daemon`'s socket and root, merged into what this machine needs (its own root, state and
     /// socket; the sandbox image; `restrict_oom_score_adj`; plain HTTP to the loopback
     /// registries through a `hosts.toml` directory; stats every second).
     pub fn start_release(
         scratch: &Scratch,
         release: Release,
-        snapshotter: &Path,
+        daemon: &Daemon,
         sandbox_image: &str,
         mirror_ports: &[u16],
     ) -> Self {
@@ -514,10 +637,11 @@ state = "{d}/state"
             plain_http_host(&certs, &format!("127.0.0.1:{p}"));
         }
         let socket = dir.join("containerd.sock");
-        let socket_value = toml_edit::Value::from(snapshotter.to_str().unwrap()).to_string();
+        let value = |p: &Path| toml_edit::Value::from(p.to_str().unwrap()).to_string();
         let mut config: toml_edit::DocumentMut = std::fs::read_to_string(release.snippet())
             .unwrap()
-            .replace("\"/run/vmdisk/snapshotter.sock\"", &socket_value)
+            .replace("\"/run/vmdisk/snapshotter.sock\"", &value(&daemon.socket))
+            .replace("\"/var/lib/vmdisk-snapshotter\"", &value(&daemon.root))
             .parse()
             .unwrap();
         let (d, s, c) = (dir.display(), socket.display(), certs.display());
@@ -561,6 +685,114 @@ state = "{d}/state"
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("config.toml"), config.to_string()).unwrap();
         Self::launch(release, dir, socket, &[])
+    }
+
+    /// A node's containerd `release`: its configuration file as `file` leaves it, vmdisk's
+    /// install `step` run on it (`vmdisk containerd-config --write`, learning the release from
+    /// the installed binary, as on a node whose containerd is not running yet), then this
+    /// machine's settings merged in ([`machine_settings`]; `cgroupfs` for pods of runc's
+    /// default handler). `mirror_ports`: loopback registries reached over plain HTTP.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_node(
+        scratch: &Scratch,
+        release: Release,
+        file: NodeFile,
+        step: InstallStep,
+        daemon: &Daemon,
+        sandbox_image: &str,
+        mirror_ports: &[u16],
+        cgroupfs: bool,
+    ) -> (Self, NodeInstall) {
+        release.require();
+        require("runc");
+        let dir = scratch.path("ctd");
+        let certs = dir.join("certs.d");
+        for p in mirror_ports {
+            plain_http_host(&certs, &format!("127.0.0.1:{p}"));
+        }
+        let config = dir.join("config.toml");
+        let original = match file {
+            NodeFile::OwnDefault => release.default_config(),
+            NodeFile::Upgraded => release
+                .previous()
+                .unwrap_or_else(|| panic!("{release:?} has no release before it here"))
+                .default_config(),
+            NodeFile::Missing => String::new(),
+        };
+        if !original.is_empty() {
+            std::fs::write(&config, &original).unwrap();
+        }
+        let mut args = vec![
+            "containerd-config",
+            "--config",
+            config.to_str().unwrap(),
+            "--containerd",
+            "/nonexistent/containerd.sock",
+            "--address",
+            daemon.socket.to_str().unwrap(),
+            "--root",
+            daemon.root.to_str().unwrap(),
+            "--write",
+        ];
+        if step == InstallStep::DaemonSet {
+            args.push("--only-handlers");
+        }
+        let path = format!(
+            "{}:/usr/sbin:/usr/bin:/sbin:/bin",
+            release.bin_dir().display()
+        );
+        let out = crate::harness::vmdisk_env(&args, &[("PATH", &path)]);
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{release:?} {file:?} {step:?}: vmdisk containerd-config: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let written = std::fs::read_to_string(&config).unwrap();
+        let mut doc: toml_edit::DocumentMut = written.parse().unwrap();
+        let version = doc.get("version").and_then(|v| v.as_integer()).unwrap_or(1);
+        let machine = machine_settings(release, version, &dir, &certs, sandbox_image, cgroupfs);
+        vmdisk::setup::toml_merge::merge_into(&mut doc, &machine.parse().unwrap());
+        std::fs::write(&config, doc.to_string()).unwrap();
+        let socket = dir.join("containerd.sock");
+        let ctd = Self::launch(release, dir, socket, &[]);
+        (
+            ctd,
+            NodeInstall {
+                original,
+                written,
+                said,
+            },
+        )
+    }
+
+    /// Whether containerd loaded vmdisk's proxy plugin (`ctr plugins ls`: status ok).
+    pub fn proxy_plugin_ok(&self) -> bool {
+        let out = self.ctr(&["plugins", "ls"]);
+        String::from_utf8_lossy(&out.stdout).lines().any(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            words.len() >= 4
+                && words[0] == "io.containerd.snapshotter.v1"
+                && words[1] == "vmdisk"
+                && words.last() == Some(&"ok")
+        })
+    }
+
+    /// containerd's log lines that warn (level=warning) of what vmdisk wrote into its
+    /// configuration: anything naming vmdisk or its proxy plugin, and, where vmdisk chose the
+    /// file's version (`chose_version`), a migration of it.
+    pub fn warnings_of_vmdisks_part(&self, chose_version: bool) -> Vec<String> {
+        // The test's own directories are named after vmdisk too.
+        let scratch = self.dir.parent().unwrap_or(&self.dir).display().to_string();
+        self.log_text()
+            .lines()
+            .filter(|l| l.contains("level=warn"))
+            .filter(|l| {
+                let lower = l.replace(&scratch, "").to_ascii_lowercase();
+                lower.contains("vmdisk") || (chose_version && lower.contains("migrated"))
+            })
+            .map(str::to_string)
+            .collect()
     }
 
     /// containerd 1.6 as installed, with its own snapshotters (overlayfs) and nothing of
@@ -837,17 +1069,16 @@ state = "{d}/state"
         self.try_run_sandbox_in("default", name, logs, handler, annotations)
     }
 
-    /// [`CriContainerd::try_run_sandbox`] for a pod of Kubernetes namespace `namespace`.
-    pub fn try_run_sandbox_in(
-        &self,
+    /// The config of a host-network pod sandbox `name` in `namespace` with `annotations`, as
+    /// kubelet sends it with RunPodSandbox and with PullImage.
+    pub fn sandbox_config(
         namespace: &str,
         name: &str,
         logs: &Path,
-        handler: &str,
         annotations: &[(&str, &str)],
-    ) -> Result<(String, cri::PodSandboxConfig), tonic::Status> {
+    ) -> cri::PodSandboxConfig {
         std::fs::create_dir_all(logs).unwrap();
-        let config = cri::PodSandboxConfig {
+        cri::PodSandboxConfig {
             metadata: Some(cri::PodSandboxMetadata {
                 name: name.into(),
                 uid: format!("uid-{namespace}-{name}"),
@@ -867,7 +1098,19 @@ state = "{d}/state"
                 ..Default::default()
             }),
             ..Default::default()
-        };
+        }
+    }
+
+    /// [`CriContainerd::try_run_sandbox`] for a pod of Kubernetes namespace `namespace`.
+    pub fn try_run_sandbox_in(
+        &self,
+        namespace: &str,
+        name: &str,
+        logs: &Path,
+        handler: &str,
+        annotations: &[(&str, &str)],
+    ) -> Result<(String, cri::PodSandboxConfig), tonic::Status> {
+        let config = Self::sandbox_config(namespace, name, logs, annotations);
         // containerd redials a restarted snapshotter with backoff; until then its calls fail
         // with Unavailable, and kubelet retries. So does this.
         let deadline = Instant::now() + Duration::from_secs(60);

@@ -279,12 +279,24 @@ impl Kubelet<'_> {
         out
     }
 
+    /// The ConfigMap `name` of the manifest, with the daemon's `orphan_grace` set to
+    /// [`ORPHAN_GRACE`] (as an operator sets a key of it).
     fn config_map(&self, name: &str) -> Value {
-        manifest()
+        let mut data = manifest()
             .into_iter()
             .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == name)
             .unwrap_or_else(|| panic!("no ConfigMap {name}"))["data"]
-            .clone()
+            .clone();
+        if let Some(text) = data.get("snapshotter.toml").and_then(Value::as_str) {
+            assert!(
+                text.contains("\norphan_grace = 900\n"),
+                "the ConfigMap sets no orphan_grace"
+            );
+            let grace = format!("\norphan_grace = {}\n", ORPHAN_GRACE.as_secs());
+            data["snapshotter.toml"] =
+                Value::String(text.replace("\norphan_grace = 900\n", &grace));
+        }
+        data
     }
 
     /// Creates and starts container `c` of `pod` in `sandbox` from `image`; its id.
@@ -473,7 +485,7 @@ fn replacing_the_pod_leaves_the_disk_served(
     sandbox: &str,
     disk_image: &str,
     disk: &Path,
-) {
+) -> String {
     let (ctd, node, release) = (kubelet.ctd, kubelet.node, kubelet.ctd.release);
     // Asked on the node, as a runtime there asks: the ready disk is the node's mount.
     let asked = Command::new("nsenter")
@@ -526,9 +538,10 @@ fn replacing_the_pod_leaves_the_disk_served(
             crate::cri::run_quiet("kill", &["-KILL", pid]);
         }
         ctd.remove_sandbox(sandbox);
-        run_daemonset_pod(kubelet, pod, image);
-        started.elapsed()
+        let replaced = run_daemonset_pod(kubelet, pod, image);
+        (replaced, started.elapsed())
     });
+    let (replaced, took) = took;
     eprintln!("{release:?}: pod replaced in {took:?}");
     assert_served_through(&format!("{release:?}: the pod's replacement"), &saw, &qemu);
     // The new daemon adopted the server that kept serving.
@@ -538,6 +551,166 @@ fn replacing_the_pod_leaves_the_disk_served(
             .iter()
             .any(|d| d["server_pid"].as_u64() == Some(server) && d["serving"] == true),
         "{release:?}: the server {server} was not adopted: {after:?}"
+    );
+    replaced
+}
+
+/// The `orphan_grace` the node's DaemonSet runs with (its ConfigMap's, shortened from the
+/// default 900 s so that the test waits seconds, not minutes; longer than the pod's
+/// replacement takes here).
+const ORPHAN_GRACE: Duration = Duration::from_secs(30);
+
+/// Whether process `pid` runs: it exists and has not exited (the node's first process reaps
+/// no orphan, as a real node's init would: one that ended stays a zombie).
+fn running(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
+}
+
+/// The node's running processes (this machine's numbers) whose name is `comm`.
+fn node_processes(node: &Node, comm: &str) -> Vec<u64> {
+    let ns = |p: u64| std::fs::read_link(format!("/proc/{p}/ns/pid")).ok();
+    let node_ns = ns(u64::from(node.init));
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok())
+        .filter(|&p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == comm)
+                && ns(p) == node_ns
+                && running(p)
+        })
+        .collect()
+}
+
+/// The DaemonSet deleted for good (its pod's processes killed and the pod removed, no new one),
+/// as install.md's uninstall says, with two disks served: `held`'s raw view kept open by a
+/// reader (and qemu-img) until after the grace period, the other unused. The unused disk's
+/// server stops within the grace period; the held one serves its reader with no error until it
+/// closes, then stops too; no mount server and no FUSE mount of vmdisk remain on the node.
+fn deleting_the_daemonset_leaves_nothing_behind(
+    kubelet: &Kubelet,
+    sandbox: &str,
+    held: &str,
+    disk: &Path,
+) {
+    let (ctd, node, release) = (kubelet.ctd, kubelet.node, kubelet.ctd.release);
+    let disks = listed(node);
+    let servers: Vec<(String, u64)> = disks
+        .iter()
+        .map(|d| {
+            let pid = node.host_pid(d["server_pid"].as_u64().unwrap());
+            (d["reference"].as_str().unwrap().to_string(), pid)
+        })
+        .collect();
+    let held_server = servers
+        .iter()
+        .find(|(r, _)| r.contains(held))
+        .unwrap_or_else(|| panic!("{release:?}: no server of {held}: {disks:?}"))
+        .1;
+    assert!(
+        servers.len() >= 2,
+        "{release:?}: one disk unused and one held: {disks:?}"
+    );
+    let asked = Command::new("nsenter")
+        .args(["-t", &node.init.to_string(), "-m", "--"])
+        .arg(env!("CARGO_BIN_EXE_vmdisk"))
+        .args(["path", "--raw", "--manage", "/run/vmdisk/manage.sock", held])
+        .output()
+        .unwrap();
+    let raw = String::from_utf8(asked.stdout).unwrap();
+    let raw = PathBuf::from(format!("/proc/{}/root{}", node.init, raw.trim()));
+    let alive = |pid: u64| running(pid);
+    let (saw, qemu, unused_gone) = read_through(&raw, &guest_bytes(disk), || {
+        let pod_cgroup = cgroup_procs(
+            &node_processes(node, "vmdisk-snapshot")
+                .into_iter()
+                .find(|p| !servers.iter().any(|(_, s)| s == p))
+                .expect("the DaemonSet's daemon")
+                .to_string(),
+        );
+        let deleted = Instant::now();
+        for pid in std::fs::read_to_string(&pod_cgroup)
+            .unwrap()
+            .split_whitespace()
+        {
+            crate::cri::run_quiet("kill", &["-KILL", pid]);
+        }
+        ctd.remove_sandbox(sandbox);
+        let left: Vec<u64> = node_processes(node, "vmdisk-snapshot")
+            .into_iter()
+            .filter(|p| !servers.iter().any(|(_, s)| s == p))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "{release:?}: vmdisk processes other than the servers outlived the pod: {left:?}"
+        );
+        // The unused disks' servers end within the grace period (and a check's interval).
+        while servers.iter().any(|&(_, p)| p != held_server && alive(p))
+            && deleted.elapsed() < ORPHAN_GRACE + Duration::from_secs(15)
+        {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let gone = deleted.elapsed();
+        // The reader goes on past the grace period: its disk stays served.
+        std::thread::sleep((ORPHAN_GRACE + Duration::from_secs(5)).saturating_sub(gone));
+        assert!(
+            alive(held_server),
+            "{release:?}: the server of a disk in use ended"
+        );
+        gone
+    });
+    eprintln!("{release:?}: the unused disks' servers ended {unused_gone:?} after the DaemonSet was deleted (grace {ORPHAN_GRACE:?})");
+    assert_served_through(
+        &format!("{release:?}: the DaemonSet's deletion"),
+        &saw,
+        &qemu,
+    );
+    let left: Vec<&(String, u64)> = servers
+        .iter()
+        .filter(|&&(_, p)| p != held_server && alive(p))
+        .collect();
+    let logs = || {
+        let dir = node.path("/var/lib/vmdisk-snapshotter").join("servers");
+        std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+            .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert!(
+        left.is_empty(),
+        "{release:?}: unused disks still served: {left:?}\n{}",
+        logs()
+    );
+    assert!(
+        // The grace counts from the daemon's last ask, up to a second before the pod was killed.
+        unused_gone + Duration::from_secs(2) >= ORPHAN_GRACE,
+        "{release:?}: the unused disks' servers ended before the grace period, after {unused_gone:?}"
+    );
+    // The reader closed: its server ends too, and nothing of vmdisk is left on the node.
+    let closed = Instant::now();
+    while alive(held_server) && closed.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        !alive(held_server),
+        "{release:?}: the held disk's server still runs after its reader closed"
+    );
+    assert_eq!(
+        node_processes(node, "vmdisk-snapshot"),
+        Vec::<u64>::new(),
+        "{release:?}: vmdisk processes remain"
+    );
+    assert!(
+        node.sh("! grep -q ' fuse.vmdisk ' /proc/self/mountinfo"),
+        "{release:?}: a FUSE mount of vmdisk remains on the node"
     );
 }
 
@@ -743,7 +916,7 @@ fn daemonset(release: Release) {
         pods: scratch.path("kubelet/pods"),
         logs: scratch.path("kubelet/logs"),
     };
-    replacing_the_pod_leaves_the_disk_served(
+    let sandbox = replacing_the_pod_leaves_the_disk_served(
         &kubelet,
         pod,
         &format!("{https}/{shipped}"),
@@ -756,6 +929,12 @@ fn daemonset(release: Release) {
         &logs,
         &scratch.path("kubelet/logs/snapshotter.log"),
         &format!("{https}/disk-b:1"),
+    );
+    deleting_the_daemonset_leaves_nothing_behind(
+        &kubelet,
+        &sandbox,
+        &format!("{https}/disk:1"),
+        &disk,
     );
 }
 

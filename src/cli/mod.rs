@@ -177,6 +177,14 @@ pub struct ContainerdConfigArgs {
         value_name = "SOCK"
     )]
     pub address: PathBuf,
+    /// vmdisk-snapshotter's root (its configuration's `root`), which containerd 1.7 reports to
+    /// kubelet as the image filesystem.
+    #[arg(
+        long,
+        default_value = "/var/lib/vmdisk-snapshotter",
+        value_name = "DIR"
+    )]
+    pub root: PathBuf,
     /// Write the file (the original kept once as FILE.vmdisk-backup); by default the merged
     /// configuration is printed.
     #[arg(long, conflicts_with = "dry_run")]
@@ -546,7 +554,11 @@ async fn containerd_config(args: ContainerdConfigArgs) -> Result<()> {
         false => Setup::AllImages,
     };
     let platform = Platform::host().to_string();
-    let merged = crate::setup::merge(&current, release, setup, &args.address, &platform)
+    let daemon = crate::setup::Daemon {
+        socket: &args.address,
+        root: &args.root,
+    };
+    let merged = crate::setup::merge(&current, release, setup, daemon, &platform)
         .map_err(|e| e.context(args.config.display().to_string()))?;
     if args.dry_run {
         let path = args.config.display().to_string();

@@ -318,21 +318,28 @@ fn version_said(text: &str) -> Option<&str> {
     words.nth(1)
 }
 
+/// Where the daemon a snippet configures containerd for is: its snapshots socket and its root.
+#[derive(Clone, Copy, Debug)]
+pub struct Daemon<'a> {
+    pub socket: &'a Path,
+    pub root: &'a Path,
+}
+
 /// `config` (a containerd configuration file's text; empty for none) with the snippet of
 /// `release` merged in, written in the file's configuration version (none: the one `release`
-/// writes): the snapshotter socket set to `socket` and the transfer platforms to `platform`.
+/// writes): the snapshotter's socket and root those of `daemon`, the transfer platforms
+/// `platform`.
 pub fn merge(
     config: &str,
     release: Release,
     setup: Setup,
-    socket: &Path,
+    daemon: Daemon<'_>,
     platform: &str,
 ) -> Result<String> {
+    let path = |p: &Path| toml_edit::Value::from(p.display().to_string()).to_string();
     let snippet = snippet(release, setup)?
-        .replace(
-            "\"/run/vmdisk/snapshotter.sock\"",
-            &toml_edit::Value::from(socket.display().to_string()).to_string(),
-        )
+        .replace("\"/run/vmdisk/snapshotter.sock\"", &path(daemon.socket))
+        .replace("\"/var/lib/vmdisk-snapshotter\"", &path(daemon.root))
         .replace(
             "\"linux/amd64\"",
             &toml_edit::Value::from(platform).to_string(),
@@ -415,6 +422,14 @@ mod tests {
   address = "127.0.0.1:1338"
 "#;
 
+    /// The daemon at socket `sock` and the default root.
+    fn daemon(sock: &Path) -> Daemon<'_> {
+        Daemon {
+            socket: sock,
+            root: Path::new("/var/lib/vmdisk-snapshotter"),
+        }
+    }
+
     fn get<'a>(doc: &'a toml::Value, path: &[&str]) -> Option<&'a toml::Value> {
         path.iter().try_fold(doc, |v, k| v.get(k))
     }
@@ -422,7 +437,14 @@ mod tests {
     #[test]
     fn merging_keeps_the_nodes_cri_settings_and_adds_vmdisks() {
         let sock = Path::new("/run/vmdisk/snapshotter.sock");
-        let merged = merge(NODE_17, Release::V1_7, Setup::Handlers, sock, "linux/arm64").unwrap();
+        let merged = merge(
+            NODE_17,
+            Release::V1_7,
+            Setup::Handlers,
+            daemon(sock),
+            "linux/arm64",
+        )
+        .unwrap();
         assert!(merged.contains("# the node's own comment"), "{merged}");
         let doc: toml::Value = toml::from_str(&merged).unwrap();
         let cri = ["plugins", "io.containerd.grpc.v1.cri"];
@@ -468,7 +490,14 @@ mod tests {
         );
         // Merging again changes nothing.
         assert_eq!(
-            merge(&merged, Release::V1_7, Setup::Handlers, sock, "linux/arm64").unwrap(),
+            merge(
+                &merged,
+                Release::V1_7,
+                Setup::Handlers,
+                daemon(sock),
+                "linux/arm64"
+            )
+            .unwrap(),
             merged
         );
     }
@@ -484,7 +513,7 @@ mod tests {
             NODE_17,
             Release::V1_7,
             Setup::AllImages,
-            sock,
+            daemon(sock),
             "linux/amd64",
         )
         .unwrap();
@@ -528,7 +557,7 @@ mod tests {
                 &merged,
                 Release::V1_7,
                 Setup::AllImages,
-                sock,
+                daemon(sock),
                 "linux/amd64"
             )
             .unwrap(),
@@ -537,7 +566,14 @@ mod tests {
 
         // containerd 2.x writes 'literal' strings: what is added follows.
         let node = "version = 3\n[plugins]\n  [plugins.'io.containerd.cri.v1.images']\n    snapshotter = 'overlayfs'\n";
-        let merged = merge(node, Release::V2, Setup::AllImages, sock, "linux/amd64").unwrap();
+        let merged = merge(
+            node,
+            Release::V2,
+            Setup::AllImages,
+            daemon(sock),
+            "linux/amd64",
+        )
+        .unwrap();
         assert!(merged.contains("    snapshotter = 'vmdisk'\n"), "{merged}");
         assert!(
             merged.contains("  [proxy_plugins.vmdisk]\n    type = 'snapshot'\n")
@@ -576,7 +612,7 @@ mod tests {
             node,
             Release::V2,
             Setup::Handlers,
-            Path::new("/run/v.sock"),
+            daemon(Path::new("/run/v.sock")),
             "linux/arm64",
         )
         .unwrap();
@@ -634,7 +670,7 @@ state = '/run/containerd'
     fn a_version_4_file_stays_version_4() {
         let sock = Path::new("/run/vmdisk/snapshotter.sock");
         for setup in [Setup::AllImages, Setup::Handlers] {
-            let merged = merge(NODE_23, Release::V2_3, setup, sock, "linux/amd64").unwrap();
+            let merged = merge(NODE_23, Release::V2_3, setup, daemon(sock), "linux/amd64").unwrap();
             let doc: toml::Value = toml::from_str(&merged).unwrap();
             assert_eq!(doc["version"].as_integer(), Some(4), "{merged}");
             let images = &doc["plugins"]["io.containerd.cri.v1.images"];
@@ -672,18 +708,39 @@ state = '/run/containerd'
                 "{merged}"
             );
             assert_eq!(
-                merge(&merged, Release::V2_3, setup, sock, "linux/amd64").unwrap(),
+                merge(&merged, Release::V2_3, setup, daemon(sock), "linux/amd64").unwrap(),
                 merged
             );
         }
-        let fresh = merge("", Release::V2_3, Setup::AllImages, sock, "linux/amd64").unwrap();
+        let fresh = merge(
+            "",
+            Release::V2_3,
+            Setup::AllImages,
+            daemon(sock),
+            "linux/amd64",
+        )
+        .unwrap();
         assert!(fresh.contains("\nversion = 4\n"), "{fresh}");
-        let fresh = merge("", Release::V2, Setup::AllImages, sock, "linux/amd64").unwrap();
+        let fresh = merge(
+            "",
+            Release::V2,
+            Setup::AllImages,
+            daemon(sock),
+            "linux/amd64",
+        )
+        .unwrap();
         assert!(fresh.contains("\nversion = 3\n"), "{fresh}");
         // A version-3 file on 2.3 (kept from 2.1 across an upgrade) stays version 3.
         let kept =
             "version = 3\n[plugins.'io.containerd.cri.v1.images']\n  snapshotter = 'overlayfs'\n";
-        let merged = merge(kept, Release::V2_3, Setup::AllImages, sock, "linux/amd64").unwrap();
+        let merged = merge(
+            kept,
+            Release::V2_3,
+            Setup::AllImages,
+            daemon(sock),
+            "linux/amd64",
+        )
+        .unwrap();
         assert!(
             merged.starts_with("version = 3\n") && merged.contains("snapshotter = 'vmdisk'"),
             "{merged}"
@@ -698,7 +755,14 @@ state = '/run/containerd'
     fn a_version_2_file_for_containerd_2_gets_the_names_version_2_uses() {
         let sock = Path::new("/run/vmdisk/snapshotter.sock");
         for release in [Release::V2, Release::V2_3] {
-            let merged = merge(NODE_17, release, Setup::AllImages, sock, "linux/amd64").unwrap();
+            let merged = merge(
+                NODE_17,
+                release,
+                Setup::AllImages,
+                daemon(sock),
+                "linux/amd64",
+            )
+            .unwrap();
             let doc: toml::Value = toml::from_str(&merged).unwrap();
             assert_eq!(doc["version"].as_integer(), Some(2), "{merged}");
             let cri = &doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"];
@@ -736,7 +800,14 @@ state = '/run/containerd'
                     .as_str(),
                 Some("true")
             );
-            let handlers = merge(NODE_17, release, Setup::Handlers, sock, "linux/amd64").unwrap();
+            let handlers = merge(
+                NODE_17,
+                release,
+                Setup::Handlers,
+                daemon(sock),
+                "linux/amd64",
+            )
+            .unwrap();
             let doc: toml::Value = toml::from_str(&handlers).unwrap();
             let cri = &doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"];
             assert_eq!(cri["snapshotter"].as_str(), Some("overlayfs"), "{handlers}");
@@ -775,7 +846,8 @@ state = '/run/containerd'
             ("version = 5\n", Release::V2_3, "no containerd vmdisk knows"),
             ("[plugins.cri]\n", Release::V2_3, "`version = 2`"),
         ] {
-            let e = merge(file, release, Setup::AllImages, sock, "linux/amd64").unwrap_err();
+            let e =
+                merge(file, release, Setup::AllImages, daemon(sock), "linux/amd64").unwrap_err();
             assert!(e.to_string().contains(says), "{file}: {e}");
             assert!(!e.to_string().contains("migrate"), "{file}: {e}");
         }
@@ -787,7 +859,14 @@ state = '/run/containerd'
         assert_eq!(Release::of_version("1.6.20~ds1").unwrap(), Release::V1_6);
         assert!(Release::of_version("1.5.0").is_err());
         // No file yet: the snippet itself.
-        let fresh = merge("", Release::V1_7, Setup::AllImages, sock, "linux/amd64").unwrap();
+        let fresh = merge(
+            "",
+            Release::V1_7,
+            Setup::AllImages,
+            daemon(sock),
+            "linux/amd64",
+        )
+        .unwrap();
         assert!(fresh.contains("address = \"/s\""), "{fresh}");
     }
 }
