@@ -76,7 +76,7 @@ deps:
 		integration/debs.sh --go-sources sid $(DEPS_DIR)/suite-2.1 golang-github-containerd-containerd-dev golang-go
 
 build:
-	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link --example estargz-layout --example control-probe
+	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link --example estargz-layout --example control-probe --example blob-cdn
 
 demo: deps build
 	integration/demo.sh

@@ -82,6 +82,7 @@ integration/bench-ordinary.sh
 integration/bench-fleet.sh
 integration/bench-boot.sh
 integration/bench-link.sh
+integration/bench-redirect.sh
 integration/bench-index.sh
 integration/bench-rawview.sh
 integration/bench-signatures.sh

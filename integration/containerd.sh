@@ -169,6 +169,35 @@ start_cluster_link() {
   for _ in $(seq 100); do grep -q listening "$1/relay.out" && break; sleep 0.05; done
 }
 
+# start_internet_registry DIR [REALM]: the registry as public registries run (docs/registry.md#redirects):
+# the registry (start_registry DIR REALM) behind a front that answers its blob GETs with a 307
+# to a blob host, a signed URL good for CDN_LIFETIME (300) seconds that refuses the registry's
+# credentials (examples/blob-cdn.rs, $CDN), the front behind a link of API_RTT (80) ms and the
+# blob host behind one of BLOB_RTT (10) ms — the registry's API far, the CDN's edge near — each
+# LINK_MBIT (200) Mbit/s. Sets REG (the registry itself, on loopback: publish there), API (the
+# front's link: what nodes pull from), BLOBS (the blob host's link) and CDN_STATS (the URL of the
+# front's and blob host's counts, as JSON).
+start_internet_registry() {
+  start_registry "$1" "${2:-}"
+  local front blob
+  front=127.0.0.1:$(free_port)
+  blob=127.0.0.1:$(free_port)
+  BLOBS=127.0.0.1:$(free_port)
+  API=127.0.0.1:$(free_port)
+  "$CDN" "$front" "$blob" "http://$REG" "$1/registry" "http://$BLOBS" "${CDN_LIFETIME:-300}" > "$1/cdn.out" 2>&1 &
+  PIDS+=($!)
+  "$RELAY" "$BLOBS" "$blob" "${BLOB_RTT:-10}" "${LINK_MBIT:-200}" > "$1/blob-link.out" 2>&1 &
+  PIDS+=($!)
+  "$RELAY" "$API" "$front" "${API_RTT:-80}" "${LINK_MBIT:-200}" > "$1/api-link.out" 2>&1 &
+  PIDS+=($!)
+  for f in cdn.out blob-link.out api-link.out; do
+    for _ in $(seq 100); do grep -q listening "$1/$f" && break; sleep 0.05; done
+  done
+  CDN_STATS=http://$blob/_cdn/stats
+}
+# cdn_count KEY: one of the counts start_internet_registry's front and blob host keep.
+cdn_count() { curl -sf "$CDN_STATS" | python3 -c "import json,sys; print(json.load(sys.stdin)[sys.argv[1]])" "$1"; }
+
 # registry_mark DIR, then registry_bytes_since DIR MARK: the bytes of the GET responses the
 # registry of DIR logged since the mark (it logs a request just after answering it).
 registry_mark() { wc -c < "$1/registry.log"; }

@@ -791,3 +791,70 @@ fn the_shipped_slice_cache_speaks_https_to_the_origin_and_verifies_it() {
         "a cache that cannot verify the origin"
     );
 }
+
+/// The shipped slice cache in front of an origin that redirects its blobs to a blob host with
+/// signed, expiring URLs, as every public registry does: the cache follows the redirect for
+/// the fleet (its blob fetcher) and keeps the slices under the blob's digest and range, so a
+/// fleet booting the same disk costs the blob host what one node does, and every node's reads
+/// come through the cache (before, nginx handed each node the 307 and every node fetched its
+/// boot from the blob host itself: 4 nodes cost it 4 boots).
+#[test]
+fn a_fleet_behind_the_slice_cache_of_a_redirecting_origin_costs_the_blob_host_what_one_node_does() {
+    const NODES: usize = 8;
+    let scratch = Scratch::new();
+    let origin = Registry::start(&scratch);
+    let (disk, _) = random_disk(&scratch, &origin, "vm/cdn", 21);
+    let cdn = crate::redirects::CdnRegistry::start(
+        &origin,
+        &origin.root.join("data"),
+        Duration::from_secs(60),
+    );
+    let reference = format!("{}/vm/cdn:1", cdn.host());
+    let from_blob_host = || cdn.count(|c| &c.blob_bytes);
+    let boot_through = |cache: &RegionalCache, nodes: std::ops::Range<usize>| {
+        let hosts = hosts_dir(&scratch, &cdn.host(), &cache.host());
+        let before = from_blob_host();
+        std::thread::scope(|s| {
+            for n in nodes {
+                let (scratch, reference, hosts, disk) = (&scratch, &reference, &hosts, &disk);
+                s.spawn(move || {
+                    let mount = Mount::start(
+                        reference,
+                        &scratch.path(&format!("node{n}/cache")),
+                        &scratch.path(&format!("node{n}/mnt")),
+                        &["--hosts-dir", hosts.to_str().unwrap()],
+                    );
+                    boot(0, &mount, disk);
+                    mount.stop()
+                });
+            }
+        });
+        from_blob_host() - before
+    };
+    // One node behind a cache of its own, then a fleet behind another: each cache cold.
+    let one = boot_through(&RegionalCache::start(&scratch, &cdn.host()), 0..1);
+    let cache = RegionalCache::start(&scratch, &cdn.host());
+    let fleet = boot_through(&cache, 1..NODES + 1);
+    let redirects_to_nodes = cache
+        .access_log()
+        .lines()
+        .filter(|l| l.contains("/blobs/") && l.split_whitespace().nth(3) == Some("307"))
+        .count();
+    eprintln!(
+        "the slice cache of a redirecting origin: one node cost the blob host {:.2} MiB, {NODES} nodes {:.2} MiB ({:.2}x); {} blob requests to the registry, {redirects_to_nodes} redirects handed to nodes",
+        mib(one),
+        mib(fleet),
+        fleet as f64 / one as f64,
+        cdn.count(|c| &c.registry_blob_requests)
+    );
+    assert!(one > 0, "the node read nothing from the blob host");
+    assert_eq!(
+        redirects_to_nodes, 0,
+        "the cache handed the origin's redirects to the nodes"
+    );
+    assert!(
+        fleet * 10 <= one * 11,
+        "{NODES} nodes cost the blob host {fleet} bytes, one node {one}"
+    );
+    assert_eq!(cdn.count(|c| &c.blob_with_authorization), 0);
+}

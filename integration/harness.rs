@@ -90,6 +90,11 @@ impl Registry {
     /// A second registry serving this one's storage over HTTPS, for 127.0.0.1 (and the name
     /// localhost), with the certificate of a CA made for it; returns it and the CA certificate's PEM file.
     pub fn tls_front(&self, scratch: &Scratch) -> (Self, PathBuf) {
+        self.tls_front_with(scratch, "")
+    }
+
+    /// [`Self::tls_front`] with `extra` YAML in its configuration (a `middleware` block).
+    pub fn tls_front_with(&self, scratch: &Scratch, extra: &str) -> (Self, PathBuf) {
         let port = free_port();
         let root = scratch.path(&format!("registry-{port}"));
         std::fs::create_dir_all(&root).unwrap();
@@ -110,7 +115,7 @@ impl Registry {
         #[rustfmt::skip]
         run("openssl", &["x509", "-req", "-in", &req, "-CA", &ca, "-CAkey", &ca_key, "-CAcreateserial", "-days", "2", "-extfile", &ext, "-out", &cert]);
         let tls = format!(", tls: {{ certificate: {cert}, key: {key} }}");
-        let front = Self::spawn(port, root.clone(), &self.root.join("data"), &tls, "");
+        let front = Self::spawn(port, root.clone(), &self.root.join("data"), &tls, extra);
         (front, root.join("ca.pem"))
     }
 
@@ -137,6 +142,15 @@ impl Registry {
             .expect("start docker-registry");
         wait_for_port(port, "docker-registry", &root.join("registry.err"));
         Registry { child, port, root }
+    }
+
+    /// A second registry serving this one's storage over plain HTTP with `extra` YAML in its
+    /// configuration (an `auth` or `middleware` block).
+    pub fn front_with(&self, scratch: &Scratch, extra: &str) -> Self {
+        let port = free_port();
+        let root = scratch.path(&format!("registry-{port}"));
+        std::fs::create_dir_all(&root).unwrap();
+        Self::spawn(port, root, &self.root.join("data"), "", extra)
     }
 
     /// An htpasswd-protected registry; returns it and the htpasswd user/password.
@@ -557,6 +571,7 @@ impl RegionalCache {
         if let Some((ca, name)) = https {
             cmd.env("ORIGIN_CA", ca).env("ORIGIN_NAME", name);
         }
+        cmd.env("FETCHER_PORT", free_port().to_string());
         let child = cmd
             .arg(&dir)
             .arg(origin)
@@ -622,6 +637,8 @@ pub struct FaultProxy {
     /// Responses seen and faults injected of each kind (mixed mode): responses, flips,
     /// truncations, resets, 503s.
     pub mixed: std::sync::Arc<[std::sync::atomic::AtomicU64; 5]>,
+    /// Connections accepted.
+    pub connections: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl FaultProxy {
@@ -657,6 +674,8 @@ impl FaultProxy {
             Arc::clone(&response_faults),
             Arc::clone(&mixed),
         );
+        let connections = Arc::new(AtomicU64::new(0));
+        let connections_out = Arc::clone(&connections);
         std::thread::spawn(move || {
             let mut conn_no = 0u64;
             for client in listener.incoming() {
@@ -665,6 +684,7 @@ impl FaultProxy {
                     continue;
                 };
                 conn_no += 1;
+                connections.fetch_add(1, Ordering::SeqCst);
                 let (sent, cut_done, cuts) =
                     (Arc::clone(&sent), Arc::clone(&cut_done), Arc::clone(&cuts));
                 let (to_client, response_faults, mixed) = (
@@ -799,6 +819,7 @@ impl FaultProxy {
             to_client: to_client_out,
             response_faults: faults_out,
             mixed: mixed_out,
+            connections: connections_out,
         }
     }
 
@@ -836,6 +857,17 @@ pub struct Mount {
 impl Mount {
     /// Mounts `reference` at `dir` with cache `cache` and extra flags; waits until ready.
     pub fn start(reference: &str, cache: &Path, dir: &Path, extra: &[&str]) -> Self {
+        Self::start_env(reference, cache, dir, extra, &[])
+    }
+
+    /// [`Mount::start`] with more environment (`SSL_CERT_FILE`, say).
+    pub fn start_env(
+        reference: &str,
+        cache: &Path,
+        dir: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         std::fs::create_dir_all(dir).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_vmdisk"));
         cmd.arg("mount")
@@ -847,6 +879,7 @@ impl Mount {
             .arg(dir);
         cmd.env("VMDISK_LOG", "warn")
             .env("HOME", "/nonexistent")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("start vmdisk mount");

@@ -19,6 +19,7 @@ mod mount;
 mod packages;
 mod publish;
 mod rawview;
+mod redirects;
 mod signatures;
 mod snapshotter;
 mod tenants;

@@ -3,6 +3,8 @@
 # foreground for the fleet tests and bench, in front of an origin on loopback (plain HTTP, or
 # HTTPS with ORIGIN_CA below).
 # Usage: regional-cache.sh DIR ORIGIN PORT [SLICE]
+# (FETCHER_PORT: the loopback port of its blob fetcher, the shipped file's second server;
+# PORT+1 by default)
 #   DIR     its configuration, cache, temporary files and logs (access.log: one line per
 #           request with the cache's answer, HIT/MISS/…, and the slice asked of the origin)
 #   ORIGIN  host:port of the origin registry
@@ -34,6 +36,9 @@ replace() {
 replace "/var/cache/nginx/vmdisk" "$dir/cache"
 replace "server registry.example.com:443;" "server $origin;"
 replace "listen 5000;" "listen 127.0.0.1:$port;"
+fetcher=${FETCHER_PORT:-$((port + 1))}
+replace "listen 127.0.0.1:5001;" "listen 127.0.0.1:$fetcher;"
+replace "server 127.0.0.1:5001;" "server 127.0.0.1:$fetcher;"
 if [ -n "${ORIGIN_CA:-}" ]; then
   replace "proxy_ssl_name registry.example.com;" "proxy_ssl_name ${ORIGIN_NAME:?the name in the certificate of the origin};"
   replace "proxy_ssl_trusted_certificate /etc/ssl/certs/ca-certificates.crt;" "proxy_ssl_trusted_certificate $ORIGIN_CA;"
