@@ -20,6 +20,15 @@ APT_PACKAGES := containerd docker-registry skopeo openssl qemu-utils/bookworm qe
 APT_COMMANDS := containerd ctr runc docker-registry skopeo openssl qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
 	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip go lintian
 
+# What `make demo` uses, and nothing more (the tests' list above installs these too): containerd
+# 1.6 (with ctr and runc), the registry, skopeo (the gzip containerDisk), qemu and its tools, the
+# kernel and initramfs the guest boots, the tools that build its disk, python3 and curl for the
+# script. No cargo tool, no other containerd, no conformance suite, no libvirt, no lintian.
+DEMO_APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-system-x86 curl python3 \
+	busybox-static linux-image-amd64 initramfs-tools fdisk e2fsprogs ca-certificates tar gzip
+DEMO_APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 curl \
+	python3 busybox sfdisk mkfs.ext4 gzip
+
 # containerd 1.7 (Debian 13) and 2.1 (Debian unstable), unpacked beside Debian 12's 1.6 without
 # installing them (integration/debs.sh): the containerd matrix of the tests. The versions the
 # tests were written against first; the suite's current one if the archive has moved on. Their
@@ -42,7 +51,7 @@ SIGNERS := cosign/sid notation/sid
 # machine. docs/fleet.md.
 NGINX := nginx/bookworm
 
-.PHONY: all deps build demo test unit integration lint bench fuzz clean deb image
+.PHONY: all deps demo-deps build demo test unit integration lint bench fuzz clean deb image
 
 all: build
 
@@ -78,7 +87,17 @@ deps:
 build:
 	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link --example estargz-layout --example control-probe --example blob-cdn
 
-demo: deps build
+# The demo's own packages only (DEMO_APT_PACKAGES), then the release build it runs.
+demo-deps:
+	@missing=0; for c in $(DEMO_APT_COMMANDS); do command -v $$c >/dev/null 2>&1 || missing=1; done; \
+	ls /boot/vmlinuz-* >/dev/null 2>&1 || missing=1; \
+	if [ $$missing = 1 ]; then \
+		echo "installing the demo's packages with apt-get"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends --allow-downgrades $(DEMO_APT_PACKAGES) >/dev/null; \
+	fi
+
+demo: demo-deps build
 	integration/demo.sh
 
 # The Debian package (target/deb/vmdisk_<version>_<arch>.deb) and the node image for the

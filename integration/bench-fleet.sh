@@ -4,8 +4,10 @@
 # the snapshotter runs a layer by default — background hydration at 50 MB/s — each with its own
 # cache, started and timed by integration/fleet-driver.py) boot at the same moment — 50
 # scattered 64 KiB reads of a qcow2 holding FLEET_MIB (128) MiB of random data, each compared
-# with the disk published — and go on until each holds the whole disk; the origin registry
-# behind the shaped cluster link (20 ms, 200 Mbit/s), through:
+# with the disk published — and go on until each holds the whole disk; the origin laid out as
+# $LAYOUT says (start_origin in integration/containerd.sh: by default as public registries are,
+# the API 80 ms away redirecting blobs to a blob host 10 ms away, 200 Mbit/s each; LAYOUT=itself:
+# the registry serving blobs itself behind the shaped cluster link, 20 ms, 200 Mbit/s), through:
 #   none           no mirror: every node asks the origin;
 #   nginx          the shipped slice cache (config/nginx-regional-cache.conf) as the mirror;
 #   dist-first     CNCF distribution in pull-through mode as the hosts.toml mirror, cold, met by
@@ -17,8 +19,9 @@
 #                  hydrate) the last node boots the late-alone boot set: "late boot s";
 #   full-*         each node downloads the disk's whole blob through none / dist / nginx instead:
 #                  what a pull costs the same fleet (not run unless named in FLEET_MODES).
-# For each: the origin's body bytes (and as multiples of the blob B), its GETs of the disk's
-# blob and its other requests, the nodes' boot times (start to boot set read: p50, p99; "p99 own
+# For each: the origin's body bytes (the registry's and its blob host's; and as multiples of the
+# blob B), the registry's GETs of the disk's blob (each redirected, on the redirect layout) and
+# its other requests, the nodes' boot times (start to boot set read: p50, p99; "p99 own
 # cpu": less what each node's threads waited for a CPU, i.e. on a machine of its own; "mount
 # p99": start to the disk file's appearing, the image resolved through the mirror), the time
 # from the start until every node was hydrated, wrong reads, and the CPU seconds the nodes, the
@@ -30,6 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
+CDN=${CDN:-$PWD/target/release/examples/blob-cdn}
 MIB=${FLEET_MIB:-128}
 source integration/containerd.sh
 bench_scratch fleet
@@ -44,9 +48,8 @@ if [ "${FLEET_ORIGIN:-token}" = token ]; then
   start_cluster_link "$B/tokens" "$TOKENS"
   REALM=http://$CLUSTER/token
 fi
-start_registry "$B" "$REALM"
+start_origin "$B" "$REALM"
 ORIGIN=$REG
-start_cluster_link "$B" "$ORIGIN"
 random_qcow2 "$B/fleet.qcow2" "$MIB"
 "$VMDISK" push "$B/fleet.qcow2" "$ORIGIN/vm/fleet:1" > /dev/null
 # Two boot sets: the fleet's, and the late node's (other places of the disk's file).
@@ -68,10 +71,10 @@ mirror() {
   mkdir -p "$2/storage"
   case $1 in
   *nginx)
-    integration/regional-cache.sh "$2/nginx" "$CLUSTER" "$MPORT" ${FLEET_SLICE:-} > "$2/mirror.log" 2>&1 &
+    integration/regional-cache.sh "$2/nginx" "$PULL" "$MPORT" ${FLEET_SLICE:-} > "$2/mirror.log" 2>&1 &
     ;;
   *)
-    printf 'version: 0.1\nlog: { level: error }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\nproxy: { remoteurl: "http://%s" }\n' "$2/storage" "$MPORT" "$CLUSTER" > "$2/mirror.yml"
+    printf 'version: 0.1\nlog: { level: error }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\nproxy: { remoteurl: "http://%s" }\n' "$2/storage" "$MPORT" "$PULL" > "$2/mirror.yml"
     docker-registry serve "$2/mirror.yml" > "$2/mirror.log" 2>&1 &
     ;;
   esac
@@ -86,17 +89,18 @@ run() {
   local mode=$1 n=$2 dir=$B/run-$1-$2 bin=$VMDISK
   [ "$mode" = before ] && bin=$BASE_BIN/vmdisk
   mkdir -p "$dir/hosts"
-  local via=$CLUSTER args=() watch=(--watch "link=$RELAY_PID" --watch "origin=$ORIGIN_PID")
+  local via=$PULL args=() watch=(--watch "origin=$ORIGIN_PID")
+  for p in $PULL_PIDS; do watch+=(--watch "link=$p"); done
   if [ "${mode#full-}" != none ] && [ "$mode" != none ]; then
     case $mode in before | *late* | *preheat) mirror nginx "$dir" ;; *) mirror "$mode" "$dir" ;; esac
     via=127.0.0.1:$MPORT
     watch+=(--watch "cache=$MIRROR_PID")
-    mkdir -p "$dir/hosts/$CLUSTER"
-    printf 'server = "http://%s"\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' "$CLUSTER" "$via" > "$dir/hosts/$CLUSTER/hosts.toml"
+    mkdir -p "$dir/hosts/$PULL"
+    printf 'server = "http://%s"\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' "$PULL" "$via" > "$dir/hosts/$PULL/hosts.toml"
   fi
   case $mode in
   full-*) args+=(--full "http://$via/v2/vm/fleet/blobs/$BLOB") ;;
-  *) args+=(--vmdisk "$bin" --reference "$CLUSTER/vm/fleet:1" --hosts-dir "$dir/hosts" --expect "$B/fleet.qcow2") ;;
+  *) args+=(--vmdisk "$bin" --reference "$PULL/vm/fleet:1" --hosts-dir "$dir/hosts" --expect "$B/fleet.qcow2") ;;
   esac
   case $mode in
   late-alone) args+=(--late --late-reads "$B/late-reads") ;;
@@ -104,11 +108,12 @@ run() {
   esac
   local preheat_mb=-
   if [ "$mode" = nginx-preheat ]; then
-    local p; p=$(registry_mark "$B")
-    "$bin" preheat --hosts-dir "$dir/hosts" "$CLUSTER/vm/fleet:1" > "$dir/preheat.out"
-    preheat_mb=$(python3 -c "print(f'{$(registry_bytes_since "$B" "$p") / 1e6:.1f}')")
+    local p; p=$(origin_mark "$B")
+    "$bin" preheat --hosts-dir "$dir/hosts" "$PULL/vm/fleet:1" > "$dir/preheat.out"
+    preheat_mb=$(python3 -c "print(f'{$(origin_bytes_since "$B" "$p") / 1e6:.1f}')")
   fi
-  local m; m=$(registry_mark "$B")
+  local m; m=$(origin_mark "$B") redirected=-
+  [ "$LAYOUT" != redirect ] || redirected=$(cdn_count registry_blob_requests)
   # In the background, so an interrupted bench stops it (and it its nodes) with the rest.
   python3 integration/fleet-driver.py "$dir" "$n" --reads "$B/reads" "${args[@]}" "${watch[@]}" > "$dir/result.json" &
   PIDS+=($!)
@@ -121,19 +126,24 @@ run() {
       sleep 0.2
     done
   fi
-  local bytes; bytes=$(registry_bytes_since "$B" "$m")
-  tail -c +"$((m + 1))" "$B/registry.log" | grep -o '"[A-Z]* /v2/[^ ]*' > "$dir/origin-requests" || true
+  local bytes; bytes=$(origin_bytes_since "$B" "$m")
+  [ "$redirected" = - ] || redirected=$(($(cdn_count registry_blob_requests) - redirected))
+  tail -c +"$((${m%%:*} + 1))" "$B/registry.log" | grep -o '"[A-Z]* /v2/[^ ]*' > "$dir/origin-requests" || true
   [ -z "${MIRROR_PID:-}" ] || kill "$MIRROR_PID" 2>/dev/null || true
   MIRROR_PID=
   # The nodes' caches (N x the disk) and the mirror's go: 100 nodes of 4 modes would not fit.
   rm -rf "$dir"/node*/cache "$dir/storage" "$dir/nginx/cache"
-  python3 - "$mode" "$n" "$bytes" "$dir" "$BLOB" "$BLOB_SIZE" "$preheat_mb" <<'PY'
+  python3 - "$mode" "$n" "$bytes" "$dir" "$BLOB" "$BLOB_SIZE" "$preheat_mb" "$redirected" <<'PY'
 import json, sys
-mode, n, nbytes, d, blob, size, preheat = sys.argv[1:]
+mode, n, nbytes, d, blob, size, preheat, redirected = sys.argv[1:]
 r = json.load(open(d + "/result.json"))
 reqs = [l.strip().lstrip('"') for l in open(d + "/origin-requests")]
 gets = sum(1 for q in reqs if q.startswith("GET ") and q.endswith("/blobs/" + blob))
 other = len(reqs) - gets
+if redirected != "-":
+    # The front asks the registry a HEAD of each blob it redirects: not the clients' requests.
+    other -= sum(1 for q in reqs if q.startswith("HEAD ") and "/blobs/" in q)
+    gets = int(redirected)
 ok = sorted(t for t in r["times"] if t is not None)
 def rank(p, ok=ok):
     return ok[min(len(ok) - 1, max(0, -(-len(ok) * p // 100) - 1))] if ok else float("nan")
@@ -155,7 +165,6 @@ PY
 
 read -r BLOB BLOB_SIZE < <(curl -s -H 'Authorization: Bearer anonymous' -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$ORIGIN/v2/vm/fleet/manifests/1" |
   python3 -c 'import json, sys; l = max(json.load(sys.stdin)["layers"], key=lambda l: l["size"]); print(l["digest"], l["size"])')
-RELAY_PID=$(pgrep -f "$RELAY $CLUSTER")
 ORIGIN_PID=$(pgrep -f "docker-registry serve $B/registry.yml")
 MODES=${FLEET_MODES:-none nginx dist-first nginx-preheat late-alone nginx-late}
 [ -z "${BASE_BIN:-}" ] || MODES="$MODES before"
@@ -174,7 +183,7 @@ for N in ${FLEET_NODES:-1 20 100}; do
 done
 {
   echo
-  echo "A fleet booting one disk at once and hydrating it, the nodes' default configuration ($MIB MiB of random data, blob B = $((BLOB_SIZE / 1000000)) MB; 50 scattered 64 KiB reads per node, each checked; full-*: each node downloads the whole blob), origin behind the cluster link (20 ms, 200 Mbit/s), ${FLEET_ORIGIN:-token} origin, same run; hydrated s: from the start until every node held the whole disk; late: the late node's boot; preheat MB: what the preheat cost the origin before the rollout; CPU seconds of the nodes, the cache and the harness (link relay, origin, driver):"
+  echo "A fleet booting one disk at once and hydrating it, the nodes' default configuration ($MIB MiB of random data, blob B = $((BLOB_SIZE / 1000000)) MB; 50 scattered 64 KiB reads per node, each checked; full-*: each node downloads the whole blob), origin: $LAYOUT_TEXT, ${FLEET_ORIGIN:-token} origin, same run; hydrated s: from the start until every node held the whole disk; late: the late node's boot; preheat MB: what the preheat cost the origin before the rollout; CPU seconds of the nodes, the cache and the harness (link relay, origin, driver):"
   printf '  %-13s %5s %10s %6s %9s %9s %7s %7s %12s %12s %10s %7s %6s %6s %10s %9s %9s %11s %7s\n' mode nodes "origin MB" "x B" "blob GETs" "other req" "p50 s" "p99 s" "p99 own cpu" "mount p99 s" "hydrated s" "late s" wrong failed "preheat MB" "node cpu" "cache cpu" "harness cpu" "wall s"
   for row in "${ROWS[@]}"; do
     # shellcheck disable=SC2086

@@ -79,8 +79,12 @@ done
 integration/bench-engine.sh
 integration/bench-pull.sh
 integration/bench-ordinary.sh
+# The demo's boot and the fleet on the registry layout public registries have (the default), and
+# beside it on a registry that serves blobs itself (the lab before): docs/registry.md#redirects.
 integration/bench-fleet.sh
+LAYOUT=itself integration/bench-fleet.sh
 integration/bench-boot.sh
+LAYOUT=itself integration/bench-boot.sh
 integration/bench-link.sh
 integration/bench-redirect.sh
 integration/bench-index.sh

@@ -198,6 +198,46 @@ start_internet_registry() {
 # cdn_count KEY: one of the counts start_internet_registry's front and blob host keep.
 cdn_count() { curl -sf "$CDN_STATS" | python3 -c "import json,sys; print(json.load(sys.stdin)[sys.argv[1]])" "$1"; }
 
+# start_origin DIR [REALM]: the registry the nodes pull from, laid out as $LAYOUT says:
+#   redirect (the default)  as public registries run: start_internet_registry (the API 80 ms
+#                           away redirecting blobs to a blob host 10 ms away);
+#   itself                  a registry serving blobs itself behind the cluster link (20 ms), as
+#                           the lab was before.
+# Sets REG (the registry on loopback: publish there), PULL (what nodes pull from), PULL_PIDS
+# (the links' and servers' pids, for CPU accounting) and LAYOUT_TEXT (the layout, for tables).
+start_origin() {
+  case ${LAYOUT:=redirect} in
+  redirect)
+    start_internet_registry "$1" "${2:-}"
+    PULL=$API
+    PULL_PIDS="${PIDS[*]: -3}"
+    LAYOUT_TEXT="registry API ${API_RTT:-80} ms away redirecting blobs to a blob host ${BLOB_RTT:-10} ms away, ${LINK_MBIT:-200} Mbit/s each"
+    ;;
+  itself)
+    start_registry "$1" "${2:-}"
+    start_cluster_link "$1" "$REG"
+    PULL=$CLUSTER
+    PULL_PIDS="${PIDS[*]: -1}"
+    LAYOUT_TEXT="registry serving blobs itself behind the cluster link (20 ms, 200 Mbit/s)"
+    ;;
+  *) echo "LAYOUT is redirect or itself, not $LAYOUT" >&2; return 1 ;;
+  esac
+}
+# origin_mark DIR, then origin_bytes_since DIR MARK: the body bytes the origin (the registry of
+# DIR and, on the redirect layout, its blob host) sent since the mark.
+origin_mark() {
+  if [ -n "${CDN_STATS:-}" ]; then
+    echo "$(registry_mark "$1"):$(cdn_count blob_bytes)"
+  else
+    echo "$(registry_mark "$1"):0"
+  fi
+}
+origin_bytes_since() {
+  local reg=${2%%:*} blobs=${2##*:} now=0
+  [ -z "${CDN_STATS:-}" ] || now=$(cdn_count blob_bytes)
+  echo $(($(registry_bytes_since "$1" "$reg") + now - blobs))
+}
+
 # registry_mark DIR, then registry_bytes_since DIR MARK: the bytes of the GET responses the
 # registry of DIR logged since the mark (it logs a request just after answering it).
 registry_mark() { wc -c < "$1/registry.log"; }

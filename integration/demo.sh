@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The main job on an embedded default: boot a VM from a multi-GiB disk published in a registry
-# reached over a shaped "cluster" link (20 ms round trip, 200 Mbit/s), once lazily through
-# vmdisk and once after the full pull every node does today, and compare the two.
+# laid out as public registries are — its API 80 ms away, answering blob GETs with a redirect to
+# a blob host (a CDN) 10 ms away, 200 Mbit/s each (LAYOUT=itself: a registry serving blobs
+# itself behind a 20 ms link, as the lab was before) — once lazily through vmdisk and once after
+# the full pull every node does today, and compare the two.
 #
-# In a scratch directory: a registry on loopback behind the link, a bootable Linux guest disk
+# In a scratch directory: a registry on loopback behind the links, a bootable Linux guest disk
 # (DEMO_GIB, default 2 GiB, padded with data the boot never reads) published both ways —
 # `vmdisk push` (lazy) and a gzip containerDisk (what KubeVirt users publish today). Then:
 # - lazy: containerd 1.6 with vmdisk-snapshotter as its CRI snapshotter pulls the image through
@@ -18,6 +20,7 @@ VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
+CDN=${CDN:-$PWD/target/release/examples/blob-cdn}
 GIB=${DEMO_GIB:-2}
 mkdir -p scratch
 S=$(mktemp -d "$PWD/scratch/demo-XXXXXX")
@@ -47,16 +50,16 @@ progress_while() {
 }
 progress_start() { progress_while "$@" 2> /dev/null & PROGRESS=$!; }
 progress_stop() { kill "$PROGRESS" 2>/dev/null; wait "$PROGRESS" 2>/dev/null || true; PROGRESS=; printf '\r\033[K'; }
-# What the lazy node fetched so far (the registry logs each chunk request as it completes).
-LAZY_MARK=0
-lazy_fetched() { registry_bytes_since "$S" "$LAZY_MARK"; }
+# What the lazy node fetched so far (the registry and the blob host count each request as it
+# completes).
+LAZY_MARK=0:0
+lazy_fetched() { origin_bytes_since "$S" "$LAZY_MARK"; }
 # What the full pull downloaded so far (containerd's content store, partial downloads included).
 full_fetched() { local n; n=$(du -sb "$S/node2-ctd/root/io.containerd.content.v1.content" 2>/dev/null | cut -f1); echo "${n:-0}"; }
 
 echo "== scratch directory: $S"
-start_registry "$S"
-start_cluster_link "$S" "$REG"
-echo "== registry on $REG; the cluster link to it on $CLUSTER (20 ms round trip, 200 Mbit/s)"
+start_origin "$S"
+echo "== registry on $REG, pulled from $PULL: $LAYOUT_TEXT"
 echo "== building a ${GIB} GiB bootable guest disk (Linux kernel from the host, busybox init on ext4)"
 make_guest_disk "$S" "$GIB"
 SIZE=$(stat -c %s "$S/guest.qcow2")
@@ -64,14 +67,15 @@ write_boot_script "$S"
 echo "== publishing it lazily (vmdisk push) and as a gzip containerDisk (skopeo), $(mb "$SIZE") each"
 publish_lazy_and_gzip "$S/guest.qcow2" "$REG/vm/guest:lazy" "$REG/vm/guest:gzip"
 
-echo "== node 1: containerd 1.6 + vmdisk-snapshotter; CRI PullImage $CLUSTER/vm/guest:lazy"
+echo "== node 1: containerd 1.6 + vmdisk-snapshotter; CRI PullImage $PULL/vm/guest:lazy"
 start_node "$S" node1 "" "$S/node1-ctd/root"
-start_containerd "$S/node1-ctd" "$CLUSTER" "$S/node1/vmdisk.sock"
+start_containerd "$S/node1-ctd" "$PULL" "$S/node1/vmdisk.sock"
 export VMDISK_MANAGE=$S/node1/manage.sock
 sync; echo 3 > /proc/sys/vm/drop_caches
-m=$(registry_mark "$S"); LAZY_MARK=$m; t0=$(now)
-"$CRI_PULL" --address "$S/node1-ctd/containerd.sock" "$CLUSTER/vm/guest:lazy" | sed 's/^/   /'
-RAW=$("$VMDISK" path --raw "$CLUSTER/vm/guest:lazy")
+m=$(origin_mark "$S"); LAZY_MARK=$m; t0=$(now)
+[ "$LAYOUT" != redirect ] || asked=$(($(cdn_count registry_blob_requests) + $(cdn_count registry_other_requests)))
+"$CRI_PULL" --address "$S/node1-ctd/containerd.sock" "$PULL/vm/guest:lazy" | sed 's/^/   /'
+RAW=$("$VMDISK" path --raw "$PULL/vm/guest:lazy")
 t1=$(now)
 echo "   ready: $RAW"
 echo "== booting the guest from the lazily loaded raw view"
@@ -79,17 +83,19 @@ progress_start "lazy boot" "$SIZE" lazy_fetched
 read -r L_BOOT L_GUEST < <("$S/boot.sh" "$RAW" raw)
 progress_stop
 t2=$(now)
-L_BYTES=$(registry_bytes_since "$S" "$m")
+L_BYTES=$(origin_bytes_since "$S" "$m")
+L_ASKED=-
+[ "$LAYOUT" != redirect ] || L_ASKED=$(($(cdn_count registry_blob_requests) + $(cdn_count registry_other_requests) - asked))
 L_READY=$(secs "$t0" "$t1"); L_TOTAL=$(secs "$t0" "$t2")
 echo "   booted (BOOT-MARKER) after ${L_TOTAL} s; the guest read $(mb "$L_GUEST")"
 "$VMDISK" ls | sed 's/^/   /'
 
-echo "== node 2: containerd 1.6 with overlayfs; CRI PullImage $CLUSTER/vm/guest:gzip (today's full pull)"
-start_containerd "$S/node2-ctd" "$CLUSTER" ""
+echo "== node 2: containerd 1.6 with overlayfs; CRI PullImage $PULL/vm/guest:gzip (today's full pull)"
+start_containerd "$S/node2-ctd" "$PULL" ""
 sync; echo 3 > /proc/sys/vm/drop_caches
-m=$(registry_mark "$S"); t0=$(now)
+m=$(origin_mark "$S"); t0=$(now)
 progress_start "full pull" "$SIZE" full_fetched
-"$CRI_PULL" --address "$S/node2-ctd/containerd.sock" "$CLUSTER/vm/guest:gzip" > "$S/full-pull.out"
+"$CRI_PULL" --address "$S/node2-ctd/containerd.sock" "$PULL/vm/guest:gzip" > "$S/full-pull.out"
 progress_stop
 sed 's/^/   /' "$S/full-pull.out"
 t1=$(now)
@@ -97,12 +103,13 @@ UNPACKED=$(find "$S/node2-ctd/root/io.containerd.snapshotter.v1.overlayfs/snapsh
 echo "== booting the guest from the unpacked disk"
 read -r F_BOOT F_GUEST < <("$S/boot.sh" "$UNPACKED" qcow2)
 t2=$(now)
-F_BYTES=$(registry_bytes_since "$S" "$m")
+F_BYTES=$(origin_bytes_since "$S" "$m")
 F_READY=$(secs "$t0" "$t1"); F_TOTAL=$(secs "$t0" "$t2")
 
 echo
-echo "== a ${GIB} GiB VM disk over a 20 ms / 200 Mbit/s link, from PullImage to a booted guest:"
+echo "== a ${GIB} GiB VM disk from a $LAYOUT_TEXT, from PullImage to a booted guest:"
 printf '   %-34s %12s %16s %20s\n' "" "disk ready" "booted guest" "from the registry"
 printf '   %-34s %10s s %14s s %20s\n' "vmdisk (lazy, raw view for Kata)" "$L_READY" "$L_TOTAL" "$(mb "$L_BYTES")"
 printf '   %-34s %10s s %14s s %20s\n' "full pull + unpack (overlayfs)" "$F_READY" "$F_TOTAL" "$(mb "$F_BYTES")"
 echo "   (the guest itself read $(mb "$L_GUEST"); boots run under TCG, without KVM, on both rows)"
+[ "$L_ASKED" = - ] || echo "   (the lazy node asked the registry's API $L_ASKED times: each blob's redirect once; every chunk came from the blob host)"

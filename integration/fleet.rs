@@ -838,7 +838,12 @@ fn a_fleet_behind_the_slice_cache_of_a_redirecting_origin_costs_the_blob_host_wh
     let redirects_to_nodes = cache
         .access_log()
         .lines()
-        .filter(|l| l.contains("/blobs/") && l.split_whitespace().nth(3) == Some("307"))
+        .filter(|l| {
+            // The nodes' requests (the cache's own port), not its fetcher's.
+            l.ends_with(&format!(" {}", cache.port))
+                && l.contains("/blobs/")
+                && l.split_whitespace().nth(3) == Some("307")
+        })
         .count();
     eprintln!(
         "the slice cache of a redirecting origin: one node cost the blob host {:.2} MiB, {NODES} nodes {:.2} MiB ({:.2}x); {} blob requests to the registry, {redirects_to_nodes} redirects handed to nodes",

@@ -571,7 +571,8 @@ impl RegionalCache {
         if let Some((ca, name)) = https {
             cmd.env("ORIGIN_CA", ca).env("ORIGIN_NAME", name);
         }
-        cmd.env("FETCHER_PORT", free_port().to_string());
+        cmd.env("FETCHER_PORT", free_port().to_string())
+            .env("REDIRECTS_PORT", free_port().to_string());
         let child = cmd
             .arg(&dir)
             .arg(origin)

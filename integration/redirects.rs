@@ -101,7 +101,7 @@ fn a_redirecting_registry_is_asked_once_per_blob_and_url_lifetime_and_its_creden
     let cdn = CdnRegistry::start(&origin, &reg.root.join("data"), lifetime);
     let auth = docker_config(scratch.dir.path(), &cdn.host(), "alice", "wonderland");
     let started = Instant::now();
-    let mount = crate::harness::Mount::start(
+    let mount = Mount::start(
         &format!("{}/vm/cdn:1", cdn.host()),
         &scratch.path("cache"),
         &scratch.path("mnt"),
@@ -224,7 +224,7 @@ fn a_blob_host_that_lies_is_never_believed() {
     random_file(&disk, size, 8);
     push_raw(&reg.host(), "vm/liar:1", &disk);
     let cdn = CdnRegistry::start(&reg, &reg.root.join("data"), Duration::from_secs(300));
-    let mount = crate::harness::Mount::start(
+    let mount = Mount::start(
         &format!("{}/vm/liar:1", cdn.host()),
         &scratch.path("cache"),
         &scratch.path("mnt"),
@@ -276,7 +276,7 @@ fn tokens_and_blob_urls_that_expire_mid_read_cost_no_read() {
         &reference,
     ]);
     let issued_before = tokens.issued.load(Ordering::SeqCst);
-    let mount = crate::harness::Mount::start(
+    let mount = Mount::start(
         &reference,
         &scratch.path("cache"),
         &scratch.path("mnt"),
@@ -368,7 +368,7 @@ fn parallel_misses_share_an_http2_connection_to_a_tls_registry() {
         ),
     )
     .unwrap();
-    let mount = crate::harness::Mount::start_env(
+    let mount = Mount::start_env(
         &format!("{}/vm/h2:1", counted.host()),
         &scratch.path("cache"),
         &scratch.path("mnt"),

@@ -3,10 +3,12 @@
 # foreground for the fleet tests and bench, in front of an origin on loopback (plain HTTP, or
 # HTTPS with ORIGIN_CA below).
 # Usage: regional-cache.sh DIR ORIGIN PORT [SLICE]
-# (FETCHER_PORT: the loopback port of its blob fetcher, the shipped file's second server;
-# PORT+1 by default)
+# (FETCHER_PORT, REDIRECTS_PORT: the loopback ports of its blob fetcher and of the server that
+# keeps the origin's redirects, the shipped file's second and third servers; PORT+1 and PORT+2
+# by default)
 #   DIR     its configuration, cache, temporary files and logs (access.log: one line per
-#           request with the cache's answer, HIT/MISS/…, and the slice asked of the origin)
+#           request with the cache's answer, HIT/MISS/…, the slice asked of the origin, and the
+#           port of the server that answered: PORT's lines are the nodes' requests)
 #   ORIGIN  host:port of the origin registry
 #   PORT    where it listens (127.0.0.1)
 #   SLICE   another slice size than the shipped one (the bench measures a few)
@@ -37,8 +39,11 @@ replace "/var/cache/nginx/vmdisk" "$dir/cache"
 replace "server registry.example.com:443;" "server $origin;"
 replace "listen 5000;" "listen 127.0.0.1:$port;"
 fetcher=${FETCHER_PORT:-$((port + 1))}
+redirects=${REDIRECTS_PORT:-$((port + 2))}
 replace "listen 127.0.0.1:5001;" "listen 127.0.0.1:$fetcher;"
 replace "server 127.0.0.1:5001;" "server 127.0.0.1:$fetcher;"
+replace "listen 127.0.0.1:5002;" "listen 127.0.0.1:$redirects;"
+replace "server 127.0.0.1:5002;" "server 127.0.0.1:$redirects;"
 if [ -n "${ORIGIN_CA:-}" ]; then
   replace "proxy_ssl_name registry.example.com;" "proxy_ssl_name ${ORIGIN_NAME:?the name in the certificate of the origin};"
   replace "proxy_ssl_trusted_certificate /etc/ssl/certs/ca-certificates.crt;" "proxy_ssl_trusted_certificate $ORIGIN_CA;"
@@ -61,7 +66,7 @@ http {
     sendfile on;
     tcp_nopush on;
     default_type application/octet-stream;
-    log_format cache '\$request \$status \$upstream_cache_status \$slice_range \$body_bytes_sent';
+    log_format cache '\$request \$status \$upstream_cache_status \$slice_range \$body_bytes_sent \$server_port';
     access_log $dir/access.log cache;
     client_body_temp_path $dir/temp/body;
     proxy_temp_path $dir/temp/proxy;
