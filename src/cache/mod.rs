@@ -142,7 +142,22 @@ impl CacheRoot {
             })?;
         }
         use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700));
+        if let Err(e) = std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700)) {
+            // Not ours to change (another user's directory): fine only if no one else may
+            // read it already.
+            let open_to_others = std::fs::metadata(root)
+                .map(|m| m.permissions().mode() & 0o077 != 0)
+                .unwrap_or(true);
+            if open_to_others {
+                return Err(Error::io(
+                    format!(
+                        "making the cache {} private (mode 0700); its owner can, or name another with --cache",
+                        root.display()
+                    ),
+                    e,
+                ));
+            }
+        }
         Ok(CacheRoot {
             root: root.to_path_buf(),
         })

@@ -396,7 +396,7 @@ impl Classifier {
                     return ordinary(reason, detail);
                 }
                 match crate::resolve::indexable_layer(&manifest) {
-                    Some((_, ordinary, _)) if ordinary.digest == layer => ordinary,
+                    Some((_, indexable, _)) if indexable.digest == layer => indexable,
                     _ => return ordinary(
                         Reason::NotLazy,
                         "no zstd:chunked layer with a TOC, and this is not the topmost tar layer"
