@@ -91,11 +91,7 @@ impl Cdn {
         front: tokio::net::TcpListener,
         blobs: tokio::net::TcpListener,
     ) -> Arc<Cdn> {
-        let secret = format!(
-            "{:?}{}",
-            SystemTime::now(),
-            std::process::id()
-        );
+        let secret = format!("{:?}{}", SystemTime::now(), std::process::id());
         let cdn = Arc::new(Cdn {
             options,
             generation: AtomicU64::new(0),
@@ -124,8 +120,7 @@ impl Cdn {
     }
 
     fn signature(&self, path: &str, expires: u64, generation: u64) -> String {
-        crate::sha256(format!("{}\0{path}\0{expires}\0{generation}", self.secret).as_bytes())
-            [7..39]
+        crate::sha256(format!("{}\0{path}\0{expires}\0{generation}", self.secret).as_bytes())[7..39]
             .to_string()
     }
 
@@ -187,7 +182,9 @@ fn blob_path(path: &str) -> Option<(&str, &str)> {
 async fn front_handle(State(cdn): State<Arc<Cdn>>, request: Request) -> Response {
     let method = request.method().clone();
     let path = request.uri().path().to_string();
-    if let Some((repository, digest)) = blob_path(&path).filter(|_| method == Method::GET || method == Method::HEAD) {
+    if let Some((repository, digest)) =
+        blob_path(&path).filter(|_| method == Method::GET || method == Method::HEAD)
+    {
         cdn.counts
             .registry_blob_requests
             .fetch_add(1, Ordering::SeqCst);
