@@ -541,10 +541,21 @@ pub(crate) fn machine_settings(
 
 /// Writes `certs/<host>/hosts.toml` so containerd speaks plain HTTP to the registry `host`.
 pub fn plain_http_host(certs: &Path, host: &str) {
+    hosts_entry(certs, host, "http");
+}
+
+/// Writes `certs/<host>/hosts.toml` so clients speak HTTPS to the registry `host` (a loopback
+/// registry is spoken to over plain HTTP unless its hosts.toml says otherwise).
+pub fn https_host(certs: &Path, host: &str) {
+    hosts_entry(certs, host, "https");
+}
+
+/// `certs/<host>/hosts.toml` naming `scheme://host` as the server and its one pull endpoint.
+fn hosts_entry(certs: &Path, host: &str, scheme: &str) {
     std::fs::create_dir_all(certs.join(host)).unwrap();
     std::fs::write(
         certs.join(host).join("hosts.toml"),
-        format!("server = \"http://{host}\"\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+        format!("server = \"{scheme}://{host}\"\n[host.\"{scheme}://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
     )
     .unwrap();
 }

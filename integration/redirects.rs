@@ -67,6 +67,55 @@ impl CdnRegistry {
     }
 }
 
+/// What a reader saw of a mounted disk.
+struct Reads {
+    reads: usize,
+    failed: usize,
+    wrong: usize,
+}
+
+/// Reads 64 KiB at page-aligned random offsets (`seed`) of the mounted `disk`, told to the
+/// kernel as random access, each compared with `original`, `pause` apart, while `more(reads so
+/// far)`.
+fn read_randomly(
+    disk: &std::path::Path,
+    original: &std::path::Path,
+    seed: u64,
+    pause: Duration,
+    mut more: impl FnMut(usize) -> bool,
+) -> Reads {
+    let mounted = std::fs::File::open(disk).unwrap();
+    nix::fcntl::posix_fadvise(
+        &mounted,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM,
+    )
+    .unwrap();
+    let original = std::fs::File::open(original).unwrap();
+    let size = original.metadata().unwrap().len();
+    let mut next = rng(seed);
+    let (mut got, mut want) = (vec![0u8; 64 << 10], vec![0u8; 64 << 10]);
+    let mut saw = Reads {
+        reads: 0,
+        failed: 0,
+        wrong: 0,
+    };
+    while more(saw.reads) {
+        let offset = next() % (size - (64 << 10)) / 4096 * 4096;
+        saw.reads += 1;
+        match mounted.read_exact_at(&mut got, offset) {
+            Ok(()) => {
+                original.read_exact_at(&mut want, offset).unwrap();
+                saw.wrong += usize::from(got != want);
+            }
+            Err(_) => saw.failed += 1,
+        }
+        std::thread::sleep(pause);
+    }
+    saw
+}
+
 /// The YAML of distribution's htpasswd authentication for `user` (a file in `scratch`).
 fn htpasswd_auth(scratch: &Scratch, user: &str, password: &str) -> String {
     let out = std::process::Command::new("htpasswd")
@@ -112,34 +161,18 @@ fn a_redirecting_registry_is_asked_once_per_blob_and_url_lifetime_and_its_creden
             "10",
         ],
     );
-    let mounted = std::fs::File::open(&mount.disk).unwrap();
-    nix::fcntl::posix_fadvise(
-        &mounted,
-        0,
-        0,
-        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM,
-    )
-    .unwrap();
-    let original = std::fs::File::open(&disk).unwrap();
-    let mut next = rng(5);
-    let (mut got, mut want) = (vec![0u8; 64 << 10], vec![0u8; 64 << 10]);
-    let mut wrong = 0;
-    for i in 0..200 {
-        let offset = next() % (size - (64 << 10)) / 4096 * 4096;
-        mounted.read_exact_at(&mut got, offset).unwrap_or_else(|e| {
-            panic!(
-                "read {i} at {offset} failed: {e} (the blob host refused {} requests)",
-                cdn.count(|c| &c.blob_expired)
-            )
-        });
-        original.read_exact_at(&mut want, offset).unwrap();
-        wrong += usize::from(got != want);
-        std::thread::sleep(Duration::from_millis(40));
-    }
+    let saw = read_randomly(&mount.disk, &disk, 5, Duration::from_millis(40), |n| {
+        n < 200
+    });
     let took = started.elapsed();
-    drop(mounted);
     let stats = mount.stop();
-    assert_eq!(wrong, 0, "reads returned other bytes");
+    assert_eq!(
+        (saw.failed, saw.wrong),
+        (0, 0),
+        "{} reads (the blob host refused {} requests)",
+        saw.reads,
+        cdn.count(|c| &c.blob_expired)
+    );
     assert_eq!(stats["read_errors"], 0, "{stats}");
     let asked = cdn.count(|c| &c.registry_blob_requests);
     let expired = cdn.count(|c| &c.blob_expired);
@@ -181,16 +214,7 @@ fn a_redirect_from_https_to_plain_http_is_refused() {
         reg.host()
     );
     let (front, ca) = reg.tls_front_with(&scratch, &middleware);
-    let hosts = scratch.path(&format!("hosts/{}", front.host()));
-    std::fs::create_dir_all(&hosts).unwrap();
-    let https = format!("https://{}", front.host());
-    std::fs::write(
-        hosts.join("hosts.toml"),
-        format!(
-            "server = \"{https}\"\n[host.\"{https}\"]\ncapabilities = [\"pull\", \"resolve\"]\n"
-        ),
-    )
-    .unwrap();
+    crate::cri::https_host(&scratch.path("hosts"), &front.host());
     let out = vmdisk_env(
         &[
             "inspect",
@@ -282,40 +306,21 @@ fn tokens_and_blob_urls_that_expire_mid_read_cost_no_read() {
         &scratch.path("mnt"),
         &["--auth-file", auth, "--fetch-timeout", "10"],
     );
-    let mounted = std::fs::File::open(&mount.disk).unwrap();
-    nix::fcntl::posix_fadvise(
-        &mounted,
-        0,
-        0,
-        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM,
-    )
-    .unwrap();
-    let original = std::fs::File::open(&disk).unwrap();
-    let mut next = rng(11);
-    let (mut got, mut want) = (vec![0u8; 64 << 10], vec![0u8; 64 << 10]);
     let started = Instant::now();
-    let (mut failed, mut wrong, mut reads) = (0, 0, 0);
-    while started.elapsed() < Duration::from_secs(8) {
-        let offset = next() % (size - (64 << 10)) / 4096 * 4096;
-        reads += 1;
-        match mounted.read_exact_at(&mut got, offset) {
-            Ok(()) => {
-                original.read_exact_at(&mut want, offset).unwrap();
-                wrong += usize::from(got != want);
-            }
-            Err(_) => failed += 1,
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    drop(mounted);
+    let saw = read_randomly(&mount.disk, &disk, 11, Duration::from_millis(50), |_| {
+        started.elapsed() < Duration::from_secs(8)
+    });
     let stats = mount.stop();
     let issued = tokens.issued.load(Ordering::SeqCst) - issued_before;
     eprintln!(
-        "{reads} reads over 8 s: {failed} failed, {wrong} wrong; {issued} tokens got, {} blob URLs refused as expired, {} blob requests to the registry",
+        "{} reads over 8 s: {} failed, {} wrong; {issued} tokens got, {} blob URLs refused as expired, {} blob requests to the registry",
+        saw.reads,
+        saw.failed,
+        saw.wrong,
         cdn.count(|c| &c.blob_expired),
         cdn.count(|c| &c.registry_blob_requests)
     );
-    assert_eq!((failed, wrong), (0, 0));
+    assert_eq!((saw.failed, saw.wrong), (0, 0));
     assert_eq!(stats["read_errors"], 0, "{stats}");
     assert!(
         issued >= 2,
@@ -358,16 +363,7 @@ fn parallel_misses_share_an_http2_connection_to_a_tls_registry() {
         "the TLS registry does not offer HTTP/2"
     );
     let counted = FaultProxy::counting(front.port);
-    let hosts = scratch.path(&format!("hosts/{}", counted.host()));
-    std::fs::create_dir_all(&hosts).unwrap();
-    let https = format!("https://{}", counted.host());
-    std::fs::write(
-        hosts.join("hosts.toml"),
-        format!(
-            "server = \"{https}\"\n[host.\"{https}\"]\ncapabilities = [\"pull\", \"resolve\"]\n"
-        ),
-    )
-    .unwrap();
+    crate::cri::https_host(&scratch.path("hosts"), &counted.host());
     let mount = Mount::start_env(
         &format!("{}/vm/h2:1", counted.host()),
         &scratch.path("cache"),

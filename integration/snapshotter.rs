@@ -936,16 +936,7 @@ fn an_https_registry_is_checked_against_the_roots_the_daemon_read_at_start() {
     let roots = scratch.path("roots.pem");
     std::fs::copy(&ca, &roots).unwrap();
     // HTTPS for this loopback registry (plain HTTP is the default for loopback).
-    let hosts = scratch.path(&format!("vmdisk/hosts/{}", front.host()));
-    std::fs::create_dir_all(&hosts).unwrap();
-    let https = format!("https://{}", front.host());
-    std::fs::write(
-        hosts.join("hosts.toml"),
-        format!(
-            "server = \"{https}\"\n[host.\"{https}\"]\ncapabilities = [\"pull\", \"resolve\"]\n"
-        ),
-    )
-    .unwrap();
+    crate::cri::https_host(&scratch.path("vmdisk/hosts"), &front.host());
     // Those roots alone (a directory of none beside them).
     let no_dir = scratch.path("no-roots");
     std::fs::create_dir_all(&no_dir).unwrap();
