@@ -539,6 +539,20 @@ pub(crate) fn machine_settings(
     format!("{paths}{servers}{cri}{runc}{others}")
 }
 
+/// A test containerd's directory (`<scratch>/ctd`) and its `hosts.toml` directory, which names
+/// the loopback registries at `mirror_ports` over plain HTTP; fails the test if `release`'s
+/// binaries or runc are missing.
+fn node_dirs(scratch: &Scratch, release: Release, mirror_ports: &[u16]) -> (PathBuf, PathBuf) {
+    release.require();
+    require("runc");
+    let dir = scratch.path("ctd");
+    let certs = dir.join("certs.d");
+    for p in mirror_ports {
+        plain_http_host(&certs, &format!("127.0.0.1:{p}"));
+    }
+    (dir, certs)
+}
+
 /// Writes `certs/<host>/hosts.toml` so containerd speaks plain HTTP to the registry `host`.
 pub fn plain_http_host(certs: &Path, host: &str) {
     hosts_entry(certs, host, "http");
@@ -640,13 +654,7 @@ state = "{d}/state"
         sandbox_image: &str,
         mirror_ports: &[u16],
     ) -> Self {
-        release.require();
-        require("runc");
-        let dir = scratch.path("ctd");
-        let certs = dir.join("certs.d");
-        for p in mirror_ports {
-            plain_http_host(&certs, &format!("127.0.0.1:{p}"));
-        }
+        let (dir, certs) = node_dirs(scratch, release, mirror_ports);
         let socket = dir.join("containerd.sock");
         let value = |p: &Path| toml_edit::Value::from(p.to_str().unwrap()).to_string();
         let mut config: toml_edit::DocumentMut = std::fs::read_to_string(release.snippet())
@@ -655,41 +663,11 @@ state = "{d}/state"
             .replace("\"/var/lib/vmdisk-snapshotter\"", &value(&daemon.root))
             .parse()
             .unwrap();
-        let (d, s, c) = (dir.display(), socket.display(), certs.display());
-        let machine = if release.v3() {
-            format!(
-                r#"root = "{d}/root"
-state = "{d}/state"
-[grpc]
-  address = "{s}"
-[plugins."io.containerd.cri.v1.images"]
-  stats_collect_period = 1
-  [plugins."io.containerd.cri.v1.images".pinned_images]
-    sandbox = "{sandbox_image}"
-  [plugins."io.containerd.cri.v1.images".registry]
-    config_path = "{c}"
-[plugins."io.containerd.cri.v1.runtime"]
-  restrict_oom_score_adj = true
-[plugins."io.containerd.transfer.v1.local"]
-  config_path = "{c}"
-"#
-            )
-        } else {
-            format!(
-                r#"root = "{d}/root"
-state = "{d}/state"
-[grpc]
-  address = "{s}"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{sandbox_image}"
-  restrict_oom_score_adj = true
-  disable_cgroup = true
-  stats_collect_period = 1
-  [plugins."io.containerd.grpc.v1.cri".registry]
-    config_path = "{c}"
-"#
-            )
-        };
+        let version = config
+            .get("version")
+            .and_then(|v| v.as_integer())
+            .unwrap_or(1);
+        let machine = machine_settings(release, version, &dir, &certs, sandbox_image, false);
         // The product's merge (`vmdisk containerd-config`'s), the machine's settings over the
         // snippet's.
         vmdisk::setup::toml_merge::merge_into(&mut config, &machine.parse().unwrap());
@@ -714,13 +692,7 @@ state = "{d}/state"
         mirror_ports: &[u16],
         cgroupfs: bool,
     ) -> (Self, NodeInstall) {
-        release.require();
-        require("runc");
-        let dir = scratch.path("ctd");
-        let certs = dir.join("certs.d");
-        for p in mirror_ports {
-            plain_http_host(&certs, &format!("127.0.0.1:{p}"));
-        }
+        let (dir, certs) = node_dirs(scratch, release, mirror_ports);
         let config = dir.join("config.toml");
         let original = match file {
             NodeFile::OwnDefault => release.default_config(),
