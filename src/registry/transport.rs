@@ -274,7 +274,7 @@ impl RegistryClient {
         Ok(resp)
     }
 
-    /// `resp` (the answer of `ep` to `req`) with the redirects it names followed: each hop
+    /// `resp` (the answer of `ep` to a GET or HEAD `req`) with the redirects it names followed: each hop
     /// sent without the registry's authorization or the endpoint's headers, at most
     /// [`MAX_REDIRECTS`], never from HTTPS to another scheme, never to a URL already asked.
     /// The final answer, and the URL it came from if it was redirected.
@@ -296,7 +296,9 @@ impl RegistryClient {
             .map_err(|e| Error::invalid(format!("{}: {e}", req.url)))?;
         let mut asked = vec![at.clone()];
         loop {
-            if !matches!(resp.status().as_u16(), 301 | 302 | 303 | 307 | 308) {
+            // Only reads are followed: an upload's redirect (none known) goes back as it is.
+            let read = req.method == Method::GET || req.method == Method::HEAD;
+            if !read || !matches!(resp.status().as_u16(), 301 | 302 | 303 | 307 | 308) {
                 let redirected = (asked.len() > 1).then_some(at);
                 return Ok((resp, redirected));
             }
