@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::harness::*;
-use crate::mount::{push_raw, rng};
+use crate::mount::{random_raw_image, rng};
 
 /// A registry front that redirects blobs to a blob host, serving `storage`, in front of
 /// `origin`; both on loopback ports of their own, served by a runtime of its own.
@@ -140,11 +140,7 @@ fn htpasswd_auth(scratch: &Scratch, user: &str, password: &str) -> String {
 fn a_redirecting_registry_is_asked_once_per_blob_and_url_lifetime_and_its_credentials_stay_there() {
     require("htpasswd");
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("d.raw");
-    let size: u64 = 256 << 20;
-    random_file(&disk, size, 31);
-    push_raw(&reg.host(), "vm/cdn:1", &disk);
+    let (reg, disk, _) = random_raw_image(&scratch, 256 << 20, 31, "vm/cdn:1");
     let origin = reg.front_with(&scratch, &htpasswd_auth(&scratch, "alice", "wonderland"));
     let lifetime = Duration::from_secs(3);
     let cdn = CdnRegistry::start(&origin, &reg.root.join("data"), lifetime);
@@ -205,10 +201,7 @@ fn a_redirecting_registry_is_asked_once_per_blob_and_url_lifetime_and_its_creden
 #[test]
 fn a_redirect_from_https_to_plain_http_is_refused() {
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("d.raw");
-    random_file(&disk, 8 << 20, 3);
-    push_raw(&reg.host(), "vm/tls:1", &disk);
+    let (reg, _, _) = random_raw_image(&scratch, 8 << 20, 3, "vm/tls:1");
     let middleware = format!(
         "middleware: {{ storage: [ {{ name: redirect, options: {{ baseurl: \"http://{}\" }} }} ] }}\n",
         reg.host()
@@ -242,11 +235,7 @@ fn a_redirect_from_https_to_plain_http_is_refused() {
 #[test]
 fn a_blob_host_that_lies_is_never_believed() {
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("d.raw");
-    let size: u64 = 64 << 20;
-    random_file(&disk, size, 8);
-    push_raw(&reg.host(), "vm/liar:1", &disk);
+    let (reg, disk, _) = random_raw_image(&scratch, 64 << 20, 8, "vm/liar:1");
     let cdn = CdnRegistry::start(&reg, &reg.root.join("data"), Duration::from_secs(300));
     let mount = Mount::start(
         &format!("{}/vm/liar:1", cdn.host()),
@@ -339,11 +328,7 @@ fn tokens_and_blob_urls_that_expire_mid_read_cost_no_read() {
 #[test]
 fn parallel_misses_share_an_http2_connection_to_a_tls_registry() {
     let scratch = Scratch::new();
-    let reg = Registry::start(&scratch);
-    let disk = scratch.path("d.raw");
-    let size: u64 = 256 << 20;
-    random_file(&disk, size, 23);
-    push_raw(&reg.host(), "vm/h2:1", &disk);
+    let (reg, disk, _) = random_raw_image(&scratch, 256 << 20, 23, "vm/h2:1");
     let (front, ca) = reg.tls_front(&scratch);
     // The registry offers HTTP/2 (curl negotiates it).
     let version = curl(&[
