@@ -50,6 +50,9 @@ SIGNERS := cosign/sid notation/sid
 # module; `nginx-light` installs it), unpacked the same way so no web server starts on the
 # machine. docs/fleet.md.
 NGINX := nginx/bookworm
+# The monitoring test's Prometheus and promtool: Debian 12's, unpacked the same way (no
+# service starts). packaging/monitoring/, docs/install.md#monitoring.
+PROMETHEUS := prometheus/bookworm
 
 .PHONY: all deps demo-deps build demo test unit integration lint bench fuzz clean deb image
 
@@ -79,6 +82,7 @@ deps:
 	@[ -x $(DEPS_DIR)/signers/usr/bin/cosign ] && [ -x $(DEPS_DIR)/signers/usr/bin/notation ] || \
 		integration/debs.sh $(DEPS_DIR)/signers $(SIGNERS)
 	@[ -x $(DEPS_DIR)/nginx/usr/sbin/nginx ] || integration/debs.sh $(DEPS_DIR)/nginx $(NGINX)
+	@[ -x $(DEPS_DIR)/prometheus/usr/bin/prometheus ] || integration/debs.sh $(DEPS_DIR)/prometheus $(PROMETHEUS)
 	@[ -d $(DEPS_DIR)/suite-1.7/usr/share/gocode ] || \
 		integration/debs.sh --go-sources trixie $(DEPS_DIR)/suite-1.7 golang-github-containerd-containerd-dev golang-go
 	@[ -d $(DEPS_DIR)/suite-2.1/usr/share/gocode ] || \

@@ -15,6 +15,7 @@ mod hostile;
 mod index;
 mod libvirt;
 mod matrix;
+mod monitoring;
 mod mount;
 mod packages;
 mod publish;

@@ -103,6 +103,9 @@ fn the_deb_passes_lintian_installs_serves_containerd_and_leaves_it_running() {
         "/lib/systemd/system/vmdisk-snapshotter.service",
         "/usr/share/vmdisk/vmdisk.yaml",
         "/usr/share/vmdisk/nginx-regional-cache.conf",
+        "/usr/share/vmdisk/vmdisk-monitoring.yaml",
+        "/usr/share/vmdisk/monitoring/vmdisk-alerts.yaml",
+        "/usr/share/vmdisk/monitoring/vmdisk-dashboard.json",
         "/usr/share/man/man1/vmdisk.1.gz",
         "/usr/share/man/man1/vmdisk-containerd-config.1.gz",
         "/usr/share/man/man8/vmdisk-snapshotter.8.gz",
@@ -305,6 +308,39 @@ pub(crate) fn yaml_documents(file: &Path) -> Vec<serde_json::Value> {
 /// Whether `path` is `dir` or under it.
 fn under(path: &Path, dir: &str) -> bool {
     path.starts_with(dir)
+}
+
+/// The PrometheusRule and the dashboard's ConfigMap beside the DaemonSet are what
+/// packaging/monitoring/kubernetes.py writes from the rules file and the dashboard (one source
+/// each): the same alerts and panels as the package's.
+#[test]
+fn the_kubernetes_monitoring_manifest_holds_the_shipped_rules_and_dashboard() {
+    let committed = repo().join("packaging/kubernetes/vmdisk-monitoring.yaml");
+    let written = run(
+        "python3",
+        &[repo()
+            .join("packaging/monitoring/kubernetes.py")
+            .to_str()
+            .unwrap()],
+    );
+    assert!(
+        std::fs::read(&committed).unwrap() == written,
+        "{} is not what packaging/monitoring/kubernetes.py writes: run it again",
+        committed.display()
+    );
+    let docs = yaml_documents(&committed);
+    let rules = yaml_documents(&repo().join("packaging/monitoring/vmdisk-alerts.yaml"));
+    assert_eq!(docs[0]["kind"], "PrometheusRule");
+    assert_eq!(docs[0]["spec"], rules[0]);
+    assert_eq!(docs[1]["kind"], "ConfigMap");
+    assert_eq!(docs[1]["metadata"]["labels"]["grafana_dashboard"], "1");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(docs[1]["data"]["vmdisk.json"].as_str().unwrap()).unwrap();
+    let shipped: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(repo().join("packaging/monitoring/vmdisk-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(dashboard, shipped);
 }
 
 #[test]

@@ -3,7 +3,8 @@
 # (`make deb` uses target/release). Binaries go to /usr/bin (stripped), their manual pages
 # (generated from the command-line definitions) to /usr/share/man, the systemd unit to
 # /lib/systemd/system, the default configuration to /etc/vmdisk (conffiles), the containerd,
-# Kubernetes and Kata examples to /usr/share/vmdisk, the docs, changelog and copyright to
+# Kubernetes and Kata examples to /usr/share/vmdisk (the alerting rules and the Grafana dashboard
+# in its monitoring/), the docs, changelog and copyright to
 # /usr/share/doc/vmdisk. `lintian` passes it with no error or warning.
 set -euo pipefail
 bin=$1 out=$2
@@ -29,7 +30,12 @@ install -m 0644 "$root/config/vmdisk-snapshotter.toml" "$pkg/etc/vmdisk/snapshot
 install -m 0644 "$root/config/shim.toml" "$pkg/etc/vmdisk/shim.toml"
 install -m 0644 "$root"/config/containerd-*.toml "$root/config/runtimeclass.yaml" \
   "$root/config/kata-configuration.toml" "$root/packaging/kubernetes/vmdisk.yaml" \
-  "$root/config/nginx-regional-cache.conf" "$pkg/usr/share/vmdisk/"
+  "$root/config/nginx-regional-cache.conf" "$root/packaging/kubernetes/vmdisk-monitoring.yaml" \
+  "$pkg/usr/share/vmdisk/"
+# The Prometheus alerting rules and the Grafana dashboard (docs/install.md#monitoring).
+install -d "$pkg/usr/share/vmdisk/monitoring"
+install -m 0644 "$root/packaging/monitoring/vmdisk-alerts.yaml" \
+  "$root/packaging/monitoring/vmdisk-dashboard.json" "$pkg/usr/share/vmdisk/monitoring/"
 install -m 0644 "$root/README.md" "$root"/docs/*.md "$pkg/usr/share/doc/vmdisk/"
 install -m 0644 "$root/packaging/deb/changelog" "$pkg/usr/share/doc/vmdisk/changelog"
 cat > "$pkg/usr/share/doc/vmdisk/copyright" <<COPYRIGHT

@@ -90,9 +90,10 @@ counters! {
     bytes_served => "vmdisk_served_bytes",
         "Bytes returned to FUSE readers by the servers (passthrough reads excluded).";
     /// Reads whose chunks were all present.
-    cache_hits;
+    cache_hits => "vmdisk_cache_hits", "FUSE reads whose chunks were all in the cache.";
     /// Reads that had to wait for at least one chunk.
-    cache_misses;
+    cache_misses => "vmdisk_cache_misses",
+        "FUSE reads that waited for at least one chunk to be fetched.";
     /// Compressed bytes received from the registry for chunks.
     bytes_fetched => "vmdisk_registry_bytes", "Compressed chunk bytes received from registries.";
     /// Range requests sent for chunks.
@@ -110,6 +111,10 @@ counters! {
     fetch_errors;
     /// Reads answered with EIO.
     read_errors => "vmdisk_read_errors", "FUSE reads answered with EIO.";
+    /// Reads that waited past the fetch deadline for their chunks (then answered with EIO,
+    /// counted in `read_errors` too).
+    read_timeouts => "vmdisk_read_timeouts",
+        "FUSE reads that waited past the fetch deadline ([registry] fetch_timeout) for their chunks, then answered with EIO.";
     /// Total time spent in chunk fetch requests, microseconds.
     fetch_micros;
     /// Files opened with FUSE passthrough.

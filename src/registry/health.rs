@@ -113,6 +113,37 @@ pub enum Failure {
     /// teaching what the mirror is. Asking it again at once would only start another stream
     /// from the origin behind the same link.
     Silent(Digest),
+    /// A request given up before it ended (the reader's deadline passed while the endpoint
+    /// sent nothing, or too slowly): counted, no rest (the retry policy's deadline already
+    /// bounds what it costs).
+    Abandoned,
+}
+
+/// A request sent to an endpoint and not yet settled: dropped unsettled, it counts as a
+/// failure of the endpoint ([`Failure::Abandoned`]). An endpoint that never answers thus shows
+/// in its failures, not only in its requests.
+pub struct Unsettled<'a> {
+    health: &'a Health,
+    base: &'a str,
+}
+
+impl<'a> Unsettled<'a> {
+    /// The request to `base` is about to be sent (counted as sent).
+    pub fn send(health: &'a Health, base: &'a str) -> Self {
+        health.sent(base);
+        Unsettled { health, base }
+    }
+
+    /// Its outcome is known (and told to the health by whoever knows it).
+    pub fn settle(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Unsettled<'_> {
+    fn drop(&mut self) {
+        self.health.failed(self.base, Failure::Abandoned);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -396,7 +427,7 @@ impl Health {
                     s.resting_until = Some(Instant::now() + rest);
                 }
                 Failure::WholeBlob(blob) | Failure::Silent(blob) => s.rest_blob(blob),
-                Failure::Refused | Failure::NotFound => {}
+                Failure::Refused | Failure::NotFound | Failure::Abandoned => {}
             }
         });
     }
@@ -463,6 +494,19 @@ mod tests {
         assert_eq!(counters[0].1.failures, 4);
         assert_eq!(counters[1].0, "m2");
         assert_eq!(counters[1].1.failures, 2, "the 404 is not counted");
+    }
+
+    #[test]
+    fn a_request_given_up_unanswered_is_a_failure_and_rests_nothing() {
+        let h = Health::default();
+        Unsettled::send(&h, "origin").settle();
+        drop(Unsettled::send(&h, "origin"));
+        let counters = h.counters();
+        assert_eq!((counters[0].1.requests, counters[0].1.failures), (2, 1));
+        assert_eq!(
+            bases(&h.order(vec![ep("m"), ep("origin")], None)),
+            ["m", "origin"]
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -701,13 +701,17 @@ impl RegistryClient {
             }
             let first = asking.as_ref().and_then(|a| a.first_of()).copied();
             let req = make(&ep);
-            self.shared.health.sent(&ep.base);
+            let unsettled = health::Unsettled::send(&self.shared.health, &ep.base);
             let answered = match (first, ranges) {
                 (Some(_), Some((_, health::Purpose::Demand))) => {
                     let asking = asking.take().expect("a first ask is claimed");
                     match self.hedged(&ep, r, req, what, asking).await {
                         Some(answered) => answered,
-                        None => continue,
+                        None => {
+                            // Its answer is learnt in the background.
+                            unsettled.settle();
+                            continue;
+                        }
                     }
                 }
                 _ => self.ask(&ep, r, &req, what).await,
@@ -716,6 +720,7 @@ impl RegistryClient {
                 Ok(resp) => take(resp, ep.clone()).await,
                 Err(e) => Err(e),
             };
+            unsettled.settle();
             drop(asking);
             let e = match outcome {
                 Ok(v) => {

@@ -559,6 +559,9 @@ fn answer(engine: &Engine, result: Result<Vec<u8>>, reply: ReplyData) {
         }
         Err(e) => {
             Stats::add(&engine.stats.read_errors, 1);
+            if e.kind() == crate::error::ErrorKind::Timeout {
+                Stats::add(&engine.stats.read_timeouts, 1);
+            }
             tracing::error!(layer = %engine.layer.meta.layer_digest, error = %e.chain(), "read failed; answering EIO");
             reply.error(Errno::EIO);
         }

@@ -112,6 +112,8 @@ pub struct CacheSettings {
     pub dir: PathBuf,
     /// The configured bound, if any.
     pub limit: Option<u64>,
+    /// The node's budget for chunks held in memory (`[cache] memory_budget`), in bytes.
+    pub memory_budget: u64,
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
@@ -144,6 +146,11 @@ impl Snapshotter {
             recent: parking_lot::Mutex::new(HashMap::new()),
             lazily_pulled: Default::default(),
         })
+    }
+
+    /// The node's budget for chunks held in memory, in bytes.
+    pub fn memory_budget(&self) -> u64 {
+        self.cache.memory_budget
     }
 
     fn guard(&self) -> parking_lot::MutexGuard<'_, ()> {

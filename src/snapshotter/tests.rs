@@ -166,6 +166,7 @@ fn fixture_with(policy: super::prepare::tenants::Verification) -> Fixture {
         CacheSettings {
             dir: dir.path().join("cache"),
             limit: None,
+            memory_budget: 256 << 20,
         },
     )
     .unwrap();

@@ -46,6 +46,11 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
     let mut registry = Registry::default();
     register_counters(&mut registry, s);
     register_state(&mut registry, &records, &disks);
+    registry.register(
+        "vmdisk_memory_budget_bytes",
+        "The node's budget for verified chunks held in memory while the cache's disk has no room ([cache] memory_budget).",
+        gauge(usize::try_from(s.memory_budget()).unwrap_or(usize::MAX)),
+    );
     let mut out = String::new();
     encode(&mut out, &registry).map_err(|e| {
         Error::new(crate::error::ErrorKind::Io, "encoding the metrics").with_source(e)
@@ -58,15 +63,14 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
 fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     let decisions = Family::<Labels, Counter>::default();
     let counted = s.counters.with_prefix("decision/");
+    // Every outcome from zero: a first decision shows as an increase.
     for outcome in Outcome::all() {
-        if let Some(&v) = counted.get(&outcome.name()) {
-            decisions
-                .get_or_create(&vec![
-                    ("decision", outcome.decision().to_string()),
-                    ("reason", outcome.reason().to_string()),
-                ])
-                .inc_by(v);
-        }
+        decisions
+            .get_or_create(&vec![
+                ("decision", outcome.decision().to_string()),
+                ("reason", outcome.reason().to_string()),
+            ])
+            .inc_by(counted.get(&outcome.name()).copied().unwrap_or(0));
     }
     registry.register(
         "vmdisk_prepare_decisions",
@@ -99,6 +103,22 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     for &(name, help, _) in METRICS {
         registry.register(name, help, counter(s.counters.get(name)));
     }
+    let starts = Family::<Labels, Counter>::default();
+    for why in ["started", "restarted"] {
+        starts
+            .get_or_create(&vec![("why", why.to_string())])
+            .inc_by(s.counters.get(&format!("servers/{why}")));
+    }
+    registry.register(
+        "vmdisk_mount_server_starts",
+        "Mount servers started: for a layer none served before (started), or for one whose server had ended without being stopped or had failed (restarted: a crash, a kill, the OOM killer).",
+        starts,
+    );
+    registry.register(
+        "vmdisk_mount_servers_adopted",
+        "Running mount servers a daemon took over from an earlier one (an update, the daemon's crash, the DaemonSet's pod replaced).",
+        counter(s.counters.get("servers/adopted")),
+    );
     for (what, help) in [
         ("requests", "Requests sent to each registry endpoint (the registry, or a hosts.toml mirror) by the mount servers."),
         ("failures", "Requests that failed at each registry endpoint (then went on to the next endpoint, or failed)."),

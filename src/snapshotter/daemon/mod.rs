@@ -198,6 +198,7 @@ async fn open(config: &Config, config_path: Option<PathBuf>) -> Result<Arc<Snaps
         crate::snapshotter::CacheSettings {
             dir: config.cache_dir(),
             limit: config.cache_limit()?,
+            memory_budget: config.memory_budget()?,
         },
     );
     let signatures = config.signatures.clone();

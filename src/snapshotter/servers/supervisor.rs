@@ -14,7 +14,7 @@
 //! [`LayerLocks`]; nothing holds a lock over all layers across an await, so a mount stuck on
 //! an unreachable registry delays only its own layer, and status queries take no lock at all.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -84,6 +84,33 @@ impl Drop for Ahead {
     }
 }
 
+/// How many mount servers were started and adopted since the daemon last took the count
+/// ([`Supervisor::take_events`]): the daemon keeps them as counters
+/// (`vmdisk_mount_server_starts_total`, `vmdisk_mount_servers_adopted_total`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ServerEvents {
+    /// Servers started for a layer no server of this daemon's served before (a first mount,
+    /// the node's restart).
+    pub started: u64,
+    /// Servers started for a layer whose server this daemon knew had ended without being
+    /// stopped (a crash, a kill, the OOM killer) or had failed.
+    pub restarted: u64,
+    /// Running servers this daemon took over, started by an earlier daemon (an update, the
+    /// daemon's crash, the DaemonSet's pod replaced).
+    pub adopted: u64,
+}
+
+impl ServerEvents {
+    /// The daemon's counter names and values.
+    pub fn counted(&self) -> [(&'static str, u64); 3] {
+        [
+            ("servers/started", self.started),
+            ("servers/restarted", self.restarted),
+            ("servers/adopted", self.adopted),
+        ]
+    }
+}
+
 /// What the snapshotter asks of whoever runs the mount servers.
 pub trait Supervisor: Send + Sync {
     /// Where `layer`'s files are mounted.
@@ -122,6 +149,10 @@ pub trait Supervisor: Send + Sync {
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async { Ok(()) })
     }
+    /// The servers started and adopted since the last call (then counted from zero again).
+    fn take_events(&self) -> ServerEvents {
+        ServerEvents::default()
+    }
 }
 
 /// A shared supervisor is one too (the daemon's tests keep a handle on their fake).
@@ -158,6 +189,9 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
     fn hand_grant<'a>(&'a self, layer: &'a Digest, grant: &'a Grant) -> BoxFuture<'a, Result<()>> {
         (**self).hand_grant(layer, grant)
     }
+    fn take_events(&self) -> ServerEvents {
+        (**self).take_events()
+    }
 }
 
 /// One lock per layer, held while its server is started or stopped together with the records
@@ -183,8 +217,11 @@ impl LayerLocks {
 /// The mount server processes.
 pub struct LayerServers {
     command: ServerCommand,
-    /// Server instances this daemon started or adopted (to log an adoption once).
-    known: Mutex<HashSet<String>>,
+    /// The server instance this daemon last saw serving each layer, until it stops it: an
+    /// instance not seen before is an adoption, a start for a layer still here a restart.
+    known: Mutex<HashMap<Digest, String>>,
+    /// Counted since the daemon last took them.
+    events: Mutex<ServerEvents>,
 }
 
 /// Whether the process `pid` exists (the pid a server reported about itself).
@@ -197,7 +234,8 @@ impl LayerServers {
     pub fn new(command: ServerCommand) -> Self {
         LayerServers {
             command,
-            known: Mutex::new(HashSet::new()),
+            known: Mutex::new(HashMap::new()),
+            events: Mutex::new(ServerEvents::default()),
         }
     }
 
@@ -212,9 +250,13 @@ impl LayerServers {
         (status.layer_key == layer.to_string()).then_some(status)
     }
 
-    /// Remembers a server instance; whether it was new to this daemon.
-    fn know(&self, instance: &str) -> bool {
-        self.known.lock().insert(instance.to_string())
+    /// Remembers the server instance serving `layer`; whether it was new to this daemon.
+    fn know(&self, layer: &Digest, instance: &str) -> bool {
+        self.known
+            .lock()
+            .insert(*layer, instance.to_string())
+            .as_deref()
+            != Some(instance)
     }
 }
 
@@ -279,6 +321,10 @@ impl Supervisor for LayerServers {
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
         Box::pin(self.stop_server(layer))
     }
+
+    fn take_events(&self) -> ServerEvents {
+        std::mem::take(&mut *self.events.lock())
+    }
 }
 
 impl LayerServers {
@@ -292,10 +338,12 @@ impl LayerServers {
         ahead: Option<Ahead>,
     ) -> Result<PathBuf> {
         let paths = self.paths(layer);
+        let mut failed = false;
         if let Some(status) = self.server_status(layer).await {
             match status.state() {
                 ServerState::Serving => {
-                    if self.know(&status.instance) {
+                    if self.know(layer, &status.instance) {
+                        self.events.lock().adopted += 1;
                         tracing::info!(%layer, pid = status.pid, instance = status.instance, "adopted the running mount server");
                     }
                     self.hand_grants(layer, grants).await;
@@ -309,10 +357,23 @@ impl LayerServers {
                 }
                 // Failed or stopping: make room for a new one.
                 _ => {
+                    failed = true;
                     let _ = control::stop(&paths.control).await;
                     self.wait_gone(layer, status.pid).await;
                 }
             }
+        }
+        let restart = failed || self.known.lock().contains_key(layer);
+        {
+            let mut events = self.events.lock();
+            if restart {
+                events.restarted += 1;
+            } else {
+                events.started += 1;
+            }
+        }
+        if restart {
+            tracing::warn!(%layer, "the layer's mount server had ended without being stopped (or failed): starting another");
         }
         self.start(layer, reference, alias, grants, need, ahead)
             .await
@@ -469,7 +530,7 @@ impl LayerServers {
                 }
                 match status.state() {
                     ServerState::Serving => {
-                        self.know(&status.instance);
+                        self.know(layer, &status.instance);
                         tracing::info!(%layer, pid = status.pid, instance = status.instance, mountpoint = %paths.mountpoint.display(), "mount server ready");
                         break Ok(paths.mountpoint.clone());
                     }
@@ -546,6 +607,7 @@ impl LayerServers {
         };
         let paths = self.paths(layer);
         status.counters = Some(control::stop(&paths.control).await?);
+        self.known.lock().remove(layer);
         self.wait_gone(layer, status.pid).await;
         let dir = paths.mountpoint.clone();
         let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir(dir)).await;
