@@ -191,3 +191,102 @@ fn clients_end_within_their_bound_and_bad_input_fails_clearly() {
         "{err}"
     );
 }
+
+/// Long commands show their progress on stderr: a bar on a terminal (script(1) gives the
+/// command one), a plain line every few seconds in a pipe, nothing with `--quiet`; stdout
+/// holds the command's result alone. `vmdisk index` reads a 16 MiB gzip layer through a slow
+/// proxy (a registry far away).
+#[test]
+fn long_commands_show_their_progress_on_a_terminal_and_as_lines_in_a_pipe() {
+    let scratch = Scratch::new();
+    let reg = Registry::start(&scratch);
+    let disk = scratch.path("disk.img");
+    random_file(&disk, 16 << 20, 5);
+    let layout = scratch.path("layout");
+    oci_layout(&layout, &disk, "disk/disk.img", Layer::Tar, "amd64");
+    skopeo_push(
+        &layout,
+        &format!("{}/vendor/gz:1", reg.host()),
+        &["--dest-compress-format", "gzip"],
+    );
+    let slow = |delay_ms| {
+        FaultProxy::start_with(
+            reg.port,
+            Faults {
+                response_delay: Some(Duration::from_millis(delay_ms)),
+                ..Faults::default()
+            },
+        )
+    };
+    let (far, near) = (slow(40), slow(4));
+    let image = |proxy: &FaultProxy| format!("{}/vendor/gz:1", proxy.host());
+    let to = |name: &str| format!("{}/indexes/{name}", reg.host());
+
+    // In a pipe: lines every 5 s while it runs, one at the end; the JSON report alone on stdout.
+    let started = Instant::now();
+    let out = vmdisk(&["index", "--json", "--to", &to("pipe"), &image(&far)]);
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    eprintln!("index in a pipe, {took:?}:\n{stderr}");
+    assert!(out.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["spans"].as_u64().unwrap() > 0);
+    let what = format!("indexing {}: ", image(&far));
+    let periodic = stderr
+        .lines()
+        .filter(|l| l.starts_with(&what) && l.contains("%), ") && l.ends_with(" left"))
+        .count();
+    assert!(
+        periodic as u64 >= took.as_secs() / 5 - 1 && periodic >= 1,
+        "{periodic} progress lines in {took:?}:\n{stderr}"
+    );
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with(&what) && l.contains(": done, ")),
+        "no last line:\n{stderr}"
+    );
+
+    // --quiet: nothing but the result.
+    let out = vmdisk(&[
+        "index",
+        "--quiet",
+        "--json",
+        "--to",
+        &to("quiet"),
+        &image(&near),
+    ]);
+    assert!(out.status.success());
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("indexing"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap();
+
+    // On a terminal: a bar redrawn in place (escape sequences, bytes done of the total), then
+    // the result.
+    let command = format!(
+        "{} index --to {} {}",
+        env!("CARGO_BIN_EXE_vmdisk"),
+        to("tty"),
+        image(&near)
+    );
+    let tty = Command::new("script")
+        .args(["-qfec", &command, "/dev/null"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&tty.stdout).to_string();
+    assert!(tty.status.success(), "{shown}");
+    assert!(
+        shown.contains(&format!("indexing {}", image(&near)))
+            && shown.contains(" MiB/16.")
+            && shown.contains("\u{1b}["),
+        "no progress bar on a terminal:\n{shown:?}"
+    );
+    assert!(shown.contains("indexed "), "{shown:?}");
+    assert!(
+        !shown.lines().any(|l| l.contains("%), ")),
+        "plain lines on a terminal:\n{shown:?}"
+    );
+}

@@ -318,8 +318,21 @@ fn each_shipped_alert_fires_under_its_cause_against_a_real_prometheus_and_every_
 
     // Healthy: a disk read twice (fetched, then from the cache). Nothing fires.
     let healthy_path = daemon.vmdisk_ok(&["path", &healthy]);
+    // `vmdisk path`'s stdout is the path alone (scripts read it).
+    assert_eq!(healthy_path, format!("{}\n", healthy_path.trim()));
+    assert!(Path::new(healthy_path.trim()).is_file(), "{healthy_path:?}");
     assert_eq!(read_all(&healthy_path), 0);
     assert_eq!(read_all(&healthy_path), 0);
+    // `prefetch --wait` in a pipe: its last progress line on stderr, its result on stdout.
+    let prefetched = daemon.vmdisk(&["prefetch", "--wait", &healthy]);
+    let said = String::from_utf8_lossy(&prefetched.stderr).to_string();
+    assert!(prefetched.status.success(), "{said}");
+    assert!(
+        said.lines()
+            .any(|l| l.starts_with(&format!("prefetching {healthy}: done, 32 chunks"))),
+        "{said}"
+    );
+    assert!(String::from_utf8_lossy(&prefetched.stdout).contains("32 of 32 chunks cached"));
     std::thread::sleep(Duration::from_secs(10));
     let up = prometheus.query("up{job=\"vmdisk\"}");
     assert_eq!(up.len(), 1, "{up:?}");

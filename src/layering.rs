@@ -16,7 +16,7 @@ const LAYERS: [(&str, &[&str]); 6] = [
     (
         "vocabulary",
         &[
-            "error", "oci", "units", "task", "retry", "dirs", "logging", "api",
+            "error", "oci", "units", "task", "retry", "dirs", "logging", "api", "progress",
         ],
     ),
 ];

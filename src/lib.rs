@@ -28,6 +28,7 @@ mod layering;
 pub mod logging;
 pub mod oci;
 pub mod policy;
+pub mod progress;
 pub mod publish;
 pub mod registry;
 pub mod resolve;

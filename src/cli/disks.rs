@@ -144,7 +144,13 @@ async fn wait_hydrated(
     mut disk: crate::api::vmdisk::v1::Disk,
 ) -> Result<crate::api::vmdisk::v1::Disk> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.wait_timeout);
+    let progress = args.progress.display().start(
+        format!("prefetching {}", args.reference),
+        crate::progress::Unit::Chunks,
+    );
+    progress.set_total(disk.chunks);
     loop {
+        progress.set(disk.chunks_cached);
         if disk.integrity.starts_with("failed") {
             return Err(Error::corrupt(format!(
                 "{}: the layer differs from its image config and serves nothing: {}",
@@ -161,6 +167,7 @@ async fn wait_hydrated(
             ));
         }
         if disk.chunks_cached >= disk.chunks && disk.integrity != "pending" {
+            progress.finish();
             return Ok(disk);
         }
         if !disk.serving {

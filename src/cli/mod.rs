@@ -222,6 +222,21 @@ pub struct TraceRecordArgs {
     pub command: Vec<String>,
 }
 
+/// How a long command shows its progress (on stderr: stdout keeps what scripts read).
+#[derive(Args, Debug, Clone, Copy)]
+pub struct ProgressArgs {
+    /// Show no progress: by default a bar on a terminal, else a line every 5 s on stderr.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+impl ProgressArgs {
+    /// How to show progress on this process's stderr.
+    pub fn display(self) -> crate::progress::Display {
+        crate::progress::Display::for_stderr(self.quiet)
+    }
+}
+
 /// How to reach vmdisk-snapshotter.
 #[derive(Args, Debug, Clone)]
 pub struct ManageArgs {
@@ -282,6 +297,8 @@ pub struct PathArgs {
 pub struct PrefetchArgs {
     #[command(flatten)]
     pub daemon: ManageArgs,
+    #[command(flatten)]
+    pub progress: ProgressArgs,
     /// Wait until the whole disk is cached and checked.
     #[arg(long)]
     pub wait: bool,
@@ -299,6 +316,8 @@ pub struct PrefetchArgs {
 pub struct PreheatArgs {
     #[command(flatten)]
     pub registry: RegistryArgs,
+    #[command(flatten)]
+    pub progress: ProgressArgs,
     /// An image reference (tag or digest): its manifests, config and every layer's blob are
     /// read through the mirrors hosts.toml lists for its registry.
     pub reference: Reference,
@@ -356,6 +375,8 @@ pub struct MountArgs {
 pub struct PushArgs {
     #[command(flatten)]
     pub registry: RegistryArgs,
+    #[command(flatten)]
+    pub progress: ProgressArgs,
     /// Platform of the following disk file (repeat with one file each for a multi-arch image).
     #[arg(long = "platform", value_name = "OS/ARCH", value_parser = Platform::parse)]
     pub platforms: Vec<Platform>,
@@ -409,6 +430,8 @@ fn served_format(text: &str) -> Result<DiskFormat> {
 pub struct ConvertArgs {
     #[command(flatten)]
     pub registry: RegistryArgs,
+    #[command(flatten)]
+    pub progress: ProgressArgs,
     /// Path of the disk in the source image (default: the regular file under /disk/ or
     /// /image/). For a disk artifact, where its disk goes (default /disk/<its name>;
     /// /image/podvm.qcow2 for peer pods).
@@ -449,6 +472,8 @@ fn repository(text: &str, flag: &str) -> Result<Reference> {
 pub struct IndexArgs {
     #[command(flatten)]
     pub registry: RegistryArgs,
+    #[command(flatten)]
+    pub progress: ProgressArgs,
     /// Publish the index into this repository (`registry/repository`) instead of the image's:
     /// for images one cannot push beside. List it in the daemon's
     /// `[registry] index_repositories`.

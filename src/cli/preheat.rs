@@ -38,12 +38,18 @@ pub(super) async fn preheat(args: PreheatArgs) -> Result<()> {
         .await
         .map_err(|e| e.context(format!("warming the config of {r}")))?;
     let mut bytes = 0;
+    let progress = args
+        .progress
+        .display()
+        .start(format!("warming {r}"), crate::progress::Unit::Bytes);
+    progress.set_total(manifest.layers.iter().map(|l| l.size).sum());
     for layer in &manifest.layers {
-        warm(&client, r, layer)
+        warm(&client, r, layer, &progress)
             .await
             .map_err(|e| e.context(format!("warming layer {} of {r}", layer.digest)))?;
         bytes += layer.size;
     }
+    progress.finish();
     let through: Vec<String> = client
         .endpoint_counters()
         .into_iter()
@@ -64,19 +70,28 @@ pub(super) async fn preheat(args: PreheatArgs) -> Result<()> {
 /// Reads every byte of blob `layer` through the mirrors, in order, and checks them against its
 /// digest. The first range is asked alone: a pull-through cache that lacks the blob is made to
 /// fetch it once, not once per range in flight.
-async fn warm(client: &RegistryClient, r: &Reference, layer: &Descriptor) -> Result<()> {
+async fn warm(
+    client: &RegistryClient,
+    r: &Reference,
+    layer: &Descriptor,
+    progress: &crate::progress::Progress,
+) -> Result<()> {
     let mut ranges = (0..layer.size)
         .step_by(PIECE as usize)
         .map(|start| start..(start + PIECE).min(layer.size));
     let blob = &Blob::in_registry(client as &dyn Registry, r, layer.digest);
     let mut hasher = Hasher::new();
+    let mut take = |bytes: &[u8]| {
+        hasher.update(bytes);
+        progress.inc(bytes.len() as u64);
+    };
     if let Some(first) = ranges.next() {
-        hasher.update(&piece(blob, first).await?);
+        take(&piece(blob, first).await?);
     }
     let mut rest =
         futures_util::stream::iter(ranges.map(|range| piece(blob, range))).buffered(IN_FLIGHT);
     while let Some(bytes) = rest.next().await {
-        hasher.update(&bytes?);
+        take(&bytes?);
     }
     let got = hasher.finish();
     if got != layer.digest {

@@ -8,6 +8,7 @@ use crate::format::disk::DiskFormat;
 use crate::oci::digest::Digest;
 use crate::oci::reference::Reference;
 use crate::oci::Platform;
+use crate::progress::Unit;
 use crate::publish::{self, PublishOptions};
 
 use super::{repository, ConvertArgs, IndexArgs, InspectArgs, PushArgs};
@@ -21,8 +22,17 @@ pub(super) async fn push(args: PushArgs) -> Result<()> {
     let client = args.registry.client()?;
     let mut images = Vec::new();
     for (platform, file) in pairs {
+        let progress = args
+            .progress
+            .display()
+            .start(format!("pushing {}", file.display()), Unit::Bytes);
+        let opts = PublishOptions {
+            progress: progress.clone(),
+            ..opts.clone()
+        };
         let (published, bytes) =
             publish::push_disk(&client, &target, file.clone(), &platform, &opts).await?;
+        progress.finish();
         println!(
             "pushed {} ({}) as /{} {} virtual {} bytes: layer {} ({} bytes, {} chunks, {} zero)",
             file.display(),
@@ -57,10 +67,18 @@ pub(super) async fn convert(args: ConvertArgs) -> Result<()> {
             "convert would overwrite {source}, the image it reads; name another tag or repository"
         )));
     }
-    let opts = publish_options(args.path, args.chunk_size, None);
+    let progress = args
+        .progress
+        .display()
+        .start(format!("converting {source}"), Unit::Bytes);
+    let opts = PublishOptions {
+        progress: progress.clone(),
+        ..publish_options(args.path, args.chunk_size, None)
+    };
     let platform = args.platform.unwrap_or_else(Platform::host);
     let client = args.registry.client()?;
     let digest = publish::convert(&client, &source, &target, &opts, &platform).await?;
+    progress.finish();
     let pinned = target.with_digest(digest);
     eprintln!(
             "the converted image is new content: signatures of {source} do not cover it; sign it: cosign sign --key KEY {pinned} (or notation sign {pinned})"
@@ -79,7 +97,12 @@ pub(super) async fn index(args: IndexArgs) -> Result<()> {
         .transpose()?;
     let span = crate::units::parse_size(&args.span)? as u64;
     let client = args.registry.client()?;
-    let r = crate::publish::index::index(&client, &reference, to.as_ref(), span).await?;
+    let progress = args
+        .progress
+        .display()
+        .start(format!("indexing {reference}"), Unit::Bytes);
+    let r = crate::publish::index::index(&client, &reference, to.as_ref(), span, &progress).await?;
+    progress.finish();
     if args.json {
         println!(
             "{}",

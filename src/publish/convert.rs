@@ -13,6 +13,9 @@ use crate::oci::digest::Digest;
 use crate::oci::{self, Descriptor, Manifest, Platform};
 use crate::registry::BlobReader;
 
+/// A source layer's blob as a conversion reads it, its bytes counted as done.
+pub(super) type SourceBlob = crate::progress::Counted<BlobReader>;
+
 /// Which file of a source tar is the disk, and where it goes.
 #[derive(Clone, Debug)]
 pub(super) enum Selection {
@@ -104,7 +107,7 @@ pub(super) fn read_to_end(blob: &mut impl std::io::Read) -> Result<()> {
 
 /// Looks for the disk in one source image layer and, if it is there, republishes it.
 fn convert_layer(
-    blob: crate::registry::BlobReader,
+    blob: SourceBlob,
     compression: oci::LayerCompression,
     wanted: Option<String>,
     chunks: ChunkingOptions,
@@ -163,16 +166,21 @@ pub(super) async fn republish_layer<T, F>(
 ) -> Result<T>
 where
     T: Send + 'static,
-    F: Fn(BlobReader, SegmentSink) -> Result<(T, Option<Digest>, SegmentSink)>
+    F: Fn(SourceBlob, SegmentSink) -> Result<(T, Option<Digest>, SegmentSink)>
         + Clone
         + Send
         + 'static,
 {
     let (client, source, target) = (job.client, job.source, job.target);
+    let progress = &job.opts.progress;
+    progress.set_total(layer.size);
     with_restarts(client, || {
         let build = build.clone();
         async move {
             let blob = client.blob_reader(source, layer).await?;
+            // Read from the start (again, after a broken upload).
+            progress.set(0);
+            let blob = progress.reader(blob);
             upload_streamed(client, target, None, move |sink| build(blob, sink)).await
         }
     })

@@ -62,7 +62,7 @@ fn spool(mut stream: impl std::io::Read, file: &mut std::fs::File) -> Result<u64
 /// (the peer-pod `podvm.tar.xz`) is searched for the disk, which is republished as it is read,
 /// anything else is the disk itself and is decompressed into a temporary file.
 fn read_artifact_layer(
-    blob: crate::registry::BlobReader,
+    blob: super::convert::SourceBlob,
     to: Option<String>,
     chunks: ChunkingOptions,
     sink: SegmentSink,

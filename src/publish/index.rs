@@ -81,6 +81,7 @@ pub async fn index(
     reference: &Reference,
     to: Option<&Reference>,
     span_size: u64,
+    progress: &crate::progress::Progress,
 ) -> Result<IndexReport> {
     let started = std::time::Instant::now();
     let (manifest, manifest_digest, _) =
@@ -92,7 +93,8 @@ pub async fn index(
     }
     let target = resolve::index_target(client, None, reference, &manifest).await?;
     let (layer, expected, disk_path) = (target.layer, target.expected, target.disk_path);
-    let blob = client.blob_reader(reference, layer).await?;
+    progress.set_total(layer.size);
+    let blob = progress.reader(client.blob_reader(reference, layer).await?);
     // The windows (32 KiB a span) go to a file, not memory: a 50 GiB disk has 1.6 GiB of them.
     let windows_file = tempfile::NamedTempFile::new()
         .map_err(|e| Error::io("creating a temporary file for the windows (TMPDIR)", e))?;

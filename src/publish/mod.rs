@@ -53,6 +53,8 @@ pub struct PublishOptions {
     pub threads: usize,
     /// Skip content detection (`--format`).
     pub format: Option<DiskFormat>,
+    /// Counts the bytes of the disk (push) or of the source layer (convert) read.
+    pub progress: crate::progress::Progress,
 }
 
 impl PublishOptions {
@@ -73,6 +75,7 @@ impl Default for PublishOptions {
             level: DEFAULT_LEVEL,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             format: None,
+            progress: crate::progress::Progress::off(),
         }
     }
 }
@@ -251,6 +254,7 @@ pub async fn push_disk(
     let chunks = chunking(opts);
     let layer_file = path.clone();
     tracing::info!(disk = %shown, path = %path, format = format.name(), size, "publishing");
+    opts.progress.set_total(size);
     let prepared = Arc::new(prepared);
     // Open the first upload before anything else: an unreachable registry or missing push
     // rights fail at once, before the disk is read and without whole-layer restarts.
@@ -264,6 +268,7 @@ pub async fn push_disk(
         let disk = Arc::clone(&prepared);
         let layer_file = layer_file.clone();
         let started = first_upload.take();
+        let progress = opts.progress.clone();
         async move {
             let upload = match started {
                 Some(upload) => upload,
@@ -272,6 +277,9 @@ pub async fn push_disk(
             upload_streamed(client, target, Some(upload), move |sink| {
                 let reader = std::fs::File::open(&disk.path)
                     .map_err(|e| Error::io(format!("opening {}", disk.path.display()), e))?;
+                // Read from the start (again, after a broken upload).
+                progress.set(0);
+                let reader = progress.reader(reader);
                 let (dirs, file) = disk_entries(&layer_file, mtime);
                 let content = LayerContent {
                     dirs,
