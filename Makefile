@@ -11,14 +11,15 @@ CARGO ?= cargo
 # artifact test packs its podvm.tar.xz as cloud-api-adaptor does. golang-go and
 # golang-github-containerd-containerd-dev: containerd's snapshotter conformance suite, built
 # offline from Debian's packaged source (integration/conformance/). lintian: the package test
-# checks the Debian package with it.
+# checks the Debian package with it. gnuplot-nox: `make bench`'s plots (integration/plots.sh).
 APT_PACKAGES := containerd docker-registry skopeo openssl qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
 	python3 fuse3 nbdkit fio tar ca-certificates busybox-static protobuf-compiler linux-image-amd64 \
 	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients python3-yaml xz-utils gzip \
-	golang-go golang-github-containerd-containerd-dev lintian
+	golang-go golang-github-containerd-containerd-dev lintian gnuplot-nox
 # Commands those packages provide, to skip apt when all are present.
 APT_COMMANDS := containerd ctr runc docker-registry skopeo openssl qemu-img qemu-io qemu-system-x86_64 htpasswd curl \
-	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip go lintian
+	/usr/bin/time fusermount3 nbdkit fio python3 busybox protoc sfdisk mkfs.ext4 virsh libvirtd virtlogd xz gzip go lintian \
+	gnuplot
 
 # What `make demo` uses, and nothing more (the tests' list above installs these too): containerd
 # 1.6 (with ctr and runc), the registry, skopeo (the gzip containerDisk), qemu and its tools, the

@@ -93,3 +93,6 @@ integration/bench-signatures.sh
 integration/bench-spans.sh
 integration/bench-baddays.sh
 integration/bench-peers.sh
+# Plots of the fleet's and the peers' tables (SVG, beside the results; docs/benchmarks.md and
+# docs/fleet.md show them, copied into docs/plots/).
+integration/plots.sh "$RESULTS" "$(dirname "$RESULTS")/plots"
