@@ -50,29 +50,6 @@ fn read_chunks_randomly(mounted: &Path, original: &std::fs::File, chunks: u64) {
     }
 }
 
-/// A tmpfs of `size` (e.g. "64m") at `dir`, unmounted when dropped: a cache disk with little
-/// room.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(dir: &Path, size: &str) -> Self {
-        std::fs::create_dir_all(dir).unwrap();
-        let mounted = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir)
-            .status()
-            .unwrap();
-        assert!(mounted.success(), "mounting a tmpfs at {}", dir.display());
-        Tmpfs(dir.to_path_buf())
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
 fn counter(stats: &serde_json::Value, name: &str) -> u64 {
     stats[name]
         .as_u64()

@@ -503,6 +503,29 @@ pub fn inspect_json(reference: &str) -> serde_json::Value {
     serde_json::from_str(&vmdisk_ok(&["inspect", "--json", reference])).unwrap()
 }
 
+/// A tmpfs of `size` (e.g. "64m") at `dir`, unmounted when dropped: a cache disk with little
+/// room.
+pub struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    pub fn mount(dir: &Path, size: &str) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .unwrap();
+        assert!(mounted.success(), "mounting a tmpfs at {}", dir.display());
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
 /// The last line of a command's output (push and convert print the digest there).
 pub fn last_line(text: &str) -> String {
     text.lines().last().unwrap_or_default().trim().to_string()

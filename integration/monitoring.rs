@@ -285,25 +285,7 @@ fn each_shipped_alert_fires_under_its_cause_against_a_real_prometheus_and_every_
     // has no room for; only what is read is fetched (no hydration), so each cause is the
     // test's own.
     let cache = scratch.path("cache");
-    std::fs::create_dir_all(&cache).unwrap();
-    run_quiet(
-        "mount",
-        &[
-            "-t",
-            "tmpfs",
-            "-o",
-            "size=8m",
-            "tmpfs",
-            cache.to_str().unwrap(),
-        ],
-    );
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-        }
-    }
-    let _unmount = Unmount(cache.clone());
+    let _fs = Tmpfs::mount(&cache, "8m");
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut daemon = Daemon::start(
         &scratch,

@@ -338,9 +338,10 @@ impl LayerServers {
         ahead: Option<Ahead>,
     ) -> Result<PathBuf> {
         let paths = self.paths(layer);
-        let mut failed = false;
-        if let Some(status) = self.server_status(layer).await {
-            match status.state() {
+        // A server that failed or is stopping is replaced.
+        let replaced = match self.server_status(layer).await {
+            None => false,
+            Some(status) => match status.state() {
                 ServerState::Serving => {
                     if self.know(layer, &status.instance) {
                         self.events.lock().adopted += 1;
@@ -355,25 +356,18 @@ impl LayerServers {
                     self.hand_grants(layer, grants).await;
                     return Ok(mountpoint);
                 }
-                // Failed or stopping: make room for a new one.
                 _ => {
-                    failed = true;
                     let _ = control::stop(&paths.control).await;
                     self.wait_gone(layer, status.pid).await;
+                    true
                 }
-            }
-        }
-        let restart = failed || self.known.lock().contains_key(layer);
-        {
-            let mut events = self.events.lock();
-            if restart {
-                events.restarted += 1;
-            } else {
-                events.started += 1;
-            }
-        }
-        if restart {
-            tracing::warn!(%layer, "the layer's mount server had ended without being stopped (or failed): starting another");
+            },
+        };
+        if replaced || self.known.lock().contains_key(layer) {
+            self.events.lock().restarted += 1;
+            tracing::warn!(%layer, "the layer's mount server ended without being stopped, or failed: starting another");
+        } else {
+            self.events.lock().started += 1;
         }
         self.start(layer, reference, alias, grants, need, ahead)
             .await
