@@ -526,6 +526,21 @@ impl Drop for Tmpfs {
     }
 }
 
+/// Program `tool` of the Debian packages `make deps` unpacked into `target/deps/<dir>`
+/// (integration/debs.sh), e.g. `unpacked("signers/usr/bin", "cosign")`.
+pub fn unpacked(dir: &str, tool: &str) -> PathBuf {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target/deps")
+        .join(dir)
+        .join(tool);
+    assert!(
+        path.exists(),
+        "{} is missing: run `make deps` (it unpacks the Debian packages the tests run)",
+        path.display()
+    );
+    path
+}
+
 /// The last line of a command's output (push and convert print the digest there).
 pub fn last_line(text: &str) -> String {
     text.lines().last().unwrap_or_default().trim().to_string()

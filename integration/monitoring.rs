@@ -24,17 +24,9 @@ fn monitoring(file: &str) -> PathBuf {
         .join(file)
 }
 
-/// Debian's `prometheus` or `promtool`, unpacked by `make deps` (integration/debs.sh).
+/// Debian's `prometheus` or `promtool`, unpacked by `make deps`.
 fn prometheus_tool(tool: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("target/deps/prometheus/usr/bin")
-        .join(tool);
-    assert!(
-        path.exists(),
-        "{} is missing: run `make deps` (it unpacks Debian's prometheus)",
-        path.display()
-    );
-    path
+    unpacked("prometheus/usr/bin", tool)
 }
 
 /// Every alert the rules file defines.
@@ -167,22 +159,31 @@ impl Prometheus {
             .collect()
     }
 
-    /// Waits (at most `within`) until every alert of `want` fires; the alerts active then.
-    fn wait_firing(&self, want: &[&str], within: Duration) -> BTreeMap<String, String> {
+    /// After `cause`: waits (at most `within`) until every alert of `firing` fires, then checks
+    /// that no alert of `silent` (those whose causes were not made) is active, pending or firing.
+    fn after(&self, cause: &str, firing: &[&str], silent: &[&str], within: Duration) {
         let deadline = Instant::now() + within;
-        loop {
+        let active = loop {
             let active = self.alerts();
-            if want
+            if firing
                 .iter()
                 .all(|a| active.get(*a).map(String::as_str) == Some("firing"))
             {
-                return active;
+                break active;
             }
             assert!(
                 Instant::now() < deadline,
-                "{want:?} not all firing within {within:?}: active {active:?}"
+                "{cause}: {firing:?} not all firing within {within:?}: active {active:?}"
             );
             std::thread::sleep(Duration::from_millis(500));
+        };
+        eprintln!("{cause}: active alerts {active:?}");
+        for name in silent {
+            assert!(
+                !active.contains_key(*name),
+                "{name} is {} {cause}, before its cause: {active:?}",
+                active[*name]
+            );
         }
     }
 }
@@ -191,17 +192,6 @@ impl Drop for Prometheus {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-/// Asserts no alert of `silent` is active (pending or firing).
-fn assert_silent(active: &BTreeMap<String, String>, silent: &[&str], when: &str) {
-    for name in silent {
-        assert!(
-            !active.contains_key(*name),
-            "{name} is {} {when}, before its cause: {active:?}",
-            active[*name]
-        );
     }
 }
 
@@ -319,18 +309,11 @@ fn each_shipped_alert_fires_under_its_cause_against_a_real_prometheus_and_every_
     let up = prometheus.query("up{job=\"vmdisk\"}");
     assert_eq!(up.len(), 1, "{up:?}");
     assert_eq!(up[0]["value"][1], "1", "the daemon is not scraped: {up:?}");
-    let active = prometheus.alerts();
-    eprintln!("healthy: active alerts {active:?}");
-    assert_silent(&active, &names, "on a healthy node");
+    prometheus.after("on a healthy node", &[], &names, Duration::ZERO);
 
     // Chunks that fail verification: every answer of the disk's chunks has a byte flipped.
     let damaged_path = daemon.vmdisk_ok(&["path", &damaged]);
     assert!(read_all(&damaged_path) > 0, "damaged chunks were served");
-    let active = prometheus.wait_firing(
-        &["VmdiskChunksFailingVerification"],
-        Duration::from_secs(30),
-    );
-    eprintln!("damaged chunks: active alerts {active:?}");
     let state_causes = [
         "VmdiskCacheFull",
         "VmdiskMemoryBudgetReached",
@@ -339,23 +322,22 @@ fn each_shipped_alert_fires_under_its_cause_against_a_real_prometheus_and_every_
         "VmdiskMountServersAdopted",
         "VmdiskCacheDamaged",
     ];
-    assert_silent(&active, &state_causes, "after damaged chunks");
-    assert_silent(
-        &active,
-        &["VmdiskLayerIntegrityFailed"],
+    prometheus.after(
         "after damaged chunks",
+        &["VmdiskChunksFailingVerification"],
+        &[&state_causes[..], &["VmdiskLayerIntegrityFailed"]].concat(),
+        Duration::from_secs(30),
     );
 
     // A disk that differs from its image: every chunk right, the complete layer not what the
     // image config names.
     let differs_path = daemon.vmdisk_ok(&["path", &differs]);
     read_all(&differs_path);
-    let active = prometheus.wait_firing(&["VmdiskLayerIntegrityFailed"], Duration::from_secs(30));
-    eprintln!("a disk that differs from its image: active alerts {active:?}");
-    assert_silent(
-        &active,
-        &state_causes,
+    prometheus.after(
         "after a disk that differs from its image",
+        &["VmdiskLayerIntegrityFailed"],
+        &state_causes,
+        Duration::from_secs(30),
     );
 
     // A registry that stops answering: the disk's chunks never come; reads fail at the fetch
@@ -365,16 +347,16 @@ fn each_shipped_alert_fires_under_its_cause_against_a_real_prometheus_and_every_
         read_all(&unanswered_path) > 0,
         "reads of an unanswered disk succeeded"
     );
-    let active = prometheus.wait_firing(
+    prometheus.after(
+        "after a registry stopped answering",
         &[
             "VmdiskReadsFailing",
             "VmdiskReadsTimingOut",
             "VmdiskRegistryEndpointFailing",
         ],
+        &state_causes,
         Duration::from_secs(30),
     );
-    eprintln!("a registry that stops answering: active alerts {active:?}");
-    assert_silent(&active, &state_causes, "after a registry stopped answering");
 
     let disk_of = |name: &str| -> serde_json::Value {
         let ls: serde_json::Value =
@@ -408,19 +390,15 @@ fn each_shipped_alert_fires_under_its_cause_against_a_real_prometheus_and_every_
     std::fs::write(&data, bytes).unwrap();
     daemon.vmdisk_ok(&["path", &healthy]);
     assert_eq!(read_all(&healthy_path), 0);
-    let active = prometheus.wait_firing(
+    prometheus.after(
+        "after a server restart and a damaged cached chunk",
         &["VmdiskMountServerRestarted", "VmdiskCacheDamaged"],
-        Duration::from_secs(30),
-    );
-    eprintln!("a server restarted, a cached chunk damaged: active alerts {active:?}");
-    assert_silent(
-        &active,
         &[
             "VmdiskCacheFull",
             "VmdiskMemoryBudgetReached",
             "VmdiskMountServersAdopted",
         ],
-        "after a server restart",
+        Duration::from_secs(30),
     );
 
     // The cache's disk full: the big disk read whole is answered from memory, up to the
@@ -428,26 +406,26 @@ fn each_shipped_alert_fires_under_its_cause_against_a_real_prometheus_and_every_
     let big_path = daemon.vmdisk_ok(&["path", &big]);
     assert_eq!(read_all(&big_path), 0, "reads on a full cache failed");
     kill_server_of("vm/damaged");
-    let active = prometheus.wait_firing(
+    prometheus.after(
+        "after the cache filled and a server was killed",
         &[
             "VmdiskCacheFull",
             "VmdiskMemoryBudgetReached",
             "VmdiskLayersDown",
         ],
-        Duration::from_secs(120),
-    );
-    eprintln!("cache full, a server killed: active alerts {active:?}");
-    assert_silent(
-        &active,
         &["VmdiskMountServersAdopted"],
-        "after the cache filled and a server was killed",
+        Duration::from_secs(120),
     );
 
     // The daemon replaced (SIGTERM, started again): it adopts the running servers.
     daemon.stop();
     daemon.restart();
-    let active = prometheus.wait_firing(&["VmdiskMountServersAdopted"], Duration::from_secs(60));
-    eprintln!("the daemon replaced: active alerts {active:?}");
+    prometheus.after(
+        "after the daemon was replaced",
+        &["VmdiskMountServersAdopted"],
+        &[],
+        Duration::from_secs(60),
+    );
 
     // Every dashboard query returns series ($instance: every node, the rate interval 1m).
     let dashboard: serde_json::Value =

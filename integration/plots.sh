@@ -116,18 +116,14 @@ set xtics rotate by -35 left font ",9"
 set grid y
 set yrange [0:*]
 unset key
-set title "PullImage to ready (s)"
-plot "$out/peers.dat" using 2:xtic(1) every ::1
-set title "1% of the file, random 64 KiB reads (s)"
-plot "$out/peers.dat" using 5:xtic(1) every ::1
-set title "one cold 4 KiB read, median (ms)"
-plot "$out/peers.dat" using 7:xtic(1) every ::1
-set title "1% in 4 KiB reads by 16 readers (s)"
-plot "$out/peers.dat" using 8:xtic(1) every ::1
-set title "whole file in order (MB/s)"
-plot "$out/peers.dat" using 10:xtic(1) every ::1
-set title "warm re-read (s)"
-plot "$out/peers.dat" using 11:xtic(1) every ::1
+array column[6] = [2, 5, 7, 8, 10, 11]
+array heading[6] = ["PullImage to ready (s)", "1% of the file, random 64 KiB reads (s)", \
+  "one cold 4 KiB read, median (ms)", "1% in 4 KiB reads by 16 readers (s)", \
+  "whole file in order (MB/s)", "warm re-read (s)"]
+do for [i=1:6] {
+  set title heading[i]
+  plot "$out/peers.dat" using column[i]:xtic(1) every ::1 notitle
+}
 unset multiplot
 GP
 fi

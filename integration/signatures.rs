@@ -11,17 +11,9 @@ use std::process::Command;
 use crate::cri::{CriContainerd, Daemon};
 use crate::harness::*;
 
-/// The signing tools `make deps` unpacks (integration/debs.sh).
+/// The signing tools `make deps` unpacks (Debian's cosign and notation).
 fn signer(tool: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("target/deps/signers/usr/bin")
-        .join(tool);
-    assert!(
-        path.exists(),
-        "{} is missing: run `make deps` (it unpacks Debian's cosign and notation)",
-        path.display()
-    );
-    path
+    unpacked("signers/usr/bin", tool)
 }
 
 /// Runs a signing tool with `home` as its home and configuration directory; its stdout.
