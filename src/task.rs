@@ -7,8 +7,9 @@ use crate::error::{Error, ErrorKind, Result};
 /// mmap threshold after the first such buffer is freed and from then on keeps them in
 /// per-thread arenas, so a process that served a 10 GiB disk held 71 MiB at its peak; with a
 /// fixed threshold and two arenas it held 28 MiB and went back to 15 MiB. Called once at start,
-/// before the runtime's threads exist. (One of the crate's two `unsafe`: glibc has no safe
-/// binding.)
+/// before the runtime's threads exist. (`unsafe`: glibc has no safe binding. The crate's
+/// `unsafe` is here, in [`at_idle_io`], and in `format::seekable::zran`, zlib's inflate
+/// state driven block by block.)
 #[allow(unsafe_code)]
 pub fn return_large_buffers() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -23,8 +24,8 @@ pub fn return_large_buffers() {
 /// Runs `work` on this thread in the idle I/O priority class: its disk reads wait while
 /// others' are queued (the BFQ scheduler honours the class; others take it as a hint), so
 /// background reads of the cache (re-verification after a restart) do not slow a guest's.
-/// The thread's class is put back afterwards: blocking threads are reused. (The crate's other
-/// `unsafe`: neither libc nor rustix binds ioprio safely.)
+/// The thread's class is put back afterwards: blocking threads are reused. (`unsafe`: neither
+/// libc nor rustix binds ioprio safely.)
 #[allow(unsafe_code)]
 pub fn at_idle_io<T>(work: impl FnOnce() -> T) -> T {
     // IOPRIO_WHO_PROCESS with 0: the calling thread (I/O priorities are per thread).

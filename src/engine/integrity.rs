@@ -85,7 +85,7 @@ impl Engine {
                         .pieces(Extent::Structure, asking.ask(), held)
                         .await?;
                     blocking(move || {
-                        let mut stream = Stream::new(&engine, pieces, false);
+                        let mut stream = RebuiltStream::new(&engine, pieces, false);
                         let entries = read_entries(&mut stream)?;
                         compare(&engine.layer, &entries, &stream.chunk_starts)?;
                         if let Some(cache) = cache {
@@ -164,7 +164,7 @@ impl Engine {
         let engine = Arc::clone(self);
         blocking(move || {
             let layer = &engine.layer;
-            let mut stream = Stream::new(&engine, pieces, true);
+            let mut stream = RebuiltStream::new(&engine, pieces, true);
             // A disk artifact's stream is the disk file: no tar entries to read or compare.
             let disk_file = layer.codec().stream() == StreamKind::DiskFile;
             let entries = match disk_file {
@@ -292,7 +292,7 @@ fn compare(layer: &Layer, entries: &[TarEntry], chunk_starts: &[u64]) -> Result<
 /// The entries of the rebuilt stream, as a tar reader sees them.
 /// Unless the stream reads chunks, file contents are skipped, not read (they may not be
 /// cached).
-fn read_entries(stream: &mut Stream<'_>) -> Result<Vec<TarEntry>> {
+fn read_entries(stream: &mut RebuiltStream<'_>) -> Result<Vec<TarEntry>> {
     let corrupt = |e: std::io::Error| Error::corrupt(format!("the layer is not a valid tar: {e}"));
     let seek = !stream.read_chunks;
     let mut archive = tar::Archive::new(stream);
@@ -355,7 +355,7 @@ fn read_entries(stream: &mut Stream<'_>) -> Result<Vec<TarEntry>> {
 }
 
 /// The rebuilt tar stream: decoded regions and cached chunks in blob order, hashed as read.
-struct Stream<'a> {
+struct RebuiltStream<'a> {
     engine: &'a Engine,
     /// Whether chunks are read from the cache; if not, reading one is an error and only
     /// seeking passes it.
@@ -373,9 +373,9 @@ struct Stream<'a> {
     cache_error: Option<Error>,
 }
 
-impl<'a> Stream<'a> {
+impl<'a> RebuiltStream<'a> {
     fn new(engine: &'a Engine, pieces: Vec<Piece>, read_chunks: bool) -> Self {
-        Stream {
+        RebuiltStream {
             engine,
             read_chunks,
             pieces,
@@ -404,7 +404,7 @@ impl<'a> Stream<'a> {
     }
 }
 
-impl Seek for Stream<'_> {
+impl Seek for RebuiltStream<'_> {
     /// Forward relative seeks only (what a tar reader skipping file contents does); the
     /// skipped bytes are not hashed, so only the structure check seeks.
     fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
@@ -434,7 +434,7 @@ impl Seek for Stream<'_> {
     }
 }
 
-impl Read for Stream<'_> {
+impl Read for RebuiltStream<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);

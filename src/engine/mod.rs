@@ -650,7 +650,8 @@ impl Engine {
         self.read_unrecorded(file, offset, size).await
     }
 
-    /// [`Engine::read`] for reads of our own (qcow2 metadata), which are not a boot's. One
+    /// A read not noted in the boot trace being recorded: [`Engine::read`]'s after it noted
+    /// the reader's range, and our own reads (qcow2 metadata), which are not a boot's. One
     /// deadline bounds the whole read, every retry under it included: the fetch deadline and
     /// [`READ_GRACE`]. A read that runs out of it fails, and its missing chunks fail again at
     /// once for a moment ([`Engine::recently_failed`]), as after a fetch that ran out.

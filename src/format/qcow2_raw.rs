@@ -36,7 +36,7 @@ pub enum Source {
 
 /// A piece of a guest range: its length and where its bytes come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Piece {
+pub struct GuestPiece {
     pub len: u64,
     pub source: Source,
 }
@@ -125,10 +125,10 @@ impl Qcow2Map {
         &self,
         range: Range<u64>,
         l2: impl Fn(u64) -> Option<&'t [u64]>,
-    ) -> Vec<Piece> {
+    ) -> Vec<GuestPiece> {
         let cs = self.cluster_size();
         let end = range.end.min(self.size());
-        let mut pieces: Vec<Piece> = Vec::new();
+        let mut pieces: Vec<GuestPiece> = Vec::new();
         let mut pos = range.start;
         while pos < end {
             let index = pos / cs;
@@ -145,7 +145,7 @@ impl Qcow2Map {
             };
             match (pieces.last_mut(), &source) {
                 (
-                    Some(Piece {
+                    Some(GuestPiece {
                         len: l,
                         source: Source::Data(prev),
                     }),
@@ -155,13 +155,13 @@ impl Qcow2Map {
                     *l += len;
                 }
                 (
-                    Some(Piece {
+                    Some(GuestPiece {
                         len: l,
                         source: Source::Zero,
                     }),
                     Source::Zero,
                 ) => *l += len,
-                _ => pieces.push(Piece { len, source }),
+                _ => pieces.push(GuestPiece { len, source }),
             }
             pos += len;
         }
@@ -267,15 +267,15 @@ mod tests {
         assert_eq!(
             pieces,
             [
-                Piece {
+                GuestPiece {
                     len: 2 * cs - 100,
                     source: Source::Data((1 << 20) + 100..(1 << 20) + 2 * cs)
                 },
-                Piece {
+                GuestPiece {
                     len: cs,
                     source: Source::Zero
                 },
-                Piece {
+                GuestPiece {
                     len: cs - 10,
                     source: Source::Data((4 << 20)..(4 << 20) + cs - 10)
                 },
@@ -284,7 +284,7 @@ mod tests {
         // No L2 table: zeros; past the guest's end: nothing.
         assert_eq!(
             map.pieces(0..cs, |_| None),
-            [Piece {
+            [GuestPiece {
                 len: cs,
                 source: Source::Zero
             }]

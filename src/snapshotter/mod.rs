@@ -3,8 +3,9 @@
 //! Ordinary layers and containers get what containerd's built-in overlayfs snapshotter gives
 //! them: a directory per snapshot (`snapshots/<id>/fs`, plus `work` for active ones) and
 //! overlay or bind mounts over the parent chain, with the metadata in a transactional store
-//! ([`daemon::store`]). During a CRI pull, `Prepare` with `containerd.io/snapshot.ref` asks
-//! [`prepare::classify`] whether the layer is a lazily loadable disk; if so, a mount server
+//! ([`daemon::store`]). During a CRI pull, `Prepare` with `containerd.io/snapshot.ref` has
+//! [`prepare::Pulls::judge`] decide the layer (the signature policy, then
+//! [`prepare::classify`]: whether it is a lazily loadable disk); if so, a mount server
 //! ([`mount_server`], run by the [`servers::supervisor`]) mounts it through FUSE, the committed snapshot is recorded with that mount as its
 //! directory, and containerd is told the target exists, so it neither downloads nor unpacks
 //! the layer. Every decision is logged and counted.

@@ -20,7 +20,7 @@ use super::{clipped, DiskView};
 use crate::error::{Error, Result};
 use crate::format::disk::DiskFormat;
 use crate::format::qcow2;
-use crate::format::qcow2_raw::{Piece, Qcow2Map, Source, HEADER_BYTES};
+use crate::format::qcow2_raw::{GuestPiece, Qcow2Map, Source, HEADER_BYTES};
 
 /// L2 tables a view keeps (each one cluster): 64 GiB of guest at 64 KiB clusters.
 const L2_TABLES: usize = 128;
@@ -165,7 +165,7 @@ impl<V: DiskView> Qcow2View<V> {
     }
 
     /// The pieces of guest bytes `range`, mapped through `tables`.
-    fn pieces(&self, range: Range<u64>, tables: &Tables) -> Result<Vec<Piece>> {
+    fn pieces(&self, range: Range<u64>, tables: &Tables) -> Result<Vec<GuestPiece>> {
         let pieces = self.map.pieces(range, |index| {
             let start = self.map.l2_table(index)?.start;
             tables
@@ -186,7 +186,7 @@ impl<V: DiskView> Qcow2View<V> {
     }
 
     /// A piece's guest bytes from the image bytes it needs (`bytes`; nothing for zeros).
-    fn fill(&self, piece: &Piece, bytes: Option<Vec<u8>>, out: &mut Vec<u8>) -> Result<()> {
+    fn fill(&self, piece: &GuestPiece, bytes: Option<Vec<u8>>, out: &mut Vec<u8>) -> Result<()> {
         match (&piece.source, bytes) {
             (Source::Zero, _) => out.resize(out.len() + piece.len as usize, 0),
             (Source::Data(r), Some(data)) => {
