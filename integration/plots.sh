@@ -32,7 +32,6 @@ while i < len(lines):
     mib = int(m.group(1))
     layout = "redirecting to a blob host" if "redirecting" in m.group(2) else "serving blobs itself"
     last_mib = mib
-    cols = lines[i + 1].split()
     i += 2
     while i < len(lines) and lines[i].startswith("  ") and lines[i].strip():
         f = lines[i].split()

@@ -16,6 +16,7 @@ use crate::engine::stats::METRICS;
 use crate::error::{Error, Result};
 use crate::snapshotter::daemon::grpc::{disks, LISTED};
 use crate::snapshotter::prepare::classify::Outcome;
+use crate::snapshotter::servers::supervisor::ServerEvents;
 use crate::snapshotter::Snapshotter;
 
 type Labels = Vec<(&'static str, String)>;
@@ -107,7 +108,7 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     for why in ["started", "restarted"] {
         starts
             .get_or_create(&vec![("why", why.to_string())])
-            .inc_by(s.counters.get(&format!("servers/{why}")));
+            .inc_by(s.counters.get(&ServerEvents::counter(why)));
     }
     registry.register(
         "vmdisk_mount_server_starts",
@@ -117,7 +118,7 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     registry.register(
         "vmdisk_mount_servers_adopted",
         "Running mount servers a daemon took over from an earlier one (an update, the daemon's crash, the DaemonSet's pod replaced).",
-        counter(s.counters.get("servers/adopted")),
+        counter(s.counters.get(&ServerEvents::counter("adopted"))),
     );
     for (what, help) in [
         ("requests", "Requests sent to each registry endpoint (the registry, or a hosts.toml mirror) by the mount servers."),

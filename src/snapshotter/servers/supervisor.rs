@@ -101,12 +101,18 @@ pub struct ServerEvents {
 }
 
 impl ServerEvents {
+    /// The daemon's counter of servers started (`why`: "started" or "restarted") or adopted
+    /// ("adopted").
+    pub fn counter(what: &str) -> String {
+        format!("servers/{what}")
+    }
+
     /// The daemon's counter names and values.
-    pub fn counted(&self) -> [(&'static str, u64); 3] {
+    pub fn counted(&self) -> [(String, u64); 3] {
         [
-            ("servers/started", self.started),
-            ("servers/restarted", self.restarted),
-            ("servers/adopted", self.adopted),
+            (Self::counter("started"), self.started),
+            (Self::counter("restarted"), self.restarted),
+            (Self::counter("adopted"), self.adopted),
         ]
     }
 }
