@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
-PARTS=${BADDAYS_PARTS:-warm boot control restart memory replace}
+PARTS=${BADDAYS_PARTS:-warm boot control restart memory replace crash}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 source integration/containerd.sh
 bench_scratch baddays
@@ -333,5 +333,17 @@ if part replace; then
   echo "the DaemonSet's pod replaced while a reader holds a disk's raw view open (1 MiB reads in order) and qemu-img compares it:"
   cargo nextest run --locked --test integration -E 'test(/^daemonset::/)' --no-capture 2>&1 |
     grep -E "pod replaced in|the pod's replacement: the reader saw" | sed 's/^/  /'
+} | tee -a "$RESULTS"
+fi
+# ---------------------------------------------------------------------------------------
+# A mount server killed under a read disk (SIGKILL twice in a row, with passthrough opens, and
+# by the OOM killer at its cgroup's memory limit): the longest wait of a reader across the
+# takeover, its errors and wrong reads, as the integration tests measure them (`crash::`).
+if part crash; then
+{
+  echo
+  echo "a mount server killed while a reader holds the disk open (1 MiB reads; qemu-img compares it): its successor takes the FUSE connections over"
+  cargo nextest run --locked --test integration -E 'test(/^crash::/)' --no-capture 2>&1 |
+    grep -E "the reader saw" | sed 's/^/  /'
 } | tee -a "$RESULTS"
 fi

@@ -48,8 +48,25 @@ impl Daemon {
         Self::start_in_env(scratch, name, extra, &[])
     }
 
+    /// [`Daemon::start`] with top-level settings `top` too.
+    pub fn start_top(scratch: &Scratch, top: &str, extra: &str) -> Self {
+        Self::configured(scratch, "vmdisk", top, extra, &[])
+    }
+
     /// [`Daemon::start_in`] with environment variables `env` set.
     pub fn start_in_env(scratch: &Scratch, name: &str, extra: &str, env: &[(&str, &str)]) -> Self {
+        Self::configured(scratch, name, "", extra, env)
+    }
+
+    /// A daemon under `scratch/<name>` whose configuration has `top` among its top-level
+    /// settings and `extra` after its `[registry]` table, run with `env` set.
+    fn configured(
+        scratch: &Scratch,
+        name: &str,
+        top: &str,
+        extra: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         let root = scratch.path(name);
         std::fs::create_dir_all(&root).unwrap();
         // The root of the containerd of this scratch directory ([`CriContainerd`]), made now so
@@ -62,7 +79,7 @@ impl Daemon {
         std::fs::write(
             &config,
             format!(
-                "root = \"{r}/state\"\nready_dir = \"{r}/run/disks\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[containerd]\nroot = \"{c}\"\n[registry]\nhosts_dir = \"{r}/hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
+                "{top}root = \"{r}/state\"\nready_dir = \"{r}/run/disks\"\naddress = \"{s}\"\nmanage_address = \"{m}\"\nlog_level = \"info,vmdisk=debug\"\n[containerd]\nroot = \"{c}\"\n[registry]\nhosts_dir = \"{r}/hosts\"\nfetch_timeout = 5\nmount_timeout = 30\n{extra}",
                 c = containerd_root.display(),
                 r = root.display(),
                 s = socket.display(),

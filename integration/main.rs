@@ -6,6 +6,7 @@ mod baddays;
 mod boot;
 mod cli;
 mod conformance;
+mod crash;
 mod cri;
 mod daemon;
 mod daemonset;

@@ -69,7 +69,9 @@ pub(super) async fn mount(args: MountArgs) -> Result<()> {
             verify_rate: args.verify_rate,
             announce: true,
             ready: None,
+            registrations: None,
         },
+        None,
     )
     .await?;
     println!(
@@ -128,7 +130,9 @@ pub(super) async fn trace_record(args: TraceRecordArgs) -> Result<()> {
             verify_rate: 0,
             announce: false,
             ready: None,
+            registrations: None,
         },
+        None,
     )
     .await?;
     let status = tokio::process::Command::new(&args.command[0])

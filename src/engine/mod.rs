@@ -598,6 +598,17 @@ impl Engine {
         ready.then(|| self.cache.data_file(file))
     }
 
+    /// Whether file `file` is complete in the cache and unchanged, and its chunks or the layer
+    /// not yet checked by this process (see [`Engine::passthrough_file`]).
+    pub fn passthrough_pending(&self, file: usize) -> bool {
+        let chunks = self.layer.chunks_of(file);
+        !matches!(self.integrity(), Integrity::Failed(_))
+            && !self.noticed_change(file)
+            && chunks.clone().into_iter().all(|i| self.cache.is_present(i))
+            && (self.integrity() == Integrity::Pending
+                || chunks.into_iter().any(|i| !self.cache.is_checked(i)))
+    }
+
     /// Copies bytes `offset..` of file `file`, which `chunks` hold, into `buf` from where those
     /// are kept; false if one is kept nowhere (it went from memory meanwhile).
     fn copy_out(

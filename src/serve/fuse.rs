@@ -16,10 +16,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use fuser::{
-    BackingId, Config, Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo,
-    InitFlags, KernelConfig, LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
-    SessionACL,
+    BackingId, Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 use parking_lot::Mutex;
 
@@ -28,6 +27,7 @@ use crate::engine::stats::Stats;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::format::tree::NodeKind;
+use crate::serve::connection::{Connection, Offer, Registrations};
 use crate::view::file::LayerFile;
 use crate::view::qcow2::RawDisk;
 use crate::view::DiskView;
@@ -70,6 +70,11 @@ pub struct LayerFs {
     passthrough: AtomicBool,
     /// Passthrough backing ids by inode.
     backing: Mutex<HashMap<u64, Arc<BackingId>>>,
+    /// What the kernel offered at `FUSE_INIT`, recorded for a successor's takeover.
+    offered: Arc<Mutex<Option<Offer>>>,
+    /// The passthrough registrations of this mount's connection, kept for a successor (none:
+    /// a mount no successor takes over, `vmdisk mount`'s).
+    registrations: Option<Registrations>,
 }
 
 fn mtime(text: Option<&str>) -> SystemTime {
@@ -225,7 +230,25 @@ impl LayerFs {
             next_fh: AtomicU64::new(1),
             passthrough: AtomicBool::new(passthrough),
             backing: Mutex::new(HashMap::new()),
+            offered: Arc::new(Mutex::new(None)),
+            registrations: None,
         }
+    }
+
+    /// Keeps the mount's passthrough registrations in `registrations` (those of earlier servers,
+    /// for a successor).
+    pub fn registered_in(mut self, registrations: Registrations) -> Self {
+        self.registrations = Some(registrations);
+        self
+    }
+
+    /// Numbers this server's file handles after those of the `generation` servers of the same
+    /// connection before it (a successor answers reads of files they opened, and its own
+    /// handles must not be theirs).
+    pub fn handles_after(self, generation: u32) -> Self {
+        self.next_fh
+            .store((u64::from(generation) << 40) | 1, Ordering::Relaxed);
+        self
     }
 
     /// The ready-disk directory of a layer: its disk as published (under its own file name,
@@ -288,6 +311,27 @@ impl LayerFs {
         self.inodes.get(ino.0 as usize).filter(|_| ino.0 >= ROOT)
     }
 
+    /// The registration of inode `ino`'s file this server answers with, or the one an earlier
+    /// server of the connection made ([`Registrations`]).
+    fn registered(
+        &self,
+        backing: &mut HashMap<u64, Arc<BackingId>>,
+        ino: u64,
+        reply: &ReplyOpen,
+    ) -> Option<Arc<BackingId>> {
+        if let Some(id) = backing.get(&ino) {
+            return Some(Arc::clone(id));
+        }
+        let raw = self.registrations.as_ref()?.of(ino)?;
+        // SAFETY: `raw` was registered on this connection by an earlier server (the record)
+        // and never closed (the server that could have died); it is closed only when the
+        // wrapper is dropped.
+        #[allow(unsafe_code)]
+        let id = Arc::new(unsafe { reply.wrap_backing(raw) });
+        backing.insert(ino, Arc::clone(&id));
+        Some(id)
+    }
+
     /// The passthrough backing id of inode `ino`'s view while it has a backing file
     /// ([`DiskView::backing_file`]), registered with the kernel on first use. Asked at every
     /// open: a file whose data file was changed since it was checked has none until it is
@@ -298,18 +342,36 @@ impl LayerFs {
         if !self.passthrough.load(Ordering::Relaxed) {
             return None;
         }
+        let mut backing = self.backing.lock();
         let Some(file) = view.backing_file() else {
+            // A successor keeps answering with the registration an earlier server made while
+            // it checks the file again: the kernel holds the file's opens to that one (those
+            // opens read the file meanwhile; damage found is mended where they read).
+            if view.backing_pending() {
+                if let Some(id) = self.registered(&mut backing, ino, reply) {
+                    return Some(id);
+                }
+            }
             // Opens that hold it keep reading it; the kernel closes it after the last one.
-            self.backing.lock().remove(&ino);
+            if backing.remove(&ino).is_some() {
+                if let Some(r) = &self.registrations {
+                    r.closed(ino);
+                }
+            }
             return None;
         };
-        let mut backing = self.backing.lock();
-        if let Some(id) = backing.get(&ino) {
-            return Some(Arc::clone(id));
+        if let Some(id) = self.registered(&mut backing, ino, reply) {
+            return Some(id);
         }
         match reply.open_backing(file) {
             Ok(id) => {
-                let id = Arc::new(id);
+                let raw = id.into_raw();
+                if let Some(r) = &self.registrations {
+                    r.made(ino, raw);
+                }
+                // SAFETY: just registered on this session, and owned by the wrapper alone.
+                #[allow(unsafe_code)]
+                let id = Arc::new(unsafe { reply.wrap_backing(raw) });
                 backing.insert(ino, Arc::clone(&id));
                 Some(id)
             }
@@ -324,7 +386,17 @@ impl LayerFs {
 
 impl fuser::Filesystem for LayerFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let _ = config.set_max_readahead(1 << 20);
+        let max_readahead = match config.set_max_readahead(1 << 20) {
+            Ok(_) => 1 << 20,
+            Err(kernels) => kernels,
+        };
+        let abi = config.kernel_abi();
+        *self.offered.lock() = Some(Offer {
+            major: abi.0,
+            minor: abi.1,
+            capabilities: config.capabilities().bits(),
+            max_readahead,
+        });
         if self.passthrough.load(Ordering::Relaxed) {
             let ok = config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH)
                 && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
@@ -537,12 +609,18 @@ impl fuser::Filesystem for LayerFs {
 impl LayerFs {
     /// What to fetch ahead for the reader of handle `fh` after it read `size` bytes at
     /// `offset`, if it reads sequentially ([`Stream`]).
+    /// A handle this server did not give out was opened from an earlier server of the same
+    /// connection ([`crate::serve::connection`]): its reader is followed from here on.
     fn stream_ahead(&self, fh: FileHandle, offset: u64, size: u32) -> Option<std::ops::Range<u64>> {
         let window = self.engine.options().readahead_bytes;
         self.open
             .lock()
-            .get_mut(&fh.0)
-            .and_then(|state| state.stream.advance(offset, u64::from(size), window))
+            .entry(fh.0)
+            .or_insert_with(|| OpenFile {
+                stream: Stream::default(),
+            })
+            .stream
+            .advance(offset, u64::from(size), window)
     }
 }
 
@@ -574,9 +652,15 @@ fn answer(engine: &Engine, result: Result<Vec<u8>>, reply: ReplyData) {
 /// 4 KiB reads of a cached raw view ran at about 3/4 of the IOPS they do with 16).
 const FUSE_THREADS: usize = 16;
 
+/// A mounted session and its connection ([`crate::serve::connection`]).
+pub struct Mounted {
+    pub session: fuser::BackgroundSession,
+    pub connection: Connection,
+}
+
 /// Mounts `fs` read-only at `dir` with a multi-threaded session.
-pub fn mount(fs: LayerFs, dir: &Path) -> Result<fuser::BackgroundSession> {
-    let mut config = Config::default();
+pub fn mount(fs: LayerFs, dir: &Path) -> Result<Mounted> {
+    let mut config = crate::serve::connection::session_config(FUSE_THREADS);
     config.mount_options = vec![
         MountOption::RO,
         MountOption::FSName("vmdisk".into()),
@@ -585,11 +669,25 @@ pub fn mount(fs: LayerFs, dir: &Path) -> Result<fuser::BackgroundSession> {
         MountOption::NoDev,
         MountOption::NoSuid,
     ];
-    config.acl = SessionACL::All;
-    config.n_threads = Some(FUSE_THREADS);
-    config.clone_fd = true;
-    fuser::spawn_mount(fs, dir, &config)
-        .map_err(|e| Error::io(format!("mounting FUSE at {}", dir.display()), e))
+    let offered = Arc::clone(&fs.offered);
+    let mounting = |e| Error::io(format!("mounting FUSE at {}", dir.display()), e);
+    let session = fuser::Session::new(fs, dir, &config).map_err(mounting)?;
+    let fd = std::os::fd::AsFd::as_fd(&session)
+        .try_clone_to_owned()
+        .map_err(mounting)?;
+    let offer = offered
+        .lock()
+        .take()
+        .ok_or_else(|| Error::invalid(format!("no FUSE_INIT at {}", dir.display())))?;
+    Ok(Mounted {
+        session: session.spawn().map_err(mounting)?,
+        connection: Connection { fd, offer },
+    })
+}
+
+/// Serves `connection`, mounted by an earlier server, with `fs` ([`crate::serve::connection`]).
+pub fn take_over(fs: LayerFs, connection: &Connection) -> Result<fuser::BackgroundSession> {
+    crate::serve::connection::take_over(fs, connection, FUSE_THREADS)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! (or later, when [`Serving::hydrate`] is called). It never unmounts a busy mount: an unmount
 //! while files are open is refused and the layer keeps serving.
 
+pub mod connection;
 pub mod fuse;
 pub mod ready;
 
@@ -27,6 +28,7 @@ use crate::layer::Held;
 use crate::policy::Verifier;
 use crate::registry::Registry;
 use crate::resolve::Wanted;
+use crate::serve::connection::{Connection, Inherited, Registrations, Role};
 use crate::serve::ready::{ReadyDir, ReadyMetadata};
 use crate::view::file::LayerFile;
 use crate::view::qcow2::RawDisk;
@@ -116,6 +118,9 @@ pub struct ServeOptions {
     pub announce: bool,
     /// The layer's ready-disk directory, mounted when asked ([`Serving::mount_ready`]).
     pub ready: Option<ReadyDir>,
+    /// Where each mount records its passthrough registrations for a successor
+    /// (`<prefix>.<role>.passthrough`, [`Registrations`]); none where no successor takes over.
+    pub registrations: Option<PathBuf>,
 }
 
 /// Where a hydration (fetching every chunk nobody read yet) stands.
@@ -159,9 +164,11 @@ async fn describe(engine: &Arc<Engine>, ready: &ReadyDir) -> Result<(RawDisk, Re
     Ok((described.raw, metadata))
 }
 
-/// A mounted ready-disk directory: its session and the links (link, target) pointing into it.
+/// A mounted ready-disk directory: its session, its connection and the links (link, target)
+/// pointing into it.
 struct ReadyMount {
     session: fuser::BackgroundSession,
+    connection: Connection,
     links: Vec<(PathBuf, PathBuf)>,
 }
 
@@ -173,6 +180,13 @@ struct ReadyDisk {
     state: Mutex<ReadyState>,
     /// Mounts unmounted by [`Serving::unmount`], their sessions ended by [`Serving::finish`].
     ended: Mutex<Vec<ReadyMount>>,
+    /// The connection of the directory an earlier server mounted, taken over at its first
+    /// mount ([`crate::serve::connection`]).
+    inherited: Mutex<Option<Connection>>,
+    /// How many servers of the same connections were before this one.
+    generation: u32,
+    /// [`ServeOptions::registrations`].
+    registrations: Option<PathBuf>,
 }
 
 enum ReadyState {
@@ -188,6 +202,10 @@ pub struct Serving {
     engine: Arc<Engine>,
     cache: CacheRoot,
     session: fuser::BackgroundSession,
+    /// The layer mount's connection, handed to whoever keeps it for a successor.
+    connection: Connection,
+    /// How many servers of the same connections were before this one.
+    generation: u32,
     ready: Option<Arc<ReadyDisk>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     dir: PathBuf,
@@ -203,31 +221,56 @@ pub struct Serving {
 const FREE_WHEN_FULL: u64 = 256 << 20;
 
 /// Mounts `engine`'s layer at `dir` (and its ready-disk directory, if asked) and starts its
-/// background work.
+/// background work; or, `inherited`, serves the connections of the mounts an earlier server
+/// made there, which then died ([`crate::serve::connection`]).
 pub async fn start(
     engine: Arc<Engine>,
     cache: &CacheRoot,
     dir: &Path,
     opts: &ServeOptions,
+    inherited: Option<Inherited>,
 ) -> Result<Serving> {
-    let fs = crate::serve::fuse::LayerFs::new(
+    let generation = inherited.as_ref().map_or(0, |i| i.generation);
+    let mut fs = crate::serve::fuse::LayerFs::new(
         Arc::clone(&engine),
         tokio::runtime::Handle::current(),
         opts.passthrough,
-    );
-    let session = crate::serve::fuse::mount(fs, dir)?;
+    )
+    .handles_after(generation);
+    if let Some(prefix) = &opts.registrations {
+        fs = fs.registered_in(registrations(prefix, Role::Layer, inherited.is_some()));
+    }
+    let (session, connection, ready_connection) = match inherited {
+        None => {
+            let mounted = crate::serve::fuse::mount(fs, dir)?;
+            (mounted.session, mounted.connection, None)
+        }
+        Some(inherited) => {
+            let session = crate::serve::fuse::take_over(fs, &inherited.layer)?;
+            tracing::info!(
+                generation,
+                "took over the layer's FUSE connection from the server that died"
+            );
+            (session, inherited.layer, inherited.ready_disk)
+        }
+    };
     let ready = opts.ready.as_ref().map(|dir| {
         Arc::new(ReadyDisk {
             dir: dir.clone(),
             passthrough: opts.passthrough,
             state: Mutex::new(ReadyState::Unmounted),
             ended: Mutex::new(Vec::new()),
+            inherited: Mutex::new(ready_connection),
+            generation,
+            registrations: opts.registrations.clone(),
         })
     });
     let mut serving = Serving {
         engine: Arc::clone(&engine),
         cache: cache.clone(),
         session,
+        connection,
+        generation,
         ready,
         tasks: Vec::new(),
         dir: dir.to_path_buf(),
@@ -366,23 +409,52 @@ fn mount_ready(
     let dir = &ready.dir;
     let json = serde_json::to_vec_pretty(&metadata).expect("metadata serialises");
     let links = dir.links(&metadata);
-    let fs = crate::serve::fuse::LayerFs::ready(
+    let mut fs = crate::serve::fuse::LayerFs::ready(
         engine,
         runtime,
         ready.passthrough,
         raw,
         json,
         dir.group,
-    );
-    let _ = nix::mount::umount2(&dir.dir, nix::mount::MntFlags::MNT_DETACH);
-    crate::serve::ready::prepare_root(&dir.root, dir.group)?;
-    crate::dirs::shared(&dir.dir, dir.group)?;
-    let session = crate::serve::fuse::mount(fs, &dir.dir)?;
+    )
+    .handles_after(ready.generation);
+    let inherited = ready.inherited.lock().take();
+    if let Some(prefix) = &ready.registrations {
+        fs = fs.registered_in(registrations(prefix, Role::ReadyDisk, inherited.is_some()));
+    }
+    let (session, connection) = match inherited {
+        Some(connection) => {
+            let session = crate::serve::fuse::take_over(fs, &connection)?;
+            tracing::info!(dir = %dir.dir.display(), "took over the ready-disk directory's FUSE connection from the server that died");
+            (session, connection)
+        }
+        None => {
+            let _ = nix::mount::umount2(&dir.dir, nix::mount::MntFlags::MNT_DETACH);
+            crate::serve::ready::prepare_root(&dir.root, dir.group)?;
+            crate::dirs::shared(&dir.dir, dir.group)?;
+            let mounted = crate::serve::fuse::mount(fs, &dir.dir)?;
+            (mounted.session, mounted.connection)
+        }
+    };
     for (link, target) in &links {
         crate::serve::ready::replace_symlink(link, target)?;
     }
-    *state = ReadyState::Mounted(ReadyMount { session, links });
+    *state = ReadyState::Mounted(ReadyMount {
+        session,
+        connection,
+        links,
+    });
     Ok(())
+}
+
+/// The record of a mount's passthrough registrations under `prefix`: the earlier servers' when
+/// `taken_over`, else a new one.
+fn registrations(prefix: &Path, role: Role, taken_over: bool) -> Registrations {
+    let path = role.registrations(prefix);
+    match taken_over {
+        true => Registrations::taken_over(path),
+        false => Registrations::new_mount(path),
+    }
 }
 
 impl Serving {
@@ -413,6 +485,31 @@ impl Serving {
             crate::task::blocking(move || mount_ready(engine, &ready, runtime, described)).await?;
         }
         Ok(ready.dir.dir.clone())
+    }
+
+    /// Descriptors of the mounts' FUSE connections, for whoever keeps them for a successor
+    /// ([`crate::serve::connection`]).
+    pub fn connections(&self) -> Result<Vec<(Role, Connection)>> {
+        let mut connections = vec![(Role::Layer, self.connection.try_clone()?)];
+        if let Some(ready) = &self.ready {
+            if let ReadyState::Mounted(mount) = &*ready.state.lock() {
+                connections.push((Role::ReadyDisk, mount.connection.try_clone()?));
+            }
+        }
+        Ok(connections)
+    }
+
+    /// How many servers of the same connections were before this one.
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+
+    /// Whether this server took over connections it has not served yet: the ready-disk
+    /// directory an earlier server had mounted waits for [`Serving::mount_ready`].
+    pub fn ready_inherited(&self) -> bool {
+        self.ready
+            .as_ref()
+            .is_some_and(|r| r.inherited.lock().is_some())
     }
 
     /// Whether the ready-disk directory is mounted.
@@ -590,7 +687,7 @@ impl Serving {
                 if mounts.is_empty() {
                     return;
                 }
-                for ReadyMount { session, links } in mounts {
+                for ReadyMount { session, links, .. } in mounts {
                     // Remove the links still pointing at us (another server may have taken a
                     // name).
                     for (link, target) in links {

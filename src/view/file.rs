@@ -69,6 +69,10 @@ impl DiskView for LayerFile {
     fn backing_file(&self) -> Option<&std::fs::File> {
         self.engine.passthrough_file(self.file)
     }
+
+    fn backing_pending(&self) -> bool {
+        self.engine.passthrough_pending(self.file)
+    }
 }
 
 /// A local file: everything is cached.

@@ -43,6 +43,12 @@ pub trait DiskView: Send + Sync {
     fn backing_file(&self) -> Option<&std::fs::File> {
         None
     }
+
+    /// Whether the view's local file is complete and unchanged but not yet checked again by
+    /// this process (chunks cached by an earlier one): fit for passthrough once they are.
+    fn backing_pending(&self) -> bool {
+        false
+    }
 }
 
 /// The length of a read of `len` bytes at `offset` of a view of `size` bytes.

@@ -112,13 +112,18 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     }
     registry.register(
         "vmdisk_mount_server_starts",
-        "Mount servers started: for a layer none served before (started), or for one whose server had ended without being stopped or had failed (restarted: a crash, a kill, the OOM killer).",
+        "Mount servers started: for a layer none served before (started), or for one whose server had ended without being stopped or had failed (restarted: a crash, a kill, the OOM killer; the successor takes over the mounts of one that died with them up).",
         starts,
     );
     registry.register(
         "vmdisk_mount_servers_adopted",
         "Running mount servers a daemon took over from an earlier one (an update, the daemon's crash, the DaemonSet's pod replaced).",
         counter(s.counters.get(&ServerEvents::counter("adopted"))),
+    );
+    registry.register(
+        "vmdisk_mount_server_give_ups",
+        "Layers whose mount servers kept dying (5 times within 10 minutes): the daemon let their FUSE connections go, and their readers get I/O errors until the layer is served again.",
+        counter(s.counters.get(&ServerEvents::counter("given_up"))),
     );
     for (what, help) in [
         ("requests", "Requests sent to each registry endpoint (the registry, or a hosts.toml mirror) by the mount servers."),

@@ -263,6 +263,15 @@ impl Background {
                 }
             })
         };
+        // A server that dies with its mounts up is succeeded at once, on its connections.
+        let revive_task = {
+            let s = Arc::clone(snapshotter);
+            tokio::spawn(async move {
+                while let Some(layer) = s.servers.died().await {
+                    tokio::spawn(Arc::clone(&s).revive(layer));
+                }
+            })
+        };
         let pods_task = {
             let (containerd, pulled) = (
                 config.cri.containerd_address.clone(),
@@ -277,6 +286,7 @@ impl Background {
                 Some(metrics_task),
                 cri_task,
                 Some(collect_task),
+                Some(revive_task),
                 Some(pods_task),
             ]
             .into_iter()

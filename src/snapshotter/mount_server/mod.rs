@@ -30,6 +30,7 @@ use crate::oci::digest::Digest;
 use crate::oci::reference::{ImageName, Reference};
 use crate::registry::granted::Granted;
 use crate::registry::roots::Roots;
+use crate::serve::connection::{Connection, Inherited, Role};
 use crate::serve::Serving;
 use crate::snapshotter::config::Config;
 use crate::snapshotter::servers::control::{
@@ -292,20 +293,65 @@ pub struct Assignment {
     pub need: Need,
 }
 
+/// The connections of a server that died, handed to this one as inherited descriptors
+/// (`connections` of the handover; none: this server mounts).
+fn inherited(handover: &pb::Handover) -> Result<Option<Inherited>> {
+    let mut layer = None;
+    let mut ready_disk = None;
+    if handover.connections.len() > crate::snapshotter::servers::keeper::MAX_CONNECTIONS {
+        return Err(Error::invalid(
+            "more inherited FUSE connections than a server has",
+        ));
+    }
+    for c in &handover.connections {
+        let (role, offer) = crate::snapshotter::servers::keeper::described(c);
+        // The daemon started this process with the descriptor there (command-fds).
+        let fd = std::os::fd::RawFd::try_from(c.fd)
+            .ok()
+            .filter(|fd| *fd > 2)
+            .ok_or_else(|| Error::invalid(format!("inherited descriptor {} is not one", c.fd)))?;
+        // SAFETY: the daemon mapped this descriptor into this process for it alone, and the
+        // handover names each once (checked below: a second claim finds its slot taken).
+        #[allow(unsafe_code)]
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Connection::check_device(&fd)?;
+        let slot = match role {
+            Role::Layer => &mut layer,
+            Role::ReadyDisk => &mut ready_disk,
+        };
+        if slot.replace(Connection { fd, offer }).is_some() {
+            return Err(Error::invalid("an inherited FUSE connection named twice"));
+        }
+    }
+    match (layer, ready_disk) {
+        (None, None) => Ok(None),
+        (Some(layer), ready_disk) => Ok(Some(Inherited {
+            layer,
+            ready_disk,
+            generation: handover.generation,
+        })),
+        (None, Some(_)) => Err(Error::invalid(
+            "an inherited ready-disk directory without its layer's connection",
+        )),
+    }
+}
+
 /// Runs the mount server of `job` until stopped; `handover`: the daemon hands it its TLS roots
 /// and the credentials of pulls of the image on stdin first (else the server reads the
-/// system's roots and has only the node's credentials).
+/// system's roots and has only the node's credentials), and the connections of a server of
+/// the layer that died, which this one takes over.
 pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> Result<()> {
     let (reference, layer) = (&job.reference, &job.layer);
     let granted = Arc::new(Granted::default());
-    let (roots, ahead) = if handover {
+    let (roots, ahead, inherited) = if handover {
         let (handed, ahead) = handover_from_stdin().await?;
+        let inherited = inherited(&handed)?;
         for message in handed.credentials {
             granted.add(crate::snapshotter::servers::control::grant_of(message));
         }
-        (Roots::handed(handed.tls_roots)?, Some(ahead))
+        (Roots::handed(handed.tls_roots)?, Some(ahead), inherited)
     } else {
-        (Roots::default(), None)
+        (Roots::default(), None, None)
     };
     let paths = LayerPaths::new(&config.root, layer);
     let listener = crate::api::unix::bind(&paths.control, 0o600)?;
@@ -348,8 +394,11 @@ pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> R
     let outcome = run(
         config,
         job,
-        &roots,
-        ahead,
+        Parts {
+            roots: &roots,
+            ahead,
+            inherited,
+        },
         &paths,
         &shared,
         &mut stop_requests,
@@ -361,19 +410,27 @@ pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> R
     outcome
 }
 
+/// What the daemon handed a server to start with.
+struct Parts<'a> {
+    roots: &'a Roots,
+    /// The blob bytes it fetches for the structure check.
+    ahead: Option<oneshot::Receiver<Held>>,
+    /// The connections of the server that died, to take over.
+    inherited: Option<Inherited>,
+}
+
 /// Starts serving (unless stopped first), then answers stop requests and signals.
 async fn run(
     config: &Config,
     job: &Assignment,
-    roots: &Roots,
-    ahead: Option<oneshot::Receiver<Held>>,
+    parts: Parts<'_>,
     paths: &LayerPaths,
     shared: &Shared,
     stop_requests: &mut mpsc::Receiver<oneshot::Sender<Result<pb::LayerCounters>>>,
 ) -> Result<()> {
     let (reference, layer) = (&job.reference, &job.layer);
     let started = tokio::select! {
-        r = start(config, job, roots, ahead, paths, Arc::clone(&shared.granted)) => r,
+        r = start(config, job, parts, paths, Arc::clone(&shared.granted)) => r,
         Some(reply) = stop_requests.recv() => {
             let _ = reply.send(Ok(pb::LayerCounters::default()));
             tracing::info!(%layer, "stopped while starting");
@@ -404,6 +461,12 @@ async fn run(
             return Err(Error::new(kind, why));
         }
     };
+    // Offered before the daemon learns it serves: it collects them then.
+    let offering =
+        crate::snapshotter::servers::keeper::Offering::start(&paths.keeper, Arc::clone(&serving));
+    if let Err(e) = &offering {
+        tracing::warn!(error = %e.chain(), "the daemon cannot keep this server's FUSE connections: its readers would not survive its crash");
+    }
     shared.set_phase(Phase::Serving(Arc::clone(&serving)));
     tracing::info!(%reference, %layer, mountpoint = %paths.mountpoint.display(), "serving");
     let grace = Duration::from_secs(config.orphan_grace);
@@ -448,6 +511,9 @@ async fn run(
         }
     }
     shared.set_phase(Phase::Stopping);
+    if let Ok(offering) = offering {
+        offering.bye().await;
+    }
     // A status call may hold the serving state for a moment.
     let mut serving = serving;
     let serving = loop {
@@ -458,6 +524,11 @@ async fn run(
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     serving.finish().await?;
+    // Its mounts are gone: no successor needs their passthrough registrations.
+    let prefix = paths.keeper.with_extension("");
+    for role in [Role::Layer, Role::ReadyDisk] {
+        let _ = std::fs::remove_file(role.registrations(&prefix));
+    }
     tracing::info!(%layer, "mount server stopped");
     Ok(())
 }
@@ -468,11 +539,15 @@ async fn run(
 async fn start(
     config: &Config,
     job: &Assignment,
-    roots: &Roots,
-    ahead: Option<oneshot::Receiver<Held>>,
+    parts: Parts<'_>,
     paths: &LayerPaths,
     granted: Arc<Granted>,
 ) -> Result<Serving> {
+    let Parts {
+        roots,
+        ahead,
+        inherited,
+    } = parts;
     let (layer, alias, reference) = (&job.layer, job.alias.as_ref(), &job.reference);
     let digest = reference.digest.ok_or_else(|| {
         Error::invalid(format!(
@@ -497,8 +572,12 @@ async fn start(
     // The mount point and the VMM's group (a lookup in the node's group database) are made
     // ready while the layer opens.
     let (vmm_group, mountpoint) = (config.clone(), paths.mountpoint.clone());
+    // A mount taken over is left as it is: its readers wait on it.
+    let mounting = inherited.is_none();
     let mount_ready = crate::task::blocking(move || {
-        prepare_mountpoint(&mountpoint)?;
+        if mounting {
+            prepare_mountpoint(&mountpoint)?;
+        }
         vmm_group.vmm_gid()
     });
     let opened = crate::serve::open_engine(
@@ -541,9 +620,15 @@ async fn start(
             verify_rate: config.cache.verify_rate,
             announce: false,
             ready: Some(ready),
+            registrations: Some(paths.keeper.with_extension("")),
         },
+        inherited,
     )
     .await?;
+    // Readers of an inherited ready-disk directory wait: it is served at once.
+    if serving.ready_inherited() {
+        serving.mount_ready().await?;
+    }
     // After ready: the boot trace published for this image, if any, is fetched first.
     if let Some(record) = record.filter(|_| config.cache.boot_traces) {
         tokio::spawn(crate::trace::replay_published(

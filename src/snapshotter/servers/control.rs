@@ -46,6 +46,9 @@ pub struct LayerPaths {
     pub control: PathBuf,
     /// The server's log: `<root>/servers/<key hex>.log`.
     pub log: PathBuf,
+    /// Where the server hands out its FUSE connections ([`crate::snapshotter::servers::keeper`]):
+    /// `<root>/fds/<first 32 hex digits of the key>.sock`.
+    pub keeper: PathBuf,
 }
 
 impl LayerPaths {
@@ -55,12 +58,13 @@ impl LayerPaths {
             mountpoint: root.join("mounts").join(&hex),
             control: root.join("control").join(format!("{}.sock", &hex[..32])),
             log: root.join("servers").join(format!("{hex}.log")),
+            keeper: root.join("fds").join(format!("{}.sock", &hex[..32])),
         }
     }
 
     /// The directories servers need under `root`, root's only.
     pub fn prepare_root(root: &Path) -> Result<()> {
-        for dir in ["mounts", "control", "servers"] {
+        for dir in ["mounts", "control", "fds", "servers"] {
             crate::dirs::private(&root.join(dir))?;
         }
         Ok(())
@@ -353,6 +357,7 @@ mod tests {
         let handover = Handover {
             credentials: Vec::new(),
             tls_roots: vec![vec![7; 1000]],
+            ..Default::default()
         };
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         // The bytes come only once the handover was read: the handover does not wait for them.

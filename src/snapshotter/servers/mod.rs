@@ -3,6 +3,7 @@
 //! start.
 
 pub mod control;
+pub mod keeper;
 pub mod supervisor;
 
 use std::collections::HashMap;
@@ -43,6 +44,15 @@ impl Snapshotter {
             }
         }
         Ok(stopped)
+    }
+
+    /// Starts a successor to `layer`'s server, which died with its mounts up
+    /// ([`supervisor::Supervisor::revive`]), under the layer's lock.
+    pub async fn revive(self: Arc<Self>, layer: crate::oci::digest::Digest) {
+        let _lock = self.layer_locks.lock(&layer).await;
+        if let Err(e) = self.servers.revive(&layer).await {
+            tracing::error!(%layer, error = %e.chain(), "the layer's mount server was not succeeded");
+        }
     }
 
     /// Takes in a server's counters.

@@ -27,7 +27,9 @@ use crate::layer::Held;
 use crate::oci::digest::Digest;
 use crate::oci::reference::{ImageName, Reference};
 use crate::registry::granted::Grant;
+use crate::serve::connection::{Connection, Role};
 use crate::snapshotter::servers::control::{self, LayerPaths, LayerStatus, Need, ServerState};
+use crate::snapshotter::servers::keeper;
 
 /// How long one status call waits for a starting server to serve (or fail): the daemon learns
 /// the outcome as it happens instead of at its next poll.
@@ -98,6 +100,9 @@ pub struct ServerEvents {
     /// Running servers this daemon took over, started by an earlier daemon (an update, the
     /// daemon's crash, the DaemonSet's pod replaced).
     pub adopted: u64,
+    /// Layers whose servers kept dying ([`MAX_DEATHS`] within [`DEATH_WINDOW`]): their
+    /// connections were let go, and their readers get errors until the layer is served again.
+    pub given_up: u64,
 }
 
 impl ServerEvents {
@@ -108,11 +113,12 @@ impl ServerEvents {
     }
 
     /// The daemon's counter names and values.
-    pub fn counted(&self) -> [(String, u64); 3] {
+    pub fn counted(&self) -> [(String, u64); 4] {
         [
             (Self::counter("started"), self.started),
             (Self::counter("restarted"), self.restarted),
             (Self::counter("adopted"), self.adopted),
+            (Self::counter("given_up"), self.given_up),
         ]
     }
 }
@@ -159,6 +165,17 @@ pub trait Supervisor: Send + Sync {
     fn take_events(&self) -> ServerEvents {
         ServerEvents::default()
     }
+    /// The next layer whose server died with its mounts up (never, for a supervisor that
+    /// keeps no connections).
+    fn died(&self) -> BoxFuture<'_, Option<Digest>> {
+        Box::pin(std::future::pending())
+    }
+    /// Starts a successor to `layer`'s server that died, on the connections kept for it
+    /// ([`crate::serve::connection`]), unless the layer's servers kept dying. The caller holds
+    /// the layer's lock.
+    fn revive<'a>(&'a self, _layer: &'a Digest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// A shared supervisor is one too (the daemon's tests keep a handle on their fake).
@@ -198,6 +215,12 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
     fn take_events(&self) -> ServerEvents {
         (**self).take_events()
     }
+    fn died(&self) -> BoxFuture<'_, Option<Digest>> {
+        (**self).died()
+    }
+    fn revive<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<()>> {
+        (**self).revive(layer)
+    }
 }
 
 /// One lock per layer, held while its server is started or stopped together with the records
@@ -220,6 +243,65 @@ impl LayerLocks {
     }
 }
 
+/// How many times a layer's servers may die within [`DEATH_WINDOW`] before the daemon lets
+/// its connections go.
+pub const MAX_DEATHS: usize = 5;
+
+/// The window [`MAX_DEATHS`] counts in.
+pub const DEATH_WINDOW: Duration = Duration::from_secs(600);
+
+/// How long the daemon waits before starting the successor of a server that died for the
+/// `n`th time in a row within [`DEATH_WINDOW`]: at once the first time, then 0.5, 1, 2, 4 s.
+fn revive_delay(n: usize) -> Duration {
+    match n {
+        0 | 1 => Duration::ZERO,
+        n => Duration::from_millis(250 << (n - 1).min(5)),
+    }
+}
+
+/// A layer's FUSE connections, kept for a successor of its server, and what it is started
+/// with.
+struct KeptLayer {
+    connections: Vec<(Role, Connection)>,
+    /// How many servers served them before the one serving now.
+    generation: u32,
+    reference: Reference,
+    alias: Option<ImageName>,
+    /// Credentials of pulls of the image handed to its servers (the latest few).
+    grants: Vec<Grant>,
+    /// Reads how the server ends; dropped with this record.
+    watch: tokio::task::JoinHandle<()>,
+    /// When its servers died, within [`DEATH_WINDOW`].
+    deaths: Vec<std::time::Instant>,
+    /// Which collection this is (the watch's ending names it).
+    serial: u64,
+}
+
+impl Drop for KeptLayer {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+/// What a successor of a layer's server is handed: the kept connections and how many servers
+/// served them before it.
+struct Succession {
+    connections: Vec<(Role, Connection)>,
+    generation: u32,
+}
+
+/// What a successor is started for, and when.
+struct Revival {
+    reference: Reference,
+    alias: Option<ImageName>,
+    grants: Vec<Grant>,
+    need: Need,
+    delay: Duration,
+}
+
+/// Most credentials kept per layer for its successors.
+const KEPT_GRANTS: usize = 8;
+
 /// The mount server processes.
 pub struct LayerServers {
     command: ServerCommand,
@@ -228,6 +310,13 @@ pub struct LayerServers {
     known: Mutex<HashMap<Digest, String>>,
     /// Counted since the daemon last took them.
     events: Mutex<ServerEvents>,
+    /// Each served layer's connections, while this daemon keeps them.
+    kept: Mutex<HashMap<Digest, KeptLayer>>,
+    /// How the servers of `kept` ended (layer, collection), sent by their watches.
+    endings: tokio::sync::mpsc::UnboundedSender<(Digest, u64, keeper::Ending)>,
+    ended: tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<(Digest, u64, keeper::Ending)>>,
+    /// The last collection's serial.
+    serial: std::sync::atomic::AtomicU64,
 }
 
 /// Whether the process `pid` exists (the pid a server reported about itself).
@@ -238,11 +327,113 @@ fn process_alive(pid: u32) -> bool {
 
 impl LayerServers {
     pub fn new(command: ServerCommand) -> Self {
+        let (endings, ended) = tokio::sync::mpsc::unbounded_channel();
         LayerServers {
             command,
             known: Mutex::new(HashMap::new()),
             events: Mutex::new(ServerEvents::default()),
+            kept: Mutex::new(HashMap::new()),
+            endings,
+            ended: tokio::sync::Mutex::new(ended),
+            serial: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Takes descriptors of the connections of `layer`'s serving server and watches how it
+    /// ends ([`keeper`]); a server that does not hand them out (one from before this version)
+    /// is served as before, without a successor.
+    async fn keep(
+        &self,
+        layer: &Digest,
+        reference: &Reference,
+        alias: Option<&ImageName>,
+        grants: &[Grant],
+    ) {
+        let kept = match keeper::collect(&self.paths(layer).keeper).await {
+            Ok(kept) => kept,
+            Err(e) => {
+                tracing::warn!(%layer, error = %e.chain(), "the mount server's FUSE connections are not kept: its readers would get errors if it died");
+                return;
+            }
+        };
+        let serial = self
+            .serial
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (endings, layer_key) = (self.endings.clone(), *layer);
+        let watch = tokio::spawn(async move {
+            let ending = keeper::ended(kept.watch).await;
+            let _ = endings.send((layer_key, serial, ending));
+        });
+        let mut all = self.kept.lock();
+        let earlier = all.remove(layer);
+        let (mut held, died) = earlier
+            .map(|mut e| (std::mem::take(&mut e.grants), std::mem::take(&mut e.deaths)))
+            .unwrap_or_default();
+        held.extend(grants.iter().cloned());
+        let drop_first = held.len().saturating_sub(KEPT_GRANTS);
+        held.drain(..drop_first);
+        all.insert(
+            *layer,
+            KeptLayer {
+                connections: kept.connections,
+                generation: kept.generation,
+                reference: reference.clone(),
+                alias: alias.cloned(),
+                grants: held,
+                watch,
+                deaths: died,
+                serial,
+            },
+        );
+    }
+
+    /// Descriptors of the connections kept for `layer`, for a successor, and its generation.
+    fn inherit(&self, layer: &Digest) -> Result<Option<Succession>> {
+        let kept = self.kept.lock();
+        let Some(k) = kept.get(layer) else {
+            return Ok(None);
+        };
+        let connections = k
+            .connections
+            .iter()
+            .map(|(role, c)| Ok((*role, c.try_clone()?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Succession {
+            connections,
+            generation: k.generation + 1,
+        }))
+    }
+
+    /// Counts a death of `layer`'s server; what to start its successor with and after how
+    /// long, or `None` once its servers died [`MAX_DEATHS`] times within [`DEATH_WINDOW`] (its
+    /// connections are then let go) or it is no longer kept.
+    fn count_death(&self, layer: &Digest) -> Option<Revival> {
+        let mut kept = self.kept.lock();
+        let k = kept.get_mut(layer)?;
+        let now = std::time::Instant::now();
+        k.deaths.retain(|t| now.duration_since(*t) < DEATH_WINDOW);
+        k.deaths.push(now);
+        if k.deaths.len() > MAX_DEATHS {
+            let deaths = k.deaths.len();
+            // The last descriptors close: the kernel ends the connection, its waiting readers
+            // get errors, and the mount answers ENOTCONN until the layer is served again.
+            kept.remove(layer);
+            self.known.lock().remove(layer);
+            self.events.lock().given_up += 1;
+            tracing::error!(%layer, deaths, window_secs = DEATH_WINDOW.as_secs(), log = %self.paths(layer).log.display(), "the layer's mount servers keep dying: its FUSE connections are let go and its readers get I/O errors; read the server's log, then make the layer be served again (a new pull or `vmdisk path`)");
+            return None;
+        }
+        let need = match k.connections.iter().any(|(r, _)| *r == Role::ReadyDisk) {
+            true => Need::ReadyDisk,
+            false => Need::Layer,
+        };
+        Some(Revival {
+            reference: k.reference.clone(),
+            alias: k.alias.clone(),
+            grants: k.grants.clone(),
+            need,
+            delay: revive_delay(k.deaths.len()),
+        })
     }
 
     pub fn paths(&self, layer: &Digest) -> LayerPaths {
@@ -320,7 +511,66 @@ impl Supervisor for LayerServers {
             if need == Need::ReadyDisk {
                 self.mount_ready_dir(layer, reference).await?;
             }
+            self.keep(layer, reference, alias, grants).await;
             Ok(mountpoint)
+        })
+    }
+
+    fn died(&self) -> BoxFuture<'_, Option<Digest>> {
+        Box::pin(async move {
+            let mut ended = self.ended.lock().await;
+            loop {
+                let (layer, serial, ending) = ended.recv().await?;
+                let mut kept = self.kept.lock();
+                // An ending of a server whose connections are no longer the ones kept (stopped
+                // by the daemon, or succeeded since) is old news.
+                if kept.get(&layer).is_none_or(|k| k.serial != serial) {
+                    continue;
+                }
+                match ending {
+                    keeper::Ending::Died => return Some(layer),
+                    // It unmounted: its connections ended with the mounts.
+                    keeper::Ending::Stopped => {
+                        kept.remove(&layer);
+                    }
+                }
+            }
+        })
+    }
+
+    fn revive<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            // A server that answers serves (the layer was served again meanwhile).
+            if self
+                .server_status(layer)
+                .await
+                .is_some_and(|s| s.state() == ServerState::Serving)
+            {
+                return Ok(());
+            }
+            loop {
+                let Some(r) = self.count_death(layer) else {
+                    return Ok(());
+                };
+                tracing::warn!(%layer, delay_ms = r.delay.as_millis() as u64, "the layer's mount server died with its mounts up: a successor takes them over");
+                tokio::time::sleep(r.delay).await;
+                match self
+                    .ensure(
+                        layer,
+                        &r.reference,
+                        r.alias.as_ref(),
+                        &r.grants,
+                        r.need,
+                        None,
+                    )
+                    .await
+                {
+                    Ok(_) => return Ok(()),
+                    Err(e) => {
+                        tracing::error!(%layer, error = %e.chain(), "the successor of the layer's mount server failed to start")
+                    }
+                }
+            }
         })
     }
 
@@ -451,10 +701,42 @@ impl LayerServers {
         // The daemon's TLS roots and the credentials of pulls of this image go to the server
         // over a pipe, never in its arguments or environment (both readable in /proc).
         cmd.arg("--handover").stdin(std::process::Stdio::piped());
-        let handover = control::Handover {
+        let mut handover = control::Handover {
             credentials: grants.iter().map(control::credentials_message).collect(),
             tls_roots: command.tls_roots.iter().map(|c| c.to_vec()).collect(),
+            ..Default::default()
         };
+        // The connections of a server of this layer that died are taken over, not mounted
+        // again: descriptors 3 and up of the successor.
+        if let Some(Succession {
+            connections,
+            generation,
+        }) = self.inherit(layer)?
+        {
+            let mut mappings = Vec::with_capacity(connections.len());
+            for (n, (role, connection)) in connections.iter().enumerate() {
+                let child_fd = 3 + n as u32;
+                handover
+                    .connections
+                    .push(keeper::describe(*role, connection, child_fd));
+                mappings.push(command_fds::FdMapping {
+                    parent_fd: connection
+                        .fd
+                        .try_clone()
+                        .map_err(|e| Error::io("duplicating a kept FUSE connection", e))?,
+                    child_fd: child_fd as i32,
+                });
+            }
+            handover.generation = generation;
+            command_fds::CommandFdExt::fd_mappings(&mut cmd, mappings).map_err(|e| {
+                Error::new(
+                    ErrorKind::Io,
+                    "handing kept FUSE connections to a successor",
+                )
+                .with_source(e)
+            })?;
+            tracing::info!(%layer, generation, connections = connections.len(), "starting a successor on the kept FUSE connections");
+        }
         cmd.stdout(std::process::Stdio::null())
             .stderr(log)
             // systemd's notification socket is the daemon's to use, not its servers'.
@@ -606,7 +888,19 @@ impl LayerServers {
             return Ok(None);
         };
         let paths = self.paths(layer);
-        status.counters = Some(control::stop(&paths.control).await?);
+        // A server stopped on purpose is not succeeded: its connections are let go first (and
+        // kept again if it refuses, busy).
+        let kept = self.kept.lock().remove(layer);
+        status.counters = match control::stop(&paths.control).await {
+            Ok(counters) => Some(counters),
+            Err(e) => {
+                if let Some(kept) = kept {
+                    self.kept.lock().insert(*layer, kept);
+                }
+                return Err(e);
+            }
+        };
+        drop(kept);
         self.known.lock().remove(layer);
         self.wait_gone(layer, status.pid).await;
         let dir = paths.mountpoint.clone();
@@ -619,6 +913,15 @@ impl LayerServers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn successors_start_at_once_then_back_off_and_the_deaths_that_count_are_bounded() {
+        let delays: Vec<u64> = (1..=MAX_DEATHS)
+            .map(|n| revive_delay(n).as_millis() as u64)
+            .collect();
+        assert_eq!(delays, [0, 500, 1000, 2000, 4000]);
+        assert_eq!(revive_delay(40), Duration::from_millis(8000), "bounded");
+    }
 
     #[tokio::test]
     async fn one_layers_lock_holds_back_only_that_layer_and_the_map_keeps_only_live_locks() {
