@@ -120,6 +120,8 @@ const MAX_REGISTRATIONS: usize = 4096;
 pub struct Registrations {
     path: std::path::PathBuf,
     made: parking_lot::Mutex<std::collections::BTreeMap<u64, u32>>,
+    /// Inodes registered by an earlier server whose files this one has not checked yet.
+    unconfirmed: parking_lot::Mutex<std::collections::BTreeSet<u64>>,
 }
 
 impl Registrations {
@@ -129,6 +131,7 @@ impl Registrations {
         Registrations {
             path,
             made: Default::default(),
+            unconfirmed: Default::default(),
         }
     }
 
@@ -156,13 +159,29 @@ impl Registrations {
             });
         Registrations {
             path,
+            unconfirmed: parking_lot::Mutex::new(made.keys().copied().collect()),
             made: parking_lot::Mutex::new(made),
         }
     }
 
-    /// The registration an earlier server made for inode `ino`, if any.
+    /// The registration of inode `ino` on this connection, if any.
     pub fn of(&self, ino: u64) -> Option<u32> {
         self.made.lock().get(&ino).copied()
+    }
+
+    /// The registration an earlier server made for inode `ino`, while this one has not checked
+    /// the file yet ([`Registrations::confirmed`]).
+    pub fn unconfirmed(&self, ino: u64) -> Option<u32> {
+        self.unconfirmed
+            .lock()
+            .contains(&ino)
+            .then(|| self.of(ino))
+            .flatten()
+    }
+
+    /// This server checked inode `ino`'s file: it stands by its registration.
+    pub fn confirmed(&self, ino: u64) {
+        self.unconfirmed.lock().remove(&ino);
     }
 
     /// Records that inode `ino` is registered as `id` (written at once: a crash may follow).
@@ -184,6 +203,7 @@ impl Registrations {
 
     /// Forgets inode `ino`'s registration (closed).
     pub fn closed(&self, ino: u64) {
+        self.unconfirmed.lock().remove(&ino);
         self.made.lock().remove(&ino);
     }
 }

@@ -311,25 +311,21 @@ impl LayerFs {
         self.inodes.get(ino.0 as usize).filter(|_| ino.0 >= ROOT)
     }
 
-    /// The registration of inode `ino`'s file this server answers with, or the one an earlier
-    /// server of the connection made ([`Registrations`]).
-    fn registered(
-        &self,
+    /// The registration `raw` of inode `ino`'s file on this connection, as this server holds it.
+    fn wrapped(
         backing: &mut HashMap<u64, Arc<BackingId>>,
         ino: u64,
+        raw: u32,
         reply: &ReplyOpen,
-    ) -> Option<Arc<BackingId>> {
-        if let Some(id) = backing.get(&ino) {
-            return Some(Arc::clone(id));
-        }
-        let raw = self.registrations.as_ref()?.of(ino)?;
-        // SAFETY: `raw` was registered on this connection by an earlier server (the record)
-        // and never closed (the server that could have died); it is closed only when the
-        // wrapper is dropped.
-        #[allow(unsafe_code)]
-        let id = Arc::new(unsafe { reply.wrap_backing(raw) });
-        backing.insert(ino, Arc::clone(&id));
-        Some(id)
+    ) -> Arc<BackingId> {
+        let id = backing.entry(ino).or_insert_with(|| {
+            // SAFETY: `raw` is registered on this connection (by this server, or by an earlier
+            // one that could not close it: it died) and closed only when the wrapper is dropped.
+            #[allow(unsafe_code)]
+            let id = unsafe { reply.wrap_backing(raw) };
+            Arc::new(id)
+        });
+        Arc::clone(id)
     }
 
     /// The passthrough backing id of inode `ino`'s view while it has a backing file
@@ -343,37 +339,39 @@ impl LayerFs {
             return None;
         }
         let mut backing = self.backing.lock();
+        let registrations = self.registrations.as_ref();
         let Some(file) = view.backing_file() else {
             // A successor keeps answering with the registration an earlier server made while
             // it checks the file again: the kernel holds the file's opens to that one (those
             // opens read the file meanwhile; damage found is mended where they read).
-            if view.backing_pending() {
-                if let Some(id) = self.registered(&mut backing, ino, reply) {
-                    return Some(id);
-                }
+            let earlier = registrations.and_then(|r| r.unconfirmed(ino));
+            if let Some(raw) = earlier.filter(|_| view.backing_pending()) {
+                return Some(Self::wrapped(&mut backing, ino, raw, reply));
             }
             // Opens that hold it keep reading it; the kernel closes it after the last one.
             if backing.remove(&ino).is_some() {
-                if let Some(r) = &self.registrations {
+                if let Some(r) = registrations {
                     r.closed(ino);
                 }
             }
             return None;
         };
-        if let Some(id) = self.registered(&mut backing, ino, reply) {
-            return Some(id);
+        if let Some(r) = registrations {
+            r.confirmed(ino);
+        }
+        if let Some(id) = backing.get(&ino) {
+            return Some(Arc::clone(id));
+        }
+        if let Some(raw) = registrations.and_then(|r| r.of(ino)) {
+            return Some(Self::wrapped(&mut backing, ino, raw, reply));
         }
         match reply.open_backing(file) {
             Ok(id) => {
                 let raw = id.into_raw();
-                if let Some(r) = &self.registrations {
+                if let Some(r) = registrations {
                     r.made(ino, raw);
                 }
-                // SAFETY: just registered on this session, and owned by the wrapper alone.
-                #[allow(unsafe_code)]
-                let id = Arc::new(unsafe { reply.wrap_backing(raw) });
-                backing.insert(ino, Arc::clone(&id));
-                Some(id)
+                Some(Self::wrapped(&mut backing, ino, raw, reply))
             }
             Err(e) => {
                 tracing::info!(error = %e, "FUSE passthrough unavailable (needs CAP_SYS_ADMIN and kernel support); serving reads from the daemon");
