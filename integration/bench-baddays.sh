@@ -332,7 +332,7 @@ if part replace; then
   echo
   echo "the DaemonSet's pod replaced while a reader holds a disk's raw view open (1 MiB reads in order) and qemu-img compares it:"
   cargo nextest run --locked --test integration -E 'test(/^daemonset::/)' --no-capture 2>&1 |
-    grep -E "pod replaced in|the pod's replacement: the reader saw" | sed 's/^/  /'
+    grep -E "pod replaced in|the pod's replacement: the reader saw|the server's crash: the reader saw" | sed 's/^/  /'
 } | tee -a "$RESULTS"
 fi
 # ---------------------------------------------------------------------------------------

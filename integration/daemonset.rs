@@ -473,9 +473,9 @@ fn run_daemonset_pod(kubelet: &Kubelet, pod: &Value, image: &str) -> String {
     sandbox.0
 }
 
-/// The DaemonSet's pod replaced under a running VM's disk, as a rolling update, a crash or an
-/// OOM kill does it: every process of the pod's cgroup killed (what the runtime does), the pod
-/// removed and run again. A reader holding the raw view open and qemu reading it see no error
+/// The disk's mount server killed, then the DaemonSet's pod replaced under a running VM's disk,
+/// as a rolling update, a crash or an OOM kill does it: every process of the pod's cgroup
+/// killed (what the runtime does), the pod removed and run again. A reader holding the raw view open and qemu reading it see no error
 /// and no wrong byte, and the new daemon adopts the mount server. The servers left the pod's
 /// cgroup (`server_cgroup`) in the node's PID namespace (`hostPID`).
 fn replacing_the_pod_leaves_the_disk_served(
@@ -508,15 +508,38 @@ fn replacing_the_pod_leaves_the_disk_served(
     let raw = String::from_utf8(asked.stdout).unwrap();
     let raw = PathBuf::from(format!("/proc/{}/root{}", node.init, raw.trim()));
     let want_file = guest_bytes(disk);
-    let server = listed(node)
-        .iter()
-        .find(|d| {
-            d["reference"]
-                .as_str()
-                .is_some_and(|r| r.contains("/disk:1"))
-        })
-        .map(|d| d["server_pid"].as_u64().unwrap())
+    let disk_server = || {
+        listed(node)
+            .iter()
+            .find(|d| {
+                d["reference"]
+                    .as_str()
+                    .is_some_and(|r| r.contains("/disk:1"))
+                    && d["serving"] == true
+            })
+            .and_then(|d| d["server_pid"].as_u64())
+    };
+    let killed = disk_server()
         .unwrap_or_else(|| panic!("{release:?}: no server of {disk_image}: {:?}", listed(node)));
+    // The disk's server dies first (SIGKILL): the pod's daemon starts a successor that takes its
+    // FUSE connections over; the pod replaced after that adopts the successor.
+    let (saw, qemu, server) = read_through(&raw, &want_file, || {
+        crate::harness::drop_caches();
+        crate::cri::run_quiet("kill", &["-KILL", &node.host_pid(killed).to_string()]);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(pid) = disk_server().filter(|p| *p != killed) {
+                return pid;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{release:?}: no successor of the killed server: {:?}",
+                listed(node)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    assert_served_through(&format!("{release:?}: the server's crash"), &saw, &qemu);
     // The daemon: the server's parent, whose cgroup is the pod's.
     let status = |pid: u64, field: &str| -> String {
         std::fs::read_to_string(format!("/proc/{pid}/status"))

@@ -1189,10 +1189,18 @@ pub fn read_through<T>(
             }
             saw
         });
+        /// Stops the readers however `during` ends (a panic too: the scope waits for them).
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let stopping = Stop(&stop);
         std::thread::sleep(Duration::from_secs(1));
         let result = during();
         std::thread::sleep(Duration::from_secs(1));
-        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        drop(stopping);
         (reader.join().unwrap(), qemu.join().unwrap(), result)
     })
 }
