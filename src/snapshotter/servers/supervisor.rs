@@ -275,6 +275,8 @@ struct KeptLayer {
     deaths: Vec<std::time::Instant>,
     /// Which collection this is (the watch's ending names it).
     serial: u64,
+    /// The server instance they were collected from.
+    instance: Option<String>,
 }
 
 impl Drop for KeptLayer {
@@ -340,15 +342,28 @@ impl LayerServers {
     }
 
     /// Takes descriptors of the connections of `layer`'s serving server and watches how it
-    /// ends ([`keeper`]); a server that does not hand them out (one from before this version)
-    /// is served as before, without a successor.
+    /// ends ([`keeper`]), unless they are kept already (the same server, and its ready-disk
+    /// directory's too if `need`s); a server that does not hand them out (one from before this
+    /// version) is served as before, without a successor.
     async fn keep(
         &self,
         layer: &Digest,
         reference: &Reference,
         alias: Option<&ImageName>,
         grants: &[Grant],
+        need: Need,
     ) {
+        let instance = self.known.lock().get(layer).cloned();
+        if let Some(k) = self.kept.lock().get_mut(layer) {
+            let covered =
+                need == Need::Layer || k.connections.iter().any(|(r, _)| *r == Role::ReadyDisk);
+            if covered && instance.is_some() && k.instance == instance {
+                k.grants.extend(grants.iter().cloned());
+                let drop_first = k.grants.len().saturating_sub(KEPT_GRANTS);
+                k.grants.drain(..drop_first);
+                return;
+            }
+        }
         let kept = match keeper::collect(&self.paths(layer).keeper).await {
             Ok(kept) => kept,
             Err(e) => {
@@ -383,6 +398,7 @@ impl LayerServers {
                 watch,
                 deaths: died,
                 serial,
+                instance,
             },
         );
     }
@@ -511,7 +527,7 @@ impl Supervisor for LayerServers {
             if need == Need::ReadyDisk {
                 self.mount_ready_dir(layer, reference).await?;
             }
-            self.keep(layer, reference, alias, grants).await;
+            self.keep(layer, reference, alias, grants, need).await;
             Ok(mountpoint)
         })
     }
