@@ -8,8 +8,10 @@ use crate::error::{Error, ErrorKind, Result};
 /// per-thread arenas, so a process that served a 10 GiB disk held 71 MiB at its peak; with a
 /// fixed threshold and two arenas it held 28 MiB and went back to 15 MiB. Called once at start,
 /// before the runtime's threads exist. (`unsafe`: glibc has no safe binding. The crate's
-/// `unsafe` is here, in [`at_idle_io`], and in `format::seekable::zran`, zlib's inflate
-/// state driven block by block.)
+/// `unsafe` is here, in [`at_idle_io`], in `format::seekable::zran`, zlib's inflate state
+/// driven block by block, and where a FUSE connection changes hands: descriptors received
+/// (`snapshotter::servers::keeper`, `snapshotter::mount_server`), swapped under a session
+/// (`serve::connection`) and registrations an earlier server made (`serve::fuse`).)
 #[allow(unsafe_code)]
 pub fn return_large_buffers() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]

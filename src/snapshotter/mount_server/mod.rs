@@ -303,15 +303,21 @@ fn inherited(handover: &pb::Handover) -> Result<Option<Inherited>> {
             "more inherited FUSE connections than a server has",
         ));
     }
+    let mut claimed = std::collections::BTreeSet::new();
     for c in &handover.connections {
         let (role, offer) = crate::snapshotter::servers::keeper::described(c);
         // The daemon started this process with the descriptor there (command-fds).
         let fd = std::os::fd::RawFd::try_from(c.fd)
             .ok()
-            .filter(|fd| *fd > 2)
-            .ok_or_else(|| Error::invalid(format!("inherited descriptor {} is not one", c.fd)))?;
-        // SAFETY: the daemon mapped this descriptor into this process for it alone, and the
-        // handover names each once (checked below: a second claim finds its slot taken).
+            .filter(|fd| *fd > 2 && claimed.insert(*fd))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "inherited descriptor {} is not one, or named twice",
+                    c.fd
+                ))
+            })?;
+        // SAFETY: the daemon mapped this descriptor into this process for it alone, and each
+        // number is claimed once (`claimed`).
         #[allow(unsafe_code)]
         let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         Connection::check_device(&fd)?;

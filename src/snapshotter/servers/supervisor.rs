@@ -304,6 +304,13 @@ struct Revival {
 /// Most credentials kept per layer for its successors.
 const KEPT_GRANTS: usize = 8;
 
+/// Adds `grants` to those `held` for a layer's successors, keeping the latest [`KEPT_GRANTS`].
+fn add_grants(held: &mut Vec<Grant>, grants: &[Grant]) {
+    held.extend(grants.iter().cloned());
+    let drop_first = held.len().saturating_sub(KEPT_GRANTS);
+    held.drain(..drop_first);
+}
+
 /// The mount server processes.
 pub struct LayerServers {
     command: ServerCommand,
@@ -358,9 +365,7 @@ impl LayerServers {
             let covered =
                 need == Need::Layer || k.connections.iter().any(|(r, _)| *r == Role::ReadyDisk);
             if covered && instance.is_some() && k.instance == instance {
-                k.grants.extend(grants.iter().cloned());
-                let drop_first = k.grants.len().saturating_sub(KEPT_GRANTS);
-                k.grants.drain(..drop_first);
+                add_grants(&mut k.grants, grants);
                 return;
             }
         }
@@ -384,9 +389,7 @@ impl LayerServers {
         let (mut held, died) = earlier
             .map(|mut e| (std::mem::take(&mut e.grants), std::mem::take(&mut e.deaths)))
             .unwrap_or_default();
-        held.extend(grants.iter().cloned());
-        let drop_first = held.len().saturating_sub(KEPT_GRANTS);
-        held.drain(..drop_first);
+        add_grants(&mut held, grants);
         all.insert(
             *layer,
             KeptLayer {
