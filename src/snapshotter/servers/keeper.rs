@@ -196,7 +196,8 @@ pub async fn collect(path: &Path) -> Result<Kept> {
         )
     };
     tokio::time::timeout(COLLECT_DEADLINE, async {
-        let stream = UnixStream::connect(path)
+        // A root of any length (`crate::api::unix`).
+        let stream = crate::api::unix::connect(path)
             .await
             .map_err(|e| failed(e.to_string()))?;
         let (bytes, fds) = loop {
