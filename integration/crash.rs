@@ -47,11 +47,13 @@ fn assert_quick(what: &str, saw: &ReaderSaw) {
     );
 }
 
-/// A daemon serving the raw view of a published 8 MiB-data qcow2 disk; the view's path and a
-/// file of the bytes it must show.
+/// A daemon (with a deep root) serving the raw view of a published 8 MiB-data qcow2 disk; the
+/// view's path and a file of the bytes it must show.
 fn served_raw_view(scratch: &Scratch, extra: &str) -> (Registry, Daemon, PathBuf, PathBuf) {
     let (reg, disk) = crate::snapshotter::registry_with_images(scratch, 8);
-    let daemon = Daemon::start(scratch, extra);
+    // A root as deep as k3s nests it: the servers' sockets (`<root>/fds/<key>.sock` among them)
+    // are longer than a socket address holds.
+    let daemon = Daemon::start_in(scratch, &"long-root-".repeat(6), extra);
     let image = format!("{}/disk:1", reg.host());
     let raw = PathBuf::from(daemon.vmdisk_ok(&["path", "--raw", &image]).trim());
     let want = guest_bytes(&disk);
