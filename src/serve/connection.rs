@@ -278,11 +278,12 @@ pub fn take_over<FS: fuser::Filesystem + Send + 'static>(
         .map_err(|e| Error::io("taking over a FUSE connection: the handshake", e))?;
     // Its answer stays unread in the stand-in: the kernel has the first server's.
     let target = session.as_fd().as_raw_fd();
-    // SAFETY: `target` is the descriptor the session owns, whose thread has not started; dup2
+    // SAFETY: `target` is the descriptor the session owns, whose thread has not started; dup3
     // replaces what it refers to in one step and returns it, which stays the session's (its
     // ownership is given back with `into_raw_fd`, nothing closes it twice).
     #[allow(unsafe_code)]
-    let replaced = unsafe { nix::unistd::dup2_raw(&connection.fd, target) };
+    let replaced =
+        unsafe { nix::unistd::dup3_raw(&connection.fd, target, nix::fcntl::OFlag::O_CLOEXEC) };
     replaced
         .map(IntoRawFd::into_raw_fd)
         .map_err(io("the descriptor swap"))?;

@@ -321,6 +321,12 @@ fn inherited(handover: &pb::Handover) -> Result<Option<Inherited>> {
         #[allow(unsafe_code)]
         let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         Connection::check_device(&fd)?;
+        // Inherited for this process only: nothing it starts gets it.
+        nix::fcntl::fcntl(
+            &fd,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        )
+        .map_err(|e| Error::io("keeping an inherited FUSE descriptor", e.into()))?;
         let slot = match role {
             Role::Layer => &mut layer,
             Role::ReadyDisk => &mut ready_disk,
