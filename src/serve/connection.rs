@@ -22,21 +22,21 @@
 //! fuser starts every session with the connection's `FUSE_INIT` handshake, which the kernel
 //! sends once per mount. A successor's session makes it against a stand-in — a socket that
 //! carries the kernel's recorded offer ([`Offer`]) to the filesystem's `init`, so it decides as
-//! the first server did, and takes the answer the kernel already has — then the connection's
-//! descriptor is put in the stand-in's place before the session reads anything else.
+//! the first server did (its answer goes nowhere: the kernel keeps the first server's) — then
+//! the connection's descriptor is put in the stand-in's place before the session reads
+//! anything else.
 
 use std::os::fd::{AsFd, AsRawFd, IntoRawFd, OwnedFd};
 
 use fuser::{BackgroundSession, Config, Session, SessionACL};
 use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
-use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
 /// What the kernel offered at a connection's `FUSE_INIT`: the ABI version, its capability
 /// flags and the largest read-ahead. Recorded by the first server's filesystem and replayed to
 /// its successors'.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Offer {
     pub major: u32,
     pub minor: u32,
@@ -81,8 +81,7 @@ impl Connection {
 }
 
 /// Which of a server's mounts a connection is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     /// The layer's files.
     Layer,
@@ -186,25 +185,31 @@ impl Registrations {
 
     /// Records that inode `ino` is registered as `id` (written at once: a crash may follow).
     pub fn made(&self, ino: u64, id: u32) {
-        let text = {
-            let mut made = self.made.lock();
-            if made.len() >= MAX_REGISTRATIONS && !made.contains_key(&ino) {
-                return;
-            }
-            made.insert(ino, id);
-            serde_json::to_string(&*made).expect("a map of numbers serialises")
-        };
-        let tmp = self.path.with_extension("tmp");
-        let written = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &self.path));
-        if let Err(e) = written {
-            tracing::warn!(path = %self.path.display(), error = %e, "recording a passthrough registration failed: a successor could not reopen that file");
+        let mut made = self.made.lock();
+        if made.len() >= MAX_REGISTRATIONS && !made.contains_key(&ino) {
+            return;
+        }
+        made.insert(ino, id);
+        self.write(&made);
+    }
+
+    /// Forgets inode `ino`'s registration (closed: its number may name another file's next).
+    pub fn closed(&self, ino: u64) {
+        self.unconfirmed.lock().remove(&ino);
+        let mut made = self.made.lock();
+        if made.remove(&ino).is_some() {
+            self.write(&made);
         }
     }
 
-    /// Forgets inode `ino`'s registration (closed).
-    pub fn closed(&self, ino: u64) {
-        self.unconfirmed.lock().remove(&ino);
-        self.made.lock().remove(&ino);
+    /// Replaces the record with `made` (called under its lock: records are written in order).
+    fn write(&self, made: &std::collections::BTreeMap<u64, u32>) {
+        let text = serde_json::to_string(made).expect("a map of numbers serialises");
+        let tmp = self.path.with_extension("tmp");
+        let written = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &self.path));
+        if let Err(e) = written {
+            tracing::warn!(path = %self.path.display(), error = %e, "recording the passthrough registrations failed: a successor could not reopen those files");
+        }
     }
 }
 
@@ -341,8 +346,8 @@ mod tests {
         let first = Registrations::new_mount(path.clone());
         first.made(2, 7);
         first.made(3, 9);
-        first.closed(3);
         first.made(4, 11);
+        first.closed(3);
         let successor = Registrations::taken_over(path.clone());
         assert_eq!((successor.of(2), successor.of(3)), (Some(7), None));
         assert_eq!(

@@ -348,11 +348,14 @@ impl LayerFs {
             if let Some(raw) = earlier.filter(|_| view.backing_pending()) {
                 return Some(Self::wrapped(&mut backing, ino, raw, reply));
             }
-            // Opens that hold it keep reading it; the kernel closes it after the last one.
-            if backing.remove(&ino).is_some() {
+            // Opens that hold it keep reading it; the kernel closes it after the last one. The
+            // record forgets it first: a crash in between leaves no number a successor would
+            // take for this file's.
+            if backing.contains_key(&ino) {
                 if let Some(r) = registrations {
                     r.closed(ino);
                 }
+                backing.remove(&ino);
             }
             return None;
         };
