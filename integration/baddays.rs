@@ -480,21 +480,24 @@ fn bytes_flipped_in_the_cache_never_reach_the_raw_view() {
     qemu_img_raw(&qcow2, &raw);
     let reference = format!("{}/vm/rawdamage:1", reg.host());
     vmdisk_ok(&["push", qcow2.to_str().unwrap(), &reference]);
-    let daemon = crate::cri::Daemon::start(&scratch, "[cache]\nhydrate = \"off\"\n");
+    let mut daemon = crate::cri::Daemon::start(&scratch, "[cache]\nhydrate = \"off\"\n");
     let out = daemon.vmdisk_ok(&["prefetch", "--wait", &reference]);
     assert!(out.contains("chunks cached"), "{out}");
     let path = daemon.vmdisk_ok(&["path", "--raw", &reference]);
     assert!(files_identical(Path::new(path.trim()), &raw));
 
-    // The server goes (as in a node's reboot), once its flusher made every chunk durable (each
-    // second); the data file is damaged meanwhile.
+    // The daemon and the server go (as in a node's reboot: no one keeps the mount's
+    // connection, the next server mounts anew), once the server's flusher made every chunk
+    // durable (each second); the data file is damaged meanwhile.
     std::thread::sleep(Duration::from_millis(1500));
     let pid = daemon.disks()[0].server_pid;
+    daemon.kill();
     crate::cri::run_quiet("kill", &["-KILL", &pid.to_string()]);
     std::thread::sleep(Duration::from_millis(300));
     let data = layer_dir(&daemon.root.join("cache")).join("data/0");
     flip(&data, &[70_000, 5 << 20, (20 << 20) + 3]);
     drop_caches();
+    daemon.restart();
 
     let path = daemon.vmdisk_ok(&["path", "--raw", &reference]);
     assert!(
