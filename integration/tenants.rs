@@ -299,13 +299,14 @@ fn a_namespace_reads_only_the_disks_it_was_allowed_to_pull() {
         state.join("cache"),
         state.join("snapshots"),
         state.join("control"),
+        state.join("fds"),
         state.join("servers"),
         ready_root.join("volumes"),
         ready.clone(),
         ready.parent().unwrap().join("disk.raw"),
         ready.parent().unwrap().join("metadata.json"),
     ];
-    for dir in ["servers", "control", "cache"] {
+    for dir in ["servers", "control", "fds", "cache"] {
         private_paths.extend(
             std::fs::read_dir(state.join(dir))
                 .unwrap()
