@@ -138,22 +138,13 @@ impl Registrations {
     /// unreadable or malformed record is an empty one (later opens of such files then fail
     /// while earlier opens hold them, and the log says why).
     pub fn taken_over(path: std::path::PathBuf) -> Self {
-        let made = std::fs::File::open(&path)
-            .and_then(|f| {
-                let mut text = String::new();
-                std::io::Read::read_to_string(
-                    &mut std::io::Read::take(f, 64 << 10),
-                    &mut text,
-                )?;
-                Ok(text)
+        let made = crate::policy::read_bounded(&path, 64 << 10, "passthrough record")
+            .and_then(|bytes| {
+                serde_json::from_slice::<std::collections::BTreeMap<u64, u32>>(&bytes)
+                    .map_err(|e| Error::invalid(format!("{}: {e}", path.display())))
             })
-            .map_err(|e| e.to_string())
-            .and_then(|text| {
-                serde_json::from_str::<std::collections::BTreeMap<u64, u32>>(&text)
-                    .map_err(|e| e.to_string())
-            })
-            .unwrap_or_else(|why| {
-                tracing::warn!(path = %path.display(), %why, "no record of the passthrough registrations of the mount taken over");
+            .unwrap_or_else(|e| {
+                tracing::warn!(why = %e.chain(), "no record of the passthrough registrations of the mount taken over");
                 Default::default()
             });
         Registrations {

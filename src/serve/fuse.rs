@@ -610,6 +610,7 @@ impl fuser::Filesystem for LayerFs {
 impl LayerFs {
     /// What to fetch ahead for the reader of handle `fh` after it read `size` bytes at
     /// `offset`, if it reads sequentially ([`Stream`]).
+    ///
     /// A handle this server did not give out was opened from an earlier server of the same
     /// connection ([`crate::serve::connection`]): its reader is followed from here on.
     fn stream_ahead(&self, fh: FileHandle, offset: u64, size: u32) -> Option<std::ops::Range<u64>> {

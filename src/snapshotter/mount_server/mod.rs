@@ -537,7 +537,7 @@ async fn run(
     };
     serving.finish().await?;
     // Its mounts are gone: no successor needs their passthrough registrations.
-    let prefix = paths.keeper.with_extension("");
+    let prefix = paths.passthrough_records();
     for role in [Role::Layer, Role::ReadyDisk] {
         let _ = std::fs::remove_file(role.registrations(&prefix));
     }
@@ -632,7 +632,7 @@ async fn start(
             verify_rate: config.cache.verify_rate,
             announce: false,
             ready: Some(ready),
-            registrations: Some(paths.keeper.with_extension("")),
+            registrations: Some(paths.passthrough_records()),
         },
         inherited,
     )

@@ -62,6 +62,13 @@ impl LayerPaths {
         }
     }
 
+    /// Where the server's mounts record their passthrough registrations for a successor
+    /// (`<root>/fds/<first 32 hex digits of the key>.<role>.passthrough`,
+    /// [`crate::serve::connection::Registrations`]).
+    pub fn passthrough_records(&self) -> PathBuf {
+        self.keeper.with_extension("")
+    }
+
     /// The directories servers need under `root`, root's only.
     pub fn prepare_root(root: &Path) -> Result<()> {
         for dir in ["mounts", "control", "fds", "servers"] {

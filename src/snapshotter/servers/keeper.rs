@@ -38,13 +38,6 @@ const BYE_DEADLINE: Duration = Duration::from_secs(1);
 /// How long a keeper waits for a server's connections.
 const COLLECT_DEADLINE: Duration = Duration::from_secs(2);
 
-fn role_of(role: pb::ConnectionRole) -> Role {
-    match role {
-        pb::ConnectionRole::Layer => Role::Layer,
-        pb::ConnectionRole::ReadyDisk => Role::ReadyDisk,
-    }
-}
-
 /// The description of `connection` in `role`, its descriptor numbered `fd`.
 pub fn describe(role: Role, connection: &Connection, fd: u32) -> pb::FuseConnection {
     let mut message = pb::FuseConnection {
@@ -64,8 +57,12 @@ pub fn describe(role: Role, connection: &Connection, fd: u32) -> pb::FuseConnect
 
 /// The role and offer `message` describes (its descriptor is the caller's to find).
 pub fn described(message: &pb::FuseConnection) -> (Role, Offer) {
+    let role = match message.role() {
+        pb::ConnectionRole::Layer => Role::Layer,
+        pb::ConnectionRole::ReadyDisk => Role::ReadyDisk,
+    };
     (
-        role_of(message.role()),
+        role,
         Offer {
             major: message.abi_major,
             minor: message.abi_minor,
