@@ -27,7 +27,7 @@ use crate::oci::{
 };
 use crate::policy::Verifier;
 use crate::registry::{Ask, Registry, RegistryClient};
-use crate::resolve::LayerForm;
+use crate::resolve::{LayerForm, TocPin};
 
 /// The whole report.
 #[derive(Debug, Serialize)]
@@ -407,8 +407,8 @@ async fn inspect_layer(
         }
     };
     match form {
-        LayerForm::ZstdChunked(loc) => inspect_chunked(client, r, desc, &loc).await,
-        LayerForm::Estargz(toc) => match inspect_estargz(client, r, desc, toc).await {
+        LayerForm::Toc(TocPin::Frame(loc)) => inspect_chunked(client, r, desc, &loc).await,
+        LayerForm::Toc(TocPin::Digest(toc)) => match inspect_estargz(client, r, desc, toc).await {
             Err(e) if e.kind() != crate::error::ErrorKind::Network => {
                 let mut rep = LayerReport::new(desc, "estargz");
                 rep.reason = Some(format!("eStargz layer that cannot be read: {}", e.chain()));

@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use futures_util::future::BoxFuture;
 
-pub use record::{IndexSource, LayerFormat, LayerId, LayerKind, LayerMeta};
+pub use record::{IndexSource, LayerId, LayerKind, LayerMeta};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::tree::{Chunk, Node, NodeKind};

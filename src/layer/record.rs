@@ -25,19 +25,20 @@ pub enum LayerKind {
 }
 
 impl LayerKind {
-    /// The kind without where its index is: what a layer's identity includes.
-    pub fn format(&self) -> LayerFormat {
+    /// What a layer's identity says of its kind (not where its index is).
+    fn keyed(&self) -> Keyed {
         match self {
-            LayerKind::ZstdChunked => LayerFormat::ZstdChunked,
-            LayerKind::Estargz => LayerFormat::Estargz,
-            LayerKind::Indexed(_) => LayerFormat::Indexed,
+            LayerKind::ZstdChunked => Keyed::ZstdChunked,
+            LayerKind::Estargz => Keyed::Estargz,
+            LayerKind::Indexed(_) => Keyed::Indexed,
         }
     }
 }
 
-/// The formats a layer is read lazily in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum LayerFormat {
+/// A [`LayerKind`] as its identity names it: the kind without where its index was found. Only
+/// [`LayerId`] holds one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Keyed {
     ZstdChunked,
     Estargz,
     Indexed,
@@ -61,7 +62,7 @@ pub struct IndexSource {
 /// serve the same bytes; the blob digest and the diff_id are claims, checked only once the
 /// layer is complete (see `engine::integrity`), and part of the id so that an image that
 /// lies about them never shares, or spoils, another image's cache.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerId {
     /// The blob digest the manifest names.
     pub layer: Digest,
@@ -75,10 +76,31 @@ pub struct LayerId {
     pub diff_id: Digest,
     /// The disk's path in the layer, when an annotation names it.
     pub disk_path: Option<String>,
-    pub format: LayerFormat,
+    kind: Keyed,
 }
 
 impl LayerId {
+    /// The identity of a layer read through the seekable index `index` (at offset 0 of its
+    /// own blob) that describes the blob `layer` of `size` bytes, whose uncompressed digest the
+    /// manifest pins as `diff_id`; `disk_path` where an artifact names the disk's path.
+    pub fn indexed(
+        layer: Digest,
+        size: u64,
+        index: Digest,
+        diff_id: Digest,
+        disk_path: Option<String>,
+    ) -> Self {
+        LayerId {
+            layer,
+            size,
+            toc: index,
+            toc_offset: 0,
+            diff_id,
+            disk_path,
+            kind: Keyed::Indexed,
+        }
+    }
+
     /// The single digest that names the layer in the cache, in mount paths and in the
     /// snapshotter's records.
     pub fn key(&self) -> Digest {
@@ -91,10 +113,10 @@ impl LayerId {
             self.diff_id,
             self.disk_path.as_deref().unwrap_or("")
         );
-        match self.format {
-            LayerFormat::ZstdChunked => {}
-            LayerFormat::Indexed => text.push_str("seekable index\n"),
-            LayerFormat::Estargz => text.push_str("estargz\n"),
+        match self.kind {
+            Keyed::ZstdChunked => {}
+            Keyed::Indexed => text.push_str("seekable index\n"),
+            Keyed::Estargz => text.push_str("estargz\n"),
         }
         Digest::of(text.as_bytes())
     }
@@ -129,7 +151,7 @@ impl LayerMeta {
             toc_offset: self.toc_offset,
             diff_id: self.diff_id,
             disk_path: self.disk_path.clone(),
-            format: self.kind.format(),
+            kind: self.kind.keyed(),
         }
     }
 
@@ -268,9 +290,9 @@ mod tests {
             assert_eq!(serde_json::from_str::<LayerMeta>(&json).unwrap(), m);
         }
         // The key text is the one the first release wrote.
-        let key = |format: LayerFormat, tail: &str| {
+        let key = |kind: Keyed, tail: &str| {
             let id = LayerId {
-                format,
+                kind,
                 ..meta(LayerKind::ZstdChunked).id()
             };
             let text = format!(
@@ -281,9 +303,9 @@ mod tests {
             );
             assert_eq!(id.key(), Digest::of(text.as_bytes()));
         };
-        key(LayerFormat::ZstdChunked, "");
-        key(LayerFormat::Indexed, "seekable index\n");
-        key(LayerFormat::Estargz, "estargz\n");
+        key(Keyed::ZstdChunked, "");
+        key(Keyed::Indexed, "seekable index\n");
+        key(Keyed::Estargz, "estargz\n");
         let both = r#"{"reference":"r","layer_digest":"sha256:0000000000000000000000000000000000000000000000000000000000000000","layer_size":1,"toc_offset":0,"toc_length":1,"toc_uncompressed_length":0,"toc_digest":"sha256:0000000000000000000000000000000000000000000000000000000000000000","diff_id":"sha256:0000000000000000000000000000000000000000000000000000000000000000","index":{"repository":"r","compression":"gzip"},"estargz":true}"#;
         assert!(serde_json::from_str::<LayerMeta>(both).is_err());
     }

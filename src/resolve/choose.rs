@@ -24,15 +24,23 @@ use crate::registry::Registry;
 /// `vmdisk index`, `vmdisk inspect`).
 #[derive(Debug)]
 pub enum LayerForm {
-    /// A zstd:chunked layer, its TOC where its annotations put it.
-    ZstdChunked(TocLocation),
-    /// An eStargz layer (gzip), the digest its annotation pins for its TOC.
-    Estargz(Digest),
+    /// A layer with a TOC of its own, where its annotations pin it.
+    Toc(TocPin),
     /// A tar layer with no TOC of its own, of this compression: read lazily only through a
     /// seekable index.
     Plain(oci::LayerCompression),
     /// Not a tar layer.
     NotTar,
+}
+
+/// Where a layer's annotations pin its TOC: a zstd:chunked layer's or an eStargz layer's
+/// ([`crate::layer::LayerKind`] once resolved).
+#[derive(Debug)]
+pub enum TocPin {
+    /// A zstd:chunked layer's: the skippable frame at this location, of this checksum.
+    Frame(TocLocation),
+    /// An eStargz layer's (gzip): the TOC JSON of this digest in the last member.
+    Digest(Digest),
 }
 
 /// What `layer`'s descriptor says it is; an error names a TOC annotation that is there but
@@ -43,13 +51,15 @@ pub fn layer_form(layer: &Descriptor) -> Result<LayerForm> {
     };
     Ok(match compression {
         oci::LayerCompression::Zstd => match TocLocation::from_annotations(&layer.annotations)? {
-            Some(loc) => LayerForm::ZstdChunked(loc),
+            Some(loc) => LayerForm::Toc(TocPin::Frame(loc)),
             None => LayerForm::Plain(compression),
         },
         oci::LayerCompression::Gzip => match layer.annotations.get(estargz::ANN_TOC_DIGEST) {
-            Some(digest) => LayerForm::Estargz(digest.parse().map_err(|e: Error| {
-                e.context(format!("annotation {}", estargz::ANN_TOC_DIGEST))
-            })?),
+            Some(digest) => {
+                LayerForm::Toc(TocPin::Digest(digest.parse().map_err(|e: Error| {
+                    e.context(format!("annotation {}", estargz::ANN_TOC_DIGEST))
+                })?))
+            }
             None => LayerForm::Plain(compression),
         },
         oci::LayerCompression::None => LayerForm::Plain(compression),
@@ -58,13 +68,13 @@ pub fn layer_form(layer: &Descriptor) -> Result<LayerForm> {
 
 /// Picks the disk layer of a manifest: the topmost layer with a TOC, zstd:chunked or eStargz.
 pub fn disk_layer(m: &oci::Manifest) -> Option<&Descriptor> {
-    disk_layer_and_form(m).map(|(layer, _)| layer)
+    disk_layer_and_toc(m).map(|(layer, _)| layer)
 }
 
-/// [`disk_layer`] with its form: [`LayerForm::ZstdChunked`] or [`LayerForm::Estargz`].
-pub(super) fn disk_layer_and_form(m: &oci::Manifest) -> Option<(&Descriptor, LayerForm)> {
+/// [`disk_layer`] with where its TOC is pinned.
+pub(super) fn disk_layer_and_toc(m: &oci::Manifest) -> Option<(&Descriptor, TocPin)> {
     m.layers.iter().rev().find_map(|l| match layer_form(l) {
-        Ok(form @ (LayerForm::ZstdChunked(_) | LayerForm::Estargz(_))) => Some((l, form)),
+        Ok(LayerForm::Toc(pin)) => Some((l, pin)),
         _ => None,
     })
 }

@@ -6,7 +6,7 @@ use super::choose::index_target;
 use crate::cache::CacheRoot;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::seekable::{self, Compression, Expected, Layout, SeekIndex};
-use crate::layer::{IndexSource, LayerFormat, LayerId, LayerKind, LayerMeta};
+use crate::layer::{IndexSource, LayerId, LayerKind, LayerMeta};
 use crate::oci::digest::Digest;
 use crate::oci::reference::Reference;
 use crate::oci::{self, Descriptor, ManifestKind};
@@ -313,15 +313,13 @@ async fn kept_index(
     let (Some(cache), Some(diff_id)) = (cache.cloned(), expected.diff_id) else {
         return Ok(None);
     };
-    let key = LayerId {
-        layer: expected.layer,
-        size: expected.layer_size,
-        toc: blob.digest,
-        toc_offset: 0,
+    let key = LayerId::indexed(
+        expected.layer,
+        expected.layer_size,
+        blob.digest,
         diff_id,
-        disk_path: disk_path.map(str::to_string),
-        format: LayerFormat::Indexed,
-    }
+        disk_path.map(str::to_string),
+    )
     .key();
     let Some((meta, bytes)) = blocking(move || Ok(cache.load_layer_meta(&key))).await? else {
         return Ok(None);

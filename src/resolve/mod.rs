@@ -19,7 +19,7 @@ pub mod index;
 mod tests;
 pub mod toc;
 
-use self::choose::{disk_layer_and_form, disk_path_of};
+use self::choose::{disk_layer_and_toc, disk_path_of};
 use self::index::seekable_layer_id;
 use self::toc::fetch_toc_of;
 use crate::cache::{CacheRoot, RefRecord};
@@ -34,7 +34,7 @@ use crate::registry::Registry;
 use crate::task::blocking;
 
 pub use self::choose::{
-    disk_layer, index_target, indexable_layer, layer_form, IndexTarget, LayerForm,
+    disk_layer, index_target, indexable_layer, layer_form, IndexTarget, LayerForm, TocPin,
 };
 pub use self::index::seekable_layer;
 pub use self::toc::{fetch_estargz_toc, fetch_structure_ahead, fetch_toc};
@@ -118,7 +118,7 @@ pub async fn disk_layer_id(
     manifest_digest: Digest,
     expected: Option<Digest>,
 ) -> Result<(Descriptor, LayerMeta)> {
-    let Some((layer, form)) = disk_layer_and_form(manifest) else {
+    let Some((layer, pin)) = disk_layer_and_toc(manifest) else {
         // TOC annotations that are there but refused say why, not "no lazy layer".
         if let Some(e) = manifest
             .layers
@@ -133,9 +133,9 @@ pub async fn disk_layer_id(
         keep_layer(cache, &meta, index).await;
         return Ok((layer, meta));
     };
-    let loc = match form {
-        LayerForm::ZstdChunked(loc) => loc,
-        LayerForm::Estargz(toc_digest) => {
+    let loc = match pin {
+        TocPin::Frame(loc) => loc,
+        TocPin::Digest(toc_digest) => {
             let estargz = EstargzLayer {
                 reference,
                 manifest,
@@ -148,9 +148,6 @@ pub async fn disk_layer_id(
                 }
             }
             return estargz_layer_id(client, cache, &estargz).await;
-        }
-        LayerForm::Plain(_) | LayerForm::NotTar => {
-            unreachable!("disk_layer_and_form picks a layer with a TOC")
         }
     };
     loc.check_within(layer.size)?;

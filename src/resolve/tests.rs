@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::*;
 use crate::format::seekable::{self, testing, Compression, Expected, Layout};
-use crate::layer::{LayerFormat, Resolved};
+use crate::layer::{LayerKind, Resolved};
 use crate::policy::Verifier;
 use crate::registry::testing::MemoryRegistry;
 
@@ -159,7 +159,7 @@ async fn a_layer_resolved_online_is_recorded_and_resolves_offline_from_the_cache
     assert_eq!(online.resolved, Resolved::Online);
     assert_eq!(online.disk_path(), "disk/d.raw");
     assert_eq!(online.file_size(online.disk), data.len() as u64);
-    assert_eq!(online.id().format, LayerFormat::ZstdChunked);
+    assert_eq!(online.meta.kind, LayerKind::ZstdChunked);
     let record = cache
         .load_ref(&r.to_string())
         .expect("the resolution is recorded");
