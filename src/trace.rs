@@ -49,7 +49,7 @@ pub struct BootTrace {
 impl BootTrace {
     /// A trace of `ranges` of `engine`'s disk.
     pub fn of(engine: &Engine, ranges: Vec<Range<u64>>) -> Self {
-        let layer = &engine.layer;
+        let layer = engine.layer();
         BootTrace {
             version: 1,
             layer: layer.meta.layer_digest,
@@ -164,7 +164,7 @@ pub async fn find(
             ))
         })?;
     let bytes = client.get_blob(reference, blob, MAX_TRACE_BYTES).await?;
-    let layer = &engine.layer;
+    let layer = engine.layer();
     BootTrace::parse(
         &bytes,
         &layer.meta.layer_digest,
@@ -182,7 +182,7 @@ pub async fn replay_published(
     reference: Reference,
     manifest: Digest,
 ) {
-    if engine.cache.complete() {
+    if engine.complete() {
         return;
     }
     match find(&client, &reference, &manifest, &engine).await {

@@ -78,8 +78,8 @@ pub(super) async fn mount(args: MountArgs) -> Result<()> {
         "ready: {} at {} ({} of {} chunks cached)",
         reference,
         serving.disk_path().display(),
-        engine.cache.present_count(),
-        engine.layer.chunks.len()
+        engine.present_count(),
+        engine.layer().chunks.len()
     );
     serving.serve_until_signalled().await?;
     let stats = serving.finish().await?;
@@ -166,7 +166,7 @@ pub(super) async fn trace_record(args: TraceRecordArgs) -> Result<()> {
     println!(
         "recorded {} ranges, {bytes} bytes of the {}-byte disk /{}",
         trace.ranges.len(),
-        engine.layer.file_size(engine.layer.disk),
+        engine.layer().file_size(engine.layer().disk),
         trace.disk
     );
     if args.push {

@@ -131,9 +131,9 @@ const HYDRATE_WHEN_FULL: Duration = Duration::from_secs(5);
 
 /// A lazily loaded layer: its chunk index, its cache and the fetch machinery.
 pub struct Engine {
-    pub layer: Layer,
-    pub cache: LayerCache,
-    pub stats: Arc<Stats>,
+    layer: Layer,
+    cache: LayerCache,
+    stats: Arc<Stats>,
     /// The layer's blobs, read for readers under the fetch deadline, counted in `stats`.
     sources: Sources,
     inflight: Mutex<HashMap<usize, watch::Sender<Option<bool>>>>,
@@ -573,6 +573,59 @@ impl Engine {
             .then(|| Digest::of(data));
         self.cache
             .write_chunk(idx, file, offset, data, sum.as_ref())
+    }
+
+    /// The layer this engine serves.
+    pub fn layer(&self) -> &Layer {
+        &self.layer
+    }
+
+    /// Whether every chunk of the layer is cached.
+    pub fn complete(&self) -> bool {
+        self.cache.complete()
+    }
+
+    /// How many chunks are cached.
+    pub fn present_count(&self) -> usize {
+        self.cache.present_count()
+    }
+
+    /// Whether every cached chunk was checked in this process.
+    pub fn all_checked(&self) -> bool {
+        self.cache.all_checked()
+    }
+
+    /// How many verified chunks found no space left on the cache's disk since the engine
+    /// opened.
+    pub fn unstored(&self) -> u64 {
+        self.cache.unstored()
+    }
+
+    /// Writes the presence bitmap and syncs the data files; with `renew`, first says again
+    /// that this layer still holds the chunks it keeps in memory (the node's memory ledger).
+    pub fn flush(&self, renew: bool) -> Result<()> {
+        if renew {
+            self.cache.renew_memory_note();
+        }
+        self.cache.flush()
+    }
+
+    /// Counts what the FUSE front end saw of a read or an open.
+    pub fn count(&self, seen: stats::Seen) {
+        let counter = match seen {
+            stats::Seen::ReadCall => &self.stats.read_calls,
+            stats::Seen::CacheHit => &self.stats.cache_hits,
+            stats::Seen::CacheMiss => &self.stats.cache_misses,
+            stats::Seen::PassthroughOpen => &self.stats.passthrough_opens,
+            stats::Seen::Answered(bytes) => return Stats::add(&self.stats.bytes_served, bytes),
+            stats::Seen::Failed { timeout } => {
+                if timeout {
+                    Stats::add(&self.stats.read_timeouts, 1);
+                }
+                &self.stats.read_errors
+            }
+        };
+        Stats::add(counter, 1);
     }
 
     /// The engine's counters now, with whether the cache's disk is full.

@@ -129,6 +129,23 @@ counters! {
         "Cached chunks that were not what was verified when read back (each fetched again).";
 }
 
+/// What the FUSE front end saw of a read or an open, counted by [`super::Engine::count`].
+#[derive(Clone, Copy, Debug)]
+pub enum Seen {
+    /// A read asked.
+    ReadCall,
+    /// A read answered from what is cached, on the FUSE thread.
+    CacheHit,
+    /// A read that had to fetch.
+    CacheMiss,
+    /// A file opened with FUSE passthrough.
+    PassthroughOpen,
+    /// A read answered with this many bytes.
+    Answered(u64),
+    /// A read answered EIO; `timeout`: because it ran out of time.
+    Failed { timeout: bool },
+}
+
 impl Stats {
     /// Adds `n` to a counter.
     pub fn add(counter: &AtomicU64, n: u64) {

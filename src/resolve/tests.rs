@@ -538,7 +538,7 @@ async fn a_one_file_layers_structure_check_reads_the_bytes_fetched_with_its_toc(
     // The TOC with the bytes before it, and the blob's head: two requests at once, and the
     // check (done by open_engine) none of its own.
     assert_eq!(registry.ranges.load(Ordering::SeqCst) - before, 2);
-    assert!(cache.structure_checked(&engine.layer.key()));
+    assert!(cache.structure_checked(&engine.layer().key()));
 }
 
 /// While an eStargz layer's mount server starts, the snapshotter fetches what the server's
@@ -590,7 +590,7 @@ async fn an_estargz_layers_structure_check_reads_the_bytes_the_daemon_fetched_ah
             if ahead { 0 } else { 2 },
             "the check's own requests, bytes fetched ahead: {ahead}"
         );
-        assert!(cache.structure_checked(&engine.layer.key()));
+        assert!(cache.structure_checked(&engine.layer().key()));
         let before = ranges();
         assert!(fetch_structure_ahead(registry.as_ref(), &cache, key)
             .await

@@ -23,7 +23,7 @@ use fuser::{
 use parking_lot::Mutex;
 
 use crate::engine::readahead::Stream;
-use crate::engine::stats::Stats;
+use crate::engine::stats::Seen;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::format::tree::NodeKind;
@@ -158,7 +158,7 @@ impl LayerFs {
         // Inode 0 is never used (numbers are positions; FUSE's root is 1).
         let mut inodes = vec![made_directory(0, 0), made_directory(ROOT, ROOT)];
         let mut by_path: HashMap<String, u64> = HashMap::from([(String::new(), ROOT)]);
-        let layer = &engine.layer;
+        let layer = engine.layer();
         for (n, node) in layer.nodes.iter().enumerate() {
             // Parents first (the TOC may omit directory entries). The TOC was validated: paths
             // are unique, shallow, and no entry lies under a non-directory.
@@ -262,7 +262,7 @@ impl LayerFs {
         metadata: Vec<u8>,
         group: u32,
     ) -> Self {
-        let layer = &engine.layer;
+        let layer = engine.layer();
         let node = &layer.nodes[layer.files[layer.disk].node];
         let time = mtime(node.mod_time.as_deref());
         let name = crate::serve::ready::published_name(&node.path);
@@ -462,7 +462,7 @@ impl fuser::Filesystem for LayerFs {
             _ => None,
         };
         if let Some(id) = backing {
-            Stats::add(&self.engine.stats.passthrough_opens, 1);
+            self.engine.count(Seen::PassthroughOpen);
             // The kernel accepts no caching flags with passthrough (it uses the backing file's).
             return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
         }
@@ -480,8 +480,7 @@ impl fuser::Filesystem for LayerFs {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let stats = &self.engine.stats;
-        Stats::add(&stats.read_calls, 1);
+        self.engine.count(Seen::ReadCall);
         let view = match self.inode(ino).map(|i| &i.content) {
             Some(Content::View(view)) => view,
             Some(Content::Bytes(bytes)) => {
@@ -500,10 +499,10 @@ impl fuser::Filesystem for LayerFs {
             });
         }
         if let Some(result) = view.read_cached(offset, u64::from(size)) {
-            Stats::add(&stats.cache_hits, 1);
+            self.engine.count(Seen::CacheHit);
             return answer(&self.engine, result, reply);
         }
-        Stats::add(&stats.cache_misses, 1);
+        self.engine.count(Seen::CacheMiss);
         let (engine, view) = (Arc::clone(&self.engine), Arc::clone(view));
         self.runtime.spawn(async move {
             let result = view.read(offset, u64::from(size)).await;
@@ -634,15 +633,14 @@ fn libc_accmode() -> i32 {
 fn answer(engine: &Engine, result: Result<Vec<u8>>, reply: ReplyData) {
     match result {
         Ok(data) => {
-            Stats::add(&engine.stats.bytes_served, data.len() as u64);
+            engine.count(Seen::Answered(data.len() as u64));
             reply.data(&data);
         }
         Err(e) => {
-            Stats::add(&engine.stats.read_errors, 1);
-            if e.kind() == crate::error::ErrorKind::Timeout {
-                Stats::add(&engine.stats.read_timeouts, 1);
-            }
-            tracing::error!(layer = %engine.layer.meta.layer_digest, error = %e.chain(), "read failed; answering EIO");
+            engine.count(Seen::Failed {
+                timeout: e.kind() == crate::error::ErrorKind::Timeout,
+            });
+            tracing::error!(layer = %engine.layer().meta.layer_digest, error = %e.chain(), "read failed; answering EIO");
             reply.error(Errno::EIO);
         }
     }

@@ -139,7 +139,7 @@ pub enum HydrationState {
 async fn describe(engine: &Arc<Engine>, ready: &ReadyDir) -> Result<(RawDisk, ReadyMetadata)> {
     let disk = LayerFile::disk(Arc::clone(engine));
     let disk_size = crate::view::DiskView::size(&disk);
-    let path = engine.layer.disk_path().to_string();
+    let path = engine.layer().disk_path().to_string();
     let described = crate::view::qcow2::describe(disk)
         .await
         .map_err(|e| e.context(format!("reading the first bytes of /{path}")))?;
@@ -152,7 +152,7 @@ async fn describe(engine: &Arc<Engine>, ready: &ReadyDir) -> Result<(RawDisk, Re
     };
     let metadata = ReadyMetadata {
         reference: ready.reference.clone(),
-        layer_digest: engine.layer.meta.layer_digest.to_string(),
+        layer_digest: engine.layer().meta.layer_digest.to_string(),
         platform: ready.platform.clone(),
         format: described.format,
         virtual_size: described.virtual_size,
@@ -323,7 +323,7 @@ async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool, verify_rate: u
                 let check = move || {
                     // Chunks cached before this process started are read back one layer of
                     // the node at a time, at the verify rate.
-                    let turn = match checking.cache.all_checked() {
+                    let turn = match checking.all_checked() {
                         true => None,
                         false => root.verify_turn(),
                     };
@@ -351,7 +351,7 @@ async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool, verify_rate: u
         }
         // However the layer became complete (reads, hydration, dedup), check it (once:
         // the engine runs one check at a time and keeps the verdict).
-        if e.cache.complete()
+        if e.complete()
             && e.integrity() == Integrity::Pending
             && checking.as_ref().is_none_or(|c| c.is_finished())
         {
@@ -360,8 +360,8 @@ async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool, verify_rate: u
                 e.check_integrity(&cache).await;
             }));
         }
-        if e.cache.unstored() > unstored {
-            unstored = e.cache.unstored();
+        if e.unstored() > unstored {
+            unstored = e.unstored();
             // Room for the mounted layer first: layers nobody has open go.
             let cache = cache.clone();
             match crate::task::blocking(move || cache.free_unused(FREE_WHEN_FULL)).await {
@@ -375,11 +375,7 @@ async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool, verify_rate: u
             }
         }
         let flushing = Arc::clone(&e);
-        let flushed = tokio::task::spawn_blocking(move || {
-            flushing.cache.renew_memory_note();
-            flushing.cache.flush()
-        })
-        .await;
+        let flushed = tokio::task::spawn_blocking(move || flushing.flush(true)).await;
         if let Ok(Err(err)) = flushed {
             tracing::warn!(error = %err.chain(), "flushing the cache failed");
         }
@@ -465,7 +461,7 @@ impl Serving {
 
     /// The path of the layer's disk file on the mount.
     pub fn disk_path(&self) -> PathBuf {
-        self.dir.join(self.engine.layer.disk_path())
+        self.dir.join(self.engine.layer().disk_path())
     }
 
     /// Describes the disk and mounts its ready-disk directory unless it is mounted; where it
@@ -521,7 +517,7 @@ impl Serving {
 
     /// Since when (Unix seconds) reads may need the registry, while some chunk is not cached.
     pub fn registry_needed_since(&self) -> Option<i64> {
-        (!self.engine.cache.complete()).then_some(self.started)
+        (!self.engine.complete()).then_some(self.started)
     }
 
     /// Where hydration stands.
@@ -567,7 +563,7 @@ impl Serving {
                 let outcome = match hydrated {
                     Ok(()) => {
                         let integrity = engine.check_integrity(&cache).await;
-                        let chunks = engine.cache.present_count();
+                        let chunks = engine.present_count();
                         if announce {
                             println!("hydrated: {chunks} chunks cached; integrity {integrity}");
                         }
@@ -706,7 +702,7 @@ impl Serving {
             .map_err(|e| Error::new(ErrorKind::Io, "unmounting").with_source(e))?
             .map_err(|e| Error::io(format!("ending the FUSE session of {}", dir.display()), e))?;
         let engine = Arc::clone(&self.engine);
-        tokio::task::spawn_blocking(move || engine.cache.flush())
+        tokio::task::spawn_blocking(move || engine.flush(false))
             .await
             .map_err(|e| Error::new(ErrorKind::Io, "flushing the cache").with_source(e))??;
         Ok(self.engine.counters())

@@ -24,7 +24,7 @@ impl LayerFile {
 
     /// The layer's disk.
     pub fn disk(engine: Arc<Engine>) -> Self {
-        let disk = engine.layer.disk;
+        let disk = engine.layer().disk;
         Self::new(engine, disk)
     }
 
@@ -40,7 +40,7 @@ impl LayerFile {
 
 impl DiskView for LayerFile {
     fn size(&self) -> u64 {
-        self.engine.layer.file_size(self.file)
+        self.engine.layer().file_size(self.file)
     }
 
     fn read_cached(&self, offset: u64, len: u64) -> Option<Result<Vec<u8>>> {
@@ -56,7 +56,7 @@ impl DiskView for LayerFile {
     }
 
     fn prefetch(&self, range: Range<u64>) -> BoxFuture<'_, Result<()>> {
-        let chunks = self.engine.layer.chunks_for(self.file, range);
+        let chunks = self.engine.layer().chunks_for(self.file, range);
         Box::pin(async move {
             if self.engine.all_present(chunks.clone()) {
                 return Ok(());

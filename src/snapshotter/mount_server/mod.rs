@@ -152,12 +152,12 @@ impl Shared {
         };
         status.set_state(ServerState::Serving);
         let engine = serving.engine();
-        let layer = &engine.layer;
+        let layer = engine.layer();
         status.layer_digest = layer.meta.layer_digest.to_string();
         status.disk_path = layer.disk_path().to_string();
         status.disk_size = layer.file_size(layer.disk);
         status.chunks = layer.chunks.len() as u64;
-        status.chunks_cached = engine.cache.present_count() as u64;
+        status.chunks_cached = engine.present_count() as u64;
         status.registry_needed_since = serving.registry_needed_since().unwrap_or(0);
         status.integrity = engine.integrity().to_string();
         status.counters = Some(crate::snapshotter::servers::control::layer_counters(engine));
@@ -608,11 +608,11 @@ async fn start(
     );
     let (engine, vmm_gid) = tokio::join!(opened, mount_ready);
     let (engine, vmm_gid) = (engine?, vmm_gid?);
-    let key = engine.layer.key();
+    let key = engine.layer().key();
     if key != *layer {
         return Err(Error::corrupt(format!(
             "{reference} resolves to disk layer {} with key {key}, not {layer}; the image changed since the snapshot was made",
-            engine.layer.meta.layer_digest
+            engine.layer().meta.layer_digest
         )));
     }
     let (c, name) = (cache.clone(), reference.to_string());
