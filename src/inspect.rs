@@ -13,7 +13,7 @@ use std::io::Read;
 
 use serde::Serialize;
 
-use crate::engine::blob::Blob;
+use crate::blob::Blob;
 use crate::error::{Error, Result};
 use crate::format::disk::{self, DiskFormat};
 use crate::format::tree::NodeKind;
@@ -346,8 +346,7 @@ async fn read_stream(
     let windows = index.windows.map(|w| (source.repository.clone(), w.digest));
     let client: std::sync::Arc<dyn crate::registry::Registry> = std::sync::Arc::new(client.clone());
     let reference = meta.reference.clone();
-    let sources =
-        crate::engine::blob::Sources::in_registry(client, &reference, meta.layer_digest, windows);
+    let sources = crate::blob::Sources::in_registry(client, &reference, meta.layer_digest, windows);
     let ask = crate::layer::Ask::AnyEndpoint;
     crate::layer::codec::indexed::SpanReader::new(index, &sources, ask)
         .read(range)

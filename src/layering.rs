@@ -11,7 +11,7 @@ const LAYERS: [(&str, &[&str]); 6] = [
     ("binaries", &["bin", "cli", "snapshotter", "shim"]),
     ("features", &["publish", "inspect", "trace", "setup"]),
     ("serving", &["serve", "view", "engine", "resolve", "policy"]),
-    ("model", &["layer", "cache", "registry"]),
+    ("model", &["blob", "layer", "cache", "registry"]),
     ("formats", &["format"]),
     (
         "vocabulary",

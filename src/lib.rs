@@ -15,6 +15,7 @@
 //!   [`retry`]: the shared vocabulary.
 
 pub mod api;
+pub mod blob;
 pub mod cache;
 pub mod cli;
 pub mod dirs;

@@ -15,7 +15,7 @@ use std::time::Instant;
 use futures_util::StreamExt;
 
 use super::PreheatArgs;
-use crate::engine::blob::Blob;
+use crate::blob::Blob;
 use crate::error::{Error, ErrorKind, Result};
 use crate::oci::digest::Hasher;
 use crate::oci::reference::Reference;

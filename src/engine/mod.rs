@@ -26,7 +26,6 @@
 //! reads on its own threads and misses from a task, so a missing chunk never blocks reads of
 //! cached data.
 
-pub mod blob;
 mod check;
 mod dedup;
 mod hydrate;
@@ -45,9 +44,9 @@ use parking_lot::Mutex;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 
-use self::blob::Sources;
 pub use self::check::CacheCheck;
 use self::stats::Stats;
+use crate::blob::Sources;
 use crate::cache::layer::Kept;
 use crate::cache::memory::MemoryBudget;
 use crate::cache::{CacheRoot, Integrity, LayerCache};
@@ -247,7 +246,7 @@ impl Engine {
         opts: EngineOptions,
     ) -> Arc<Engine> {
         let stats = Arc::new(Stats::default());
-        let sources = sources.for_reads(opts.fetch_deadline, &stats);
+        let sources = sources.for_reads(opts.fetch_deadline, Arc::clone(&stats) as _);
         Arc::new(Engine {
             layer,
             cache,
@@ -699,7 +698,7 @@ impl Engine {
         first.compressed.start..last.compressed.end
     }
 
-    /// One Range request of the layer's blob for a reader or hydration ([`blob::Blob::fetch`]:
+    /// One Range request of the layer's blob for a reader or hydration ([`crate::blob::Blob::fetch`]:
     /// shared, retried on network errors until the fetch deadline, counted); `ask`: whom (the
     /// registry itself, for bytes that failed verification once).
     async fn fetch_range(&self, range: Range<u64>, ask: Ask) -> Result<bytes::Bytes> {

@@ -146,6 +146,22 @@ pub enum Seen {
     Failed { timeout: bool },
 }
 
+/// A layer's blob reads counted in its engine's counters.
+impl crate::blob::FetchCounts for Stats {
+    fn requested(&self) {
+        Stats::add(&self.fetch_requests, 1);
+    }
+
+    fn fetched(&self, bytes: u64, took: std::time::Duration) {
+        Stats::add(&self.bytes_fetched, bytes);
+        Stats::add(&self.fetch_micros, took.as_micros() as u64);
+    }
+
+    fn failed(&self) {
+        Stats::add(&self.fetch_errors, 1);
+    }
+}
+
 impl Stats {
     /// Adds `n` to a counter.
     pub fn add(counter: &AtomicU64, n: u64) {

@@ -4,8 +4,8 @@
 //! fetched again from the registry itself ([`crate::layer::fetch_checked`]); only the pinned
 //! bytes pass.
 
+use crate::blob::Blob;
 use crate::cache::CacheRoot;
-use crate::engine::blob::Blob;
 use crate::error::{Error, Result};
 use crate::format::estargz;
 use crate::format::seekable;

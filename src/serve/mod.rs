@@ -19,8 +19,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde::Deserialize;
 
+use crate::blob::Sources;
 use crate::cache::{CacheRoot, Integrity};
-use crate::engine::blob::Sources;
 use crate::engine::stats::StatsSnapshot;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};

@@ -6,8 +6,8 @@ mod check;
 mod dedup;
 mod integrity;
 
-use super::blob::{Blob, BlobSource};
 use super::*;
+use crate::blob::{Blob, BlobSource};
 use crate::format::toc::Toc;
 use crate::format::zstd_chunked::{decode_chunk, decode_toc, TocLocation};
 use crate::layer::{Held, IndexSource, LayerKind, LayerMeta, Resolved};

@@ -19,7 +19,6 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::stats::Stats;
 use crate::error::{Error, Result};
 use crate::layer::{Ask, Fetch};
 use crate::oci::digest::Digest;
@@ -53,6 +52,26 @@ const BACKGROUND_DEADLINES: u32 = 6;
 /// The answer of a read others wait for (unset until it came).
 type SharedFetch = watch::Sender<Option<bytes::Bytes>>;
 
+/// Where a blob's reads are counted: a layer's counters when an engine reads it
+/// (`engine::stats::Stats`), nowhere otherwise.
+pub trait FetchCounts: Send + Sync {
+    /// A request is sent.
+    fn requested(&self);
+    /// A request answered `bytes` bytes after `took`.
+    fn fetched(&self, bytes: u64, took: Duration);
+    /// A request failed.
+    fn failed(&self);
+}
+
+/// Counts nothing: a blob read outside a layer's engine.
+struct Uncounted;
+
+impl FetchCounts for Uncounted {
+    fn requested(&self) {}
+    fn fetched(&self, _: u64, _: Duration) {}
+    fn failed(&self) {}
+}
+
 /// One blob, read by ranges (see the module docs). `'s`: what its source borrows (a registry
 /// client a resolution borrows; `'static` for an engine's).
 pub struct Blob<'s> {
@@ -61,9 +80,8 @@ pub struct Blob<'s> {
     what: String,
     /// How each read is retried, and its deadline.
     policy: RetryPolicy,
-    /// Where its requests, failures, bytes and time are counted (a layer's counters when an
-    /// engine reads it).
-    stats: Arc<Stats>,
+    /// Where its requests, failures, bytes and time are counted.
+    counts: Arc<dyn FetchCounts>,
     /// Reads in flight, by range: whoever asks any endpoint for the same bytes meanwhile waits
     /// for that answer instead of asking again.
     shared: Mutex<HashMap<(u64, u64), SharedFetch>>,
@@ -76,7 +94,7 @@ impl<'s> Blob<'s> {
             source: Box::new(source),
             what: what.into(),
             policy,
-            stats: Arc::default(),
+            counts: Arc::new(Uncounted),
             shared: Mutex::new(HashMap::new()),
         }
     }
@@ -105,11 +123,11 @@ impl<'s> Blob<'s> {
     }
 
     /// This blob as a reader reads it: each read within `deadline` ([`RetryPolicy::demand_range`]),
-    /// counted in `stats`.
-    pub fn for_reads(self, deadline: Duration, stats: Arc<Stats>) -> Self {
+    /// counted in `counts`.
+    pub fn for_reads(self, deadline: Duration, counts: Arc<dyn FetchCounts>) -> Self {
         Blob {
             policy: RetryPolicy::demand_range(deadline),
-            stats,
+            counts,
             ..self
         }
     }
@@ -189,18 +207,14 @@ impl<'s> Blob<'s> {
         policy
             .run(&what, || async {
                 let started = Instant::now();
-                Stats::add(&self.stats.fetch_requests, 1);
+                self.counts.requested();
                 match self.source.fetch(range.clone(), ask).await {
                     Ok(bytes) => {
-                        Stats::add(&self.stats.bytes_fetched, bytes.len() as u64);
-                        Stats::add(
-                            &self.stats.fetch_micros,
-                            started.elapsed().as_micros() as u64,
-                        );
+                        self.counts.fetched(bytes.len() as u64, started.elapsed());
                         Ok(bytes)
                     }
                     Err(e) => {
-                        Stats::add(&self.stats.fetch_errors, 1);
+                        self.counts.failed();
                         Err(e.context(what.as_str()))
                     }
                 }
@@ -252,12 +266,10 @@ impl Sources {
     }
 
     /// These sources as a layer's reader reads them ([`Blob::for_reads`]).
-    pub fn for_reads(self, deadline: Duration, stats: &Arc<Stats>) -> Self {
+    pub fn for_reads(self, deadline: Duration, counts: Arc<dyn FetchCounts>) -> Self {
         Sources {
-            blob: self.blob.for_reads(deadline, Arc::clone(stats)),
-            windows: self
-                .windows
-                .map(|w| w.for_reads(deadline, Arc::clone(stats))),
+            blob: self.blob.for_reads(deadline, Arc::clone(&counts)),
+            windows: self.windows.map(|w| w.for_reads(deadline, counts)),
         }
     }
 
