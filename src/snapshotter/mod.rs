@@ -3,7 +3,7 @@
 //! Ordinary layers and containers get what containerd's built-in overlayfs snapshotter gives
 //! them: a directory per snapshot (`snapshots/<id>/fs`, plus `work` for active ones) and
 //! overlay or bind mounts over the parent chain, with the metadata in a transactional store
-//! ([`daemon::store`]). During a CRI pull, `Prepare` with `containerd.io/snapshot.ref` has
+//! ([`store`]). During a CRI pull, `Prepare` with `containerd.io/snapshot.ref` has
 //! [`prepare::Pulls::judge`] decide the layer (the signature policy, then
 //! [`prepare::classify`]: whether it is a lazily loadable disk); if so, a mount server
 //! ([`mount_server`], run by the [`servers::supervisor`]) mounts it through FUSE, the committed snapshot is recorded with that mount as its
@@ -24,21 +24,23 @@
 
 pub mod args;
 pub mod config;
+pub mod counters;
 pub mod daemon;
 pub mod mount_server;
 pub mod prepare;
 pub mod servers;
+pub mod store;
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use daemon::counters::Counters;
-use daemon::store::{Kind, Record, RemoteLayerRef, Store, Usage};
+use counters::Counters;
 use parking_lot::Mutex;
 use prepare::Pulls;
 use servers::control;
 use servers::supervisor::{LayerLocks, Supervisor};
+use store::{Kind, Record, RemoteLayerRef, Store, Usage};
 
 use crate::error::{Error, ErrorKind, Result};
 

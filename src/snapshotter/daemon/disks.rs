@@ -8,9 +8,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::oci::reference::{ImageName, Reference};
 use crate::registry::granted::Granted;
 use crate::registry::Registry;
-use crate::snapshotter::daemon::store::RemoteLayerRef;
 use crate::snapshotter::prepare::tenants;
 use crate::snapshotter::servers::control;
+use crate::snapshotter::store::RemoteLayerRef;
 use crate::snapshotter::{blocking, Requester, Snapshotter};
 
 /// How a requester may read a disk ([`Snapshotter::disk_source`]).

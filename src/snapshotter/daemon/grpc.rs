@@ -13,8 +13,8 @@ use crate::api::containerd::services::snapshots::v1 as pb;
 use crate::api::containerd::types::Mount as PbMount;
 use crate::api::vmdisk::v1 as mpb;
 use crate::snapshotter::daemon::filter;
-use crate::snapshotter::daemon::store::{Kind, Record};
 use crate::snapshotter::servers::control;
+use crate::snapshotter::store::{Kind, Record};
 use crate::snapshotter::{blocking, Freshness, Mount, Snapshotter};
 
 /// Counts a snapshots API call and, if it failed, the failure (`call/<method>`,

@@ -1,6 +1,6 @@
 //! Prometheus metrics in the OpenMetrics text format (`prometheus-client`), on a unix socket
 //! or a loopback TCP port (`metrics.address`). Names, types and units are documented in
-//! `docs/snapshotter.md`. Counters come from the daemon's own [`crate::snapshotter::daemon::counters`] (they only
+//! `docs/snapshotter.md`. Counters come from the daemon's own [`crate::snapshotter::counters`] (they only
 //! go up, across layer removals and server and daemon restarts); gauges are measured at
 //! scrape time from the store and the servers' status, each server asked under a deadline.
 
@@ -141,7 +141,7 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
 /// What the node holds now: snapshots by kind, remote layers by state, their chunks.
 fn register_state(
     registry: &mut Registry,
-    records: &[(String, crate::snapshotter::daemon::store::Record)],
+    records: &[(String, crate::snapshotter::store::Record)],
     disks: &[crate::api::vmdisk::v1::Disk],
 ) {
     let snapshots = Family::<Labels, Gauge>::default();

@@ -13,13 +13,11 @@
 //! keeps the counters and leaves the mount servers running, so containers keep reading across
 //! a restart.
 
-pub mod counters;
 mod disks;
 pub mod filter;
 pub mod grpc;
 pub mod metrics;
 pub mod priority;
-pub mod store;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -23,9 +23,9 @@ use crate::policy::Verifier;
 use crate::registry::auth::Credential;
 use crate::registry::granted::{Grant, Granted};
 use crate::registry::Registry;
-use crate::snapshotter::daemon::store::{Kind, RemoteLayerRef};
 use crate::snapshotter::servers::control;
 use crate::snapshotter::servers::supervisor::Ahead;
+use crate::snapshotter::store::{Kind, RemoteLayerRef};
 use crate::snapshotter::{blocking, Mount, Snapshotter};
 
 /// What the daemon knows of image pulls, for a Prepare and the management API's disks alike:
