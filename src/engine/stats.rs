@@ -3,7 +3,8 @@
 //! mount server reports to the daemon (both conversions), and the Prometheus counters the
 //! daemon keeps of them ([`METRICS`], from which `/metrics` and `vmdisk stats` are made) are
 //! all made from it. The protocol's message (`proto/vmdisk/v1/layer.proto`) names each field
-//! too: a counter added here without it does not build.
+//! too: a counter added here without it does not build. The gauges the engine fills in (after
+//! `@gauges`) are declared in the same table.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -21,6 +22,10 @@ macro_rules! counters {
     ($(
         $(#[doc = $doc:literal])*
         $field:ident $(=> $metric:literal, $help:literal)?;
+    )*
+    @gauges $(
+        $(#[doc = $gdoc:literal])*
+        $gauge:ident;
     )*) => {
         /// Live counters (all monotonic).
         #[derive(Default, Debug)]
@@ -33,13 +38,7 @@ macro_rules! counters {
         #[serde(default)]
         pub struct StatsSnapshot {
             $( $(#[doc = $doc])* pub $field: u64, )*
-            /// 1 while the cache's disk has no room for chunks (they are answered from memory),
-            /// else 0: a gauge the engine fills in ([`crate::engine::Engine::counters`]), not
-            /// kept in [`Stats`].
-            pub cache_full: u64,
-            /// Bytes of verified chunks held in memory because the cache's disk had no room: a
-            /// gauge the engine fills in, like `cache_full`.
-            pub memory_held: u64,
+            $( $(#[doc = $gdoc])* pub $gauge: u64, )*
         }
 
         impl Stats {
@@ -47,8 +46,7 @@ macro_rules! counters {
             pub fn snapshot(&self) -> StatsSnapshot {
                 StatsSnapshot {
                     $( $field: self.$field.load(Ordering::Relaxed), )*
-                    cache_full: 0,
-                    memory_held: 0,
+                    $( $gauge: 0, )*
                 }
             }
         }
@@ -63,8 +61,7 @@ macro_rules! counters {
             fn from(s: StatsSnapshot) -> Self {
                 pb::LayerCounters {
                     $( $field: s.$field, )*
-                    cache_full: s.cache_full,
-                    memory_held: s.memory_held,
+                    $( $gauge: s.$gauge, )*
                     endpoints: Vec::new(),
                 }
             }
@@ -75,8 +72,7 @@ macro_rules! counters {
             fn from(c: &pb::LayerCounters) -> Self {
                 StatsSnapshot {
                     $( $field: c.$field, )*
-                    cache_full: c.cache_full,
-                    memory_held: c.memory_held,
+                    $( $gauge: c.$gauge, )*
                 }
             }
         }
@@ -127,6 +123,14 @@ counters! {
     /// again).
     cache_damaged => "vmdisk_cache_damaged",
         "Cached chunks that were not what was verified when read back (each fetched again).";
+@gauges
+    /// 1 while the cache's disk has no room for chunks (they are answered from memory), else
+    /// 0: a gauge the engine fills in ([`crate::engine::Engine::counters`]), not kept in
+    /// [`Stats`].
+    cache_full;
+    /// Bytes of verified chunks held in memory because the cache's disk had no room: a gauge
+    /// the engine fills in, like `cache_full`.
+    memory_held;
 }
 
 /// What the FUSE front end saw of a read or an open, counted by [`super::Engine::count`].

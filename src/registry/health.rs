@@ -71,6 +71,50 @@ const MAX_BLOB_RESTS: usize = 4096;
 /// cache, `config/nginx-regional-cache.conf`, sends it on every answer).
 pub const RANGE_CACHE_HEADER: &str = "vmdisk-range-cache";
 
+/// Each of an endpoint's counters: the one list the control protocol's report, the daemon's
+/// totals and its metrics (`vmdisk_registry_endpoint_<name>_total`) are made from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndpointCounter {
+    Requests,
+    Failures,
+    Bytes,
+}
+
+impl EndpointCounter {
+    pub const ALL: [EndpointCounter; 3] = [
+        EndpointCounter::Requests,
+        EndpointCounter::Failures,
+        EndpointCounter::Bytes,
+    ];
+
+    /// Its name (in its metric's name and the daemon's totals).
+    pub fn name(self) -> &'static str {
+        match self {
+            EndpointCounter::Requests => "requests",
+            EndpointCounter::Failures => "failures",
+            EndpointCounter::Bytes => "bytes",
+        }
+    }
+
+    /// Its metric's help.
+    pub fn help(self) -> &'static str {
+        match self {
+            EndpointCounter::Requests => "Requests sent to each registry endpoint (the registry, or a hosts.toml mirror) by the mount servers.",
+            EndpointCounter::Failures => "Requests that failed at each registry endpoint (then went on to the next endpoint, or failed).",
+            EndpointCounter::Bytes => "Body bytes received from each registry endpoint by the mount servers.",
+        }
+    }
+
+    /// Its value in `counters`.
+    pub fn of(self, counters: &EndpointCounters) -> u64 {
+        match self {
+            EndpointCounter::Requests => counters.requests,
+            EndpointCounter::Failures => counters.failures,
+            EndpointCounter::Bytes => counters.bytes,
+        }
+    }
+}
+
 /// What one endpoint did since this process started (monotonic).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EndpointCounters {

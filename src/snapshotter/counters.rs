@@ -17,23 +17,48 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::stats::{StatsSnapshot, METRICS};
 use crate::error::{Error, Result};
+use crate::registry::health::{EndpointCounter, EndpointCounters};
 use crate::snapshotter::servers::control::LayerCounters;
 
-/// The totals a server's counters feed, by name: the engine's [`METRICS`], and per registry
-/// endpoint `endpoint/<requests|failures|bytes>/<base URL>`.
+/// A counter of the daemon's, by the name its total is kept under (in `counters.json`, so
+/// names never change): each kind of counter says its own once, where it is defined (a
+/// Prepare's outcome, a snapshots API call, a mount server event), and is counted and read by
+/// it.
+pub trait Counted {
+    /// The name its total is kept under.
+    fn key(&self) -> String;
+}
+
+/// An engine counter of the mount servers', summed: kept under its metric name ([`METRICS`]).
+pub struct EngineMetric(pub &'static str);
+
+impl Counted for EngineMetric {
+    fn key(&self) -> String {
+        self.0.to_string()
+    }
+}
+
+/// A registry endpoint's counter, summed over the mount servers: `endpoint/<name>/<base URL>`.
+struct Endpoint<'a>(EndpointCounter, &'a str);
+
+impl Counted for Endpoint<'_> {
+    fn key(&self) -> String {
+        format!("endpoint/{}/{}", self.0.name(), self.1)
+    }
+}
+
+/// The totals a server's counters feed: the engine's [`METRICS`], and each registry
+/// endpoint's [`EndpointCounter`]s.
 fn reported_values(counters: &LayerCounters) -> Vec<(String, u64)> {
     let engine = StatsSnapshot::from(counters);
     let mut out: Vec<(String, u64)> = METRICS
         .iter()
-        .map(|(name, _, get)| (name.to_string(), get(&engine)))
+        .map(|(name, _, get)| (EngineMetric(name).key(), get(&engine)))
         .collect();
     for e in &counters.endpoints {
-        for (what, value) in [
-            ("requests", e.requests),
-            ("failures", e.failures),
-            ("bytes", e.bytes),
-        ] {
-            out.push((format!("endpoint/{what}/{}", e.endpoint), value));
+        let values = EndpointCounters::from(e);
+        for counter in EndpointCounter::ALL {
+            out.push((Endpoint(counter, &e.endpoint).key(), counter.of(&values)));
         }
     }
     out
@@ -97,22 +122,39 @@ impl Counters {
         }
     }
 
-    /// Adds `n` to the counter `name`.
-    pub fn add(&self, name: &str, n: u64) {
+    /// Adds `n` to `counter`.
+    pub fn add(&self, counter: &impl Counted, n: u64) {
         self.change(|s| {
-            *s.totals.entry(name.to_string()).or_default() += n;
+            *s.totals.entry(counter.key()).or_default() += n;
             n > 0
         });
     }
 
-    /// The total of `name`.
-    pub fn get(&self, name: &str) -> u64 {
+    /// The total of `counter`.
+    pub fn get(&self, counter: &impl Counted) -> u64 {
         let guard = self.state.lock();
-        guard.0.totals.get(name).copied().unwrap_or(0)
+        guard.0.totals.get(&counter.key()).copied().unwrap_or(0)
+    }
+
+    /// Those of `counters` that counted anything, with their totals.
+    pub fn counted<C: Counted>(&self, counters: impl IntoIterator<Item = C>) -> Vec<(C, u64)> {
+        counters
+            .into_iter()
+            .map(|c| {
+                let n = self.get(&c);
+                (c, n)
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
+    /// Each registry endpoint's total of `counter`, by the endpoint's base URL.
+    pub fn endpoints(&self, counter: EndpointCounter) -> BTreeMap<String, u64> {
+        self.with_prefix(&Endpoint(counter, "").key())
     }
 
     /// Every counter whose name starts with `prefix`, with the prefix removed.
-    pub fn with_prefix(&self, prefix: &str) -> BTreeMap<String, u64> {
+    fn with_prefix(&self, prefix: &str) -> BTreeMap<String, u64> {
         let guard = self.state.lock();
         guard
             .0
@@ -179,6 +221,18 @@ impl Counters {
 mod tests {
     use super::*;
 
+    const BYTES: EngineMetric = EngineMetric("vmdisk_registry_bytes");
+    const SERVED: EngineMetric = EngineMetric("vmdisk_served_bytes");
+
+    /// A counter by the name its total is kept under.
+    struct Named(&'static str);
+
+    impl Counted for Named {
+        fn key(&self) -> String {
+            self.0.to_string()
+        }
+    }
+
     fn counters(fetched: u64, served: u64) -> LayerCounters {
         LayerCounters {
             bytes_fetched: fetched,
@@ -211,16 +265,17 @@ mod tests {
         c.observe("a", &report(3, 1));
         c.observe("a", &report(5, 1));
         c.observe("b", &report(2, 4));
-        let requests = c.with_prefix("endpoint/requests/");
+        let requests = c.endpoints(EndpointCounter::Requests);
         assert_eq!(requests.get("http://mirror:5001"), Some(&7));
         assert_eq!(requests.get("http://origin:5000"), Some(&5));
         assert_eq!(
-            c.with_prefix("endpoint/failures/")
+            c.endpoints(EndpointCounter::Failures)
                 .get("http://mirror:5001"),
             Some(&2)
         );
         assert_eq!(
-            c.with_prefix("endpoint/bytes/").get("http://origin:5000"),
+            c.endpoints(EndpointCounter::Bytes)
+                .get("http://origin:5000"),
             Some(&40)
         );
     }
@@ -232,24 +287,24 @@ mod tests {
         let c = Counters::load(&path);
         c.observe("a", &counters(100, 10));
         c.observe("a", &counters(150, 10));
-        assert_eq!(c.get("vmdisk_registry_bytes"), 150);
+        assert_eq!(c.get(&BYTES), 150);
         // The server restarts: a new instance counts from zero; nothing is subtracted.
         c.observe("b", &counters(20, 5));
-        assert_eq!(c.get("vmdisk_registry_bytes"), 170);
-        assert_eq!(c.get("vmdisk_served_bytes"), 15);
+        assert_eq!(c.get(&BYTES), 170);
+        assert_eq!(c.get(&SERVED), 15);
         // A report never lowers what an instance was credited with.
         c.observe("a", &counters(120, 10));
         c.observe("a", &counters(160, 10));
-        assert_eq!(c.get("vmdisk_registry_bytes"), 180);
-        c.add("decision/remote", 2);
+        assert_eq!(c.get(&BYTES), 180);
+        c.add(&Named("decision/remote"), 2);
         c.save().unwrap();
         // The daemon restarts: totals and what each server reported come back, so an adopted
         // server's counters are not counted twice.
         let again = Counters::load(&path);
-        assert_eq!(again.get("vmdisk_registry_bytes"), 180);
+        assert_eq!(again.get(&BYTES), 180);
         again.observe("b", &counters(25, 5));
-        assert_eq!(again.get("vmdisk_registry_bytes"), 185);
-        assert_eq!(again.with_prefix("decision/").get("remote"), Some(&2));
+        assert_eq!(again.get(&BYTES), 185);
+        assert_eq!(again.get(&Named("decision/remote")), 2);
         // Nothing new from a server: nothing to write.
         again.save().unwrap();
         std::fs::remove_file(&path).unwrap();
@@ -258,7 +313,7 @@ mod tests {
         assert!(!path.exists(), "an unchanged report rewrote the counters");
         again.forget("b");
         again.observe("b", &counters(25, 5));
-        assert_eq!(again.get("vmdisk_registry_bytes"), 210);
+        assert_eq!(again.get(&BYTES), 210);
     }
 
     #[test]
@@ -267,9 +322,9 @@ mod tests {
         let path = dir.path().join("counters.json");
         std::fs::write(&path, b"{not json").unwrap();
         let c = Counters::load(&path);
-        assert_eq!(c.get("vmdisk_registry_bytes"), 0);
-        c.add("call/Prepare", 1);
+        assert_eq!(c.get(&BYTES), 0);
+        c.add(&Named("call/Prepare"), 1);
         c.save().unwrap();
-        assert_eq!(Counters::load(&path).get("call/Prepare"), 1);
+        assert_eq!(Counters::load(&path).get(&Named("call/Prepare")), 1);
     }
 }

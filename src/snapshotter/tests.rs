@@ -207,7 +207,12 @@ fn cri_labels(target: &str, manifest: &Digest, layer: &Digest) -> BTreeMap<Strin
 
 impl Fixture {
     fn decisions(&self) -> BTreeMap<String, u64> {
-        self.snapshotter.counters.with_prefix("decision/")
+        self.snapshotter
+            .counters
+            .counted(super::prepare::classify::Outcome::all())
+            .into_iter()
+            .map(|(outcome, n)| (outcome.name(), n))
+            .collect()
     }
 }
 
@@ -743,8 +748,9 @@ async fn a_pull_in_flight_hands_its_server_only_credentials_that_read_the_image(
 
 #[test]
 fn every_outcome_has_a_counter_name_of_its_own_and_keeps_the_names_users_see() {
+    use super::counters::Counted;
     use super::prepare::classify::{Outcome, Reason};
-    let names: std::collections::BTreeSet<String> = Outcome::all().map(Outcome::counter).collect();
+    let names: std::collections::BTreeSet<String> = Outcome::all().map(|o| o.key()).collect();
     assert_eq!(names.len(), Outcome::all().count());
     for (outcome, name) in [
         (Outcome::Remote, "decision/remote"),
@@ -760,6 +766,6 @@ fn every_outcome_has_a_counter_name_of_its_own_and_keeps_the_names_users_see() {
             "decision/fallback:registry_error",
         ),
     ] {
-        assert_eq!(outcome.counter(), name);
+        assert_eq!(outcome.key(), name);
     }
 }

@@ -12,19 +12,83 @@ use tonic::{Request, Response, Status};
 use crate::api::containerd::services::snapshots::v1 as pb;
 use crate::api::containerd::types::Mount as PbMount;
 use crate::api::vmdisk::v1 as mpb;
+use crate::snapshotter::counters::Counted;
 use crate::snapshotter::daemon::filter;
+use crate::snapshotter::prepare::classify::Outcome;
 use crate::snapshotter::servers::control;
 use crate::snapshotter::store::{Kind, Record};
 use crate::snapshotter::{blocking, Freshness, Mount, Snapshotter};
 
-/// Counts a snapshots API call and, if it failed, the failure (`call/<method>`,
-/// `call_error/<method>` in the daemon's counters).
-fn count_call<T>(s: &Snapshotter, method: &'static str, r: &Result<T, Status>) {
-    s.counters.add(&format!("call/{method}"), 1);
+/// A method of containerd's snapshots API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Method {
+    Prepare,
+    View,
+    Mounts,
+    Commit,
+    Remove,
+    Stat,
+    Update,
+    List,
+    Usage,
+    Cleanup,
+}
+
+impl Method {
+    pub const ALL: [Method; 10] = [
+        Method::Prepare,
+        Method::View,
+        Method::Mounts,
+        Method::Commit,
+        Method::Remove,
+        Method::Stat,
+        Method::Update,
+        Method::List,
+        Method::Usage,
+        Method::Cleanup,
+    ];
+
+    /// Its name, as the API and the `method` label of the call metrics spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Prepare => "Prepare",
+            Method::View => "View",
+            Method::Mounts => "Mounts",
+            Method::Commit => "Commit",
+            Method::Remove => "Remove",
+            Method::Stat => "Stat",
+            Method::Update => "Update",
+            Method::List => "List",
+            Method::Usage => "Usage",
+            Method::Cleanup => "Cleanup",
+        }
+    }
+}
+
+/// A snapshots API call (`call/<method>` in the daemon's counters), or its failure
+/// (`call_error/<method>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    Made(Method),
+    Failed(Method),
+}
+
+impl Counted for Call {
+    fn key(&self) -> String {
+        match self {
+            Call::Made(m) => format!("call/{}", m.name()),
+            Call::Failed(m) => format!("call_error/{}", m.name()),
+        }
+    }
+}
+
+/// Counts a snapshots API call and, if it failed, the failure.
+fn count_call<T>(s: &Snapshotter, method: Method, r: &Result<T, Status>) {
+    s.counters.add(&Call::Made(method), 1);
     if let Err(e) = r {
         // AlreadyExists from Prepare is the remote-snapshot handshake, not a failure.
-        if !(method == "Prepare" && e.code() == tonic::Code::AlreadyExists) {
-            s.counters.add(&format!("call_error/{method}"), 1);
+        if !(method == Method::Prepare && e.code() == tonic::Code::AlreadyExists) {
+            s.counters.add(&Call::Failed(method), 1);
         }
     }
 }
@@ -77,14 +141,14 @@ type ListStream =
 impl SnapshotsService {
     async fn run<T: Send + 'static>(
         &self,
-        method: &'static str,
+        method: Method,
         f: impl FnOnce(Arc<Snapshotter>) -> crate::error::Result<T> + Send + 'static,
     ) -> Result<T, Status> {
         let s = Arc::clone(&self.snapshotter);
         let r = blocking(move || f(s)).await.map_err(Status::from);
         count_call(&self.snapshotter, method, &r);
         if let Err(e) = &r {
-            tracing::debug!(method, error = %e.message(), "snapshots call failed");
+            tracing::debug!(method = method.name(), error = %e.message(), "snapshots call failed");
         }
         r
     }
@@ -94,7 +158,7 @@ impl SnapshotsService {
     /// mountpoint is empty.
     async fn run_served<T: Send + 'static>(
         &self,
-        method: &'static str,
+        method: Method,
         under: &str,
         f: impl FnOnce(Arc<Snapshotter>) -> crate::error::Result<T> + Send + 'static,
     ) -> Result<T, Status> {
@@ -126,7 +190,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
                     req.key
                 ))),
             });
-        count_call(&self.snapshotter, "Prepare", &r);
+        count_call(&self.snapshotter, Method::Prepare, &r);
         Ok(Response::new(pb::PrepareSnapshotResponse {
             mounts: mounts(r?),
         }))
@@ -139,7 +203,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
         let req = request.into_inner();
         let parent = req.parent.clone();
         let m = self
-            .run_served("View", &parent, move |s| {
+            .run_served(Method::View, &parent, move |s| {
                 s.create(&req.key, &req.parent, Kind::View, sorted(req.labels))
             })
             .await?;
@@ -155,7 +219,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
         let key = request.into_inner().key;
         let under = key.clone();
         let m = self
-            .run_served("Mounts", &under, move |s| s.mounts(&key))
+            .run_served(Method::Mounts, &under, move |s| s.mounts(&key))
             .await?;
         Ok(Response::new(pb::MountsResponse { mounts: mounts(m) }))
     }
@@ -165,7 +229,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
         request: Request<pb::CommitSnapshotRequest>,
     ) -> Result<Response<()>, Status> {
         let req = request.into_inner();
-        self.run("Commit", move |s| {
+        self.run(Method::Commit, move |s| {
             s.commit(&req.name, &req.key, sorted(req.labels))
                 .map(|_| ())
         })
@@ -178,7 +242,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
         request: Request<pb::RemoveSnapshotRequest>,
     ) -> Result<Response<()>, Status> {
         let key = request.into_inner().key;
-        let unused = self.run("Remove", move |s| s.remove(&key)).await?;
+        let unused = self.run(Method::Remove, move |s| s.remove(&key)).await?;
         self.snapshotter
             .stop_unused(unused.into_iter().collect())
             .await
@@ -192,7 +256,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
     ) -> Result<Response<pb::StatSnapshotResponse>, Status> {
         let key = request.into_inner().key;
         let (key, r) = self
-            .run("Stat", move |s| s.stat(&key).map(|r| (key, r)))
+            .run(Method::Stat, move |s| s.stat(&key).map(|r| (key, r)))
             .await?;
         Ok(Response::new(pb::StatSnapshotResponse {
             info: Some(info(key, &r)),
@@ -209,7 +273,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
         };
         let paths = req.update_mask.map(|m| m.paths).unwrap_or_default();
         let (key, r) = self
-            .run("Update", move |s| {
+            .run(Method::Update, move |s| {
                 let labels = sorted(new.labels);
                 s.update(&new.name, &labels, &paths).map(|r| (new.name, r))
             })
@@ -227,7 +291,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
     ) -> Result<Response<Self::ListStream>, Status> {
         let filters = request.into_inner().filters;
         let infos = self
-            .run("List", move |s| {
+            .run(Method::List, move |s| {
                 let filters = filter::parse_all(&filters)?;
                 Ok(s.list()?
                     .into_iter()
@@ -259,7 +323,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
         request: Request<pb::UsageRequest>,
     ) -> Result<Response<pb::UsageResponse>, Status> {
         let key = request.into_inner().key;
-        let u = self.run("Usage", move |s| s.usage(&key)).await?;
+        let u = self.run(Method::Usage, move |s| s.usage(&key)).await?;
         Ok(Response::new(pb::UsageResponse {
             size: i64::try_from(u.size).unwrap_or(i64::MAX),
             inodes: i64::try_from(u.inodes).unwrap_or(i64::MAX),
@@ -267,7 +331,7 @@ impl pb::snapshots_server::Snapshots for SnapshotsService {
     }
 
     async fn cleanup(&self, _request: Request<pb::CleanupRequest>) -> Result<Response<()>, Status> {
-        let unused = self.run("Cleanup", |s| s.cleanup()).await?;
+        let unused = self.run(Method::Cleanup, |s| s.cleanup()).await?;
         self.snapshotter
             .stop_unused(unused)
             .await
@@ -426,8 +490,9 @@ impl mpb::manage_server::Manage for ManageService {
             decisions: self
                 .snapshotter
                 .counters
-                .with_prefix("decision/")
+                .counted(Outcome::all())
                 .into_iter()
+                .map(|(outcome, n)| (outcome.name(), n))
                 .collect(),
             snapshots: count,
             remote_layers: remote,

@@ -14,18 +14,17 @@ use prometheus_client::registry::Registry;
 
 use crate::engine::stats::METRICS;
 use crate::error::{Error, Result};
+use crate::registry::health::EndpointCounter;
+use crate::snapshotter::counters::EngineMetric;
 use crate::snapshotter::daemon::grpc::{disks, LISTED};
+use crate::snapshotter::daemon::grpc::{Call, Method};
 use crate::snapshotter::prepare::classify::Outcome;
-use crate::snapshotter::servers::supervisor::ServerEvents;
+use crate::snapshotter::servers::supervisor::ServerEvent;
 use crate::snapshotter::Snapshotter;
 
 type Labels = Vec<(&'static str, String)>;
 
 /// The snapshots API's methods, for per-method call counters.
-const METHODS: [&str; 10] = [
-    "Prepare", "View", "Mounts", "Commit", "Remove", "Stat", "Update", "List", "Usage", "Cleanup",
-];
-
 fn counter(value: u64) -> Counter {
     let c = Counter::default();
     c.inc_by(value);
@@ -63,7 +62,6 @@ pub async fn render(s: &Arc<Snapshotter>) -> Result<String> {
 /// and each registry endpoint's.
 fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     let decisions = Family::<Labels, Counter>::default();
-    let counted = s.counters.with_prefix("decision/");
     // Every outcome from zero: a first decision shows as an increase.
     for outcome in Outcome::all() {
         decisions
@@ -71,7 +69,7 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
                 ("decision", outcome.decision().to_string()),
                 ("reason", outcome.reason().to_string()),
             ])
-            .inc_by(counted.get(&outcome.name()).copied().unwrap_or(0));
+            .inc_by(s.counters.get(&outcome));
     }
     registry.register(
         "vmdisk_prepare_decisions",
@@ -82,14 +80,14 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
         Family::<Labels, Counter>::default(),
         Family::<Labels, Counter>::default(),
     );
-    for m in METHODS {
-        let labels = vec![("method", m.to_string())];
+    for m in Method::ALL {
+        let labels = vec![("method", m.name().to_string())];
         calls
             .get_or_create(&labels)
-            .inc_by(s.counters.get(&format!("call/{m}")));
+            .inc_by(s.counters.get(&Call::Made(m)));
         errors
             .get_or_create(&labels)
-            .inc_by(s.counters.get(&format!("call_error/{m}")));
+            .inc_by(s.counters.get(&Call::Failed(m)));
     }
     registry.register(
         "vmdisk_snapshot_calls",
@@ -102,13 +100,13 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
         errors,
     );
     for &(name, help, _) in METRICS {
-        registry.register(name, help, counter(s.counters.get(name)));
+        registry.register(name, help, counter(s.counters.get(&EngineMetric(name))));
     }
     let starts = Family::<Labels, Counter>::default();
-    for why in ["started", "restarted"] {
+    for why in [ServerEvent::Started, ServerEvent::Restarted] {
         starts
-            .get_or_create(&vec![("why", why.to_string())])
-            .inc_by(s.counters.get(&ServerEvents::counter(why)));
+            .get_or_create(&vec![("why", why.name().to_string())])
+            .inc_by(s.counters.get(&why));
     }
     registry.register(
         "vmdisk_mount_server_starts",
@@ -118,23 +116,25 @@ fn register_counters(registry: &mut Registry, s: &Snapshotter) {
     registry.register(
         "vmdisk_mount_servers_adopted",
         "Running mount servers a daemon took over from an earlier one (an update, the daemon's crash, the DaemonSet's pod replaced).",
-        counter(s.counters.get(&ServerEvents::counter("adopted"))),
+        counter(s.counters.get(&ServerEvent::Adopted)),
     );
     registry.register(
         "vmdisk_mount_server_give_ups",
         "Layers whose mount servers kept dying (5 times within 10 minutes): the daemon let their FUSE connections go, and their readers get I/O errors until the layer is served again.",
-        counter(s.counters.get(&ServerEvents::counter("given_up"))),
+        counter(s.counters.get(&ServerEvent::GivenUp)),
     );
-    for (what, help) in [
-        ("requests", "Requests sent to each registry endpoint (the registry, or a hosts.toml mirror) by the mount servers."),
-        ("failures", "Requests that failed at each registry endpoint (then went on to the next endpoint, or failed)."),
-        ("bytes", "Body bytes received from each registry endpoint by the mount servers."),
-    ] {
+    for what in EndpointCounter::ALL {
         let family = Family::<Labels, Counter>::default();
-        for (endpoint, v) in s.counters.with_prefix(&format!("endpoint/{what}/")) {
-            family.get_or_create(&vec![("endpoint", endpoint)]).inc_by(v);
+        for (endpoint, v) in s.counters.endpoints(what) {
+            family
+                .get_or_create(&vec![("endpoint", endpoint)])
+                .inc_by(v);
         }
-        registry.register(format!("vmdisk_registry_endpoint_{what}"), help, family);
+        registry.register(
+            format!("vmdisk_registry_endpoint_{}", what.name()),
+            what.help(),
+            family,
+        );
     }
 }
 

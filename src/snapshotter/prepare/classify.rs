@@ -162,9 +162,11 @@ impl Outcome {
             reason => format!("{}:{reason}", self.decision()),
         }
     }
+}
 
-    /// The name it is counted under: `decision/` and its [`Outcome::name`].
-    pub fn counter(self) -> String {
+/// Counted under `decision/` and its [`Outcome::name`].
+impl crate::snapshotter::counters::Counted for Outcome {
+    fn key(&self) -> String {
         format!("decision/{}", self.name())
     }
 }

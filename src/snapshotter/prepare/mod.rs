@@ -244,7 +244,7 @@ impl Snapshotter {
         let judged = match self.pulls.judge(labels).await {
             Ok(judged) => judged,
             Err(e) => {
-                self.counters.add(&Outcome::RefusedByPolicy.counter(), 1);
+                self.counters.add(&Outcome::RefusedByPolicy, 1);
                 tracing::warn!(error = %e.chain(), "the signature policy refuses the image; the pull fails");
                 return Err(e);
             }
@@ -257,14 +257,14 @@ impl Snapshotter {
                 {
                     Ok(served) => {
                         let outcome = Outcome::from(served);
-                        self.counters.add(&outcome.counter(), 1);
+                        self.counters.add(&outcome, 1);
                         let ms = started.elapsed().as_millis() as u64;
                         tracing::info!(%layer, %reference, outcome = outcome.decision(), ms, "layer is served lazily");
                         self.lazily_pulled.notify_one();
                         return Ok(true);
                     }
                     Err(e) => {
-                        self.counters.add(&Outcome::MountFailed.counter(), 1);
+                        self.counters.add(&Outcome::MountFailed, 1);
                         tracing::warn!(%layer, error = %e.chain(), "lazy mount failed; containerd pulls the layer normally");
                     }
                 }
@@ -275,14 +275,14 @@ impl Snapshotter {
                 candidate,
             } => {
                 if *candidate {
-                    self.counters.add(&Outcome::Fallback(*reason).counter(), 1);
+                    self.counters.add(&Outcome::Fallback(*reason), 1);
                     tracing::warn!(
                         reason = reason.as_str(),
                         detail,
                         "a published VM-disk layer is pulled normally"
                     );
                 } else {
-                    self.counters.add(&Outcome::Ordinary(*reason).counter(), 1);
+                    self.counters.add(&Outcome::Ordinary(*reason), 1);
                     tracing::info!(
                         reason = reason.as_str(),
                         detail,

@@ -14,6 +14,7 @@ use crate::api::vmdisk::v1 as pb;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
 use crate::oci::digest::Digest;
+use crate::registry::health;
 
 pub use pb::{
     BlobBytes, Credentials, EndpointCounters, Handover, HydrationState, LayerCounters, LayerStatus,
@@ -334,12 +335,33 @@ pub fn layer_counters(engine: &crate::engine::Engine) -> LayerCounters {
             .into_iter()
             .map(|(endpoint, c)| EndpointCounters {
                 endpoint,
-                requests: c.requests,
-                failures: c.failures,
-                bytes: c.bytes,
+                ..EndpointCounters::from(&c)
             })
             .collect(),
         ..engine.counters().into()
+    }
+}
+
+/// An endpoint's counters as the control protocol carries them (without the endpoint).
+impl From<&health::EndpointCounters> for EndpointCounters {
+    fn from(c: &health::EndpointCounters) -> Self {
+        EndpointCounters {
+            endpoint: String::new(),
+            requests: c.requests,
+            failures: c.failures,
+            bytes: c.bytes,
+        }
+    }
+}
+
+/// An endpoint's counters as a server reported them.
+impl From<&EndpointCounters> for health::EndpointCounters {
+    fn from(c: &EndpointCounters) -> Self {
+        health::EndpointCounters {
+            requests: c.requests,
+            failures: c.failures,
+            bytes: c.bytes,
+        }
     }
 }
 

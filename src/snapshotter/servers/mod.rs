@@ -139,8 +139,8 @@ impl Snapshotter {
 
     /// Writes the counters if they changed, off the async workers.
     pub async fn save_counters(self: &Arc<Self>) -> Result<()> {
-        for (name, n) in self.servers.take_events().counted() {
-            self.counters.add(&name, n);
+        for (event, n) in self.servers.take_events().counted() {
+            self.counters.add(&event, n);
         }
         let me = Arc::clone(self);
         blocking(move || me.counters.save()).await

@@ -106,20 +106,42 @@ pub struct ServerEvents {
 }
 
 impl ServerEvents {
-    /// The daemon's counter of servers started (`why`: "started" or "restarted") or adopted
-    /// ("adopted").
-    pub fn counter(what: &str) -> String {
-        format!("servers/{what}")
-    }
-
-    /// The daemon's counter names and values.
-    pub fn counted(&self) -> [(String, u64); 4] {
+    /// Each event's count.
+    pub fn counted(&self) -> [(ServerEvent, u64); 4] {
         [
-            (Self::counter("started"), self.started),
-            (Self::counter("restarted"), self.restarted),
-            (Self::counter("adopted"), self.adopted),
-            (Self::counter("given_up"), self.given_up),
+            (ServerEvent::Started, self.started),
+            (ServerEvent::Restarted, self.restarted),
+            (ServerEvent::Adopted, self.adopted),
+            (ServerEvent::GivenUp, self.given_up),
         ]
+    }
+}
+
+/// One of [`ServerEvents`]' counts, as the daemon counts it (`servers/<name>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServerEvent {
+    Started,
+    Restarted,
+    Adopted,
+    GivenUp,
+}
+
+impl ServerEvent {
+    /// Its name: `started`, `restarted` (the `why` of `vmdisk_mount_server_starts_total`),
+    /// `adopted`, `given_up`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ServerEvent::Started => "started",
+            ServerEvent::Restarted => "restarted",
+            ServerEvent::Adopted => "adopted",
+            ServerEvent::GivenUp => "given_up",
+        }
+    }
+}
+
+impl crate::snapshotter::counters::Counted for ServerEvent {
+    fn key(&self) -> String {
+        format!("servers/{}", self.name())
     }
 }
 
