@@ -24,11 +24,14 @@ APT_COMMANDS := containerd ctr runc docker-registry skopeo openssl qemu-img qemu
 # What `make demo` uses, and nothing more (the tests' list above installs these too): containerd
 # 1.6 (with ctr and runc), the registry, skopeo (the gzip containerDisk), qemu and its tools, the
 # kernel and initramfs the guest boots, the tools that build its disk, python3 and curl for the
-# script. No cargo tool, no other containerd, no conformance suite, no libvirt, no lintian.
+# script; and protobuf-compiler, which the build of the k8s-cri crate (the CRI API) runs (a
+# fresh machine without it fails the release build). No cargo tool, no other containerd, no
+# conformance suite, no libvirt, no lintian.
 DEMO_APT_PACKAGES := containerd docker-registry skopeo qemu-utils/bookworm qemu-system-x86 curl python3 \
-	busybox-static linux-image-amd64 initramfs-tools fdisk e2fsprogs ca-certificates tar gzip
+	busybox-static linux-image-amd64 initramfs-tools fdisk e2fsprogs ca-certificates tar gzip \
+	protobuf-compiler
 DEMO_APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io qemu-system-x86_64 curl \
-	python3 busybox sfdisk mkfs.ext4 gzip
+	python3 busybox sfdisk mkfs.ext4 gzip protoc
 
 # containerd 1.7 (Debian 13) and 2.1 (Debian unstable), unpacked beside Debian 12's 1.6 without
 # installing them (integration/debs.sh): the containerd matrix of the tests. The versions the
