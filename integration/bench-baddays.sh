@@ -331,7 +331,7 @@ if part replace; then
 {
   echo
   echo "the DaemonSet's pod replaced while a reader holds a disk's raw view open (1 MiB reads in order) and qemu-img compares it:"
-  cargo nextest run --locked --test integration -E 'test(/^daemonset::/)' --no-capture 2>&1 |
+  cargo nextest run --locked --test integration -E 'test(/^cases::daemonset::/)' --no-capture 2>&1 |
     grep -E "pod replaced in|the pod's replacement: the reader saw|the server's crash: the reader saw" | sed 's/^/  /'
 } | tee -a "$RESULTS"
 fi
@@ -343,7 +343,7 @@ if part crash; then
 {
   echo
   echo "a mount server killed while a reader holds the disk open (1 MiB reads; qemu-img compares it): its successor takes the FUSE connections over"
-  cargo nextest run --locked --test integration -E 'test(/^crash::/)' --no-capture 2>&1 |
+  cargo nextest run --locked --test integration -E 'test(/^cases::crash::/)' --no-capture 2>&1 |
     grep -E "the reader saw" | sed 's/^/  /'
 } | tee -a "$RESULTS"
 fi

@@ -2,7 +2,7 @@
 """Writes packaging/kubernetes/vmdisk-monitoring.yaml from vmdisk-alerts.yaml and
 vmdisk-dashboard.json (the one source of each): the alerts as a PrometheusRule (kube-prometheus,
 prometheus-operator) and the dashboard as a ConfigMap that kube-prometheus-stack's Grafana
-sidecar loads (label grafana_dashboard: "1"). integration/packages.rs checks the committed file
+sidecar loads (label grafana_dashboard: "1"). integration/cases/packages.rs checks the committed file
 is what this writes. Usage: kubernetes.py > packaging/kubernetes/vmdisk-monitoring.yaml"""
 import json
 import os

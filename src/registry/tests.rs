@@ -1,7 +1,7 @@
 //! The registry client against an in-process HTTP server (axum on loopback): retries, bearer
 //! authentication, upload resume and the body deadline, each with the server's side of the
 //! conversation checked. Paused tokio time stands in for the clock where a test waits on a
-//! deadline. The real registry (distribution) is exercised in `integration/publish.rs`.
+//! deadline. The real registry (distribution) is exercised in `integration/cases/publish.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -45,7 +45,7 @@ pub struct Config {
     pub cache: CacheConfig,
     pub registry: RegistrySettings,
     pub metrics: MetricsConfig,
-    pub cri: CriConfig,
+    pub cri: super::prepare::cri::CriConfig,
     pub containerd: ContainerdConfig,
     /// Signature policies every image (and seekable index) must satisfy before it is served
     /// ([`crate::policy`]); none by default.
@@ -70,34 +70,6 @@ impl Default for ContainerdConfig {
         ContainerdConfig {
             root: PathBuf::from("/var/lib/containerd"),
             plugin: "vmdisk".into(),
-        }
-    }
-}
-
-/// The CRI image-service proxy: kubelet's `--image-service-endpoint` points at it, so the
-/// credentials of each PullImage reach the lazy fetches of that image.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct CriConfig {
-    /// Socket to serve the CRI image service on (mode 0660); empty: off.
-    pub image_service_address: PathBuf,
-    /// containerd's CRI socket, where every call is forwarded unchanged.
-    pub containerd_address: PathBuf,
-    /// Seconds the credentials of a PullImage that succeeded are kept (in memory only) for
-    /// the lazy fetches of that image and its namespace's disks; each such pull renews them.
-    pub credentials_ttl: u64,
-    /// When a namespace is served what the node already holds of an image
-    /// (`never`, `if-private`, `always`; [`super::prepare::tenants::Verification`]).
-    pub verify_pulled_images: super::prepare::tenants::Verification,
-}
-
-impl Default for CriConfig {
-    fn default() -> Self {
-        CriConfig {
-            image_service_address: PathBuf::new(),
-            containerd_address: PathBuf::from("/run/containerd/containerd.sock"),
-            credentials_ttl: 12 * 3600,
-            verify_pulled_images: super::prepare::tenants::Verification::IfPrivate,
         }
     }
 }
@@ -174,7 +146,7 @@ impl Default for Config {
             cache: CacheConfig::default(),
             registry: RegistrySettings::default(),
             metrics: MetricsConfig::default(),
-            cri: CriConfig::default(),
+            cri: super::prepare::cri::CriConfig::default(),
             containerd: ContainerdConfig::default(),
             signatures: crate::policy::PolicyFiles::default(),
         }

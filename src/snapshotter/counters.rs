@@ -15,10 +15,10 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::api::vmdisk::v1::LayerCounters;
 use crate::engine::stats::{StatsSnapshot, METRICS};
 use crate::error::{Error, Result};
 use crate::registry::health::{EndpointCounter, EndpointCounters};
-use crate::snapshotter::servers::control::LayerCounters;
 
 /// A counter of the daemon's, by the name its total is kept under (in `counters.json`, so
 /// names never change): each kind of counter says its own once, where it is defined (a
@@ -247,13 +247,13 @@ mod tests {
         let c = Counters::load(&dir.path().join("counters.json"));
         let report = |mirror_requests: u64, origin_requests: u64| LayerCounters {
             endpoints: vec![
-                crate::snapshotter::servers::control::EndpointCounters {
+                crate::api::vmdisk::v1::EndpointCounters {
                     endpoint: "http://mirror:5001".into(),
                     requests: mirror_requests,
                     failures: 1,
                     bytes: 10,
                 },
-                crate::snapshotter::servers::control::EndpointCounters {
+                crate::api::vmdisk::v1::EndpointCounters {
                     endpoint: "http://origin:5000".into(),
                     requests: origin_requests,
                     failures: 0,

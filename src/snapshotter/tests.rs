@@ -1,7 +1,7 @@
 //! The Prepare decision without root, network or processes: an in-memory registry behind the
 //! [`Registry`] seam and a recording [`Supervisor`]. What each outcome does to the store and
 //! the counters is checked here; the real thing (containerd, FUSE, mount servers) is checked
-//! in `integration/snapshotter.rs`.
+//! in `integration/cases/snapshotter.rs`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

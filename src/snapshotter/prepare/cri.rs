@@ -10,12 +10,14 @@
 //! nothing. Nothing of them is logged or written to disk.
 
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_cri::v1 as cri;
 use k8s_cri::v1::image_service_client::ImageServiceClient;
 use k8s_cri::v1::image_service_server::{ImageService, ImageServiceServer};
+use serde::Deserialize;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
@@ -23,8 +25,35 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::oci::digest::Digest;
 use crate::oci::reference::Reference;
 use crate::registry::auth::Credential;
-use crate::snapshotter::config::CriConfig;
 use crate::snapshotter::Snapshotter;
+
+/// The CRI image-service proxy: kubelet's `--image-service-endpoint` points at it, so the
+/// credentials of each PullImage reach the lazy fetches of that image.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CriConfig {
+    /// Socket to serve the CRI image service on (mode 0660); empty: off.
+    pub image_service_address: PathBuf,
+    /// containerd's CRI socket, where every call is forwarded unchanged.
+    pub containerd_address: PathBuf,
+    /// Seconds the credentials of a PullImage that succeeded are kept (in memory only) for
+    /// the lazy fetches of that image and its namespace's disks; each such pull renews them.
+    pub credentials_ttl: u64,
+    /// When a namespace is served what the node already holds of an image
+    /// (`never`, `if-private`, `always`; [`super::tenants::Verification`]).
+    pub verify_pulled_images: super::tenants::Verification,
+}
+
+impl Default for CriConfig {
+    fn default() -> Self {
+        CriConfig {
+            image_service_address: PathBuf::new(),
+            containerd_address: PathBuf::from("/run/containerd/containerd.sock"),
+            credentials_ttl: 12 * 3600,
+            verify_pulled_images: super::tenants::Verification::IfPrivate,
+        }
+    }
+}
 
 /// Deadline of a forwarded `PullImage` (an ordinary multi-GiB image can take this long).
 const PULL_DEADLINE: Duration = Duration::from_secs(3600);

@@ -12,7 +12,7 @@ use vmdisk::view::file::LocalFile;
 use vmdisk::view::qcow2::Qcow2View;
 use vmdisk::view::DiskView;
 
-use crate::harness::*;
+use crate::fixtures::harness::*;
 
 /// A local image that answers from its "cache" only what was read or prefetched before, and
 /// records what was asked of it.

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::harness::*;
-use crate::mount::{assert_same_range, random_raw_image, rng};
+use crate::fixtures::harness::*;
+use crate::fixtures::images::{assert_same_range, random_raw_image, rng};
 
 const CHUNK: u64 = 256 << 10;
 
@@ -250,19 +250,20 @@ fn a_full_cache_disk_still_answers_every_read_with_the_right_bytes() {
 fn disks_on_a_full_cache_share_one_memory_budget() {
     let scratch = Scratch::new();
     let size: u64 = 48 << 20;
-    let reg = crate::harness::Registry::start(&scratch);
+    let reg = crate::fixtures::harness::Registry::start(&scratch);
     let disks: Vec<(PathBuf, String)> = (0..2u64)
         .map(|i| {
             let disk = scratch.path(&format!("d{i}.raw"));
             random_file(&disk, size, 40 + i);
-            let reference = crate::mount::push_raw(&reg.host(), &format!("vm/full{i}:1"), &disk);
+            let reference =
+                crate::fixtures::images::push_raw(&reg.host(), &format!("vm/full{i}:1"), &disk);
             (disk, reference)
         })
         .collect();
     let cache = scratch.path("cache");
     let _fs = Tmpfs::mount(&cache, "8m");
     let budget: u64 = 24 << 20;
-    let daemon = crate::cri::Daemon::start(
+    let daemon = crate::fixtures::cri::Daemon::start(
         &scratch,
         &format!(
             "[cache]\ndir = \"{}\"\nhydrate = \"off\"\nmemory_budget = \"24M\"\n",
@@ -391,7 +392,7 @@ fn crashes_during_hydration_never_leave_a_wrong_byte() {
     );
     let disk = scratch.path("d.raw");
     random_file(&disk, 64 << 20, 25);
-    let reference = crate::mount::push_raw(&proxy.host(), "vm/crash20:1", &disk);
+    let reference = crate::fixtures::images::push_raw(&proxy.host(), "vm/crash20:1", &disk);
     let original = std::fs::File::open(&disk).unwrap();
     let (cache, mnt) = (scratch.path("cache"), scratch.path("mnt"));
     let mut next = rng(25);
@@ -429,7 +430,7 @@ fn crashes_during_hydration_never_leave_a_wrong_byte() {
 fn by_default_a_disk_outlives_its_registry_soon_after_its_boot() {
     let scratch = Scratch::new();
     let (reg, disk, reference) = random_raw_image(&scratch, 32 << 20, 26, "vm/outlive:1");
-    let daemon = crate::cri::Daemon::start(&scratch, "");
+    let daemon = crate::fixtures::cri::Daemon::start(&scratch, "");
     let path = daemon.vmdisk_ok(&["path", &reference]);
     let original = std::fs::File::open(&disk).unwrap();
     // A "boot": a few scattered reads.
@@ -437,7 +438,7 @@ fn by_default_a_disk_outlives_its_registry_soon_after_its_boot() {
     for at in [0, 7 << 20, 19 << 20] {
         assert_same_range(&mounted, &original, at, 64 << 10);
     }
-    let needed = |daemon: &crate::cri::Daemon| -> i64 {
+    let needed = |daemon: &crate::fixtures::cri::Daemon| -> i64 {
         let ls: serde_json::Value =
             serde_json::from_str(&daemon.vmdisk_ok(&["ls", "--json"])).unwrap();
         ls[0]["registry_needed_since"].as_i64().unwrap()
@@ -480,7 +481,7 @@ fn bytes_flipped_in_the_cache_never_reach_the_raw_view() {
     qemu_img_raw(&qcow2, &raw);
     let reference = format!("{}/vm/rawdamage:1", reg.host());
     vmdisk_ok(&["push", qcow2.to_str().unwrap(), &reference]);
-    let mut daemon = crate::cri::Daemon::start(&scratch, "[cache]\nhydrate = \"off\"\n");
+    let mut daemon = crate::fixtures::cri::Daemon::start(&scratch, "[cache]\nhydrate = \"off\"\n");
     let out = daemon.vmdisk_ok(&["prefetch", "--wait", &reference]);
     assert!(out.contains("chunks cached"), "{out}");
     let path = daemon.vmdisk_ok(&["path", "--raw", &reference]);
@@ -492,7 +493,7 @@ fn bytes_flipped_in_the_cache_never_reach_the_raw_view() {
     std::thread::sleep(Duration::from_millis(1500));
     let pid = daemon.disks()[0].server_pid;
     daemon.kill();
-    crate::cri::run_quiet("kill", &["-KILL", &pid.to_string()]);
+    crate::fixtures::cri::run_quiet("kill", &["-KILL", &pid.to_string()]);
     std::thread::sleep(Duration::from_millis(300));
     let data = layer_dir(&daemon.root.join("cache")).join("data/0");
     flip(&data, &[70_000, 5 << 20, (20 << 20) + 3]);
@@ -511,7 +512,7 @@ fn bytes_flipped_in_the_cache_never_reach_the_raw_view() {
         .unwrap()
         .flatten()
         .filter_map(|s| {
-            crate::cri::rt()
+            crate::fixtures::cri::rt()
                 .block_on(vmdisk::snapshotter::servers::control::status(&s.path()))
                 .ok()
         })

@@ -6,8 +6,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::cri::{run_quiet, Daemon};
-use crate::harness::{
+use crate::fixtures::cri::{run_quiet, Daemon};
+use crate::fixtures::harness::{
     assert_served_through, guest_bytes, read_through, ReaderSaw, Registry, Scratch,
 };
 
@@ -20,7 +20,7 @@ fn kill_server(daemon: &Daemon) -> u32 {
     let pids = daemon.server_pids();
     assert_eq!(pids.len(), 1, "one server: {pids:?}");
     // Reads from here on reach the server, not the page cache.
-    crate::harness::drop_caches();
+    crate::fixtures::harness::drop_caches();
     run_quiet("kill", &["-KILL", &pids[0].to_string()]);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -50,7 +50,7 @@ fn assert_quick(what: &str, saw: &ReaderSaw) {
 /// A daemon (with a deep root) serving the raw view of a published 8 MiB-data qcow2 disk; the
 /// view's path and a file of the bytes it must show.
 fn served_raw_view(scratch: &Scratch, extra: &str) -> (Registry, Daemon, PathBuf, PathBuf) {
-    let (reg, disk) = crate::snapshotter::registry_with_images(scratch, 8);
+    let (reg, disk) = crate::fixtures::images::registry_with_images(scratch, 8);
     // A root as deep as k3s nests it: the servers' sockets (`<root>/fds/<key>.sock` among them)
     // are longer than a socket address holds.
     let daemon = Daemon::start_in(scratch, &"long-root-".repeat(6), extra);
@@ -68,7 +68,7 @@ fn passthrough_opens(daemon: &Daemon) -> u64 {
         .next()
         .expect("a server's socket")
         .path();
-    let status = crate::cri::rt()
+    let status = crate::fixtures::cri::rt()
         .block_on(vmdisk::snapshotter::servers::control::status(&socket))
         .unwrap();
     status.counters.map_or(0, |c| c.passthrough_opens)
@@ -119,7 +119,7 @@ fn a_servers_crash_under_a_read_raw_view_costs_its_readers_nothing() {
 #[test]
 fn reads_in_flight_when_the_server_dies_are_answered_by_its_successor() {
     let scratch = Scratch::new();
-    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
+    let (reg, disk) = crate::fixtures::images::registry_with_images(&scratch, 8);
     // Nothing is fetched but what is read.
     let daemon = Daemon::start(&scratch, "[cache]\nhydrate = \"off\"\n");
     let image = format!("{}/disk:1", reg.host());
@@ -169,7 +169,7 @@ fn reads_in_flight_when_the_server_dies_are_answered_by_its_successor() {
 #[test]
 fn a_passthrough_reader_and_new_opens_survive_the_servers_crash() {
     let scratch = Scratch::new();
-    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
+    let (reg, disk) = crate::fixtures::images::registry_with_images(&scratch, 8);
     let daemon = Daemon::start(&scratch, "");
     let image = format!("{}/disk:1", reg.host());
     let path = PathBuf::from(daemon.vmdisk_ok(&["path", &image]).trim());
@@ -192,8 +192,8 @@ fn a_passthrough_reader_and_new_opens_survive_the_servers_crash() {
     assert_served_through("a passthrough reader across a crash", &saw, &qemu);
     assert_quick("a passthrough reader across a crash", &saw);
     assert_eq!(
-        crate::harness::sha256_file(&path),
-        crate::harness::sha256_file(&want_file),
+        crate::fixtures::harness::sha256_file(&path),
+        crate::fixtures::harness::sha256_file(&want_file),
         "a new open after the takeover reads the disk"
     );
 }
@@ -233,7 +233,7 @@ fn a_layer_whose_servers_keep_dying_is_given_up_with_a_clear_error() {
         file.read_at(&mut buf, 5 << 20).is_err(),
         "a read of the given-up mount fails"
     );
-    let scraped = crate::daemon::scrape(&metrics);
+    let scraped = crate::fixtures::node::scrape(&metrics);
     assert!(
         scraped.contains("vmdisk_mount_server_give_ups_total 1"),
         "{scraped}"
@@ -247,7 +247,7 @@ fn a_layer_whose_servers_keep_dying_is_given_up_with_a_clear_error() {
 fn a_server_killed_by_its_cgroups_memory_limit_is_succeeded() {
     let scratch = Scratch::new();
     let cgroup = format!("vmdisk-oom-{}", std::process::id());
-    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 64);
+    let (reg, disk) = crate::fixtures::images::registry_with_images(&scratch, 64);
     let daemon = Daemon::start_top(
         &scratch,
         &format!("server_cgroup = \"/{cgroup}\"\n"),

@@ -10,28 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::harness::*;
-
-/// The directory of the binaries under test (target/debug or target/release).
-pub(crate) fn bin_dir() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_vmdisk-snapshotter"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Runs `packaging/<script>` with `args` (it must succeed); the last line it printed.
-pub(crate) fn packaging(script: &str, args: &[&str]) -> String {
-    let out = run(
-        repo().join("packaging").join(script).to_str().unwrap(),
-        args,
-    );
-    String::from_utf8(out).unwrap().trim().to_string()
-}
+use crate::fixtures::harness::*;
+use crate::fixtures::node::{bin_dir, packaging, repo, yaml_documents};
 
 fn dpkg_installed(package: &str) -> bool {
     Command::new("dpkg-query")
@@ -62,7 +42,7 @@ impl Drop for Installed {
 /// through it; purging the package leaves that containerd running.
 #[test]
 fn the_deb_passes_lintian_installs_serves_containerd_and_leaves_it_running() {
-    use crate::cri::{CriContainerd, Release};
+    use crate::fixtures::cri::{CriContainerd, Release};
     require("dpkg-deb");
     require("lintian");
     assert!(
@@ -216,19 +196,19 @@ fn the_deb_passes_lintian_installs_serves_containerd_and_leaves_it_running() {
     let reg = Registry::start(&scratch);
     let pause = format!("{}/pause:1", reg.host());
     let image = scratch.path("pause");
-    crate::cri::busybox_layout(&image, &["/bin/sleep", "2147483647"]);
+    crate::fixtures::cri::busybox_layout(&image, &["/bin/sleep", "2147483647"]);
     skopeo_push(&image, &pause, &[]);
     let dir = scratch.path("ctd");
     let certs = dir.join("certs.d");
-    crate::cri::plain_http_host(&certs, &reg.host());
+    crate::fixtures::cri::plain_http_host(&certs, &reg.host());
     let config = dir.join("config.toml");
     std::fs::write(
         &config,
-        crate::matrix::node_config(Release::V1_6, &dir, &pause, &certs),
+        crate::fixtures::node::node_config(Release::V1_6, &dir, &pause, &certs),
     )
     .unwrap();
     let mut ctd = CriContainerd::start_config(&scratch, Release::V1_6);
-    let before = crate::matrix::cri_config(&ctd);
+    let before = crate::fixtures::node::cri_config(&ctd);
     let out = Command::new("/usr/bin/vmdisk")
         .args([
             "containerd-config",
@@ -246,7 +226,7 @@ fn the_deb_passes_lintian_installs_serves_containerd_and_leaves_it_running() {
         String::from_utf8_lossy(&out.stderr)
     );
     ctd.restart();
-    let after = crate::matrix::cri_config(&ctd);
+    let after = crate::fixtures::node::cri_config(&ctd);
     for pointer in [
         "/containerd/runtimes/runc/options/SystemdCgroup",
         "/sandboxImage",
@@ -281,8 +261,8 @@ fn the_deb_passes_lintian_installs_serves_containerd_and_leaves_it_running() {
 }
 
 /// containerd's CRI answers `Version`.
-fn rt_version(ctd: &crate::cri::CriContainerd) {
-    crate::cri::rt().block_on(async {
+fn rt_version(ctd: &crate::fixtures::cri::CriContainerd) {
+    crate::fixtures::cri::rt().block_on(async {
         ctd.runtime()
             .await
             .expect("containerd's socket")
@@ -290,19 +270,6 @@ fn rt_version(ctd: &crate::cri::CriContainerd) {
             .await
             .expect("containerd answers after vmdisk was purged");
     });
-}
-
-/// The YAML documents of `file`, as JSON values.
-pub(crate) fn yaml_documents(file: &Path) -> Vec<serde_json::Value> {
-    let out = run(
-        "python3",
-        &[
-            "-c",
-            "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))",
-            file.to_str().unwrap(),
-        ],
-    );
-    serde_json::from_slice(&out).unwrap()
 }
 
 /// Whether `path` is `dir` or under it.

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::cri::Daemon;
-use crate::harness::*;
+use crate::fixtures::cri::Daemon;
+use crate::fixtures::harness::*;
 
 /// A TCP listener on loopback that accepts every connection and never answers.
 fn silent_tcp() -> u16 {

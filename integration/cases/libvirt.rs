@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::boot::{bootable_qcow2, kernel};
-use crate::cri::Daemon;
-use crate::harness::*;
+use crate::fixtures::cri::Daemon;
+use crate::fixtures::guest::{bootable_qcow2, kernel};
+use crate::fixtures::harness::*;
 
 /// `virsh -c qemu:///system ARGS`: its stdout, or a panic with its stderr.
 fn virsh(args: &[&str]) -> String {

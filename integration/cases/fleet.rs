@@ -15,8 +15,9 @@ use std::time::Duration;
 
 use sha2::{Digest as _, Sha256};
 
-use crate::cri::Daemon;
-use crate::harness::*;
+use crate::fixtures::cri::Daemon;
+use crate::fixtures::harness::*;
+use crate::fixtures::node::hosts_dir;
 
 /// Every sample of a metrics scrape whose series starts with `prefix`, by series.
 fn samples(text: &str, prefix: &str) -> BTreeMap<String, u64> {
@@ -28,7 +29,7 @@ fn samples(text: &str, prefix: &str) -> BTreeMap<String, u64> {
 }
 
 fn scrape(daemon: &Daemon) -> String {
-    crate::daemon::scrape(&daemon.root.parent().unwrap().join("metrics.sock"))
+    crate::fixtures::node::scrape(&daemon.root.parent().unwrap().join("metrics.sock"))
 }
 
 /// A daemon named `name` whose `hosts.toml` for `registry` lists `mirror` (if any) before the
@@ -107,21 +108,6 @@ fn wait_until_it_serves_ranges(registry: &Registry, digest: &str) {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-}
-
-/// A hosts.toml directory (for `--hosts-dir`) in which `registry` lists `mirror` before itself
-/// (one per mirror).
-pub(crate) fn hosts_dir(scratch: &Scratch, registry: &str, mirror: &str) -> std::path::PathBuf {
-    let hosts = scratch.path(&format!("hosts.d-{}", mirror.replace(':', "-")));
-    std::fs::create_dir_all(hosts.join(registry)).unwrap();
-    std::fs::write(
-        hosts.join(registry).join("hosts.toml"),
-        format!(
-            "server = \"http://{registry}\"\n[host.\"http://{mirror}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
-        ),
-    )
-    .unwrap();
-    hosts
 }
 
 /// Node `n`, as the snapshotter runs one by default (background hydration at 50 MB/s): a
@@ -558,7 +544,7 @@ fn a_fleet_behind_the_shipped_slice_cache_costs_the_origin_what_one_node_does() 
 fn a_fleet_behind_the_slice_cache_of_an_origin_that_wants_tokens_costs_it_the_blob_once() {
     const NODES: usize = 6;
     let scratch = Scratch::new();
-    let tokens = crate::token::TokenServer::start(&scratch, "fleet", "secret");
+    let tokens = crate::fixtures::token::TokenServer::start(&scratch, "fleet", "secret");
     let origin = tokens.registry(&scratch);
     let to_cache = FaultProxy::counting(origin.port);
     let to_nodes = FaultProxy::counting(origin.port);
@@ -804,7 +790,7 @@ fn a_fleet_behind_the_slice_cache_of_a_redirecting_origin_costs_the_blob_host_wh
     let scratch = Scratch::new();
     let origin = Registry::start(&scratch);
     let (disk, _) = random_disk(&scratch, &origin, "vm/cdn", 21);
-    let cdn = crate::redirects::CdnRegistry::start(
+    let cdn = crate::fixtures::cdn::CdnRegistry::start(
         &origin,
         &origin.root.join("data"),
         Duration::from_secs(60),

@@ -11,8 +11,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::cri::Release;
-use crate::harness::*;
+use crate::fixtures::cri::Release;
+use crate::fixtures::harness::*;
 
 /// The suite's test binary for `release`, built once per checkout of its source.
 fn suite_binary(release: Release) -> PathBuf {

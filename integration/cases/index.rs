@@ -2,74 +2,20 @@
 //! uncompressed one, an index in another repository, and indexes that lie. The real registry,
 //! containerd 1.6's CRI through vmdisk-snapshotter, FUSE and qemu.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use crate::boot::{boot, bootable_qcow2};
-use crate::cri::{container_output, rt, CriContainerd, Daemon};
-use crate::harness::{
+use crate::fixtures::cri::{container_output, rt, CriContainerd, Daemon};
+use crate::fixtures::guest::boot;
+use crate::fixtures::harness::{
     oci_layout, run, sha256_file, skopeo_push, vmdisk, vmdisk_ok, FaultProxy, Layer, Registry,
     Scratch,
 };
+use crate::fixtures::images::{
+    bootable_raw, client, manifest_digest, pause_image, push_layout_as_is, wait_verified,
+};
 use vmdisk::format::seekable;
 use vmdisk::oci::reference::Reference;
-use vmdisk::registry::{RegistryClient, RegistryConfig};
-
-fn client() -> RegistryClient {
-    RegistryClient::new(RegistryConfig::default()).unwrap()
-}
-
-/// The manifest digest `image` names now.
-pub fn manifest_digest(image: &str) -> String {
-    let r: Reference = image.parse().unwrap();
-    rt().block_on(client().get_manifest(&r))
-        .unwrap()
-        .digest
-        .to_string()
-}
-
-/// A raw disk of `size` holding the bootable test guest.
-pub fn bootable_raw(dir: &Path, size: &str) -> PathBuf {
-    let qcow2 = bootable_qcow2(dir, 16);
-    let raw = dir.join("disk.img");
-    let (q, r) = (qcow2.to_str().unwrap(), raw.to_str().unwrap());
-    run("qemu-img", &["convert", "-O", "raw", q, r]);
-    run("qemu-img", &["resize", "-q", "-f", "raw", r, size]);
-    std::fs::remove_file(qcow2).unwrap();
-    raw
-}
-
-/// Pushes the OCI layout `layout` to `dest` as it is (an uncompressed layer stays so; skopeo
-/// would compress it).
-pub(crate) fn push_layout_as_is(layout: &Path, dest: &str) {
-    let r: Reference = dest.parse().unwrap();
-    let index: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();
-    let blob = |d: &str| {
-        std::fs::read(
-            layout
-                .join("blobs/sha256")
-                .join(d.trim_start_matches("sha256:")),
-        )
-        .unwrap()
-    };
-    let manifest_digest = index["manifests"][0]["digest"].as_str().unwrap();
-    let manifest = blob(manifest_digest);
-    let m: serde_json::Value = serde_json::from_slice(&manifest).unwrap();
-    let c = client();
-    rt().block_on(async {
-        let layers = m["layers"].as_array().unwrap().iter();
-        for d in layers.chain([&m["config"]]) {
-            let digest = d["digest"].as_str().unwrap();
-            c.push_blob(&r, &digest.parse().unwrap(), blob(digest).into())
-                .await
-                .unwrap();
-        }
-        c.put_manifest(&r, r.tag.as_deref(), vmdisk::oci::OCI_MANIFEST, manifest)
-            .await
-            .unwrap();
-    });
-}
 
 /// Container `compute` of a new pod reads `/disk/<file>` in full; its sha256.
 fn kubevirt_reads(
@@ -98,30 +44,6 @@ fn kubevirt_reads(
         .and_then(|l| l.split_whitespace().next())
         .unwrap_or("-");
     format!("sha256:{sum}")
-}
-
-/// Waits until the daemon's one disk has been checked whole against its diff_id.
-pub fn wait_verified(daemon: &Daemon) -> String {
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let disks = daemon.disks();
-        let integrity = disks
-            .first()
-            .map(|d| d.integrity.clone())
-            .unwrap_or_default();
-        if integrity != "pending" || std::time::Instant::now() > deadline {
-            return integrity;
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
-}
-
-pub fn pause_image(reg: &Registry, scratch: &Scratch) -> String {
-    let pause = scratch.path("pause");
-    crate::cri::busybox_layout(&pause, &["/bin/sleep", "2147483647"]);
-    let image = format!("{}/pause:1", reg.host());
-    skopeo_push(&pause, &image, &[]);
-    image
 }
 
 /// The main case: a 1 GiB gzip containerDisk pushed by skopeo, indexed, pulled through
@@ -214,7 +136,7 @@ fn an_index_in_another_repository_and_an_uncompressed_layer_load_lazily() {
     let scratch = Scratch::new();
     let reg = Registry::start(&scratch);
     let disk = scratch.path("disk.img");
-    crate::harness::random_file(&disk, 48 << 20, 11);
+    crate::fixtures::harness::random_file(&disk, 48 << 20, 11);
     run("truncate", &["-s", "256M", disk.to_str().unwrap()]);
     let want = sha256_file(&disk);
     let layout = scratch.path("layout");
@@ -224,7 +146,7 @@ fn an_index_in_another_repository_and_an_uncompressed_layer_load_lazily() {
     // Another disk for the uncompressed image: with the same tar, containerd would find the
     // gzip image's snapshot (same diff_id) and unpack nothing.
     let plain = scratch.path("plain.img");
-    crate::harness::random_file(&plain, 40 << 20, 12);
+    crate::fixtures::harness::random_file(&plain, 40 << 20, 12);
     run("truncate", &["-s", "128M", plain.to_str().unwrap()]);
     let layout = scratch.path("layout-tar");
     oci_layout(&layout, &plain, "disk/disk.img", Layer::Tar, "amd64");
@@ -295,13 +217,13 @@ fn corrupted_or_mismatched_indexes_never_serve_wrong_bytes() {
     let reg = Registry::start(&scratch);
     let disk = scratch.path("a/disk.img");
     std::fs::create_dir_all(scratch.path("a")).unwrap();
-    crate::harness::random_file(&disk, 24 << 20, 3);
+    crate::fixtures::harness::random_file(&disk, 24 << 20, 3);
     let layout = scratch.path("layout");
     oci_layout(&layout, &disk, "disk/disk.img", Layer::Tar, "amd64");
     let a = format!("{}/vm/a:1", reg.host());
     skopeo_push(&layout, &a, &["--dest-compress-format", "gzip"]);
     let other = scratch.path("b.img");
-    crate::harness::random_file(&other, 24 << 20, 4);
+    crate::fixtures::harness::random_file(&other, 24 << 20, 4);
     let layout = scratch.path("layout-b");
     oci_layout(&layout, &other, "disk/disk.img", Layer::Tar, "amd64");
     let b = format!("{}/vm/b:1", reg.host());
@@ -419,8 +341,8 @@ fn an_estargz_containerdisk_reads_lazily_and_identically() {
     let scratch = Scratch::new();
     let reg = Registry::start(&scratch);
     let disk = scratch.path("disk.qcow2");
-    crate::harness::make_qcow2(&disk, "1G", &[(0, 2 << 20, 0x21)]);
-    crate::harness::write_random(&disk, 100 << 20, 24 << 20, 21);
+    crate::fixtures::harness::make_qcow2(&disk, "1G", &[(0, 2 << 20, 0x21)]);
+    crate::fixtures::harness::write_random(&disk, 100 << 20, 24 << 20, 21);
     let content = std::fs::read(&disk).unwrap();
     let vmdisk_testing::estargz::Layer {
         blob,
@@ -428,7 +350,7 @@ fn an_estargz_containerdisk_reads_lazily_and_identically() {
         diff_id,
     } = vmdisk_testing::estargz::layer(&[("disk/disk.qcow2", content)], 1 << 20);
     let layout = scratch.path("layout");
-    crate::harness::write_layout(
+    crate::fixtures::harness::write_layout(
         &layout,
         &[(
             blob,

@@ -7,65 +7,11 @@
 
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::harness::*;
-use crate::mount::{random_raw_image, rng};
-
-/// A registry front that redirects blobs to a blob host, serving `storage`, in front of
-/// `origin`; both on loopback ports of their own, served by a runtime of its own.
-pub(crate) struct CdnRegistry {
-    pub cdn: Arc<vmdisk_testing::cdn::Cdn>,
-    pub front_port: u16,
-    _runtime: tokio::runtime::Runtime,
-}
-
-impl CdnRegistry {
-    /// Starts one whose signed URLs are good for `lifetime`.
-    pub(crate) fn start(origin: &Registry, storage: &std::path::Path, lifetime: Duration) -> Self {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (cdn, front_port) = runtime.block_on(async {
-            let front = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let blobs = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let (front_port, blob_port) = (
-                front.local_addr().unwrap().port(),
-                blobs.local_addr().unwrap().port(),
-            );
-            let options = vmdisk_testing::cdn::Options {
-                origin: origin.url(""),
-                storage: storage.to_path_buf(),
-                blob_url: format!("http://127.0.0.1:{blob_port}"),
-                lifetime,
-            };
-            (
-                vmdisk_testing::cdn::Cdn::start(options, front, blobs),
-                front_port,
-            )
-        });
-        CdnRegistry {
-            cdn,
-            front_port,
-            _runtime: runtime,
-        }
-    }
-
-    /// Where clients reach the registry (the front).
-    pub(crate) fn host(&self) -> String {
-        format!("127.0.0.1:{}", self.front_port)
-    }
-
-    pub(crate) fn count(
-        &self,
-        counter: impl Fn(&vmdisk_testing::cdn::Counts) -> &std::sync::atomic::AtomicU64,
-    ) -> u64 {
-        counter(&self.cdn.counts).load(Ordering::SeqCst)
-    }
-}
+use crate::fixtures::cdn::CdnRegistry;
+use crate::fixtures::harness::*;
+use crate::fixtures::images::{random_raw_image, rng};
 
 /// What a reader saw of a mounted disk.
 struct Reads {
@@ -207,7 +153,7 @@ fn a_redirect_from_https_to_plain_http_is_refused() {
         reg.host()
     );
     let (front, ca) = reg.tls_front_with(&scratch, &middleware);
-    crate::cri::https_host(&scratch.path("hosts"), &front.host());
+    crate::fixtures::cri::https_host(&scratch.path("hosts"), &front.host());
     let out = vmdisk_env(
         &[
             "inspect",
@@ -270,7 +216,8 @@ fn a_blob_host_that_lies_is_never_believed() {
 #[test]
 fn tokens_and_blob_urls_that_expire_mid_read_cost_no_read() {
     let scratch = Scratch::new();
-    let tokens = crate::token::TokenServer::start_for(&scratch, &[("reader", "secret")], 3);
+    let tokens =
+        crate::fixtures::token::TokenServer::start_for(&scratch, &[("reader", "secret")], 3);
     let origin = tokens.registry(&scratch);
     let cdn = CdnRegistry::start(&origin, &origin.root.join("data"), Duration::from_secs(2));
     let auth = docker_config(scratch.dir.path(), &cdn.host(), "reader", "secret");
@@ -348,7 +295,7 @@ fn parallel_misses_share_an_http2_connection_to_a_tls_registry() {
         "the TLS registry does not offer HTTP/2"
     );
     let counted = FaultProxy::counting(front.port);
-    crate::cri::https_host(&scratch.path("hosts"), &counted.host());
+    crate::fixtures::cri::https_host(&scratch.path("hosts"), &counted.host());
     let mount = Mount::start_env(
         &format!("{}/vm/h2:1", counted.host()),
         &scratch.path("cache"),

@@ -4,70 +4,8 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::harness::*;
-
-pub(crate) fn rng(seed: u64) -> impl FnMut() -> u64 {
-    let mut s = seed | 1;
-    move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    }
-}
-
-/// Reads `(offset, len)` from both files and asserts they are equal.
-pub(crate) fn assert_same_range(
-    mounted: &std::fs::File,
-    original: &std::fs::File,
-    offset: u64,
-    len: usize,
-) {
-    let mut a = vec![0u8; len];
-    let mut b = vec![0u8; len];
-    let n = read_at_most(mounted, &mut a, offset);
-    let m = read_at_most(original, &mut b, offset);
-    assert_eq!(n, m, "length read at {offset}+{len}");
-    assert!(a[..n] == b[..m], "bytes differ at {offset}+{len}");
-}
-
-pub(crate) fn read_at_most(f: &std::fs::File, buf: &mut [u8], offset: u64) -> usize {
-    let mut done = 0;
-    while done < buf.len() {
-        match f.read_at(&mut buf[done..], offset + done as u64).unwrap() {
-            0 => break,
-            n => done += n,
-        }
-    }
-    done
-}
-
-pub(crate) fn push_raw(reg_host: &str, repo: &str, disk: &Path) -> String {
-    let reference = format!("{reg_host}/{repo}");
-    vmdisk_ok(&[
-        "push",
-        "--format",
-        "raw",
-        disk.to_str().unwrap(),
-        &reference,
-    ]);
-    reference
-}
-
-/// A registry holding a pseudo-random raw disk of `len` bytes at `repo`: the registry, the
-/// disk file and the reference.
-pub(crate) fn random_raw_image(
-    scratch: &Scratch,
-    len: u64,
-    seed: u64,
-    repo: &str,
-) -> (Registry, std::path::PathBuf, String) {
-    let reg = Registry::start(scratch);
-    let disk = scratch.path("d.raw");
-    random_file(&disk, len, seed);
-    let reference = push_raw(&reg.host(), repo, &disk);
-    (reg, disk, reference)
-}
+use crate::fixtures::harness::*;
+use crate::fixtures::images::{assert_same_range, push_raw, random_raw_image, rng};
 
 #[test]
 fn mounted_qcow2_equals_the_original_under_qemu_img_and_random_reads() {

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use k8s_cri::v1 as cri;
 use serde_json::Value;
 
-use crate::cri::{children, rt, CriContainerd, Release};
-use crate::harness::*;
+use crate::fixtures::cri::{children, rt, CriContainerd, Release};
+use crate::fixtures::harness::*;
 
 /// The group the node's hypervisor runs in, as the node's `/etc/group` names it.
 const KVM_GID: u32 = 4242;
@@ -150,7 +150,7 @@ exec sleep infinity
 impl Drop for Node {
     fn drop(&mut self) {
         // The PID namespace's first process: every process of the node ends with it.
-        crate::cri::run_quiet("kill", &["-KILL", &self.init.to_string()]);
+        crate::fixtures::cri::run_quiet("kill", &["-KILL", &self.init.to_string()]);
         let _ = self.holder.wait();
     }
 }
@@ -404,7 +404,7 @@ impl Kubelet<'_> {
 
 /// The manifest's documents.
 fn manifest() -> Vec<Value> {
-    crate::packages::yaml_documents(
+    crate::fixtures::node::yaml_documents(
         &Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes/vmdisk.yaml"),
     )
 }
@@ -430,7 +430,7 @@ fn node_containerd(release: Release, scratch: &Scratch, node: &Node, https: &str
     .unwrap();
     let ctd_dir = scratch.path("ctd");
     let config = node.path("/etc/containerd/config.toml");
-    let text = crate::matrix::node_config(
+    let text = crate::fixtures::node::node_config(
         release,
         &ctd_dir,
         &format!("{https}/pause:1"),
@@ -524,8 +524,8 @@ fn replacing_the_pod_leaves_the_disk_served(
     // The disk's server dies first (SIGKILL): the pod's daemon starts a successor that takes its
     // FUSE connections over; the pod replaced after that adopts the successor.
     let (saw, qemu, server) = read_through(&raw, &want_file, || {
-        crate::harness::drop_caches();
-        crate::cri::run_quiet("kill", &["-KILL", &node.host_pid(killed).to_string()]);
+        crate::fixtures::harness::drop_caches();
+        crate::fixtures::cri::run_quiet("kill", &["-KILL", &node.host_pid(killed).to_string()]);
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             if let Some(pid) = disk_server().filter(|p| *p != killed) {
@@ -558,7 +558,7 @@ fn replacing_the_pod_leaves_the_disk_served(
         // Every process of the pod's cgroup, killed as the runtime kills them.
         let pids = std::fs::read_to_string(&pod_cgroup).unwrap();
         for pid in pids.split_whitespace() {
-            crate::cri::run_quiet("kill", &["-KILL", pid]);
+            crate::fixtures::cri::run_quiet("kill", &["-KILL", pid]);
         }
         ctd.remove_sandbox(sandbox);
         let replaced = run_daemonset_pod(kubelet, pod, image);
@@ -660,7 +660,7 @@ fn deleting_the_daemonset_leaves_nothing_behind(
             .unwrap()
             .split_whitespace()
         {
-            crate::cri::run_quiet("kill", &["-KILL", pid]);
+            crate::fixtures::cri::run_quiet("kill", &["-KILL", pid]);
         }
         ctd.remove_sandbox(sandbox);
         let left: Vec<u64> = node_processes(node, "vmdisk-snapshot")
@@ -806,7 +806,7 @@ fn kubevirt_pod_reads_the_disk(
         "{release:?}: the pull fetched the disk: {pulled:?}"
     );
     let want = sha256_file(disk);
-    crate::matrix::reads_the_disk(ctd, &sandbox, logs, "compute", image, &want);
+    crate::fixtures::node::reads_the_disk(ctd, &sandbox, logs, "compute", image, &want);
     // Over HTTPS, checked against the node's trust store (the image's own roots lack the CA).
     let read = listed(node);
     eprintln!("{release:?} vmdisk ls: {read:?}");
@@ -886,16 +886,16 @@ fn daemonset(release: Release) {
     release.require();
     require("skopeo");
     let scratch = Scratch::new();
-    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
+    let (reg, disk) = crate::fixtures::images::registry_with_images(&scratch, 8);
     // The node image as `make image` builds it, in the registry the node reaches over HTTPS.
     let docs = manifest();
     let ds = docs.iter().find(|d| d["kind"] == "DaemonSet").unwrap();
     let pod = &ds["spec"]["template"]["spec"];
     let shipped = containers(pod)[0]["image"].as_str().unwrap().to_string();
-    crate::packages::packaging(
+    crate::fixtures::node::packaging(
         "image.sh",
         &[
-            crate::packages::bin_dir().to_str().unwrap(),
+            crate::fixtures::node::bin_dir().to_str().unwrap(),
             &format!("docker://{}/{shipped}", reg.host()),
         ],
     );

@@ -13,8 +13,8 @@ use std::time::Duration;
 use k8s_cri::v1 as cri;
 use k8s_cri::v1::image_service_client::ImageServiceClient;
 
-use crate::cri::{container_output, rt, CriContainerd, Daemon};
-use crate::harness::*;
+use crate::fixtures::cri::{container_output, rt, CriContainerd, Daemon};
+use crate::fixtures::harness::*;
 
 /// Passwords no file or log may contain.
 const ALICE: &str = "alice-7f3a9c-secret";
@@ -109,7 +109,7 @@ fn as_user(user: &str, args: &[&str]) -> bool {
 fn a_namespace_reads_only_the_disks_it_was_allowed_to_pull() {
     require("setpriv");
     let scratch = Scratch::new();
-    let tokens = crate::token::TokenServer::start_for(
+    let tokens = crate::fixtures::token::TokenServer::start_for(
         &scratch,
         &[("alice", ALICE), ("bob", BOB)],
         TOKEN_LIFETIME,
@@ -118,7 +118,7 @@ fn a_namespace_reads_only_the_disks_it_was_allowed_to_pull() {
     // Pods' own images (pause, busybox) come from a public registry.
     let public = Registry::start(&scratch);
     let pause = scratch.path("pause");
-    crate::cri::busybox_layout(&pause, &["/bin/sleep", "2147483647"]);
+    crate::fixtures::cri::busybox_layout(&pause, &["/bin/sleep", "2147483647"]);
     skopeo_push(&pause, &format!("{}/pause:1", public.host()), &[]);
 
     // Two private disks in one repository, pushed with alice's credentials.

@@ -17,49 +17,11 @@ use std::time::Duration;
 
 use k8s_cri::v1 as cri;
 
-use crate::cri::{container_output, rt, CriContainerd, Daemon, InstallStep, NodeFile, Release};
-use crate::harness::*;
-
-/// Runs `command` in a new container of `image` in `sandbox`; its output lines.
-fn run_in(
-    ctd: &CriContainerd,
-    sandbox: &(String, cri::PodSandboxConfig),
-    logs: &Path,
-    name: &str,
-    image: &str,
-    command: &[&str],
-) -> Vec<String> {
-    let id = ctd.start_container(sandbox, name, image, command);
-    let code = ctd.wait_exit(&id, Duration::from_secs(300));
-    let out = container_output(&logs.join(format!("{name}.log")));
-    assert_eq!(code, 0, "{name}: {out:?}\n{}", ctd.log_text());
-    out
-}
-
-/// Runs container `name` of `image` (a containerDisk) in `sandbox`, KubeVirt's way: it reads
-/// `/disk/disk.qcow2` whole, and what it read has the digest `want`.
-pub(crate) fn reads_the_disk(
-    ctd: &CriContainerd,
-    sandbox: &(String, cri::PodSandboxConfig),
-    logs: &Path,
-    name: &str,
-    image: &str,
-    want: &str,
-) {
-    let command = ["/busybox", "sha256sum", "/disk/disk.qcow2"];
-    let out = run_in(ctd, sandbox, logs, name, image, &command);
-    assert!(
-        same_digest(out.first(), want),
-        "{:?} {name}: read {out:?}, want {want}",
-        ctd.release
-    );
-}
-
-/// Whether `line` (sha256sum's output) names the digest `want` (`sha256:<hex>`).
-fn same_digest(line: Option<&String>, want: &str) -> bool {
-    line.and_then(|l| l.split_whitespace().next())
-        .is_some_and(|hex| want.ends_with(hex))
-}
+use crate::fixtures::cri::{
+    container_output, rt, CriContainerd, Daemon, InstallStep, NodeFile, Release,
+};
+use crate::fixtures::harness::*;
+use crate::fixtures::node::{cri_config, node_config, reads_the_disk, same_digest};
 
 /// Whether `mountpoint` (of an image filesystem CRI reports) is vmdisk's: the link under
 /// containerd's root vmdisk makes (1.6, 2.x), or the root `daemon` exports (1.7's CRI reports
@@ -88,15 +50,16 @@ fn image_filesystems(ctd: &CriContainerd) -> Vec<cri::FilesystemUsage> {
 /// references, with their formats.
 fn ordinary_images_with_tocs(
     scratch: &Scratch,
-    reg: &crate::harness::Registry,
+    reg: &crate::fixtures::harness::Registry,
 ) -> [(String, &'static str); 2] {
     // zstd:chunked as containers/storage writes it (skopeo 1.9's conversion leaves the
     // config's diff_id that of the gzip layer, which containerd then refuses).
     let busybox = std::fs::read("/bin/busybox").unwrap();
-    let layer = crate::hostile::CraftedLayer::honest(&[("bin/busybox", &busybox)], 256 << 10);
+    let layer =
+        crate::fixtures::hostile::CraftedLayer::honest(&[("bin/busybox", &busybox)], 256 << 10);
     let (blob, annotations) = layer.blob();
     let layout = scratch.path("busybox-chunked");
-    crate::harness::write_layout(
+    crate::fixtures::harness::write_layout(
         &layout,
         &[(
             blob,
@@ -108,12 +71,12 @@ fn ordinary_images_with_tocs(
         serde_json::json!({"Cmd": ["/bin/busybox", "sh"]}),
     );
     let chunked = format!("{}/busybox-chunked:1", reg.host());
-    crate::index::push_layout_as_is(&layout, &chunked);
+    crate::fixtures::images::push_layout_as_is(&layout, &chunked);
     let estargz = format!("{}/busybox-estargz:1", reg.host());
     let layout = scratch.path("busybox-estargz");
     let busybox = std::fs::read("/bin/busybox").unwrap();
     let layer = vmdisk_testing::estargz::layer(&[("bin/busybox", busybox)], 1 << 20);
-    crate::harness::write_layout(
+    crate::fixtures::harness::write_layout(
         &layout,
         &[(
             layer.blob,
@@ -124,7 +87,7 @@ fn ordinary_images_with_tocs(
         "amd64",
         serde_json::json!({"Cmd": ["/bin/busybox", "sh"]}),
     );
-    crate::index::push_layout_as_is(&layout, &estargz);
+    crate::fixtures::images::push_layout_as_is(&layout, &estargz);
     [(chunked, "zstd:chunked"), (estargz, "eStargz")]
 }
 
@@ -153,7 +116,7 @@ fn no_deprecation_from_vmdisk(ctd: &CriContainerd, when: &str) {
 /// migration of a version vmdisk chose: where the node had no file).
 pub(crate) fn installed_as_written(
     ctd: &CriContainerd,
-    install: &crate::cri::NodeInstall,
+    install: &crate::fixtures::cri::NodeInstall,
     file: NodeFile,
     step: InstallStep,
 ) {
@@ -228,7 +191,7 @@ pub(crate) fn installed_as_written(
 fn matrix(release: Release) {
     release.require();
     let scratch = Scratch::new();
-    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 96);
+    let (reg, disk) = crate::fixtures::images::registry_with_images(&scratch, 96);
     let proxy = FaultProxy::counting(reg.port);
     let mut daemon = Daemon::start(&scratch, "");
     let pause = format!("{}/pause:1", reg.host());
@@ -742,33 +705,6 @@ fn containerd_2_4_with_the_shipped_snippet() {
     matrix(Release::V2_4);
 }
 
-/// A node's containerd configuration as installers leave it (`containerd config default` of
-/// `release` with kubeadm's `SystemdCgroup = true`), plus what this machine needs to run it
-/// ([`crate::cri::machine_settings`]: paths under `dir`, the sandbox image `pause`, the
-/// `hosts.toml` directory `certs`).
-pub(crate) fn node_config(release: Release, dir: &Path, pause: &str, certs: &Path) -> String {
-    let mut doc: toml_edit::DocumentMut = release.default_config().parse().unwrap();
-    let version = doc.get("version").and_then(|v| v.as_integer()).unwrap_or(1);
-    let machine = crate::cri::machine_settings(release, version, dir, certs, pause, false);
-    vmdisk::setup::toml_merge::merge_into(&mut doc, &machine.parse().unwrap());
-    doc.to_string()
-}
-
-/// CRI `Status` (verbose): the effective CRI configuration, as JSON.
-pub(crate) fn cri_config(ctd: &CriContainerd) -> serde_json::Value {
-    let info = rt().block_on(async {
-        ctd.runtime()
-            .await
-            .unwrap()
-            .status(cri::StatusRequest { verbose: true })
-            .await
-            .unwrap()
-            .into_inner()
-            .info
-    });
-    serde_json::from_str(info.get("config").expect("the CRI status names its config")).unwrap()
-}
-
 /// The unified diff `vmdisk containerd-config --dry-run` prints for `config`.
 fn diff_of(path: &Path, original: &str, merged: &str) -> String {
     let path = path.display().to_string();
@@ -794,12 +730,12 @@ fn daemonset_setup(release: Release) {
         "the DaemonSet's install step is `vmdisk containerd-config --only-handlers`"
     );
     let scratch = Scratch::new();
-    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
+    let (reg, disk) = crate::fixtures::images::registry_with_images(&scratch, 8);
     let daemon = Daemon::start(&scratch, "");
     let pause = format!("{}/pause:1", reg.host());
     let dir = scratch.path("ctd");
     let certs = dir.join("certs.d");
-    crate::cri::plain_http_host(&certs, &reg.host());
+    crate::fixtures::cri::plain_http_host(&certs, &reg.host());
     let config = dir.join("config.toml");
     std::fs::write(&config, node_config(release, &dir, &pause, &certs)).unwrap();
     let mut ctd = CriContainerd::start_config(&scratch, release);
@@ -838,7 +774,7 @@ fn daemonset_setup(release: Release) {
     // What would change, learnt with no containerd to ask: from the binary on PATH, and (2.x)
     // from the file's `version`; the same as asking the running containerd.
     let dry_run = |path: &str| {
-        let out = crate::harness::vmdisk_env(
+        let out = crate::fixtures::harness::vmdisk_env(
             &[
                 "containerd-config",
                 "--config",
@@ -988,7 +924,7 @@ fn daemonset_setup(release: Release) {
         daemon.decisions(),
         ctd.log_text()
     );
-    let want = crate::harness::sha256_file(&disk);
+    let want = crate::fixtures::harness::sha256_file(&disk);
     reads_the_disk(&ctd, &sandbox, &logs, "compute", &image, &want);
 }
 
@@ -1072,7 +1008,7 @@ fn the_image_filesystem_link_appears_when_containerd_starts_after_vmdisk() {
 #[test]
 fn every_install_step_on_nodes_with_no_file_or_the_previous_releases_file() {
     let shared = Scratch::new();
-    let (reg, _disk) = crate::snapshotter::registry_with_images(&shared, 16);
+    let (reg, _disk) = crate::fixtures::images::registry_with_images(&shared, 16);
     let proxy = FaultProxy::counting(reg.port);
     let volume = VolumeImage::push(&shared, &proxy);
     let pause = format!("{}/pause:1", reg.host());

@@ -1,8 +1,8 @@
 //! Publishing: `vmdisk push`, `convert` and `inspect` against a real registry, checked with
 //! tools that know nothing of vmdisk (containerd, curl, skopeo, qemu-img).
 
-use crate::cri::CriContainerd;
-use crate::harness::*;
+use crate::fixtures::cri::CriContainerd;
+use crate::fixtures::harness::*;
 
 /// Pushes a two-platform peer-pod image (`/image/podvm.qcow2`); returns the disks.
 fn push_podvm_pair(
@@ -512,7 +512,7 @@ fn mirrors_from_hosts_toml_serve_pulls() {
 #[test]
 fn bearer_token_registry_works_with_docker_config_credentials() {
     let scratch = Scratch::new();
-    let tokens = crate::token::TokenServer::start(&scratch, "bob", "builder");
+    let tokens = crate::fixtures::token::TokenServer::start(&scratch, "bob", "builder");
     let reg = tokens.registry(&scratch);
     let disk = scratch.path("d.qcow2");
     make_qcow2(&disk, "64M", &[(0, 1 << 20, 0x42)]);

@@ -6,8 +6,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::cri::Daemon;
-use crate::harness::*;
+use crate::fixtures::cri::Daemon;
+use crate::fixtures::harness::*;
 
 const CHUNK: u64 = 256 << 10;
 

@@ -11,9 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::cri::{rt, Daemon};
-use crate::harness::*;
-use crate::hostile::{random, Answer, Claim, CraftedLayer, HostileRegistry, CHUNK};
+use crate::fixtures::cri::{rt, Daemon};
+use crate::fixtures::harness::*;
+use crate::fixtures::hostile::{random, Answer, Claim, CraftedLayer, HostileRegistry, CHUNK};
+use crate::fixtures::node::scrape;
 
 /// A daemon with its metrics on a unix socket.
 fn daemon_with_metrics(scratch: &Scratch) -> (Daemon, PathBuf) {
@@ -23,19 +24,6 @@ fn daemon_with_metrics(scratch: &Scratch) -> (Daemon, PathBuf) {
         &format!("[metrics]\naddress = \"unix:{}\"\n", metrics.display()),
     );
     (daemon, metrics)
-}
-
-/// The daemon's metrics, scraped from its unix socket `metrics`.
-pub fn scrape(metrics: &Path) -> String {
-    String::from_utf8(curl(&[
-        "-sf",
-        "--max-time",
-        "10",
-        "--unix-socket",
-        metrics.to_str().unwrap(),
-        "http://localhost/metrics",
-    ]))
-    .unwrap()
 }
 
 /// Every counter sample (`…_total`) of a scrape, by series.
@@ -193,7 +181,7 @@ fn counters_never_decrease_across_removal_and_restarts() {
     let pid = ls(&daemon)[0]["server_pid"].as_u64().unwrap();
     let m2 = counters(&scrape(&metrics));
     never_lower(&m1, &m2, "after a new server started");
-    crate::cri::run_quiet("kill", &["-KILL", &pid.to_string()]);
+    crate::fixtures::cri::run_quiet("kill", &["-KILL", &pid.to_string()]);
     std::thread::sleep(Duration::from_millis(300));
     daemon.vmdisk_ok(&["path", &reference]);
     let restarted = ls(&daemon);
@@ -432,7 +420,7 @@ fn the_daemons_threads_run_ahead_of_its_servers() {
 #[test]
 fn a_daemon_restart_under_a_read_raw_view_costs_its_readers_nothing() {
     let scratch = Scratch::new();
-    let (reg, disk) = crate::snapshotter::registry_with_images(&scratch, 8);
+    let (reg, disk) = crate::fixtures::images::registry_with_images(&scratch, 8);
     let mut daemon = Daemon::start(&scratch, "");
     let image = format!("{}/disk:1", reg.host());
     let raw = PathBuf::from(daemon.vmdisk_ok(&["path", "--raw", &image]).trim());

@@ -10,8 +10,9 @@ use tonic::Code;
 use vmdisk::api::containerd::services::snapshots::v1 as pb;
 use vmdisk::api::containerd::services::snapshots::v1::snapshots_client::SnapshotsClient;
 
-use crate::cri::{labels, mount_all, prepare_req, rt, Daemon};
-use crate::harness::Scratch;
+use crate::fixtures::cri::{labels, mount_all, prepare_req, rt, Daemon};
+use crate::fixtures::harness::Scratch;
+use crate::fixtures::images::registry_with_images;
 
 /// A synchronous snapshots client with mount helpers, for the API suite.
 struct Suite {
@@ -120,7 +121,7 @@ impl Suite {
 
     fn unmount(&mut self, target: &Path) {
         assert!(
-            crate::cri::run_quiet("umount", &[target.to_str().unwrap()]),
+            crate::fixtures::cri::run_quiet("umount", &[target.to_str().unwrap()]),
             "umount {}",
             target.display()
         );
@@ -165,7 +166,7 @@ impl Suite {
 impl Drop for Suite {
     fn drop(&mut self) {
         for m in self.mounted.drain(..).rev() {
-            crate::cri::run_quiet("umount", &["-l", m.to_str().unwrap()]);
+            crate::fixtures::cri::run_quiet("umount", &["-l", m.to_str().unwrap()]);
         }
     }
 }
@@ -428,32 +429,7 @@ fn snapshots_api_128_layers() {
     }
 }
 
-/// A registry holding a qcow2 containerDisk (1 GiB virtual, `data_mib` MiB of random data)
-/// published with `vmdisk push`, plus a pause and a busybox image: the registry, the disk file.
-pub(crate) fn registry_with_images(
-    scratch: &Scratch,
-    data_mib: u64,
-) -> (crate::harness::Registry, PathBuf) {
-    use crate::harness::*;
-    let reg = Registry::start(scratch);
-    let disk = scratch.path("disk.qcow2");
-    make_qcow2(&disk, "1G", &[(0, 4 << 20, 0xab)]);
-    write_random(&disk, 512 << 20, data_mib << 20, 11);
-    vmdisk_ok(&[
-        "push",
-        disk.to_str().unwrap(),
-        &format!("{}/disk:1", reg.host()),
-    ]);
-    let pause = scratch.path("pause");
-    crate::cri::busybox_layout(&pause, &["/bin/sleep", "2147483647"]);
-    skopeo_push(&pause, &format!("{}/pause:1", reg.host()), &[]);
-    let bb = scratch.path("busybox");
-    crate::cri::busybox_layout(&bb, &["/bin/sh"]);
-    skopeo_push(&bb, &format!("{}/busybox:1", reg.host()), &[]);
-    (reg, disk)
-}
-
-fn bytes(proxy: &crate::harness::FaultProxy) -> u64 {
+fn bytes(proxy: &crate::fixtures::harness::FaultProxy) -> u64 {
     proxy.to_client.load(std::sync::atomic::Ordering::SeqCst)
 }
 
@@ -463,8 +439,8 @@ fn bytes(proxy: &crate::harness::FaultProxy) -> u64 {
 /// after removal fetches no disk bytes.
 #[test]
 fn cri_pull_is_lazy_and_kubevirt_reads_the_whole_disk() {
-    use crate::cri::{container_output, CriContainerd};
-    use crate::harness::{sha256_file, FaultProxy};
+    use crate::fixtures::cri::{container_output, CriContainerd};
+    use crate::fixtures::harness::{sha256_file, FaultProxy};
     let scratch = Scratch::new();
     let (reg, disk) = registry_with_images(&scratch, 384);
     let proxy = FaultProxy::start(reg.port, None);
@@ -572,7 +548,7 @@ fn cri_pull_is_lazy_and_kubevirt_reads_the_whole_disk() {
     // Removal and re-pull: the disk's bytes come from the cache. The complete layer's check
     // against its diff_id (which fetches the tar headers between chunks, never cached) is the
     // first server's to finish: a re-pull before its verdict would check it again.
-    assert_eq!(crate::index::wait_verified(&daemon), "verified");
+    assert_eq!(crate::fixtures::images::wait_verified(&daemon), "verified");
     ctd.remove_sandbox(&sandbox.0);
     ctd.remove_image(&image);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -604,8 +580,8 @@ fn cri_pull_is_lazy_and_kubevirt_reads_the_whole_disk() {
 /// mounts the layer again from the cache before it accepts calls.
 #[test]
 fn daemon_restart_keeps_the_disk_readable() {
-    use crate::cri::{container_output, CriContainerd};
-    use crate::harness::sha256_file;
+    use crate::fixtures::cri::{container_output, CriContainerd};
+    use crate::fixtures::harness::sha256_file;
     let scratch = Scratch::new();
     let (reg, disk) = registry_with_images(&scratch, 256);
     let mut daemon = Daemon::start(&scratch, "");
@@ -652,7 +628,7 @@ fn daemon_restart_keeps_the_disk_readable() {
     // Daemon and mount server gone (a node reboot, a crash of both), registry unreachable.
     ctd.remove_sandbox(&sandbox.0);
     daemon.kill();
-    crate::cri::run_quiet("kill", &["-KILL", &server[0].to_string()]);
+    crate::fixtures::cri::run_quiet("kill", &["-KILL", &server[0].to_string()]);
     drop(reg);
     std::thread::sleep(std::time::Duration::from_millis(500));
     daemon.restart();
@@ -684,8 +660,8 @@ fn small_images(
     name: &str,
     virtual_size: &str,
     data_mib: u64,
-) -> (crate::harness::Registry, PathBuf) {
-    use crate::harness::*;
+) -> (crate::fixtures::harness::Registry, PathBuf) {
+    use crate::fixtures::harness::*;
     let reg = Registry::start(scratch);
     let disk = scratch.path(&format!("{name}.qcow2"));
     make_qcow2(&disk, virtual_size, &[(0, 1 << 20, 0x5a)]);
@@ -712,7 +688,7 @@ fn small_images(
 /// malformed labels and ordinary layers get an ordinary active snapshot, each decision counted.
 #[test]
 fn prepare_decides_remote_or_ordinary_and_never_half() {
-    use crate::harness::*;
+    use crate::fixtures::harness::*;
     let scratch = Scratch::new();
     let (reg, disk) = small_images(&scratch, "small", "64M", 4);
     let report = inspect_json(&format!("{}/small:1", reg.host()));
@@ -929,14 +905,14 @@ fn prepare_decides_remote_or_ordinary_and_never_half() {
 /// needs a restart).
 #[test]
 fn an_https_registry_is_checked_against_the_roots_the_daemon_read_at_start() {
-    use crate::harness::*;
+    use crate::fixtures::harness::*;
     let scratch = Scratch::new();
     let (reg, disk) = small_images(&scratch, "tls", "64M", 4);
     let (front, ca) = reg.tls_front(&scratch);
     let roots = scratch.path("roots.pem");
     std::fs::copy(&ca, &roots).unwrap();
     // HTTPS for this loopback registry (plain HTTP is the default for loopback).
-    crate::cri::https_host(&scratch.path("vmdisk/hosts"), &front.host());
+    crate::fixtures::cri::https_host(&scratch.path("vmdisk/hosts"), &front.host());
     // Those roots alone (a directory of none beside them).
     let no_dir = scratch.path("no-roots");
     std::fs::create_dir_all(&no_dir).unwrap();
@@ -970,7 +946,7 @@ fn an_https_registry_is_checked_against_the_roots_the_daemon_read_at_start() {
 /// it, `rm` unmounts it, `gc` evicts it, `stats` answers; a non-lazy image is a clear error.
 #[test]
 fn node_commands_make_disks_ready_and_clean_up() {
-    use crate::harness::*;
+    use crate::fixtures::harness::*;
     let scratch = Scratch::new();
     let (reg, disk) = small_images(&scratch, "node", "256M", 32);
     let image = format!("{}/node:1", reg.host());
@@ -1052,8 +1028,8 @@ fn node_commands_make_disks_ready_and_clean_up() {
 /// the sandbox with a message naming it.
 #[test]
 fn shim_hands_the_runtime_a_ready_raw_disk() {
-    use crate::cri::CriContainerd;
-    use crate::harness::*;
+    use crate::fixtures::cri::CriContainerd;
+    use crate::fixtures::harness::*;
     let scratch = Scratch::new();
     let (reg, disk) = registry_with_images(&scratch, 32);
     let daemon = Daemon::start(&scratch, "");
@@ -1143,7 +1119,7 @@ fn shim_hands_the_runtime_a_ready_raw_disk() {
 /// mounts are seen by the child.
 #[test]
 fn snapshots_api_through_containerds_proxy() {
-    use crate::cri::CriContainerd;
+    use crate::fixtures::cri::CriContainerd;
     let scratch = Scratch::new();
     let daemon = Daemon::start(&scratch, "");
     let ctd = CriContainerd::start(&scratch, &daemon.socket, "unused/pause:1", &[]);
@@ -1163,9 +1139,17 @@ fn snapshots_api_through_containerds_proxy() {
     let mount = |key: &str| {
         // `ctr snapshots mounts TARGET KEY` prints the mount command containerd would run.
         let cmd = ctr(&["mounts", mnt.to_str().unwrap(), key]);
-        assert!(crate::cri::run_quiet("sh", &["-c", cmd.trim()]), "{cmd}");
+        assert!(
+            crate::fixtures::cri::run_quiet("sh", &["-c", cmd.trim()]),
+            "{cmd}"
+        );
     };
-    let umount = || assert!(crate::cri::run_quiet("umount", &[mnt.to_str().unwrap()]));
+    let umount = || {
+        assert!(crate::fixtures::cri::run_quiet(
+            "umount",
+            &[mnt.to_str().unwrap()]
+        ))
+    };
 
     ctr(&["prepare", "base-active"]);
     mount("base-active");

@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::cri::{run_quiet, Daemon};
-use crate::harness::*;
-use crate::hostile::{random, Answer, Claim, CraftedLayer, HostileRegistry, CHUNK};
+use crate::fixtures::cri::{run_quiet, Daemon};
+use crate::fixtures::harness::*;
+use crate::fixtures::hostile::{random, Answer, Claim, CraftedLayer, HostileRegistry, CHUNK};
 use vmdisk::oci::digest::Digest;
 
 /// The shipped rules, their unit tests and the dashboard.

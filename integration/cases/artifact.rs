@@ -5,10 +5,12 @@
 
 use std::path::Path;
 
-use crate::boot::boot;
-use crate::cri::{rt, CriContainerd, Daemon};
-use crate::harness::{run, sha256_file, vmdisk, vmdisk_ok, FaultProxy, Registry, Scratch};
-use crate::index::{bootable_raw, manifest_digest};
+use crate::fixtures::cri::{rt, CriContainerd, Daemon};
+use crate::fixtures::guest::boot;
+use crate::fixtures::harness::{
+    run, sha256_file, vmdisk, vmdisk_ok, FaultProxy, Registry, Scratch,
+};
+use crate::fixtures::images::{bootable_raw, manifest_digest};
 use vmdisk::oci::reference::Reference;
 use vmdisk::oci::{Descriptor, OCI_INDEX, OCI_MANIFEST};
 use vmdisk::registry::{RegistryClient, RegistryConfig};
@@ -210,7 +212,7 @@ fn a_gzip_disk_artifact_is_indexed_and_boots_lazily() {
     assert_eq!(disks[0].disk_path, "disk/rootdisk.raw", "{:?}", disks[0]);
     // containerd cannot pull an artifact as an image: it refuses before the snapshotter is
     // asked anything.
-    let pause = crate::index::pause_image(&reg, &scratch);
+    let pause = crate::fixtures::images::pause_image(&reg, &scratch);
     let ctd = CriContainerd::start(&scratch, &daemon.socket, &pause, &[reg.port, proxy.port]);
     let refused = ctd.pull(&image).unwrap_err();
     assert!(
@@ -226,7 +228,7 @@ fn a_gzip_disk_artifact_is_indexed_and_boots_lazily() {
     let published = daemon.vmdisk_ok(&["path", &image]);
     assert_eq!(read_whole(&published), want);
     assert_eq!(
-        crate::index::wait_verified(&daemon),
+        crate::fixtures::images::wait_verified(&daemon),
         "verified",
         "{}",
         daemon.servers_log_text()
@@ -244,8 +246,8 @@ fn a_plain_qcow2_artifact_loads_lazily_and_lying_ones_are_refused() {
     let scratch = Scratch::new();
     let reg = Registry::start(&scratch);
     let disk = scratch.path("disk.qcow2");
-    crate::harness::make_qcow2(&disk, "2G", &[(0, 1 << 20, 0x5a)]);
-    crate::harness::write_random(&disk, 64 << 20, 24 << 20, 5);
+    crate::fixtures::harness::make_qcow2(&disk, "2G", &[(0, 1 << 20, 0x5a)]);
+    crate::fixtures::harness::write_random(&disk, 64 << 20, 24 << 20, 5);
     let bytes = std::fs::read(&disk).unwrap();
     let oras = |dest: &str, bytes: Vec<u8>, annotations: serde_json::Value| {
         push_artifact(
@@ -313,7 +315,7 @@ fn a_plain_qcow2_artifact_loads_lazily_and_lying_ones_are_refused() {
     );
     assert_eq!(read_whole(&published), sha256_file(&disk));
     assert_eq!(
-        crate::index::wait_verified(&daemon),
+        crate::fixtures::images::wait_verified(&daemon),
         "verified",
         "{}",
         daemon.servers_log_text()
@@ -386,8 +388,8 @@ fn the_peer_pod_oras_artifact_converts_to_the_lazy_layout() {
     let dir = scratch.path("podvm");
     std::fs::create_dir_all(&dir).unwrap();
     let qcow2 = dir.join("podvm-fedora-amd64.qcow2");
-    crate::harness::make_qcow2(&qcow2, "4G", &[(0, 2 << 20, 0x33)]);
-    crate::harness::write_random(&qcow2, 256 << 20, 20 << 20, 8);
+    crate::fixtures::harness::make_qcow2(&qcow2, "4G", &[(0, 2 << 20, 0x33)]);
+    crate::fixtures::harness::write_random(&qcow2, 256 << 20, 20 << 20, 8);
     let archive = scratch.path("podvm.tar.xz");
     run(
         "tar",
@@ -470,7 +472,7 @@ fn the_peer_pod_oras_artifact_converts_to_the_lazy_layout() {
 
     // A gzip raw disk as an artifact's own layer: decompressed, then published at /disk/.
     let raw = scratch.path("data.raw");
-    crate::harness::random_file(&raw, 8 << 20, 9);
+    crate::fixtures::harness::random_file(&raw, 8 << 20, 9);
     {
         use std::io::{Seek, SeekFrom, Write};
         let mut f = std::fs::OpenOptions::new().write(true).open(&raw).unwrap();

@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::cri::{CriContainerd, Daemon};
-use crate::harness::*;
+use crate::fixtures::cri::{CriContainerd, Daemon};
+use crate::fixtures::harness::*;
 
 /// The signing tools `make deps` unpacks (Debian's cosign and notation).
 fn signer(tool: &str) -> PathBuf {
@@ -192,7 +192,7 @@ fn signed_disks_are_served_and_everything_else_is_refused_before_a_byte() {
         ),
     );
     let pause = scratch.path("pause");
-    crate::cri::busybox_layout(&pause, &["/bin/sleep", "2147483647"]);
+    crate::fixtures::cri::busybox_layout(&pause, &["/bin/sleep", "2147483647"]);
     let public = Registry::start(&scratch);
     skopeo_push(&pause, &format!("{}/pause:1", public.host()), &[]);
     let ctd = CriContainerd::start(
