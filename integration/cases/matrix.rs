@@ -286,17 +286,33 @@ fn matrix(release: Release) {
         daemon.decisions()
     );
     // The manifest came from containerd's content store (it holds it before it unpacks):
-    // vmdisk did not ask the registry for it again.
+    // the daemon did not ask the registry for it again, and the layer's mount server asked the
+    // registry for no manifest at all (it serves the layer the daemon decided, from the cache).
     let log = std::fs::read_to_string(&registry_log).unwrap();
-    let asked: Vec<&str> = log[logged..]
-        .lines()
-        .filter(|l| {
-            l.contains("\"GET /v2/") && l.contains("/manifests/sha256:") && l.contains("\"vmdisk/")
-        })
-        .collect();
+    let manifests_asked_by = |server: bool| -> Vec<&str> {
+        log[logged..]
+            .lines()
+            .filter(|l| {
+                (l.contains("\"GET /v2/") || l.contains("\"HEAD /v2/"))
+                    && l.contains("/manifests/")
+                    && l.contains("\"vmdisk/")
+                    && l.contains("(mount-server)") == server
+            })
+            .collect()
+    };
+    let (daemon_asked, server_asked) = (manifests_asked_by(false), manifests_asked_by(true));
+    eprintln!(
+        "{release:?}: the Prepare's manifest requests: {} by the daemon, {} by the mount server",
+        daemon_asked.len(),
+        server_asked.len()
+    );
     assert!(
-        asked.is_empty(),
-        "{release:?}: vmdisk fetched the manifest containerd holds: {asked:?}"
+        daemon_asked.is_empty(),
+        "{release:?}: vmdisk fetched the manifest containerd holds: {daemon_asked:?}"
+    );
+    assert!(
+        server_asked.is_empty(),
+        "{release:?}: the mount server asked the registry for a manifest: {server_asked:?}"
     );
 
     // KubeVirt's pattern: the containerDisk as the container's image, read whole.

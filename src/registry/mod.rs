@@ -133,6 +133,29 @@ pub struct RegistryConfig {
     pub index_repositories: Vec<Reference>,
     /// The CAs registries' certificates are checked against (beside an endpoint's own).
     pub roots: roots::Roots,
+    /// Who asks, as the User-Agent header names it.
+    pub agent: Agent,
+}
+
+/// Who asks a registry, named in the User-Agent of every request so that a registry's log
+/// tells the node's own requests (the daemon's, the CLI's) from a mount server's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Agent {
+    /// `vmdisk/<version>`: the daemon and the CLI.
+    #[default]
+    Node,
+    /// `vmdisk/<version> (mount-server)`: a layer's mount server.
+    MountServer,
+}
+
+impl Agent {
+    /// The User-Agent header's value.
+    pub fn user_agent(self) -> &'static str {
+        match self {
+            Agent::Node => concat!("vmdisk/", env!("CARGO_PKG_VERSION")),
+            Agent::MountServer => concat!("vmdisk/", env!("CARGO_PKG_VERSION"), " (mount-server)"),
+        }
+    }
 }
 
 impl RegistryClient {

@@ -145,8 +145,9 @@ impl RegistryClient {
         // Once per TLS settings: reading the CA files and the system's roots is blocking work,
         // done off the async workers and with no lock held (two first uses at once may both
         // build one; the first kept is used).
-        let roots = &self.shared.config.roots;
-        let client = crate::task::off_the_runtime(|| Self::build_http(ep, roots))?;
+        let config = &self.shared.config;
+        let client =
+            crate::task::off_the_runtime(|| Self::build_http(ep, &config.roots, config.agent))?;
         Ok(self
             .shared
             .clients
@@ -157,12 +158,16 @@ impl RegistryClient {
     }
 
     /// A new HTTP client for endpoint `ep`'s TLS settings, trusting `roots` and the endpoint's
-    /// CAs.
-    pub(super) fn build_http(ep: &Endpoint, roots: &roots::Roots) -> Result<reqwest::Client> {
+    /// CAs, naming `agent` as its User-Agent.
+    pub(super) fn build_http(
+        ep: &Endpoint,
+        roots: &roots::Roots,
+        agent: super::Agent,
+    ) -> Result<reqwest::Client> {
         let mut builder = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .tls_built_in_root_certs(false)
-            .user_agent(concat!("vmdisk/", env!("CARGO_PKG_VERSION")))
+            .user_agent(agent.user_agent())
             .connect_timeout(Duration::from_secs(10))
             .read_timeout(Duration::from_secs(60))
             .danger_accept_invalid_certs(ep.skip_verify);

@@ -692,6 +692,7 @@ async fn open_parts(
         })??;
     let registry = crate::registry::RegistryConfig {
         roots: roots.clone(),
+        agent: crate::registry::Agent::MountServer,
         ..config.registry_config()
     };
     let client = Arc::new(crate::registry::RegistryClient::new(registry)?.with_grants(granted));
