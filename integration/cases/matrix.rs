@@ -287,24 +287,31 @@ fn matrix(release: Release) {
     );
     // The manifest came from containerd's content store (it holds it before it unpacks):
     // the daemon did not ask the registry for it again, and the layer's mount server asked the
-    // registry for no manifest at all (it serves the layer the daemon decided, from the cache).
+    // registry for no manifest of the image (it serves the layer the daemon decided, from the
+    // cache). Once serving, the server looks for a boot trace published for the image (its
+    // referrers' fallback tag `sha256-<hex>`, crate::trace): counted apart.
     let log = std::fs::read_to_string(&registry_log).unwrap();
-    let manifests_asked_by = |server: bool| -> Vec<&str> {
+    let manifests_asked_by = |server: bool, trace: bool| -> Vec<&str> {
         log[logged..]
             .lines()
             .filter(|l| {
                 (l.contains("\"GET /v2/") || l.contains("\"HEAD /v2/"))
                     && l.contains("/manifests/")
+                    && l.contains("/manifests/sha256-") == trace
                     && l.contains("\"vmdisk/")
                     && l.contains("(mount-server)") == server
             })
             .collect()
     };
-    let (daemon_asked, server_asked) = (manifests_asked_by(false), manifests_asked_by(true));
+    let (daemon_asked, server_asked) = (
+        manifests_asked_by(false, false),
+        manifests_asked_by(true, false),
+    );
     eprintln!(
-        "{release:?}: the Prepare's manifest requests: {} by the daemon, {} by the mount server",
+        "{release:?}: the Prepare's manifest requests: {} by the daemon, {} by the mount server (and {} for a published boot trace)",
         daemon_asked.len(),
-        server_asked.len()
+        server_asked.len(),
+        manifests_asked_by(true, true).len()
     );
     assert!(
         daemon_asked.is_empty(),
