@@ -78,6 +78,7 @@ done
 
 integration/bench-engine.sh
 integration/bench-pull.sh
+integration/bench-prepare.sh
 integration/bench-ordinary.sh
 # The demo's boot and the fleet on the registry layout public registries have (the default), and
 # beside it on a registry that serves blobs itself (the lab before): docs/registry.md#redirects.

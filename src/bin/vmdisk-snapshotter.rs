@@ -64,21 +64,8 @@ fn main() -> std::process::ExitCode {
     vmdisk::cli::main_with("vmdisk-snapshotter", &directives, || async move {
         match args.command {
             None => vmdisk::snapshotter::daemon::run(config, args.config).await,
-            Some(Internal::ServeLayer {
-                reference,
-                layer,
-                alias,
-                need,
-                handover,
-                nice: _,
-            }) => {
-                let job = vmdisk::snapshotter::mount_server::Assignment {
-                    reference,
-                    layer,
-                    alias,
-                    need,
-                };
-                vmdisk::snapshotter::mount_server::serve_layer(&config, &job, handover).await
+            Some(Internal::ServeLayer { layer, nice: _ }) => {
+                vmdisk::snapshotter::mount_server::serve_layer(&config, layer).await
             }
         }
     })

@@ -454,6 +454,35 @@ async fn resolve_online(
     .await
 }
 
+/// The disk layer `key` of the image `reference` (pinned by digest) as the cache keeps it —
+/// its record and TOC, checked against the key and the TOC's digest as they load — for a
+/// layer whoever asks resolved from the registry and checked just now (the daemon, for the
+/// mount server it starts): no request, no second resolution. The image's reference record
+/// ([`RefRecord`]) is kept for it, as [`resolve`] keeps it. `None` when the cache has no
+/// record of the layer.
+pub async fn kept(cache: &CacheRoot, reference: &Reference, key: Digest) -> Result<Option<Layer>> {
+    let manifest_digest = reference.digest.ok_or_else(|| {
+        Error::invalid(format!(
+            "{reference}: a decided layer's image is pinned by digest"
+        ))
+    })?;
+    let (cache, reference) = (cache.clone(), reference.clone());
+    blocking(move || {
+        let Some((meta, toc)) = cache.load_layer_meta(&key) else {
+            return Ok(None);
+        };
+        let layer = crate::layer::codec::open(reference.clone(), meta, &toc, Resolved::Online)?;
+        cache.save_ref(&RefRecord {
+            reference: reference.to_string(),
+            manifest_digest,
+            layer_key: key,
+            platform: Platform::host().to_string(),
+        })?;
+        Ok(Some(layer))
+    })
+    .await
+}
+
 /// Resolves the image `wanted` to its disk layer, once `trust` accepts it as `wanted.named`
 /// (a policy's scopes and identities are about that name) and the index it is read through:
 /// from the registry, or from the cache when the registry is unreachable and the policy in

@@ -528,7 +528,7 @@ async fn a_one_file_layers_structure_check_reads_the_bytes_fetched_with_its_toc(
         client,
         &cache,
         &Verifier::none(),
-        Wanted::image(&pinned),
+        crate::serve::Opening::Resolve(Wanted::image(&pinned)),
         crate::engine::EngineOptions::default(),
         crate::serve::Warm::Nothing,
         std::future::ready(crate::layer::Held::default()),
@@ -575,10 +575,10 @@ async fn an_estargz_layers_structure_check_reads_the_bytes_the_daemon_fetched_ah
             client,
             &cache,
             &Verifier::none(),
-            Wanted {
+            crate::serve::Opening::Resolve(Wanted {
                 expected: Some(key),
                 ..Wanted::image(&pinned)
-            },
+            }),
             crate::engine::EngineOptions::default(),
             crate::serve::Warm::Nothing,
             std::future::ready(held),
@@ -627,5 +627,62 @@ async fn a_toc_a_mirror_damaged_is_fetched_from_the_registry_itself() {
         registry.registry_ranges.load(Ordering::SeqCst) - before,
         1,
         "one try of the registry itself after the mirror's"
+    );
+}
+
+/// A layer the daemon decided just now opens from the cache by its key: nothing is asked of
+/// the registry (here it is down), and the image's reference record is kept as a resolution
+/// keeps it (for a later resolution without the registry). A key the cache has no record of
+/// opens nothing (the server then resolves the image), and an image not pinned by digest is
+/// refused.
+#[tokio::test]
+async fn a_decided_layer_opens_from_the_cache_by_its_key_without_the_registry() {
+    let registry = Arc::new(MemoryRegistry::default());
+    image(&registry, "1", &[chunked_layer(&disk(300 << 10))]);
+    let dir = tempfile::tempdir().unwrap();
+    let cache = CacheRoot::open(dir.path()).unwrap();
+    let r = reference("vm:1");
+    let (manifest, digest, _) = platform_manifest(registry.as_ref(), Some(&cache), &r)
+        .await
+        .unwrap();
+    let pinned = r.with_digest(digest);
+    // The daemon's decision: the layer identified, its record and TOC kept.
+    let (_, meta) = disk_layer_id(
+        registry.as_ref(),
+        Some(&cache),
+        &Verifier::none(),
+        &pinned,
+        &manifest,
+        digest,
+        None,
+    )
+    .await
+    .unwrap();
+    let key = meta.id().key();
+    registry.down.store(true, Ordering::SeqCst);
+    let asked = (
+        registry.lookups.load(Ordering::SeqCst),
+        registry.ranges.load(Ordering::SeqCst),
+    );
+    let layer = kept(&cache, &pinned, key).await.unwrap().expect("kept");
+    assert_eq!(layer.key(), key);
+    assert_eq!(
+        (
+            registry.lookups.load(Ordering::SeqCst),
+            registry.ranges.load(Ordering::SeqCst)
+        ),
+        asked
+    );
+    let record = cache
+        .load_ref(&pinned.to_string())
+        .expect("the reference record");
+    assert_eq!((record.layer_key, record.manifest_digest), (key, digest));
+    assert!(kept(&cache, &pinned, Digest::of(b"another layer"))
+        .await
+        .unwrap()
+        .is_none());
+    assert!(
+        kept(&cache, &r, key).await.is_err(),
+        "a tag is not a decision"
     );
 }

@@ -25,6 +25,7 @@ use crate::engine::stats::StatsSnapshot;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
+use crate::oci::digest::Digest;
 use crate::policy::Verifier;
 use crate::registry::Registry;
 use crate::resolve::Wanted;
@@ -46,23 +47,45 @@ pub enum Warm {
     DiskHead,
 }
 
+/// How a mount finds its layer.
+#[derive(Clone, Copy, Debug)]
+pub enum Opening<'a> {
+    /// Resolved from the image ([`crate::resolve::resolve`]: the registry, or the cache when
+    /// the registry is unreachable), once the signature policy accepts it and its index.
+    Resolve(Wanted<'a>),
+    /// Decided just now by whoever started the mount (the daemon checked the image and kept
+    /// the layer's record and TOC): opened from the cache by `key`
+    /// ([`crate::resolve::kept`]); resolved as [`Opening::Resolve`] when the cache no longer
+    /// has it.
+    Decided { key: Digest, wanted: Wanted<'a> },
+}
+
 /// The one composition of a lazily loaded layer, for `vmdisk mount` and the mount servers:
-/// resolves the image `wanted` to its disk layer (once `trust` accepts it and its index:
-/// [`crate::resolve::resolve`]),
-/// starts an engine over its cache and its blobs in the registry, and checks the layer's
-/// structure before anything is served. The check reads the blob bytes fetched with the TOC
-/// and those `handed` yields (fetched for it by the snapshotter while this process started;
-/// awaited once the engine is open) before it asks the registry.
+/// finds the layer as `opening` says, starts an engine over its cache and its blobs in the
+/// registry, and checks the layer's structure before anything is served. The check reads the
+/// blob bytes fetched with the TOC and those `handed` yields (fetched for it by the snapshotter
+/// while this process started; awaited once the engine is open) before it asks the registry.
 pub async fn open_engine(
     client: Arc<dyn Registry>,
     cache: &CacheRoot,
     trust: &Verifier,
-    wanted: Wanted<'_>,
+    opening: Opening<'_>,
     opts: EngineOptions,
     warm: Warm,
     handed: impl std::future::Future<Output = Held>,
 ) -> Result<Arc<Engine>> {
-    let (layer, mut held) = crate::resolve::resolve(client.as_ref(), cache, trust, wanted).await?;
+    let kept = match opening {
+        Opening::Decided { key, wanted } => {
+            crate::resolve::kept(cache, wanted.reference, key).await?
+        }
+        Opening::Resolve(_) => None,
+    };
+    let (layer, mut held) = match (kept, opening) {
+        (Some(layer), _) => (layer, Held::default()),
+        (None, Opening::Resolve(wanted) | Opening::Decided { wanted, .. }) => {
+            crate::resolve::resolve(client.as_ref(), cache, trust, wanted).await?
+        }
+    };
     // A gzip layer's windows blob sits beside its index.
     let windows = match (layer.codec().windows_blob(), layer.meta.index_source()) {
         (Some(digest), Some(source)) => Some((source.repository.clone(), digest)),

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 use crate::oci::digest::Digest;
-use crate::oci::reference::{ImageName, Reference};
 
 /// containerd proxy snapshotter that serves VM-disk layers lazily.
 ///
@@ -40,21 +39,11 @@ pub enum Internal {
     /// Internal: serve one remote layer's FUSE mount (started by the daemon).
     #[command(hide = true)]
     ServeLayer {
-        #[arg(long)]
-        reference: Reference,
+        /// The layer's key (its paths under the root are named by it). What to serve — the
+        /// daemon's plan —, its TLS roots and the registry credentials (kubelet's) are read
+        /// from stdin, never from arguments (readable in /proc).
         #[arg(long)]
         layer: Digest,
-        /// A readable name for the ready-disk directory (the image reference pulled).
-        #[arg(long)]
-        alias: Option<ImageName>,
-        /// What the server is started for: the layer's files (a pull), or also its ready-disk
-        /// directory (EnsureDisk), whose disk head it then fetches while it starts.
-        #[arg(long, value_enum, default_value = "layer")]
-        need: super::servers::control::Need,
-        /// Read the daemon's handover from stdin first: its TLS roots and registry credentials
-        /// (kubelet's).
-        #[arg(long)]
-        handover: bool,
         /// The nice level to run at, below the daemon's ([`super::daemon::priority`]).
         #[arg(long, allow_hyphen_values = true)]
         nice: Option<i32>,

@@ -22,7 +22,6 @@ use crate::format::zstd_chunked::{ANN_TOC_CHECKSUM, ANN_TOC_POSITION};
 use crate::oci::digest::Digest;
 use crate::oci::reference::Reference;
 use crate::registry::auth::Credential;
-use crate::registry::granted::Grant;
 use crate::registry::testing::MemoryRegistry;
 use crate::registry::Registry;
 
@@ -99,23 +98,19 @@ impl Supervisor for FakeSupervisor {
 
     fn ensure<'a>(
         &'a self,
-        layer: &'a Digest,
-        reference: &'a Reference,
-        _alias: Option<&'a crate::oci::reference::ImageName>,
-        grants: &'a [Grant],
-        _need: super::servers::control::Need,
+        plan: &'a super::servers::control::LayerPlan,
         _ahead: Option<super::servers::supervisor::Ahead>,
     ) -> BoxFuture<'a, Result<PathBuf>> {
         Box::pin(async move {
             if self.fail.load(Ordering::SeqCst) {
                 return Err(Error::new(ErrorKind::Timeout, "the mount did not come up"));
             }
-            let dir = self.mountpoint(layer);
+            let dir = self.mountpoint(&plan.key);
             std::fs::create_dir_all(&dir).unwrap();
             self.ensured.lock().push((
-                *layer,
-                reference.to_string(),
-                grants
+                plan.key,
+                plan.reference.to_string(),
+                plan.grants
                     .iter()
                     .map(|g| g.credential.username.clone())
                     .collect(),

@@ -114,17 +114,19 @@ impl Snapshotter {
             self.held_accepted(&remote).await?;
         }
         let layer = remote.layer;
+        let plan = control::LayerPlan {
+            key: layer,
+            reference: remote.reference.clone(),
+            alias: remote.alias.clone(),
+            need: control::Need::ReadyDisk,
+            grants,
+            verdict: match checked_now {
+                true => control::Verdict::DecidedNow,
+                false => control::Verdict::Recorded,
+            },
+        };
         let lock = self.layer_locks.lock(&layer).await;
-        self.servers
-            .ensure(
-                &layer,
-                &remote.reference,
-                remote.alias.as_ref(),
-                &grants,
-                control::Need::ReadyDisk,
-                ahead,
-            )
-            .await?;
+        self.servers.ensure(&plan, ahead).await?;
         let (me, name) = (Arc::clone(self), reference.to_string());
         blocking(move || me.store.pin(&name, &remote)).await?;
         drop(lock);

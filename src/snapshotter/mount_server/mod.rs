@@ -34,7 +34,7 @@ use crate::serve::connection::{Connection, Inherited, Role};
 use crate::serve::Serving;
 use crate::snapshotter::config::Config;
 use crate::snapshotter::servers::control::{
-    self, HydrationState, LayerPaths, Need, ReadyDirState, ServerState,
+    self, HydrationState, LayerPaths, LayerPlan, Need, ReadyDirState, ServerState, Verdict,
 };
 
 /// How long a server that failed to start waits for the daemon to collect the reason.
@@ -280,19 +280,6 @@ async fn handover_from_stdin() -> Result<(pb::Handover, oneshot::Receiver<Held>)
     Ok((handover, rx))
 }
 
-/// What a mount server is started to serve (`serve-layer`'s arguments).
-#[derive(Debug, Clone)]
-pub struct Assignment {
-    /// The image, by digest.
-    pub reference: Reference,
-    /// The layer key the daemon expects it to resolve to.
-    pub layer: Digest,
-    /// A readable name for the ready-disk directory (the image reference pulled).
-    pub alias: Option<ImageName>,
-    /// What its first caller needs.
-    pub need: Need,
-}
-
 /// The connections of a server that died, handed to this one as inherited descriptors
 /// (`connections` of the handover; none: this server mounts).
 fn inherited(handover: &pb::Handover) -> Result<Option<Inherited>> {
@@ -348,23 +335,35 @@ fn inherited(handover: &pb::Handover) -> Result<Option<Inherited>> {
     }
 }
 
-/// Runs the mount server of `job` until stopped; `handover`: the daemon hands it its TLS roots
-/// and the credentials of pulls of the image on stdin first (else the server reads the
-/// system's roots and has only the node's credentials), and the connections of a server of
-/// the layer that died, which this one takes over.
-pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> Result<()> {
-    let (reference, layer) = (&job.reference, &job.layer);
+/// Runs the mount server of `layer` until stopped. The daemon hands it on stdin first the
+/// plan it serves (`LayerPlan`: the image, the layer's key, what to do, whether the daemon
+/// decided it just now), its TLS roots, the credentials of pulls of the image, and the
+/// connections of a server of the layer that died, which this one takes over.
+pub async fn serve_layer(config: &Config, layer: Digest) -> Result<()> {
+    let (handed, ahead) = handover_from_stdin().await?;
+    let inherited = inherited(&handed)?;
+    let grants: Vec<_> = handed
+        .credentials
+        .into_iter()
+        .map(crate::snapshotter::servers::control::grant_of)
+        .collect();
+    let plan = handed
+        .plan
+        .as_ref()
+        .ok_or_else(|| Error::invalid("the daemon's handover names no layer to serve"))
+        .and_then(|message| LayerPlan::from_message(message, grants))?;
+    if plan.key != layer {
+        return Err(Error::invalid(format!(
+            "the daemon's plan is for layer {}, this server was started for {layer}",
+            plan.key
+        )));
+    }
     let granted = Arc::new(Granted::default());
-    let (roots, ahead, inherited) = if handover {
-        let (handed, ahead) = handover_from_stdin().await?;
-        let inherited = inherited(&handed)?;
-        for message in handed.credentials {
-            granted.add(crate::snapshotter::servers::control::grant_of(message));
-        }
-        (Roots::handed(handed.tls_roots)?, Some(ahead), inherited)
-    } else {
-        (Roots::default(), None, None)
-    };
+    for grant in &plan.grants {
+        granted.add(grant.clone());
+    }
+    let roots = Roots::handed(handed.tls_roots)?;
+    let (reference, layer) = (&plan.reference, &plan.key);
     let paths = LayerPaths::new(&config.root, layer);
     let listener = crate::api::unix::bind(&paths.control, 0o600)?;
     let (stops, mut stop_requests) = mpsc::channel(4);
@@ -405,10 +404,10 @@ pub async fn serve_layer(config: &Config, job: &Assignment, handover: bool) -> R
     );
     let outcome = run(
         config,
-        job,
+        &plan,
         Parts {
             roots: &roots,
-            ahead,
+            ahead: Some(ahead),
             inherited,
         },
         &paths,
@@ -434,15 +433,15 @@ struct Parts<'a> {
 /// Starts serving (unless stopped first), then answers stop requests and signals.
 async fn run(
     config: &Config,
-    job: &Assignment,
+    plan: &LayerPlan,
     parts: Parts<'_>,
     paths: &LayerPaths,
     shared: &Shared,
     stop_requests: &mut mpsc::Receiver<oneshot::Sender<Result<pb::LayerCounters>>>,
 ) -> Result<()> {
-    let (reference, layer) = (&job.reference, &job.layer);
+    let (reference, layer) = (&plan.reference, &plan.key);
     let started = tokio::select! {
-        r = start(config, job, parts, paths, Arc::clone(&shared.granted)) => r,
+        r = start(config, plan, parts, paths, Arc::clone(&shared.granted)) => r,
         Some(reply) = stop_requests.recv() => {
             let _ = reply.send(Ok(pb::LayerCounters::default()));
             tracing::info!(%layer, "stopped while starting");
@@ -545,12 +544,14 @@ async fn run(
     Ok(())
 }
 
-/// Resolves the job's reference, checks that its disk layer has the key expected, and mounts
-/// it (its ready-disk directory when asked: `MountReadyDir`). `ahead`: the blob bytes the
-/// daemon fetches for the structure check while this server starts.
+/// Opens the plan's layer — from the cache when the daemon decided it just now, else by
+/// resolving the image again (a layer served again from the daemon's records) —, checks that
+/// it has the key planned, and mounts it (its ready-disk directory when asked:
+/// `MountReadyDir`). `ahead`: the blob bytes the daemon fetches for the structure check while
+/// this server starts.
 async fn start(
     config: &Config,
-    job: &Assignment,
+    plan: &LayerPlan,
     parts: Parts<'_>,
     paths: &LayerPaths,
     granted: Arc<Granted>,
@@ -560,7 +561,7 @@ async fn start(
         ahead,
         inherited,
     } = parts;
-    let (layer, alias, reference) = (&job.layer, job.alias.as_ref(), &job.reference);
+    let (layer, alias, reference) = (&plan.key, plan.alias.as_ref(), &plan.reference);
     let digest = reference.digest.ok_or_else(|| {
         Error::invalid(format!(
             "{reference}: serve-layer needs a reference by digest"
@@ -575,12 +576,25 @@ async fn start(
     };
     // The ready directory, when wanted at once, is described right after serving: its head
     // comes with the structure check.
-    let warm = match job.need {
+    let warm = match plan.need {
         Need::Layer => crate::serve::Warm::Nothing,
         Need::ReadyDisk => crate::serve::Warm::DiskHead,
     };
-    // The policy is asked about the name the daemon checked (its decision is in the cache).
-    let named = alias.map_or(reference, ImageName::reference);
+    // A layer resolved again is judged by the name the daemon checked (its decision is in the
+    // cache).
+    let wanted = crate::resolve::Wanted {
+        named: alias.map_or(reference, ImageName::reference),
+        reference,
+        // Its record, kept when the daemon classified the layer, saves fetching its TOC.
+        expected: Some(*layer),
+    };
+    let opening = match plan.verdict {
+        Verdict::DecidedNow => crate::serve::Opening::Decided {
+            key: *layer,
+            wanted,
+        },
+        Verdict::Recorded => crate::serve::Opening::Resolve(wanted),
+    };
     // The mount point and the VMM's group (a lookup in the node's group database) are made
     // ready while the layer opens.
     let (vmm_group, mountpoint) = (config.clone(), paths.mountpoint.clone());
@@ -596,12 +610,7 @@ async fn start(
         Arc::clone(&client) as _,
         &cache,
         &trust,
-        crate::resolve::Wanted {
-            named,
-            reference,
-            // Its record, kept when the daemon classified the layer, saves fetching its TOC.
-            expected: Some(*layer),
-        },
+        opening,
         opts,
         warm,
         held_ahead(ahead),

@@ -322,17 +322,16 @@ impl Snapshotter {
             .pulls
             .grants_for_server(reference, &judged.pending)
             .await;
+        let plan = control::LayerPlan {
+            key: layer,
+            reference: reference.clone(),
+            alias: alias.clone(),
+            need: control::Need::Layer,
+            grants,
+            verdict: control::Verdict::DecidedNow,
+        };
         let lock = self.layer_locks.lock(&layer).await;
-        self.servers
-            .ensure(
-                &layer,
-                reference,
-                alias.as_ref(),
-                &grants,
-                control::Need::Layer,
-                ahead,
-            )
-            .await?;
+        self.servers.ensure(&plan, ahead).await?;
         let mut labels = labels.clone();
         labels.insert(LABEL_REMOTE.to_string(), "vmdisk".to_string());
         let remote = RemoteLayerRef {

@@ -14,6 +14,8 @@ use crate::api::vmdisk::v1 as pb;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
 use crate::oci::digest::Digest;
+use crate::oci::reference::{ImageName, Reference};
+use crate::registry::granted::Grant;
 use crate::registry::health;
 
 pub use pb::{
@@ -22,13 +24,121 @@ pub use pb::{
 };
 
 /// What a caller needs of a layer's server.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Need {
     /// The layer's files (a snapshot of a pull): nothing of the disk is read.
     Layer,
     /// Also its ready-disk directory (EnsureDisk: `vmdisk path`, the shim), which describing
     /// the disk reads the head of.
     ReadyDisk,
+}
+
+/// Whether the daemon decided a layer just now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The daemon checked the image against the signature policy and resolved its disk layer
+    /// just now, keeping the layer's record and TOC in the cache: its server opens the layer
+    /// from there and asks the registry nothing of its image (a Prepare, EnsureDisk).
+    DecidedNow,
+    /// The daemon serves again a layer it recorded earlier (its start-up, a snapshot's chain,
+    /// a disk the node holds): the server resolves the image and asks the policy itself.
+    Recorded,
+}
+
+/// A layer the daemon decided to serve, and everything its server is handed to serve it
+/// (judge, plan, serve: made where a Prepare or the management API decided the layer, kept by
+/// the supervisor for successors, written to the server's stdin whole).
+#[derive(Clone, Debug)]
+pub struct LayerPlan {
+    /// The disk layer's key ([`crate::layer::LayerId::key`]).
+    pub key: Digest,
+    /// The image, pinned by its platform manifest's digest.
+    pub reference: Reference,
+    /// The image as it was asked for: the ready-disk directory's readable name, and the name
+    /// the signature policy judges.
+    pub alias: Option<ImageName>,
+    /// What its first caller needs.
+    pub need: Need,
+    /// Credentials of pulls of the image the server may fetch with.
+    pub grants: Vec<Grant>,
+    pub verdict: Verdict,
+}
+
+impl LayerPlan {
+    /// The plan for serving again layer `key` of `reference` (`alias` the name it was asked
+    /// by), which the daemon recorded earlier: no credentials of its own, the server resolves
+    /// and checks the image itself.
+    pub fn recorded(
+        key: Digest,
+        reference: &Reference,
+        alias: Option<&ImageName>,
+        need: Need,
+    ) -> Self {
+        LayerPlan {
+            key,
+            reference: reference.clone(),
+            alias: alias.cloned(),
+            need,
+            grants: Vec::new(),
+            verdict: Verdict::Recorded,
+        }
+    }
+
+    /// The plan as the handover carries it (its grants go in the handover's credentials).
+    pub fn message(&self) -> pb::LayerPlan {
+        pb::LayerPlan {
+            reference: self.reference.to_string(),
+            key: self.key.to_string(),
+            alias: self
+                .alias
+                .as_ref()
+                .map(|a| a.as_str().to_string())
+                .unwrap_or_default(),
+            need: match self.need {
+                Need::Layer => pb::LayerNeed::Files,
+                Need::ReadyDisk => pb::LayerNeed::ReadyDisk,
+            } as i32,
+            decided_now: self.verdict == Verdict::DecidedNow,
+        }
+    }
+
+    /// The plan a handover carries, with `grants`; an error names what is malformed (the
+    /// reference must be pinned by digest).
+    pub fn from_message(message: &pb::LayerPlan, grants: Vec<Grant>) -> Result<Self> {
+        let reference: Reference = message
+            .reference
+            .parse()
+            .map_err(|e: Error| e.context("the plan's reference"))?;
+        if reference.digest.is_none() {
+            return Err(Error::invalid(format!(
+                "the plan's reference {reference} is not pinned by digest"
+            )));
+        }
+        Ok(LayerPlan {
+            key: message
+                .key
+                .parse()
+                .map_err(|e: Error| e.context("the plan's layer key"))?,
+            reference,
+            alias: match message.alias.as_str() {
+                "" => None,
+                alias => Some(
+                    alias
+                        .parse()
+                        .map_err(|e: Error| e.context("the plan's alias"))?,
+                ),
+            },
+            need: match message.need() {
+                pb::LayerNeed::Files => Need::Layer,
+                pb::LayerNeed::ReadyDisk => Need::ReadyDisk,
+            },
+            grants,
+            verdict: match message.decided_now {
+                true => Verdict::DecidedNow,
+                false => Verdict::Recorded,
+            },
+        })
+    }
 }
 
 type Client = pb::layer_server_client::LayerServerClient<tonic::transport::Channel>;
@@ -379,6 +489,51 @@ pub fn hydration_text(status: &LayerStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The plan reaches the server as the daemon made it (its grants travel as the handover's
+    /// credentials); a plan whose image is not pinned, or whose key is not a digest, is refused.
+    #[test]
+    fn a_plan_reaches_the_server_whole_and_a_malformed_one_is_refused() {
+        let plan = LayerPlan {
+            key: Digest::of(b"layer"),
+            reference: format!("r.example/vm/disk@{}", Digest::of(b"manifest"))
+                .parse()
+                .unwrap(),
+            alias: Some("r.example/vm/disk:1".parse().unwrap()),
+            need: Need::ReadyDisk,
+            grants: Vec::new(),
+            verdict: Verdict::DecidedNow,
+        };
+        let back = LayerPlan::from_message(&plan.message(), Vec::new()).unwrap();
+        assert_eq!(
+            (
+                back.key,
+                back.reference,
+                back.alias,
+                back.need,
+                back.verdict
+            ),
+            (
+                plan.key,
+                plan.reference.clone(),
+                plan.alias.clone(),
+                plan.need,
+                plan.verdict
+            )
+        );
+        let recorded = LayerPlan::recorded(plan.key, &plan.reference, None, Need::Layer);
+        let back = LayerPlan::from_message(&recorded.message(), Vec::new()).unwrap();
+        assert_eq!(
+            (back.alias, back.need, back.verdict),
+            (None, Need::Layer, Verdict::Recorded)
+        );
+        let mut tagged = plan.message();
+        tagged.reference = "r.example/vm/disk:1".into();
+        assert!(LayerPlan::from_message(&tagged, Vec::new()).is_err());
+        let mut keyless = plan.message();
+        keyless.key = "layer".into();
+        assert!(LayerPlan::from_message(&keyless, Vec::new()).is_err());
+    }
 
     #[tokio::test]
     async fn a_handover_is_followed_by_the_blob_bytes_fetched_meanwhile() {

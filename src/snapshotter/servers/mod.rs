@@ -158,15 +158,16 @@ impl Snapshotter {
             match self
                 .servers
                 .ensure(
-                    layer,
-                    &remote.reference,
-                    remote.alias.as_ref(),
-                    &[],
-                    // A disk kept by EnsureDisk wants its ready-disk directory back.
-                    match snapshots.iter().any(|u| u.starts_with(PIN_USER)) {
-                        true => control::Need::ReadyDisk,
-                        false => control::Need::Layer,
-                    },
+                    &control::LayerPlan::recorded(
+                        *layer,
+                        &remote.reference,
+                        remote.alias.as_ref(),
+                        // A disk kept by EnsureDisk wants its ready-disk directory back.
+                        match snapshots.iter().any(|u| u.starts_with(PIN_USER)) {
+                            true => control::Need::ReadyDisk,
+                            false => control::Need::Layer,
+                        },
+                    ),
                     // Recorded layers were checked when first served: nothing to fetch ahead.
                     None,
                 )
@@ -203,11 +204,12 @@ impl Snapshotter {
             let served = self
                 .servers
                 .ensure(
-                    &layer,
-                    &remote.reference,
-                    remote.alias.as_ref(),
-                    &[],
-                    control::Need::Layer,
+                    &control::LayerPlan::recorded(
+                        layer,
+                        &remote.reference,
+                        remote.alias.as_ref(),
+                        control::Need::Layer,
+                    ),
                     None,
                 )
                 .await;

@@ -25,10 +25,12 @@ use parking_lot::Mutex;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layer::Held;
 use crate::oci::digest::Digest;
-use crate::oci::reference::{ImageName, Reference};
+use crate::oci::reference::Reference;
 use crate::registry::granted::Grant;
 use crate::serve::connection::{Connection, Role};
-use crate::snapshotter::servers::control::{self, LayerPaths, LayerStatus, Need, ServerState};
+use crate::snapshotter::servers::control::{
+    self, LayerPaths, LayerPlan, LayerStatus, Need, ServerState,
+};
 use crate::snapshotter::servers::keeper;
 
 /// How long one status call waits for a starting server to serve (or fail): the daemon learns
@@ -159,17 +161,13 @@ pub trait Supervisor: Send + Sync {
     fn status<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Option<LayerStatus>>;
     /// Asks `layer`'s server to fetch its whole disk; whether a new hydration started.
     fn hydrate<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<bool>>;
-    /// Makes sure a server serves `layer` (of `reference`) as `need`s, adopting a running one
-    /// or starting one, and that it holds `grants` (credentials of pulls of that image that
-    /// succeeded); returns the mount point. A server it starts is handed the bytes `ahead`
-    /// fetches. The caller holds the layer's lock.
+    /// Makes sure a server serves `plan`'s layer as it `need`s, adopting a running one or
+    /// starting one with the plan, and that it holds the plan's grants (credentials of pulls
+    /// of that image that succeeded); returns the mount point. A server it starts is handed
+    /// the bytes `ahead` fetches. The caller holds the layer's lock.
     fn ensure<'a>(
         &'a self,
-        layer: &'a Digest,
-        reference: &'a Reference,
-        alias: Option<&'a ImageName>,
-        grants: &'a [Grant],
-        need: Need,
+        plan: &'a LayerPlan,
         ahead: Option<Ahead>,
     ) -> BoxFuture<'a, Result<PathBuf>>;
     /// Stops `layer`'s server; its last status with its final counters, or `None` if no server
@@ -219,14 +217,10 @@ impl<T: Supervisor + ?Sized> Supervisor for Arc<T> {
     }
     fn ensure<'a>(
         &'a self,
-        layer: &'a Digest,
-        reference: &'a Reference,
-        alias: Option<&'a ImageName>,
-        grants: &'a [Grant],
-        need: Need,
+        plan: &'a LayerPlan,
         ahead: Option<Ahead>,
     ) -> BoxFuture<'a, Result<PathBuf>> {
-        (**self).ensure(layer, reference, alias, grants, need, ahead)
+        (**self).ensure(plan, ahead)
     }
     fn stop<'a>(&'a self, layer: &'a Digest) -> BoxFuture<'a, Result<Option<LayerStatus>>> {
         (**self).stop(layer)
@@ -287,10 +281,9 @@ struct KeptLayer {
     connections: Vec<(Role, Connection)>,
     /// How many servers served them before the one serving now.
     generation: u32,
-    reference: Reference,
-    alias: Option<ImageName>,
-    /// Credentials of pulls of the image handed to its servers (the latest few).
-    grants: Vec<Grant>,
+    /// What its servers are started with: the plan it was first served by, with the
+    /// credentials of pulls of the image handed to its servers since (the latest few).
+    plan: LayerPlan,
     /// Reads how the server ends; dropped with this record.
     watch: tokio::task::JoinHandle<()>,
     /// When its servers died, within [`DEATH_WINDOW`].
@@ -316,10 +309,7 @@ struct Succession {
 
 /// What a successor is started for, and when.
 struct Revival {
-    reference: Reference,
-    alias: Option<ImageName>,
-    grants: Vec<Grant>,
-    need: Need,
+    plan: LayerPlan,
     delay: Duration,
 }
 
@@ -374,20 +364,14 @@ impl LayerServers {
     /// ends ([`keeper`]), unless they are kept already (the same server, and its ready-disk
     /// directory's too if `need`s); a server that does not hand them out (one from before this
     /// version) is served as before, without a successor.
-    async fn keep(
-        &self,
-        layer: &Digest,
-        reference: &Reference,
-        alias: Option<&ImageName>,
-        grants: &[Grant],
-        need: Need,
-    ) {
+    async fn keep(&self, plan: &LayerPlan) {
+        let layer = &plan.key;
         let instance = self.known.lock().get(layer).cloned();
         if let Some(k) = self.kept.lock().get_mut(layer) {
-            let covered =
-                need == Need::Layer || k.connections.iter().any(|(r, _)| *r == Role::ReadyDisk);
+            let covered = plan.need == Need::Layer
+                || k.connections.iter().any(|(r, _)| *r == Role::ReadyDisk);
             if covered && instance.is_some() && k.instance == instance {
-                add_grants(&mut k.grants, grants);
+                add_grants(&mut k.plan.grants, &plan.grants);
                 return;
             }
         }
@@ -409,17 +393,23 @@ impl LayerServers {
         let mut all = self.kept.lock();
         let earlier = all.remove(layer);
         let (mut held, died) = earlier
-            .map(|mut e| (std::mem::take(&mut e.grants), std::mem::take(&mut e.deaths)))
+            .map(|mut e| {
+                (
+                    std::mem::take(&mut e.plan.grants),
+                    std::mem::take(&mut e.deaths),
+                )
+            })
             .unwrap_or_default();
-        add_grants(&mut held, grants);
+        add_grants(&mut held, &plan.grants);
         all.insert(
             *layer,
             KeptLayer {
                 connections: kept.connections,
                 generation: kept.generation,
-                reference: reference.clone(),
-                alias: alias.cloned(),
-                grants: held,
+                plan: LayerPlan {
+                    grants: held,
+                    ..plan.clone()
+                },
                 watch,
                 deaths: died,
                 serial,
@@ -469,10 +459,10 @@ impl LayerServers {
             false => Need::Layer,
         };
         Some(Revival {
-            reference: k.reference.clone(),
-            alias: k.alias.clone(),
-            grants: k.grants.clone(),
-            need,
+            plan: LayerPlan {
+                need,
+                ..k.plan.clone()
+            },
             delay: revive_delay(k.deaths.len()),
         })
     }
@@ -538,21 +528,15 @@ impl Supervisor for LayerServers {
 
     fn ensure<'a>(
         &'a self,
-        layer: &'a Digest,
-        reference: &'a Reference,
-        alias: Option<&'a ImageName>,
-        grants: &'a [Grant],
-        need: Need,
+        plan: &'a LayerPlan,
         ahead: Option<Ahead>,
     ) -> BoxFuture<'a, Result<PathBuf>> {
         Box::pin(async move {
-            let mountpoint = self
-                .ensure_server(layer, reference, alias, grants, need, ahead)
-                .await?;
-            if need == Need::ReadyDisk {
-                self.mount_ready_dir(layer, reference).await?;
+            let mountpoint = self.ensure_server(plan, ahead).await?;
+            if plan.need == Need::ReadyDisk {
+                self.mount_ready_dir(&plan.key, &plan.reference).await?;
             }
-            self.keep(layer, reference, alias, grants, need).await;
+            self.keep(plan).await;
             Ok(mountpoint)
         })
     }
@@ -595,17 +579,7 @@ impl Supervisor for LayerServers {
                 };
                 tracing::warn!(%layer, delay_ms = r.delay.as_millis() as u64, "the layer's mount server died with its mounts up: a successor takes them over");
                 tokio::time::sleep(r.delay).await;
-                match self
-                    .ensure(
-                        layer,
-                        &r.reference,
-                        r.alias.as_ref(),
-                        &r.grants,
-                        r.need,
-                        None,
-                    )
-                    .await
-                {
+                match self.ensure(&r.plan, None).await {
                     Ok(_) => return Ok(()),
                     Err(e) => {
                         tracing::error!(%layer, error = %e.chain(), "the successor of the layer's mount server failed to start")
@@ -625,15 +599,8 @@ impl Supervisor for LayerServers {
 }
 
 impl LayerServers {
-    async fn ensure_server(
-        &self,
-        layer: &Digest,
-        reference: &Reference,
-        alias: Option<&ImageName>,
-        grants: &[Grant],
-        need: Need,
-        ahead: Option<Ahead>,
-    ) -> Result<PathBuf> {
+    async fn ensure_server(&self, plan: &LayerPlan, ahead: Option<Ahead>) -> Result<PathBuf> {
+        let (layer, reference, grants) = (&plan.key, &plan.reference, &plan.grants);
         let paths = self.paths(layer);
         // A server that failed or is stopping is replaced.
         let replaced = match self.server_status(layer).await {
@@ -666,8 +633,7 @@ impl LayerServers {
         } else {
             self.events.lock().started += 1;
         }
-        self.start(layer, reference, alias, grants, need, ahead)
-            .await
+        self.start(plan, ahead).await
     }
 
     /// Has `layer`'s serving server mount its ready-disk directory (describing the disk may
@@ -694,15 +660,8 @@ impl LayerServers {
         }
     }
 
-    async fn start(
-        &self,
-        layer: &Digest,
-        reference: &Reference,
-        alias: Option<&ImageName>,
-        grants: &[Grant],
-        need: Need,
-        ahead: Option<Ahead>,
-    ) -> Result<PathBuf> {
+    async fn start(&self, plan: &LayerPlan, ahead: Option<Ahead>) -> Result<PathBuf> {
+        let (layer, reference) = (&plan.key, &plan.reference);
         let command = &self.command;
         let paths = self.paths(layer);
         let log_path = paths.log.clone();
@@ -723,28 +682,22 @@ impl LayerServers {
         }
         cmd.arg("--root")
             .arg(&command.root)
-            .arg("--reference")
-            .arg(reference.to_string())
             .arg("--layer")
-            .arg(layer.to_string())
-            .arg("--need")
-            .arg(
-                clap::ValueEnum::to_possible_value(&need)
-                    .expect("named")
-                    .get_name(),
-            );
-        if let Some(alias) = alias {
-            cmd.arg("--alias").arg(alias.as_str());
-        }
+            .arg(plan.key.to_string());
         if let Some(level) = command.nice {
             cmd.arg(format!("--nice={level}"));
         }
-        // The daemon's TLS roots and the credentials of pulls of this image go to the server
-        // over a pipe, never in its arguments or environment (both readable in /proc).
-        cmd.arg("--handover").stdin(std::process::Stdio::piped());
+        // The plan, the daemon's TLS roots and the credentials of pulls of this image go to the
+        // server over a pipe, never in its arguments or environment (both readable in /proc).
+        cmd.stdin(std::process::Stdio::piped());
         let mut handover = control::Handover {
-            credentials: grants.iter().map(control::credentials_message).collect(),
+            credentials: plan
+                .grants
+                .iter()
+                .map(control::credentials_message)
+                .collect(),
             tls_roots: command.tls_roots.iter().map(|c| c.to_vec()).collect(),
+            plan: Some(plan.message()),
             ..Default::default()
         };
         // The connections of a server of this layer that died are taken over, not mounted
