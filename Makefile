@@ -10,8 +10,8 @@ CARGO ?= cargo
 # python3-yaml: the package test parses the Kubernetes manifests. xz-utils: the peer-pod
 # artifact test packs its podvm.tar.xz as cloud-api-adaptor does. golang-go and
 # golang-github-containerd-containerd-dev: containerd's snapshotter conformance suite, built
-# offline from Debian's packaged source (integration/conformance/). lintian: the package test
-# checks the Debian package with it. gnuplot-nox: `make bench`'s plots (integration/plots.sh).
+# offline from Debian's packaged source (integration/deps/conformance/). lintian: the package test
+# checks the Debian package with it. gnuplot-nox: `make bench`'s plots (integration/benches/plots.sh).
 APT_PACKAGES := containerd docker-registry skopeo openssl qemu-utils/bookworm qemu-system-x86 apache2-utils curl time \
 	python3 fuse3 nbdkit fio tar ca-certificates busybox-static protobuf-compiler linux-image-amd64 \
 	initramfs-tools fdisk e2fsprogs libvirt-daemon-system libvirt-clients python3-yaml xz-utils gzip \
@@ -34,17 +34,17 @@ DEMO_APT_COMMANDS := containerd ctr runc docker-registry skopeo qemu-img qemu-io
 	python3 busybox sfdisk mkfs.ext4 gzip protoc
 
 # containerd 1.7 (Debian 13) and 2.1 (Debian unstable), unpacked beside Debian 12's 1.6 without
-# installing them (integration/debs.sh): the containerd matrix of the tests. The versions the
+# installing them (integration/deps/debs.sh): the containerd matrix of the tests. The versions the
 # tests were written against first; the suite's current one if the archive has moved on. Their
 # Go sources with their Go compilers too: containerd's own snapshotter conformance suite of each
-# release, built offline (integration/conformance/).
+# release, built offline (integration/deps/conformance/).
 DEPS_DIR := $(CURDIR)/target/deps
 CONTAINERD_17 := containerd=1.7.24~ds1-6+deb13u1
 CONTAINERD_21 := containerd=2.1.9+ds1-5
 # containerd 2.3 (the long-term-support line) and 2.4 (the newest), which no Debian release
 # carries: built from the Go module proxy by module version with the machine's Go
-# (integration/containerd-go.sh); their conformance suites the same way, when a test first runs
-# them (integration/conformance/build.sh --module). The Go: integration/go.sh.
+# (integration/deps/containerd-go.sh); their conformance suites the same way, when a test first runs
+# them (integration/deps/conformance/build.sh --module). The Go: integration/deps/go.sh.
 CONTAINERD_23 := v2.3.7
 CONTAINERD_24 := v2.4.2
 # The signing tools of the signature-policy test (Debian unstable's cosign and notation, Go
@@ -74,23 +74,23 @@ deps:
 	fi
 	@$(CARGO) nextest --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-nextest
 	@[ -x $(DEPS_DIR)/containerd-1.7/usr/bin/containerd ] || \
-		integration/debs.sh $(DEPS_DIR)/containerd-1.7 $(CONTAINERD_17) || \
-		integration/debs.sh $(DEPS_DIR)/containerd-1.7 containerd/trixie
+		integration/deps/debs.sh $(DEPS_DIR)/containerd-1.7 $(CONTAINERD_17) || \
+		integration/deps/debs.sh $(DEPS_DIR)/containerd-1.7 containerd/trixie
 	@[ -x $(DEPS_DIR)/containerd-2.1/usr/bin/containerd ] || \
-		integration/debs.sh $(DEPS_DIR)/containerd-2.1 $(CONTAINERD_21) || \
-		integration/debs.sh $(DEPS_DIR)/containerd-2.1 containerd/sid
+		integration/deps/debs.sh $(DEPS_DIR)/containerd-2.1 $(CONTAINERD_21) || \
+		integration/deps/debs.sh $(DEPS_DIR)/containerd-2.1 containerd/sid
 	@$(DEPS_DIR)/containerd-2.3/usr/bin/containerd --version 2>/dev/null | grep -qE ' $(subst .,[.],$(CONTAINERD_23:v%=%))( |$$)' || \
-		integration/containerd-go.sh $(DEPS_DIR)/containerd-2.3 $(CONTAINERD_23)
+		integration/deps/containerd-go.sh $(DEPS_DIR)/containerd-2.3 $(CONTAINERD_23)
 	@$(DEPS_DIR)/containerd-2.4/usr/bin/containerd --version 2>/dev/null | grep -qE ' $(subst .,[.],$(CONTAINERD_24:v%=%))( |$$)' || \
-		integration/containerd-go.sh $(DEPS_DIR)/containerd-2.4 $(CONTAINERD_24)
+		integration/deps/containerd-go.sh $(DEPS_DIR)/containerd-2.4 $(CONTAINERD_24)
 	@[ -x $(DEPS_DIR)/signers/usr/bin/cosign ] && [ -x $(DEPS_DIR)/signers/usr/bin/notation ] || \
-		integration/debs.sh $(DEPS_DIR)/signers $(SIGNERS)
-	@[ -x $(DEPS_DIR)/nginx/usr/sbin/nginx ] || integration/debs.sh $(DEPS_DIR)/nginx $(NGINX)
-	@[ -x $(DEPS_DIR)/prometheus/usr/bin/prometheus ] || integration/debs.sh $(DEPS_DIR)/prometheus $(PROMETHEUS)
+		integration/deps/debs.sh $(DEPS_DIR)/signers $(SIGNERS)
+	@[ -x $(DEPS_DIR)/nginx/usr/sbin/nginx ] || integration/deps/debs.sh $(DEPS_DIR)/nginx $(NGINX)
+	@[ -x $(DEPS_DIR)/prometheus/usr/bin/prometheus ] || integration/deps/debs.sh $(DEPS_DIR)/prometheus $(PROMETHEUS)
 	@[ -d $(DEPS_DIR)/suite-1.7/usr/share/gocode ] || \
-		integration/debs.sh --go-sources trixie $(DEPS_DIR)/suite-1.7 golang-github-containerd-containerd-dev golang-go
+		integration/deps/debs.sh --go-sources trixie $(DEPS_DIR)/suite-1.7 golang-github-containerd-containerd-dev golang-go
 	@[ -d $(DEPS_DIR)/suite-2.1/usr/share/gocode ] || \
-		integration/debs.sh --go-sources sid $(DEPS_DIR)/suite-2.1 golang-github-containerd-containerd-dev golang-go
+		integration/deps/debs.sh --go-sources sid $(DEPS_DIR)/suite-2.1 golang-github-containerd-containerd-dev golang-go
 
 build:
 	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link --example estargz-layout --example control-probe --example blob-cdn
@@ -137,7 +137,7 @@ test: deps lint
 	$(CARGO) nextest run --locked --workspace --all-targets
 
 bench: deps build
-	integration/bench.sh
+	integration/benches/all.sh
 
 # Each fuzz target for FUZZ_SECONDS (cargo-fuzz, installed if missing), from the committed
 # corpus (copied: new inputs are not written into the tree). 1 GiB of RSS or one allocation over

@@ -2,7 +2,7 @@
 //! long-lived client sees them — one management connection, no process started per question —
 //! asking `ListDisks` (what `vmdisk ls` asks), `Status` (`vmdisk stats`) and a `/metrics`
 //! scrape every 0.1 s for SECONDS, each under a 10 s deadline. Prints one line per question:
-//! `NAME COUNT P50_MS P99_MS MAX_MS FAILED`. `make bench` (bench-baddays.sh) runs it beside the
+//! `NAME COUNT P50_MS P99_MS MAX_MS FAILED`. `make bench` (benches/baddays.sh) runs it beside the
 //! CLI, whose own start-up is part of what `vmdisk ls` costs on a loaded machine.
 
 use std::time::{Duration, Instant};

@@ -36,8 +36,8 @@ cleanup() {
   true
 }
 trap 'status=$?; cleanup || true; exit $status' EXIT
-source integration/containerd.sh
-source integration/guest.sh
+source integration/lib/containerd.sh
+source integration/lib/guest.sh
 secs() { python3 -c "print(f'{$2 - $1:.1f}')"; }
 mb() { python3 -c "print(f'{$1 / 1e6:.1f} MB')"; }
 # progress_while LABEL TOTAL COMMAND: prints, every second until stopped, the bytes COMMAND

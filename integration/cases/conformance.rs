@@ -1,7 +1,7 @@
 //! containerd's own snapshotter conformance suite (`snapshots/testsuite`) of each release —
 //! 1.6.20 (Debian 12), 1.7 (Debian 13) and 2.1 (Debian unstable), built offline from Debian's
 //! packaged Go sources, and 2.3 and 2.4, built from the Go module proxy by module version, by
-//! `integration/conformance/build.sh` — against vmdisk-snapshotter, over
+//! `integration/deps/conformance/build.sh` — against vmdisk-snapshotter, over
 //! the Snapshots API as containerd's proxy plugin reaches it. Each of its subtests starts a
 //! daemon with the suite's own fresh root; those roots are made long here (k3s nests
 //! containerd's state under `/var/lib/rancher/k3s/agent/containerd/`), far past what a socket
@@ -16,7 +16,7 @@ use crate::fixtures::harness::*;
 
 /// The suite's test binary for `release`, built once per checkout of its source.
 fn suite_binary(release: Release) -> PathBuf {
-    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/conformance");
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/deps/conformance");
     let mut source = std::fs::read(here.join("conformance_test.go")).unwrap();
     source.extend(std::fs::read(here.join("build.sh")).unwrap());
     // Debian's sources are of one release each; 2.3 and 2.4 are built from the Go module

@@ -482,7 +482,7 @@ pub struct IndexArgs {
     pub to: Option<String>,
     /// Uncompressed bytes between checkpoints: smaller spans fetch less per cold read and make
     /// a larger index (power of two, 64K to 16M). The default had the lowest total time of a
-    /// boot, random reads and a full read over a 20 ms link (integration/bench-spans.sh).
+    /// boot, random reads and a full read over a 20 ms link (integration/benches/spans.sh).
     #[arg(long, default_value = "256K", value_name = "SIZE")]
     pub span: String,
     /// Print JSON.

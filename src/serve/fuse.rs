@@ -648,7 +648,7 @@ fn answer(engine: &Engine, result: Result<Vec<u8>>, reply: ReplyData) {
 
 /// Threads answering FUSE requests. Cached reads are answered on them (a pread of the cache's
 /// data file each, which may wait for the disk); misses go to the runtime, so threads only
-/// bound how many cached reads wait for the disk at once (bench-rawview.sh: with 4, random
+/// bound how many cached reads wait for the disk at once (benches/rawview.sh: with 4, random
 /// 4 KiB reads of a cached raw view ran at about 3/4 of the IOPS they do with 16).
 const FUSE_THREADS: usize = 16;
 

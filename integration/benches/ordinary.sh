@@ -9,12 +9,12 @@
 # (`ctr run --rm … /bin/true` on the node's snapshotter). Medians of ORDINARY_TRIALS (3). With
 # BASE_BIN (a directory holding another build's vmdisk-snapshotter), a third node runs that build.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 TRIALS=${ORDINARY_TRIALS:-3}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch ordinary
 
 start_registry "$B"

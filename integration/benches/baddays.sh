@@ -6,13 +6,13 @@
 # from the same run; BASE_BIN (a directory with an earlier build's `vmdisk`) adds that build's
 # warm reads. Appends to scratch/bench/results.txt. Needs root (FUSE).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 PARTS=${BADDAYS_PARTS:-warm boot control restart memory replace crash}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch baddays
 start_registry "$B"
 

@@ -4,7 +4,7 @@
 // (snapshots/testsuite of the containerd source it is built against: 1.6, 1.7
 // or 2.x) against vmdisk-snapshotter over the Snapshots gRPC API, as
 // containerd's proxy plugin reaches it. build.sh builds it offline from
-// Debian's packaged containerd source; integration/conformance.rs runs it in
+// Debian's packaged containerd source; integration/deps/conformance.rs runs it in
 // `make test`.
 //
 // The suite hands every subtest a fresh root (well over a socket address

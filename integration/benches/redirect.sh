@@ -11,11 +11,11 @@
 # registry requests (blob GETs and others) for the mount and the reads, bytes fetched.
 # Appends to scratch/bench/results.txt. Needs root (FUSE).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 CDN=${CDN:-$PWD/target/release/examples/blob-cdn}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch redirect
 
 start_internet_registry "$B"

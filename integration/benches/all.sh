@@ -4,7 +4,7 @@
 # as a gzip containerDisk; TOC bytes per GiB of disk by chunk size.
 # Results are printed and written to scratch/bench/results.txt; docs/benchmarks.md records them.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 mkdir -p scratch
 B=$(mktemp -d "$PWD/scratch/bench-XXXXXX")
@@ -76,24 +76,24 @@ print(f"  chunk {cs:>5}: {layer['chunks']:6d} chunks, TOC {layer['toc_size'] / g
 PY
 done
 
-integration/bench-engine.sh
-integration/bench-pull.sh
-integration/bench-prepare.sh
-integration/bench-ordinary.sh
+integration/benches/engine.sh
+integration/benches/pull.sh
+integration/benches/prepare.sh
+integration/benches/ordinary.sh
 # The demo's boot and the fleet on the registry layout public registries have (the default), and
 # beside it on a registry that serves blobs itself (the lab before): docs/registry.md#redirects.
-integration/bench-fleet.sh
-LAYOUT=itself integration/bench-fleet.sh
-integration/bench-boot.sh
-LAYOUT=itself integration/bench-boot.sh
-integration/bench-link.sh
-integration/bench-redirect.sh
-integration/bench-index.sh
-integration/bench-rawview.sh
-integration/bench-signatures.sh
-integration/bench-spans.sh
-integration/bench-baddays.sh
-integration/bench-peers.sh
+integration/benches/fleet.sh
+LAYOUT=itself integration/benches/fleet.sh
+integration/benches/boot.sh
+LAYOUT=itself integration/benches/boot.sh
+integration/benches/link.sh
+integration/benches/redirect.sh
+integration/benches/index.sh
+integration/benches/rawview.sh
+integration/benches/signatures.sh
+integration/benches/spans.sh
+integration/benches/baddays.sh
+integration/benches/peers.sh
 # Plots of the fleet's and the peers' tables (SVG, beside the results; docs/benchmarks.md and
 # docs/fleet.md show them, copied into docs/plots/).
-integration/plots.sh "$RESULTS" "$(dirname "$RESULTS")/plots"
+integration/benches/plots.sh "$RESULTS" "$(dirname "$RESULTS")/plots"

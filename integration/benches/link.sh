@@ -11,12 +11,12 @@
 #   registry bytes beside the bytes read.
 # Appends to scratch/bench/results.txt. Needs root (FUSE, containerd).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 SIZE_MIB=${LINK_BENCH_MIB:-4096}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch link
 
 start_registry "$B"

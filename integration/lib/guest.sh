@@ -1,4 +1,4 @@
-# Sourced by bench-boot.sh and demo.sh: the bootable test guest and its boot.
+# Sourced by benches/boot.sh and demo.sh: the bootable test guest and its boot.
 #
 # make_guest_disk DIR GIB: DIR/guest.qcow2, a GIB-GiB partitioned ext4 disk with a busybox init
 #   that prints BOOT-MARKER and stays up, padded with a random file the boot never reads.

@@ -10,13 +10,13 @@
 # 8 GiB full pull would take six minutes there: it scales with bandwidth). Needs ~45 GiB free
 # for the 8 GiB case.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 SIZES=${BENCH_PULL_GIB:-1 8}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch pull
 
 start_registry "$B"

@@ -9,7 +9,7 @@
 # rounds with the order alternating (a fresh node and containerd each time); the figures are
 # the median of each build's pulls, with their range.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 NEW_BIN=${NEW_BIN:-$PWD/target/release}
 BASE_BIN=${BASE_BIN:-}
 VMDISK=${VMDISK:-$NEW_BIN/vmdisk}
@@ -18,7 +18,7 @@ RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 CDN=${CDN:-$PWD/target/release/examples/blob-cdn}
 PULLS=${PREPARE_PULLS:-5}
 ROUNDS=${PREPARE_ROUNDS:-2}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch prepare
 start_origin "$B"
 

@@ -5,7 +5,7 @@
 # Debian's builds into, so the tests find every release the same way).
 #   containerd-go.sh OUT VERSION      e.g. containerd-go.sh target/deps/containerd-2.3 v2.3.7
 # Needs the Go that the release's go.mod names or newer (containerd 2.3.7 names 1.26.8):
-# integration/go.sh finds or fetches it.
+# integration/deps/go.sh finds or fetches it.
 set -euo pipefail
 out=${1:?usage: containerd-go.sh OUT VERSION}
 version=${2:?usage: containerd-go.sh OUT VERSION}

@@ -7,11 +7,11 @@
 # two builds measured in RAWVIEW_ROUNDS rounds (2) with the order alternating.
 # RAWVIEW_MIB (default 1024) MiB of random data in a 2 GiB qcow2 at 64 KiB clusters.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 NEW_BIN=${NEW_BIN:-$PWD/target/release}
 BASE_BIN=${BASE_BIN:-}
 MIB=${RAWVIEW_MIB:-1024}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch rawview
 start_registry "$B"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The nodes of bench-fleet.sh, started and timed by one process (so the harness's own CPU stays
+"""The nodes of benches/fleet.sh, started and timed by one process (so the harness's own CPU stays
 small beside 100 nodes): each node is a `vmdisk mount` with its own cache, run as the
 snapshotter runs a layer by default (background hydration at 50 MB/s), or with --full a `curl`
 downloading the disk's whole blob (what a pull fetches); a thread per node waits for its disk,
@@ -13,7 +13,7 @@ nodes, this driver and the processes named by --watch used during the run.
 
 usage: fleet-driver.py DIR N --reads FILE (--vmdisk BIN --reference REF --hosts-dir DIR
        --expect FILE [--late --late-reads FILE] | --full URL) [--watch NAME=PID]...
-       (bench-fleet.sh runs it)
+       (benches/fleet.sh runs it)
 """
 import argparse, json, os, resource, signal, subprocess, sys, threading, time
 

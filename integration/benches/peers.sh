@@ -2,12 +2,12 @@
 # `make bench`, the peers: vmdisk beside the other lazy-pulling snapshotters on the same disk,
 # the same images where the formats allow, the same shaped "cluster" link (20 ms round trip,
 # 200 Mbit/s), the same containerd 1.6 (CRI PullImage, as kubelet pulls), in the same run:
-# - SOCI 0.16 (integration/peers/: its library by module version, our brief main) on the gzip
+# - SOCI 0.16 (integration/deps/peers/: its library by module version, our brief main) on the gzip
 #   containerDisk it converts (`soci-convert`, as `soci convert`: a SOCI index manifest v2 with
 #   4 MiB spans in an image index beside the image, pushed as a new tag), behind a TLS front;
 #   and its parallel pull-and-unpack mode on the gzip image with no index, the whole-image
 #   baseline SOCI offers for images it cannot load lazily;
-# - stargz-snapshotter 0.18 (integration/peers/, the same way) on an eStargz image of the same
+# - stargz-snapshotter 0.18 (integration/deps/peers/, the same way) on an eStargz image of the same
 #   disk (4 MiB chunks, as its writer writes them);
 # - vmdisk on the gzip image through `vmdisk index`, on the eStargz image, and on its own
 #   layout (`vmdisk push`, 256 KiB chunks, and 128 KiB chunks for disks read at random);
@@ -26,7 +26,7 @@
 # Runs in a private mount namespace (SOCI's tools keep state in /var/lib/soci-snapshotter-grpc,
 # bound to a scratch directory there). Appends to scratch/bench/results.txt. Needs root.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ -z "${VMDISK_PEERS_NS:-}" ]; then
   mkdir -p /var/lib/soci-snapshotter-grpc
   exec env VMDISK_PEERS_NS=1 unshare --mount --propagation private "$0" "$@"
@@ -40,7 +40,7 @@ DEPS=$PWD/target/deps
 GIB=${PEERS_BENCH_GIB:-2}
 RUNS=${PEERS_BENCH_RUNS:-3}
 ONLY=${PEERS_BENCH_ONLY:-}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch peers
 # SOCI's state directory and the TLS front's name are bound over system paths in this namespace.
 bench_cleanup_first() {
@@ -50,7 +50,7 @@ bench_cleanup_first() {
 
 # The peers' binaries, built from the Go module proxy by module version.
 PEERS=$DEPS/peers
-[ -x "$PEERS/soci-snapshotter-grpc" ] && [ -x "$PEERS/containerd-stargz-grpc" ] || integration/peers/build.sh "$PEERS" > /dev/null
+[ -x "$PEERS/soci-snapshotter-grpc" ] && [ -x "$PEERS/containerd-stargz-grpc" ] || integration/deps/peers/build.sh "$PEERS" > /dev/null
 VERSIONS=$(tr '\n' ' ' < "$PEERS/versions")
 
 # One registry storage, served in plain http and behind TLS (a local CA), each behind its own

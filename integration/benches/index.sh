@@ -10,15 +10,15 @@
 # - a cold boot (qemu TCG, Kata-style raw view) over the cluster link on fresh nodes, through
 #   the index vs through the zstd:chunked layout: time and registry bytes.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 GIB=${BOOT_BENCH_GIB:-2}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch index
-source integration/guest.sh
+source integration/lib/guest.sh
 start_registry "$B"
 start_cluster_link "$B" "$REG"
 

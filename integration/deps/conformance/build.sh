@@ -10,8 +10,8 @@
 #   build.sh OUT_BINARY --module VERSION
 #                                a 2.x release from the Go module proxy by its module version
 #                                (github.com/containerd/containerd/v2 VERSION, e.g. v2.3.7),
-#                                with the Go integration/go.sh finds (make deps builds that
-#                                release's containerd the same way: integration/containerd-go.sh)
+#                                with the Go integration/deps/go.sh finds (make deps builds that
+#                                release's containerd the same way: integration/deps/containerd-go.sh)
 # Run (as root): VMDISK_SNAPSHOTTER=/path/to/vmdisk-snapshotter OUT_BINARY -test.v
 set -euo pipefail
 out=${1:?usage: build.sh OUT_BINARY [ROOT | --module VERSION]}

@@ -23,7 +23,7 @@ dir=${1:?usage: regional-cache.sh DIR ORIGIN PORT [SLICE]}
 origin=${2:?origin host:port}
 port=${3:?port}
 slice=${4:-}
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 nginx=${NGINX:-$here/target/deps/nginx/usr/sbin/nginx}
 [ -x "$nginx" ] || nginx=$(command -v nginx) || {
   echo "regional-cache.sh: no nginx (make deps unpacks Debian's into target/deps/nginx)" >&2

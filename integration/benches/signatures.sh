@@ -6,12 +6,12 @@
 # Needs `make deps` (cosign in target/deps/signers) and the release build with the shaped-link
 # example.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 RELAY=$PWD/target/release/examples/shaped-link
 COSIGN=$PWD/target/deps/signers/usr/bin/cosign
 [ -x "$COSIGN" ] || { echo "bench-signatures: $COSIGN is missing (make deps)" >&2; exit 1; }
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch sig
 start_registry "$B"
 start_cluster_link "$B" "$REG"

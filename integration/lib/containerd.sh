@@ -254,7 +254,7 @@ registry_bytes_since() {
 # content store it reads manifests from, as on a node). Needs $SNAPSHOTTER. Its `[cache]
 # hydrate` is $NODE_HYDRATE, `off` unless set: the benches and the demo measure what a boot or a
 # pull fetches and how long it takes, and background hydration (the daemon's default) would
-# fetch the rest meanwhile and share the link; bench-baddays.sh measures what it costs.
+# fetch the rest meanwhile and share the link; benches/baddays.sh measures what it costs.
 # $NODE_TOP: top-level settings added to its configuration.
 start_node() {
   local dir=$1/$2 ctd_root=${4:-$1/$2/no-containerd}

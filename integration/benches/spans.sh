@@ -10,15 +10,15 @@
 # and the index's and windows' sizes. The default span is the one with the lowest total time.
 # Appends to scratch/bench/results.txt. Needs root (FUSE, qemu).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 GIB=${BOOT_BENCH_GIB:-2}
 SPANS=${SPANS:-256K 512K 1M 2M 4M}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch spans
-source integration/guest.sh
+source integration/lib/guest.sh
 start_registry "$B"
 start_cluster_link "$B" "$REG"
 blob_gets_since() {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Plots of `make bench`'s figures (run at its end; docs/benchmarks.md and docs/fleet.md show
-# them): integration/plots.sh RESULTS OUTDIR reads the tables the benches wrote to RESULTS
+# them): integration/benches/plots.sh RESULTS OUTDIR reads the tables the benches wrote to RESULTS
 # (scratch/bench/results.txt) and writes SVG plots with gnuplot (Debian's gnuplot-nox):
 #   fleet-origin-bytes.svg  what the fleet cost the origin (multiples of the blob B) against the
 #                           number of nodes, per cache and registry layout;
@@ -83,7 +83,7 @@ if [ -s "$out/fleet.dat" ]; then
     gnuplot <<GP
 set terminal svg size 760,480 dynamic font "sans,12"
 set output "$out/fleet-$what.svg"
-set title "A fleet booting one disk at once (integration/bench-fleet.sh)"
+set title "A fleet booting one disk at once (integration/benches/fleet.sh)"
 set xlabel "nodes"
 set ylabel "$ylabel"
 set logscale x
@@ -107,7 +107,7 @@ if [ -s "$out/peers.dat" ]; then
   gnuplot <<GP
 set terminal svg size 1100,760 dynamic font "sans,11"
 set output "$out/peers.svg"
-set multiplot layout 2,3 title "vmdisk beside the lazy peers, one disk, one link (integration/bench-peers.sh)"
+set multiplot layout 2,3 title "vmdisk beside the lazy peers, one disk, one link (integration/benches/peers.sh)"
 set style data histogram
 set style fill solid 0.8 border -1
 set boxwidth 0.8

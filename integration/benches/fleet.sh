@@ -2,10 +2,10 @@
 # A fleet booting one disk at once through the caches users run, with the nodes' default
 # configuration (part of `make bench`; docs/fleet.md): N nodes (`vmdisk mount` processes run as
 # the snapshotter runs a layer by default — background hydration at 50 MB/s — each with its own
-# cache, started and timed by integration/fleet-driver.py) boot at the same moment — 50
+# cache, started and timed by integration/benches/fleet-driver.py) boot at the same moment — 50
 # scattered 64 KiB reads of a qcow2 holding FLEET_MIB (128) MiB of random data, each compared
 # with the disk published — and go on until each holds the whole disk; the origin laid out as
-# $LAYOUT says (start_origin in integration/containerd.sh: by default as public registries are,
+# $LAYOUT says (start_origin in integration/lib/containerd.sh: by default as public registries are,
 # the API 80 ms away redirecting blobs to a blob host 10 ms away, 200 Mbit/s each; LAYOUT=itself:
 # the registry serving blobs itself behind the shaped cluster link, 20 ms, 200 Mbit/s), through:
 #   none           no mirror: every node asks the origin;
@@ -30,12 +30,12 @@
 # FLEET_FULL_MAX (10: the largest fleet a link-bound full pull is run for), BASE_BIN (another
 # build's vmdisk, run as a mode "before" through the slice cache).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 CDN=${CDN:-$PWD/target/release/examples/blob-cdn}
 MIB=${FLEET_MIB:-128}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch fleet
 # The origin asks for a token, as public registries (Docker Hub, ghcr.io, quay.io) do, its token
 # service behind a link of its own; FLEET_ORIGIN=open: one that asks for none, as some private
@@ -71,7 +71,7 @@ mirror() {
   mkdir -p "$2/storage"
   case $1 in
   *nginx)
-    integration/regional-cache.sh "$2/nginx" "$PULL" "$MPORT" ${FLEET_SLICE:-} > "$2/mirror.log" 2>&1 &
+    integration/lib/regional-cache.sh "$2/nginx" "$PULL" "$MPORT" ${FLEET_SLICE:-} > "$2/mirror.log" 2>&1 &
     ;;
   *)
     printf 'version: 0.1\nlog: { level: error }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\nproxy: { remoteurl: "http://%s" }\n' "$2/storage" "$MPORT" "$PULL" > "$2/mirror.yml"
@@ -115,7 +115,7 @@ run() {
   local m; m=$(origin_mark "$B") redirected=-
   [ "$LAYOUT" != redirect ] || redirected=$(cdn_count registry_blob_requests)
   # In the background, so an interrupted bench stops it (and it its nodes) with the rest.
-  python3 integration/fleet-driver.py "$dir" "$n" --reads "$B/reads" "${args[@]}" "${watch[@]}" > "$dir/result.json" &
+  python3 integration/benches/fleet-driver.py "$dir" "$n" --reads "$B/reads" "${args[@]}" "${watch[@]}" > "$dir/result.json" &
   PIDS+=($!)
   wait $!
   # A mirror that started filling the blob keeps fetching it after the nodes are done: wait

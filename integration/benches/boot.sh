@@ -2,7 +2,7 @@
 # Boot figures (part of `make bench`): a Linux guest booted the way Kata boots it (qemu TCG,
 # -kernel/-initrd, root=/dev/vda1, read-only raw virtio disk) from vmdisk's lazily loaded raw
 # view (`vmdisk path --raw`) from a registry laid out as $LAYOUT says (start_origin in
-# integration/containerd.sh: by default as public registries are, the API 80 ms away redirecting
+# integration/lib/containerd.sh: by default as public registries are, the API 80 ms away redirecting
 # blobs to a blob host 10 ms away; LAYOUT=itself: a registry serving blobs itself behind the
 # 20 ms cluster link):
 # - cold, on a node that never saw the image, without a boot trace;
@@ -16,16 +16,16 @@
 # BOOT_BENCH_GIB (default 2) GiB, padded with a random file the boot never reads. No KVM here:
 # boot times are TCG times, the same for every row.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
 SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 CDN=${CDN:-$PWD/target/release/examples/blob-cdn}
 GIB=${BOOT_BENCH_GIB:-2}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch boot
-source integration/guest.sh
+source integration/lib/guest.sh
 start_origin "$B"
 mark() { origin_mark "$B"; }
 served_since() { origin_bytes_since "$B" "$1"; }

@@ -6,7 +6,7 @@
 # toolchains), unpacked once into target/deps/go-<version>.
 set -euo pipefail
 want=1.26.8
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 new_enough() {  # new_enough GO
   local v
   v=$("$1" env GOVERSION 2> /dev/null) || return 1

@@ -2,9 +2,9 @@
 # `make bench`, part 2: the lazy disk engine (`vmdisk mount`), each figure beside its baseline
 # from the same run. Appends to scratch/bench/results.txt. Needs root (FUSE, containerd).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
-source integration/containerd.sh
+source integration/lib/containerd.sh
 bench_scratch engine
 
 start_registry "$B"
