@@ -407,7 +407,7 @@ pub async fn serve_layer(config: &Config, layer: Digest) -> Result<()> {
         &plan,
         Parts {
             roots: &roots,
-            ahead: Some(ahead),
+            ahead,
             inherited,
         },
         &paths,
@@ -425,7 +425,7 @@ pub async fn serve_layer(config: &Config, layer: Digest) -> Result<()> {
 struct Parts<'a> {
     roots: &'a Roots,
     /// The blob bytes it fetches for the structure check.
-    ahead: Option<oneshot::Receiver<Held>>,
+    ahead: oneshot::Receiver<Held>,
     /// The connections of the server that died, to take over.
     inherited: Option<Inherited>,
 }
@@ -714,10 +714,7 @@ async fn open_parts(
 
 /// The blob bytes the daemon fetched ahead for the structure check (none when it sends none,
 /// or not within [`BLOB_BYTES_WAIT`]: the check then fetches them itself).
-async fn held_ahead(ahead: Option<oneshot::Receiver<Held>>) -> Held {
-    let Some(ahead) = ahead else {
-        return Held::default();
-    };
+async fn held_ahead(ahead: oneshot::Receiver<Held>) -> Held {
     match tokio::time::timeout(BLOB_BYTES_WAIT, ahead).await {
         Ok(Ok(held)) => held,
         _ => {
