@@ -173,6 +173,8 @@ fn file_graph(root: &Path) -> BTreeMap<String, BTreeSet<String>> {
             .unwrap();
     let child_re =
         regex::Regex::new(r"(?m)^\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+([a-z_0-9]+)\s*;").unwrap();
+    // A visibility (`pub(super)`, `pub(crate)`, `pub(in …)`) names no module the file uses.
+    let visibility_re = regex::Regex::new(r"pub\((?:crate|super|self|in [^)]*)\)").unwrap();
     let mut graph = BTreeMap::new();
     for (rel, code) in &texts {
         let me = module_of(rel);
@@ -182,6 +184,8 @@ fn file_graph(root: &Path) -> BTreeMap<String, BTreeSet<String>> {
             .collect();
         let mut used = BTreeSet::new();
         for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
+            let line = visibility_re.replace_all(line, "");
+            let line = line.as_ref();
             for c in path_re.captures_iter(line) {
                 let mut segments = c[2].split("::").filter(|s| !s.is_empty());
                 let mut at: Vec<String> = match &c[1] {

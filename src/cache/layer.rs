@@ -190,7 +190,7 @@ impl LayerCache {
         let _ = File::create(dir.join(super::names::LAST_USED));
         let mut data = Vec::with_capacity(files.len());
         for (n, &size) in files.iter().enumerate() {
-            let path = super::data_file(dir, n);
+            let path = super::names::data_file(dir, n);
             let f = open_rw(&path)?;
             if f.metadata().map(|m| m.len()).unwrap_or(0) != size {
                 f.set_len(size)

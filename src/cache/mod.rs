@@ -36,6 +36,7 @@
 
 pub mod layer;
 pub mod memory;
+pub mod names;
 
 use std::path::{Path, PathBuf};
 
@@ -46,6 +47,7 @@ use crate::layer::LayerMeta;
 use crate::oci::digest::Digest;
 
 pub use layer::LayerCache;
+pub use names::data_file;
 
 /// The default cache root.
 pub const DEFAULT_ROOT: &str = "/var/lib/vmdisk/cache";
@@ -88,27 +90,9 @@ pub struct CacheRoot {
     root: PathBuf,
 }
 
-/// The names of a layer's files in its cache directory (the layout above), spelled only here.
-pub mod names {
-    pub const META: &str = "meta.json";
-    pub const TOC: &str = "toc.zst";
-    pub const DATA: &str = "data";
-    pub const BITMAP: &str = "bitmap";
-    pub const SUMS: &str = "sums";
-    pub const STRUCTURE_CHECKED: &str = "structure-checked";
-    pub const INTEGRITY: &str = "integrity";
-    pub const LOCK: &str = "lock";
-    pub const LAST_USED: &str = "last-used";
-}
-
 /// The file in a cache's root whose lock is the turn to re-verify a layer's cached chunks in
 /// the background ([`CacheRoot::verify_turn`]).
 const VERIFY_TURN: &str = "verify-turn";
-
-/// The data file of the layer's regular file number `n`, in its cache directory `layer_dir`.
-pub fn data_file(layer_dir: &Path, n: usize) -> PathBuf {
-    layer_dir.join(names::DATA).join(n.to_string())
-}
 
 /// The regular file at `path` if it is at most `max` bytes and hashes to `digest` (a blob
 /// kept by digest, here or in containerd's content store).

@@ -1,11 +1,14 @@
 //! The zstd:chunked reader and writer against each other and against hostile TOCs and layers.
 
+use std::collections::BTreeMap;
+
 use super::testing::write_layer;
 use super::*;
 use crate::format::toc::TocEntry;
 use crate::format::toc::{MAX_PATH_DEPTH, MAX_TOC_ENTRIES, MAX_TOC_FILES};
 use crate::format::tree::clean_path;
 use crate::format::zstd_frames::{decode_region, decompress_bounded, SKIPPABLE_MAGIC};
+use crate::oci::digest::Digest;
 
 fn sample(len: usize) -> Vec<u8> {
     let mut v: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();

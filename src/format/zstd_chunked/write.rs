@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::Arc;
 
-use super::{
+use super::layout::{
     TocLocation, ANN_TARSPLIT_POSITION, ANN_TOC_CHECKSUM, ANN_TOC_CHECKSUM_OLD, ANN_TOC_POSITION,
     ANN_TOC_POSITION_OLD, FOOTER_MAGIC, MANIFEST_TYPE_CRFS,
 };

@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use futures_util::future::BoxFuture;
 
-use super::{blob_pieces, decode_each, Regions};
+use super::regions::{blob_pieces, decode_each, Regions};
 use crate::error::{Error, Result};
 use crate::format::estargz::{self, decode_chunk, inflate_members};
 use crate::format::tree::Chunk;

@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use futures_util::future::BoxFuture;
 
-use super::{blob_pieces, decode_each, Regions};
+use super::regions::{blob_pieces, decode_each, Regions};
 use crate::error::Result;
 use crate::format::zstd_chunked::{decode_chunk, read_toc};
 use crate::format::zstd_frames::decode_region;
