@@ -68,7 +68,7 @@ impl Policy {
     /// Reads and checks `path`; keys named by path are read now (relative paths against the
     /// policy's directory).
     pub fn load(path: &Path) -> Result<Policy> {
-        let bytes = super::read_bounded(path, MAX_POLICY_FILE, "signature policy")?;
+        let bytes = super::read::read_bounded(path, MAX_POLICY_FILE, "signature policy")?;
         Policy::parse(&bytes, path)
     }
 
@@ -226,7 +226,7 @@ fn sigstore(v: &Value, dir: &Path) -> Result<Requirement> {
     let mut keys = Vec::new();
     for path in strings("keyPath")?.into_iter().chain(strings("keyPaths")?) {
         let path = dir.join(PathBuf::from(&path));
-        let pem = super::read_bounded(&path, MAX_KEY_FILE, "public key")?;
+        let pem = super::read::read_bounded(&path, MAX_KEY_FILE, "public key")?;
         keys.push(PublicKey::from_pem(&pem, &path.display().to_string())?);
     }
     for (i, data) in strings("keyData")?

@@ -48,7 +48,7 @@ enum Format {
 }
 
 /// The cosign signatures of manifest `digest` in `repo` (both formats), at most
-/// `super::MAX_SIGNATURES` of each.
+/// `super::read::MAX_SIGNATURES` of each.
 pub async fn signatures(
     client: &dyn Registry,
     repo: &Reference,
@@ -67,8 +67,8 @@ pub async fn signatures(
         client.get_manifest(&tag)
     );
     let referrers = referrers?;
-    for desc in referrers.iter().rev().take(super::MAX_SIGNATURES) {
-        let layers = super::artifact_layers(client, repo, desc).await?;
+    for desc in referrers.iter().rev().take(super::read::MAX_SIGNATURES) {
+        let layers = super::read::artifact_layers(client, repo, desc).await?;
         let Some(layer) = layers.into_iter().find(|l| l.media_type == BUNDLE_TYPE) else {
             continue;
         };
@@ -77,7 +77,7 @@ pub async fn signatures(
             repo.registry, repo.repository, desc.digest
         );
         let bytes = client
-            .get_blob(repo, &layer, super::MAX_SIGNATURE_BLOB)
+            .get_blob(repo, &layer, super::read::MAX_SIGNATURE_BLOB)
             .await?;
         match bundle(&bytes, &origin) {
             Ok(sigs) => found.extend(sigs),
@@ -94,7 +94,7 @@ pub async fn signatures(
             .layers
             .iter()
             .filter(|l| l.media_type == SIMPLE_SIGNING)
-            .take(super::MAX_SIGNATURES)
+            .take(super::read::MAX_SIGNATURES)
         {
             let Some(signature) = layer
                 .annotations
@@ -104,7 +104,7 @@ pub async fn signatures(
                 continue;
             };
             let payload = client
-                .get_blob(repo, layer, super::MAX_SIGNATURE_BLOB)
+                .get_blob(repo, layer, super::read::MAX_SIGNATURE_BLOB)
                 .await?;
             found.push(Found {
                 origin: format!("cosign signature {tag}"),
@@ -150,7 +150,7 @@ fn bundle(bytes: &[u8], origin: &str) -> std::result::Result<Vec<Found>, String>
     let pae = dsse_pae(&env.payload_type, &payload);
     env.signatures
         .iter()
-        .take(super::MAX_SIGNATURES)
+        .take(super::read::MAX_SIGNATURES)
         .map(|s| {
             Ok(Found {
                 origin: origin.to_string(),

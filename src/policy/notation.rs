@@ -102,7 +102,8 @@ impl TrustPolicy {
     /// Reads the trust policy `path` and the certificates of the stores it names from
     /// `store` (notation's `truststore` directory).
     pub fn load(path: &Path, store: &Path) -> Result<TrustPolicy> {
-        let bytes = super::read_bounded(path, super::containers::MAX_POLICY_FILE, "trust policy")?;
+        let bytes =
+            super::read::read_bounded(path, super::containers::MAX_POLICY_FILE, "trust policy")?;
         let bad = |why: String| Error::invalid(format!("trust policy {}: {why}", path.display()));
         let doc: Document = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
         if doc.version != "1.0" {
@@ -221,8 +222,8 @@ impl TrustPolicy {
             .referrers(reference, digest, &[SIGNATURE_TYPE])
             .await?;
         let mut reasons = Vec::new();
-        for desc in referrers.iter().rev().take(super::MAX_SIGNATURES) {
-            let layers = super::artifact_layers(client, reference, desc).await?;
+        for desc in referrers.iter().rev().take(super::read::MAX_SIGNATURES) {
+            let layers = super::read::artifact_layers(client, reference, desc).await?;
             let Some(layer) = layers.iter().find(|l| l.media_type == JWS) else {
                 reasons.push(if layers.iter().any(|l| l.media_type == COSE) {
                     format!(
@@ -235,7 +236,7 @@ impl TrustPolicy {
                 continue;
             };
             let envelope = client
-                .get_blob(reference, layer, super::MAX_SIGNATURE_BLOB)
+                .get_blob(reference, layer, super::read::MAX_SIGNATURE_BLOB)
                 .await?;
             match verify_jws(&envelope, digest, policy) {
                 Ok(until) => return Ok(Ok(until)),
@@ -262,7 +263,7 @@ fn read_store(dir: &Path) -> Result<Vec<CertificateDer<'static>>> {
     let mut names: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
     names.sort();
     for path in names.into_iter().filter(|p| p.is_file()) {
-        let bytes = super::read_bounded(&path, MAX_CERT_FILE, "certificate")?;
+        let bytes = super::read::read_bounded(&path, MAX_CERT_FILE, "certificate")?;
         if bytes.starts_with(b"-----") {
             for cert in CertificateDer::pem_slice_iter(&bytes) {
                 let cert = cert.map_err(|e| {

@@ -8,7 +8,7 @@
 //!   ([`indexable_layer`]); a disk artifact's disk file is chosen by the artifact's own rules
 //!   ([`crate::format::artifact`]). [`index_target`] says which, and what its index must say.
 
-use super::{diff_id_of, image_config};
+use super::image::{diff_id_of, image_config};
 use crate::cache::CacheRoot;
 use crate::error::{Error, Result};
 use crate::format::seekable::{Compression, Expected, Layout};
