@@ -10,7 +10,7 @@ use crate::oci::reference::Reference;
 use crate::registry::{RegistryClient, RegistryConfig};
 use crate::serve::ready::Handed;
 
-use super::{GcArgs, LsArgs, ManageArgs, PathArgs, PrefetchArgs, RefArgs};
+use super::args::{GcArgs, LsArgs, ManageArgs, PathArgs, PrefetchArgs, RefArgs};
 
 /// `vmdisk path`: the disk made ready by the daemon, as the runtime is handed it.
 pub(super) async fn path(args: PathArgs) -> Result<()> {

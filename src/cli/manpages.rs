@@ -38,7 +38,7 @@ fn shim_command() -> clap::Command {
 
 /// Writes every manual page under `dir`; returns their paths.
 pub fn write_all(dir: &Path) -> Result<Vec<PathBuf>> {
-    let vmdisk = super::Cli::command();
+    let vmdisk = super::args::Cli::command();
     let mut written = vec![render(&vmdisk, "1", dir, "vmdisk")?];
     for sub in vmdisk.get_subcommands().filter(|s| !s.is_hide_set()) {
         let name = format!("vmdisk-{}", sub.get_name());

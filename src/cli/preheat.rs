@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use futures_util::StreamExt;
 
-use super::PreheatArgs;
+use super::args::PreheatArgs;
 use crate::blob::Blob;
 use crate::error::{Error, ErrorKind, Result};
 use crate::oci::digest::Hasher;

@@ -11,7 +11,7 @@ use crate::oci::Platform;
 use crate::progress::Unit;
 use crate::publish::{self, PublishOptions};
 
-use super::{repository, ConvertArgs, IndexArgs, InspectArgs, PushArgs};
+use super::args::{repository, ConvertArgs, IndexArgs, InspectArgs, PushArgs};
 
 /// `vmdisk push`: disk files published as an image (one per platform).
 pub(super) async fn push(args: PushArgs) -> Result<()> {

@@ -1,6 +1,6 @@
 //! The commands that serve a disk layer in this process: `mount` and `trace record`.
 
-use super::{MountArgs, TraceRecordArgs};
+use super::args::{MountArgs, TraceRecordArgs};
 use crate::error::{Error, ErrorKind, Result};
 use crate::oci::Descriptor;
 use crate::registry::RegistryClient;

@@ -32,6 +32,7 @@ mod hydrate;
 pub mod integrity;
 pub mod readahead;
 pub mod stats;
+mod touched;
 mod trace;
 
 use std::collections::HashMap;
@@ -44,7 +45,6 @@ use parking_lot::Mutex;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 
-pub use self::check::CacheCheck;
 use self::stats::Stats;
 use crate::blob::Sources;
 use crate::cache::layer::Kept;
@@ -153,7 +153,7 @@ pub struct Engine {
     /// Held while that check runs, so it runs once however many ask.
     checking: tokio::sync::Mutex<()>,
     /// Records which chunks of the disk are read, once started ([`Engine::start_recording`]).
-    recorder: std::sync::OnceLock<trace::Recorder>,
+    recorder: std::sync::OnceLock<touched::Recorder>,
     opts: EngineOptions,
 }
 

@@ -6,15 +6,9 @@ use std::ops::Range;
 
 use parking_lot::Mutex;
 
+use super::touched::Recorder;
 use super::Engine;
 use crate::error::Result;
-
-/// The chunks of the disk file that readers touched, in first-touch order.
-pub(super) struct Recorder {
-    pub(super) seen: Vec<std::sync::atomic::AtomicU64>,
-    /// Disk-file byte ranges, adjacent ones merged.
-    pub(super) order: Mutex<Vec<Range<u64>>>,
-}
 
 impl Engine {
     /// Starts recording which chunks of the disk readers touch, in order (a boot trace).

@@ -1,6 +1,7 @@
 //! The cache's chunks checked against what was verified (`engine/check.rs`).
 
 use super::*;
+use crate::engine::check::CacheCheck;
 
 /// A second engine over `engine`'s cache directory `dir` and blob: the layer opened again
 /// by a new process.
