@@ -325,3 +325,46 @@ fn the_engine_is_changed_only_through_its_own_methods() {
         "a pub field of Engine:\n{body}"
     );
 }
+
+/// The files of `src/` that still reach themselves, each a directory whose `mod.rs` holds what
+/// its children use while using them (issue 59 takes them apart; none may be added).
+const FILE_CYCLES_LEFT: [&[&str]; 4] = [
+    &[
+        "format/seekable/build.rs",
+        "format/seekable/mod.rs",
+        "format/seekable/zran.rs",
+    ],
+    &[
+        "publish/convert.rs",
+        "publish/from_artifact.rs",
+        "publish/mod.rs",
+    ],
+    &[
+        "registry/mod.rs",
+        "registry/push.rs",
+        "registry/read.rs",
+        "registry/token.rs",
+        "registry/transport.rs",
+    ],
+    &[
+        "snapshotter/mod.rs",
+        "snapshotter/prepare/mod.rs",
+        "snapshotter/servers/mod.rs",
+    ],
+];
+
+#[test]
+fn no_file_of_src_reaches_itself_beyond_the_cycles_left() {
+    let graph = file_graph(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+    let mut found: Vec<Vec<String>> = cycles(&graph)
+        .into_iter()
+        .map(|c| c.into_iter().collect())
+        .collect();
+    found.sort();
+    let mut left: Vec<Vec<String>> = FILE_CYCLES_LEFT
+        .iter()
+        .map(|c| c.iter().map(|f| f.to_string()).collect())
+        .collect();
+    left.sort();
+    assert_eq!(found, left, "the files of src/ that reach themselves");
+}
