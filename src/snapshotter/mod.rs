@@ -28,6 +28,7 @@ pub mod counters;
 pub mod daemon;
 pub mod mount_server;
 pub mod prepare;
+mod remote;
 pub mod servers;
 pub mod store;
 
