@@ -311,7 +311,7 @@ async fn inspect_artifact(
                 source.repository, meta.toc_digest, meta.toc_length
             ));
             rep.chunks = index.spans.len() as u64;
-            let head_end = seekable::HEAD_BYTES.min(index.stream_size);
+            let head_end = seekable::build::HEAD_BYTES.min(index.stream_size);
             let head = read_stream(client, &meta, &index, 0..head_end).await?;
             let (format, virtual_size) = disk::identify(&head, index.stream_size)?;
             rep.disk = Some(DiskReport {

@@ -43,7 +43,7 @@ pub struct IndexReport {
 /// record names (which must hold a qcow2 or raw disk), or the first regular file under
 /// `disk/` or `image/` of its tar.
 fn disk_of(
-    built: &seekable::Built,
+    built: &seekable::build::Built,
     disk_path: Option<String>,
     layer: &crate::oci::digest::Digest,
     reference: &Reference,
@@ -102,7 +102,7 @@ pub async fn index(
         .reopen()
         .map_err(|e| Error::io("opening the windows file", e))?;
     let built = crate::task::blocking(move || {
-        seekable::build(
+        seekable::build::build(
             blob,
             &expected,
             span_size,

@@ -5,8 +5,9 @@
 use std::io::Read;
 
 use super::zran::BlockInflater;
+use super::zran::WINDOW;
 use super::{Compression, Entry, Expected, Layout, SeekIndex, Span, Windows};
-use super::{MAX_ENTRIES, MAX_SPANS, VERSION, WINDOW};
+use super::{MAX_ENTRIES, MAX_SPANS, VERSION};
 use crate::error::{Error, Result};
 use crate::format::artifact::Codec;
 use crate::oci::digest::{Digest, Hasher};

@@ -14,6 +14,9 @@ use libz_rs_sys as z;
 
 use crate::error::{Error, Result};
 
+/// The deflate window a checkpoint carries.
+pub const WINDOW: usize = 32 << 10;
+
 /// What one [`BlockInflater::inflate`] call did.
 pub struct Step {
     /// Input bytes consumed.
@@ -169,7 +172,7 @@ const FILLER: u8 = 144;
 /// bytes follow unshifted (a stored block's padding depends on that alignment), and the
 /// prefix's bytes are dropped from the output.
 pub(super) fn inflate_span(window: &[u8], bits: u8, input: &[u8], size: usize) -> Result<Vec<u8>> {
-    if bits > 7 || window.len() > super::WINDOW {
+    if bits > 7 || window.len() > WINDOW {
         return Err(Error::corrupt(format!(
             "a checkpoint at bit {bits} with a {}-byte window",
             window.len()
