@@ -328,20 +328,13 @@ fn the_engine_is_changed_only_through_its_own_methods() {
 
 /// The files of `src/` that still reach themselves, each a directory whose `mod.rs` holds what
 /// its children use while using them (issue 59 takes them apart; none may be added).
-const FILE_CYCLES_LEFT: [&[&str]; 2] = [
-    &[
-        "publish/convert.rs",
-        "publish/from_artifact.rs",
-        "publish/mod.rs",
-    ],
-    &[
-        "registry/mod.rs",
-        "registry/push.rs",
-        "registry/read.rs",
-        "registry/token.rs",
-        "registry/transport.rs",
-    ],
-];
+const FILE_CYCLES_LEFT: [&[&str]; 1] = [&[
+    "registry/mod.rs",
+    "registry/push.rs",
+    "registry/read.rs",
+    "registry/token.rs",
+    "registry/transport.rs",
+]];
 
 #[test]
 fn no_file_of_src_reaches_itself_beyond_the_cycles_left() {

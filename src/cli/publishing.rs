@@ -77,7 +77,7 @@ pub(super) async fn convert(args: ConvertArgs) -> Result<()> {
     };
     let platform = args.platform.unwrap_or_else(Platform::host);
     let client = args.registry.client()?;
-    let digest = publish::convert(&client, &source, &target, &opts, &platform).await?;
+    let digest = publish::republish::convert(&client, &source, &target, &opts, &platform).await?;
     progress.finish();
     let pinned = target.with_digest(digest);
     eprintln!(

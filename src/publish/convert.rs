@@ -1,10 +1,11 @@
 //! `vmdisk convert` of an image: the disk found in a source layer's tar (or an artifact's
 //! archive, [`super::from_artifact`]) and republished in the lazy layout as it is read.
 
+use super::conversion::Conversion;
 use super::pipeline::{build_layer, BuiltLayer, ChunkingOptions, LayerContent};
 use super::upload::{upload_streamed, with_restarts, SegmentSink};
+use super::Published;
 use super::{chunking, disk_entries, disk_facts_from_head, finish_disk, source_date};
-use super::{Conversion, Published};
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::artifact;
 use crate::format::layout::is_disk_path;

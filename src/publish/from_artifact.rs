@@ -1,12 +1,13 @@
 //! `vmdisk convert` of a disk artifact (one platform): its disk file, compressed or not, or
 //! the disk in a tar archive it carries (the upstream peer-pod images' `podvm.tar.xz`).
 
+use super::conversion::Conversion;
 use super::convert::{
     convert_tar, finish_converted, read_to_end, republish_layer, ConvertedLayer, Selection,
 };
 use super::pipeline::ChunkingOptions;
 use super::upload::SegmentSink;
-use super::{chunking, push_disk, Conversion, PublishOptions, Published};
+use super::{chunking, push_disk, PublishOptions, Published};
 use crate::error::{Error, ErrorKind, Result, ResultExt};
 use crate::format::artifact;
 use crate::oci::digest::Digest;

@@ -11,10 +11,12 @@
 //! artifact's disk in [`from_artifact`]; the layer is built by [`pipeline`] and streamed into
 //! the registry by [`upload`]; `vmdisk index` is [`index`].
 
+mod conversion;
 mod convert;
 mod from_artifact;
 pub mod index;
 pub mod pipeline;
+pub mod republish;
 mod upload;
 
 use std::collections::BTreeMap;
@@ -26,7 +28,6 @@ use bytes::Bytes;
 use self::pipeline::{build_layer, BuiltLayer, ChunkingOptions, LayerContent};
 use self::upload::{upload_streamed, with_restarts};
 use crate::error::{Error, ErrorKind, Result, ResultExt};
-use crate::format::artifact;
 use crate::format::disk::{self, DiskFormat};
 use crate::format::layout::{
     layer_path, ANN_CHUNK_SIZE, ANN_DISK_DIGEST, ANN_DISK_SIZE, ANN_FORMAT, ANN_PATH, ANN_PREFIX,
@@ -35,7 +36,7 @@ use crate::format::layout::{
 use crate::format::zstd_chunked::{EntryMeta, TocLocation};
 use crate::oci::digest::Digest;
 use crate::oci::reference::Reference;
-use crate::oci::{self, Descriptor, ImageConfig, Manifest, ManifestKind, Platform, RootFs};
+use crate::oci::{self, Descriptor, ImageConfig, Manifest, Platform, RootFs};
 use crate::registry::RegistryClient;
 
 /// Default chunk size: 256 KiB (see docs/format.md for the measurement behind it).
@@ -367,94 +368,6 @@ pub fn check_target(target: &Reference) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// A `vmdisk convert`: republished from `source` to `target` with `client`, as `opts` say.
-struct Conversion<'a> {
-    client: &'a RegistryClient,
-    source: &'a Reference,
-    target: &'a Reference,
-    opts: &'a PublishOptions,
-}
-
-impl Conversion<'_> {
-    /// Republishes `manifest`, the source's for `platform`: an image's disk layer, or a disk
-    /// artifact's disk.
-    async fn run(&self, manifest: &Manifest, platform: &Platform) -> Result<(Published, Vec<u8>)> {
-        if artifact::is_artifact(manifest) {
-            from_artifact::convert_artifact(self, manifest, platform).await
-        } else {
-            convert::convert_image(self, manifest, platform).await
-        }
-    }
-}
-
-/// `vmdisk convert`: republishes every platform of `source` at `target` in the lazy layout.
-/// `platform` is the platform of a source that names none (a disk artifact with an empty
-/// config).
-pub async fn convert(
-    client: &RegistryClient,
-    source: &Reference,
-    target: &Reference,
-    opts: &PublishOptions,
-    platform: &Platform,
-) -> Result<Digest> {
-    check_target(target)?;
-    let fetched = client.get_manifest(source).await?;
-    // Pre-flight: reach the target with push rights before any layer is streamed, so an
-    // unreachable registry or refused credentials fail at once rather than after restarts.
-    client
-        .blob_exists(target, &Digest::of(b""))
-        .await
-        .context(format!("checking access to {target}"))?;
-    let conversion = Conversion {
-        client,
-        source,
-        target,
-        opts,
-    };
-    let mut images = Vec::new();
-    match fetched.manifest {
-        ManifestKind::Image(m) => {
-            let config = client
-                .get_blob(source, &m.config, oci::MAX_CONFIG_SIZE)
-                .await?;
-            let named = if artifact::is_artifact(&m) {
-                oci::config_platform(&config)
-            } else {
-                let cfg: ImageConfig = serde_json::from_slice(&config)
-                    .map_err(|e| Error::corrupt(format!("image config of {source}: {e}")))?;
-                Some(Platform {
-                    os: cfg.os,
-                    architecture: cfg.architecture,
-                    variant: cfg.variant,
-                })
-            };
-            let platform = named.unwrap_or_else(|| {
-                tracing::warn!(%source, %platform, "the source names no platform; publishing it for the one given (--platform)");
-                platform.clone()
-            });
-            images.push(conversion.run(&m, &platform).await?);
-        }
-        ManifestKind::Index(index) => {
-            for desc in &index.manifests {
-                let Some(platform) = desc.platform.clone().filter(|p| p.os != "unknown") else {
-                    continue;
-                };
-                let child = client
-                    .get_manifest(&source.with_digest(desc.digest))
-                    .await?;
-                let ManifestKind::Image(m) = child.manifest else {
-                    return Err(Error::unsupported(format!(
-                        "{source}: nested index {} is not supported",
-                        desc.digest
-                    )));
-                };
-                images.push(conversion.run(&m, &platform).await?);
-            }
-        }
-    }
-    tag_images(client, target, &images).await
 }
 
 #[cfg(test)]
