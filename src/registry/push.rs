@@ -5,12 +5,12 @@ use bytes::Bytes;
 use reqwest::header::{CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, LOCATION, RANGE};
 use reqwest::{Method, StatusCode};
 
-use super::token::scope;
+use super::credentials::scope;
 
+use super::client::RegistryClient;
+use super::credentials::Access;
 use super::hosts::Endpoint;
-use super::token::Access;
 use super::transport::Req;
-use super::RegistryClient;
 use crate::error::{Error, ErrorKind, Result};
 use crate::oci::digest::Digest;
 use crate::oci::reference::Reference;

@@ -6,9 +6,9 @@ use bytes::Bytes;
 use reqwest::header::{ACCEPT, CONTENT_RANGE, CONTENT_TYPE, RANGE};
 use reqwest::{Method, StatusCode};
 
+use super::client::{Ask, FetchedManifest, RegistryClient};
 use super::hosts::Endpoint;
 use super::transport::Req;
-use super::{Ask, FetchedManifest, RegistryClient};
 use crate::error::{Error, ErrorKind, Result};
 use crate::oci::digest::{Digest, Hasher};
 use crate::oci::reference::Reference;

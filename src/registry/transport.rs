@@ -17,18 +17,15 @@ use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, LOCATION, WWW_AUTHENTICATE};
 use reqwest::{Method, StatusCode};
 
-use std::path::PathBuf;
-
+use super::client::{read_limited, registry_error_text, Ask, RegistryClient};
+use super::credentials::{scope, Access, Candidate, Principal};
+use super::health;
 use super::hosts::Endpoint;
 use super::locations::Lookup;
-use super::token::{scope, Access, Candidate, Principal};
-use super::{health, read_limited, registry_error_text, roots, Ask, RegistryClient};
+use super::roots;
 use crate::error::{Error, ErrorKind, Result};
 use crate::oci::digest::Digest;
 use crate::oci::reference::{is_loopback_host, Reference};
-
-/// What distinguishes one HTTP client from another: TLS verification, CAs, client identity.
-pub(super) type TlsSettings = (bool, Vec<PathBuf>, Option<(PathBuf, Option<PathBuf>)>);
 
 /// A request to send, rebuilt for every try (bodies are cheap `Bytes` clones).
 /// Only idempotent requests are retried ([`RegistryClient::send_retried`]); a PATCH that fails
@@ -162,7 +159,7 @@ impl RegistryClient {
     pub(super) fn build_http(
         ep: &Endpoint,
         roots: &roots::Roots,
-        agent: super::Agent,
+        agent: super::client::Agent,
     ) -> Result<reqwest::Client> {
         let mut builder = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
