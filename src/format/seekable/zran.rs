@@ -8,8 +8,6 @@
 //! - [`inflate_span`], decoding a span from its checkpoint with a safe inflater: the window
 //!   and the span's first bits are replayed as a stored-and-literal deflate prefix.
 
-#![allow(unsafe_code)]
-
 use libz_rs_sys as z;
 
 use crate::error::{Error, Result};
@@ -39,10 +37,12 @@ pub struct BlockInflater {
 }
 
 // SAFETY: the stream owns its state and is only used through `&mut self`.
+#[allow(unsafe_code)]
 unsafe impl Send for BlockInflater {}
 
 impl BlockInflater {
     /// An inflater for one gzip member (header and trailer checked).
+    #[allow(unsafe_code)]
     pub fn gzip() -> Result<Self> {
         let mut stream = Box::new(z::z_stream::default());
         // SAFETY: `stream` is a valid, default-initialised z_stream that stays boxed (it
@@ -65,6 +65,7 @@ impl BlockInflater {
 
     /// Inflates from `input` into `output` until a block boundary, the end of the member, the
     /// end of `input` or a full `output`.
+    #[allow(unsafe_code)]
     pub fn inflate(&mut self, input: &[u8], output: &mut [u8]) -> Result<Step> {
         let s = self.stream.as_mut();
         s.next_in = input.as_ptr();
@@ -99,6 +100,7 @@ impl BlockInflater {
         })
     }
 
+    #[allow(unsafe_code)]
     fn message(&self) -> String {
         let msg = self.stream.msg;
         if msg.is_null() {
@@ -112,6 +114,7 @@ impl BlockInflater {
 }
 
 impl Drop for BlockInflater {
+    #[allow(unsafe_code)]
     fn drop(&mut self) {
         // SAFETY: the stream was initialised by `inflateInit2_` and is ended once, here.
         unsafe {
