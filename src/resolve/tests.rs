@@ -502,19 +502,35 @@ async fn a_kept_manifest_by_digest_saves_its_round_trip_and_a_changed_one_is_not
     assert_eq!(err.kind(), ErrorKind::Network);
 }
 
+/// A registry holding `vm:1`, one zstd:chunked layer of one 300 KiB file, and a cache at `dir`
+/// that keeps the image's manifest: the registry, the cache, the reference, its platform
+/// manifest and that manifest's digest.
+async fn one_file_image(
+    dir: &std::path::Path,
+) -> (
+    Arc<MemoryRegistry>,
+    CacheRoot,
+    Reference,
+    oci::Manifest,
+    Digest,
+) {
+    let registry = Arc::new(MemoryRegistry::default());
+    image(&registry, "1", &[chunked_layer(&disk(300 << 10))]);
+    let cache = CacheRoot::open(dir).unwrap();
+    let r = reference("vm:1");
+    let (manifest, digest, _) = platform_manifest(registry.as_ref(), Some(&cache), &r)
+        .await
+        .unwrap();
+    (registry, cache, r, manifest, digest)
+}
+
 /// A mount server whose daemon kept the image's config but not its TOC (the config came from
 /// containerd's content store) fetches the TOC with the blob's head and the bytes before it,
 /// in one round trip: the structure check then asks the registry for nothing more.
 #[tokio::test]
 async fn a_one_file_layers_structure_check_reads_the_bytes_fetched_with_its_toc() {
-    let registry = Arc::new(MemoryRegistry::default());
-    image(&registry, "1", &[chunked_layer(&disk(300 << 10))]);
     let dir = tempfile::tempdir().unwrap();
-    let cache = CacheRoot::open(dir.path()).unwrap();
-    let r = reference("vm:1");
-    let (manifest, digest, _) = platform_manifest(registry.as_ref(), Some(&cache), &r)
-        .await
-        .unwrap();
+    let (registry, cache, r, manifest, digest) = one_file_image(dir.path()).await;
     let config = registry
         .get_blob(&r, &manifest.config, oci::MAX_CONFIG_SIZE)
         .await
@@ -637,14 +653,8 @@ async fn a_toc_a_mirror_damaged_is_fetched_from_the_registry_itself() {
 /// refused.
 #[tokio::test]
 async fn a_decided_layer_opens_from_the_cache_by_its_key_without_the_registry() {
-    let registry = Arc::new(MemoryRegistry::default());
-    image(&registry, "1", &[chunked_layer(&disk(300 << 10))]);
     let dir = tempfile::tempdir().unwrap();
-    let cache = CacheRoot::open(dir.path()).unwrap();
-    let r = reference("vm:1");
-    let (manifest, digest, _) = platform_manifest(registry.as_ref(), Some(&cache), &r)
-        .await
-        .unwrap();
+    let (registry, cache, r, manifest, digest) = one_file_image(dir.path()).await;
     let pinned = r.with_digest(digest);
     // The daemon's decision: the layer identified, its record and TOC kept.
     let (_, meta) = disk_layer_id(
