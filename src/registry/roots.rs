@@ -4,8 +4,9 @@
 //!
 //! Reading the system's means opening every file of its certificate directory (`/etc/ssl/certs`
 //! holds some 300) and parsing each: about 2 ms, and 20 ms when the page cache no longer holds
-//! them. A mount server starts at every lazy Prepare, so it takes its daemon's instead
-//! (`serve-layer --handover`): one daemon, one reading, the same roots in all its servers.
+//! them. A mount server starts at every lazy Prepare, so it takes its daemon's instead (the
+//! handover on `serve-layer`'s stdin): one daemon, one reading, the same roots in all its
+//! servers.
 //! Like containerd's, they are those of the daemon's start: a changed CA bundle needs a restart.
 
 use std::sync::{Arc, OnceLock};

@@ -1,13 +1,14 @@
-//! A Prepare with containerd's remote-snapshot handshake: the layer judged ([`Pulls::judge`]),
-//! planned (a [`LayerPlan`]) and served ([`Supervisor::ensure`]), the target snapshot recorded
-//! (docs/architecture.md, "judge → plan → serve").
+//! A Prepare with containerd's remote-snapshot handshake: the layer judged
+//! ([`super::prepare::Pulls::judge`]), planned (a [`control::LayerPlan`]) and served
+//! (`Supervisor::ensure`), the target snapshot recorded (docs/architecture.md, "judge → plan →
+//! serve").
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::prepare::classify::{Decision, Outcome, LABEL_REMOTE, LABEL_TARGET};
 use super::prepare::Judged;
-use super::servers::control::{self};
+use super::servers::control;
 use super::store::{Kind, RemoteLayerRef};
 use super::{blocking, Mount, Snapshotter};
 use crate::error::{Error, ErrorKind, Result};
