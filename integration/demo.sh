@@ -13,7 +13,9 @@
 #   (`vmdisk path --raw`, what Kata boots) while chunks are fetched as it reads them;
 # - full: containerd with its overlayfs snapshotter pulls and unpacks the gzip image, then the
 #   guest boots from the unpacked file.
-# Needs root (FUSE, containerd) and the packages `make deps` installs.
+# The scratch directory (about 6.5 GB: the disks, the registry, both nodes) is removed at the
+# end, kept with DEMO_KEEP set. Needs root (FUSE, containerd) and the packages `make demo`
+# installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VMDISK=${VMDISK:-$PWD/target/release/vmdisk}
@@ -33,7 +35,7 @@ cleanup() {
   wait 2>/dev/null || true
   stop_mount_servers "$S"
   unmount_under "$S"
-  true
+  [ -n "${DEMO_KEEP:-}" ] || rm -rf "$S"
 }
 trap 'status=$?; cleanup || true; exit $status' EXIT
 source integration/lib/containerd.sh
@@ -57,7 +59,7 @@ lazy_fetched() { origin_bytes_since "$S" "$LAZY_MARK"; }
 # What the full pull downloaded so far (containerd's content store, partial downloads included).
 full_fetched() { local n; n=$(du -sb "$S/node2-ctd/root/io.containerd.content.v1.content" 2>/dev/null | cut -f1); echo "${n:-0}"; }
 
-echo "== scratch directory: $S"
+echo "== scratch directory: $S (removed at the end; DEMO_KEEP=1 keeps it)"
 start_origin "$S"
 echo "== registry on $REG, pulled from $PULL: $LAYOUT_TEXT"
 echo "== building a ${GIB} GiB bootable guest disk (Linux kernel from the host, busybox init on ext4)"
