@@ -600,12 +600,14 @@ impl Engine {
         self.cache.unstored()
     }
 
-    /// Writes the presence bitmap and syncs the data files; with `renew`, first says again
-    /// that this layer still holds the chunks it keeps in memory (the node's memory ledger).
-    pub fn flush(&self, renew: bool) -> Result<()> {
-        if renew {
-            self.cache.renew_memory_note();
-        }
+    /// Says again that this layer still holds the chunks it keeps in memory (the node's
+    /// memory ledger).
+    pub fn renew_memory_note(&self) {
+        self.cache.renew_memory_note();
+    }
+
+    /// Writes the presence bitmap and syncs the data files.
+    pub fn flush(&self) -> Result<()> {
         self.cache.flush()
     }
 

@@ -398,7 +398,11 @@ async fn upkeep(e: Arc<Engine>, cache: CacheRoot, announce: bool, verify_rate: u
             }
         }
         let flushing = Arc::clone(&e);
-        let flushed = tokio::task::spawn_blocking(move || flushing.flush(true)).await;
+        let flushed = tokio::task::spawn_blocking(move || {
+            flushing.renew_memory_note();
+            flushing.flush()
+        })
+        .await;
         if let Ok(Err(err)) = flushed {
             tracing::warn!(error = %err.chain(), "flushing the cache failed");
         }
@@ -725,7 +729,7 @@ impl Serving {
             .map_err(|e| Error::new(ErrorKind::Io, "unmounting").with_source(e))?
             .map_err(|e| Error::io(format!("ending the FUSE session of {}", dir.display()), e))?;
         let engine = Arc::clone(&self.engine);
-        tokio::task::spawn_blocking(move || engine.flush(false))
+        tokio::task::spawn_blocking(move || engine.flush())
             .await
             .map_err(|e| Error::new(ErrorKind::Io, "flushing the cache").with_source(e))??;
         Ok(self.engine.counters())
