@@ -79,6 +79,12 @@ pub(super) fn disk_layer_and_toc(m: &oci::Manifest) -> Option<(&Descriptor, TocP
     })
 }
 
+/// Why `m` has no disk layer with a TOC though a layer's annotations name one: the topmost
+/// TOC annotation that is there but refused, if any.
+pub fn refused_toc(m: &oci::Manifest) -> Option<Error> {
+    m.layers.iter().rev().find_map(|l| layer_form(l).err())
+}
+
 /// The disk's path in `layer`, when its annotation names one.
 pub(super) fn disk_path_of(layer: &Descriptor) -> Result<Option<String>> {
     layer

@@ -36,7 +36,8 @@ use crate::registry::Registry;
 use crate::task::blocking;
 
 pub use self::choose::{
-    disk_layer, index_target, indexable_layer, layer_form, IndexTarget, LayerForm, TocPin,
+    disk_layer, index_target, indexable_layer, layer_form, refused_toc, IndexTarget, LayerForm,
+    TocPin,
 };
 pub use self::image::platform_manifest;
 pub(crate) use self::image::{image_config, manifest_of};
@@ -61,12 +62,7 @@ pub async fn disk_layer_id(
 ) -> Result<(Descriptor, LayerMeta)> {
     let Some((layer, pin)) = disk_layer_and_toc(manifest) else {
         // TOC annotations that are there but refused say why, not "no lazy layer".
-        if let Some(e) = manifest
-            .layers
-            .iter()
-            .rev()
-            .find_map(|l| layer_form(l).err())
-        {
+        if let Some(e) = refused_toc(manifest) {
             return Err(e.context(reference));
         }
         let (layer, meta, index) =

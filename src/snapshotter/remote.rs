@@ -100,9 +100,10 @@ impl Snapshotter {
             }
             Decision::Ordinary {
                 reason,
-                detail,
+                why,
                 candidate,
             } => {
+                let detail = why.chain();
                 if *candidate {
                     self.counters.add(&Outcome::Fallback(*reason), 1);
                     tracing::warn!(

@@ -485,7 +485,12 @@ async fn the_manifest_and_config_containerd_holds_are_taken_from_its_content_sto
         let registry = Arc::clone(&registry);
         async move {
             let cri = CriLabels::read(&labels);
-            (classifier.classify(&cri, registry.as_ref()).await, cache)
+            let (image, manifest, wanted) = cri.wanted_layer().unwrap();
+            let pinned = image.with_digest(manifest);
+            let decision = classifier
+                .classify(registry.as_ref(), &pinned, wanted)
+                .await;
+            (decision, cache)
         }
     };
     let (decision, cache) = classify("cache").await;
@@ -526,11 +531,11 @@ async fn what_classification_verified_is_kept_for_the_mount_server() {
         Some(cache.clone()),
         Default::default(),
     );
+    let cri = CriLabels::read(&cri_labels("disk", &manifest, &layers[0]));
+    let (image, manifest_digest, wanted) = cri.wanted_layer().unwrap();
+    let pinned = image.with_digest(manifest_digest);
     let decision = classifier
-        .classify(
-            &CriLabels::read(&cri_labels("disk", &manifest, &layers[0])),
-            registry.as_ref(),
-        )
+        .classify(registry.as_ref(), &pinned, wanted)
         .await;
     let super::prepare::classify::Decision::Remote { reference, layer } = decision else {
         panic!("the disk layer is remote: {decision:?}");
@@ -598,6 +603,52 @@ impl Fixture {
     fn handed(&self) -> Vec<String> {
         self.supervisor.ensured.lock().last().unwrap().2.clone()
     }
+}
+
+/// The management API's disk and a Prepare's layer are one decision ([`super::prepare::Pulls::decide`]):
+/// the same key for the same image, and the same refusal, with its kind, where the image's disk
+/// cannot be read lazily.
+#[tokio::test]
+async fn the_management_api_decides_a_disk_as_a_prepare_does() {
+    let f = fixture();
+    let (manifest, layers) = f.registry.image(&[(ZSTD, chunked())]);
+    f.registry.tags.lock().insert("1".into(), manifest);
+    let served = f
+        .snapshotter
+        .prepare("extract-0", "", cri_labels("disk", &manifest, &layers[0]))
+        .await
+        .unwrap();
+    assert!(served.is_none(), "the disk layer is served remotely");
+    let prepared = f.supervisor.ensured.lock()[0].0;
+    assert_eq!(f.ensure(IMAGE, "").await.unwrap(), prepared);
+
+    let mut bad_toc = chunked();
+    bad_toc.insert(ANN_TOC_POSITION.into(), "1000000:4000:20000:7".into());
+    let (odd, odd_layers) = f.registry.image(&[(ZSTD, bad_toc)]);
+    f.registry.tags.lock().insert("1".into(), odd);
+    let why = match f
+        .snapshotter
+        .pulls
+        .judge(&cri_labels("odd", &odd, &odd_layers[0]))
+        .await
+    {
+        Ok(super::prepare::Judged {
+            decision: super::prepare::classify::Decision::Ordinary { why, .. },
+            ..
+        }) => why,
+        other => panic!(
+            "an unreadable TOC is no lazy disk: {:?}",
+            other.map(|j| j.decision)
+        ),
+    };
+    let refused = f.ensure(IMAGE, "").await.unwrap_err();
+    assert_eq!((refused.kind(), refused.chain()), (why.kind(), why.chain()));
+
+    // An image with no disk a pull would serve lazily: the API names what is missing.
+    let (plain, _) = f.registry.image(&[(GZIP, BTreeMap::new())]);
+    f.registry.tags.lock().insert("1".into(), plain);
+    let missing = f.ensure(IMAGE, "").await.unwrap_err();
+    assert_eq!(missing.kind(), ErrorKind::NotFound, "{missing}");
 }
 
 #[tokio::test]

@@ -8,6 +8,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::oci::reference::{ImageName, Reference};
 use crate::registry::granted::Granted;
 use crate::registry::Registry;
+use crate::snapshotter::prepare::classify::{Decision, Wanted};
 use crate::snapshotter::prepare::tenants;
 use crate::snapshotter::servers::control;
 use crate::snapshotter::store::RemoteLayerRef;
@@ -45,24 +46,15 @@ impl Snapshotter {
         {
             DiskSource::Fetch { client, grant } => {
                 match crate::resolve::platform_manifest(client.as_ref(), cache, parsed).await {
-                    Ok((manifest, digest, _)) => {
-                        let trust = self.pulls.trust();
-                        let pinned = parsed.with_digest(digest);
-                        // Signatures and the layer's TOC at once; the disk only if both hold.
-                        let (checked, layer) = tokio::join!(
-                            trust.check_image(client.as_ref(), cache, parsed, digest),
-                            crate::resolve::disk_layer_id(
-                                client.as_ref(),
-                                cache,
-                                trust,
-                                &pinned,
-                                &manifest,
-                                digest,
-                                None,
-                            )
-                        );
-                        checked?;
-                        let (_, meta) = layer?;
+                    Ok((_, digest, _)) => {
+                        let decided = self
+                            .pulls
+                            .decide(client.as_ref(), parsed, digest, Wanted::Disk)
+                            .await?;
+                        let (pinned, layer) = match decided {
+                            Decision::Remote { reference, layer } => (reference, layer),
+                            Decision::Ordinary { why, .. } => return Err(why),
+                        };
                         let mut grants = self.pulls.tenants.covering(parsed, &digest);
                         match (&grant, requester) {
                             (Some(g), Requester::Namespace(ns)) => {
@@ -79,12 +71,12 @@ impl Snapshotter {
                         (
                             RemoteLayerRef {
                                 reference: pinned,
-                                layer: meta.id().key(),
+                                layer,
                                 alias: Some(name.clone()),
                             },
                             grants,
                             true,
-                            self.pulls.fetch_ahead(&client, meta.id().key()),
+                            self.pulls.fetch_ahead(&client, layer),
                         )
                     }
                     Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::Timeout) => {

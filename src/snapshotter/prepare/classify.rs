@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::cache::CacheRoot;
-use crate::error::{ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::oci::digest::Digest;
 use crate::oci::reference::{ImageName, Reference};
 use crate::oci::{self, ManifestKind};
@@ -30,17 +30,28 @@ pub const LABEL_LAYER: &str = "containerd.io/snapshot/cri.layer-digest";
 /// Set on snapshots served lazily (the remote-snapshotter convention).
 pub const LABEL_REMOTE: &str = "containerd.io/snapshot/remote";
 
+/// What is asked of an image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wanted {
+    /// Whether the layer `digest` a pull unpacks is the image's disk. `candidate`: it carries
+    /// vmdisk's layout annotations (published as a VM disk).
+    Layer { digest: Digest, candidate: bool },
+    /// The image's disk, which the management API's caller names the image for.
+    Disk,
+}
+
 /// The outcome for one layer.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Decision {
     /// Serve the layer lazily from `reference` (repository@manifest digest); `layer` is the
     /// layer's key ([`crate::layer::LayerId::key`]), what its cache and mount are named by.
     Remote { reference: Reference, layer: Digest },
-    /// Let containerd download and apply it. `candidate`: the layer looked like a published
-    /// disk (our labels), so this is a fallback worth a warning.
+    /// Let containerd download and apply it (the management API: no disk to make ready), and
+    /// `why`. `candidate`: the layer looked like a published disk (our labels), so this is a
+    /// fallback worth a warning.
     Ordinary {
         reason: Reason,
-        detail: String,
+        why: Error,
         candidate: bool,
     },
 }
@@ -342,17 +353,17 @@ impl Classifier {
         client: &dyn Registry,
         reference: &Reference,
         manifest: &oci::Manifest,
-    ) -> Option<(Reason, String)> {
+    ) -> Option<(Reason, Error)> {
         if self.search == IndexSearch::AllImages || crate::format::artifact::is_artifact(manifest) {
             return None;
         }
         match crate::resolve::image_config(client, self.cache(), reference, manifest).await {
             Ok(config) if oci::config_runs_program(&config) => Some((
                 Reason::NotDiskImage,
-                format!("{reference} runs a program (its config sets Entrypoint or Cmd), so it is an ordinary container image; a disk image built on such a base is searched for a seekable index with [registry] index_search = \"all-images\""),
+                Error::new(ErrorKind::Unsupported, format!("{reference} runs a program (its config sets Entrypoint or Cmd), so it is an ordinary container image; a disk image built on such a base is searched for a seekable index with [registry] index_search = \"all-images\"")),
             )),
             Ok(_) => None,
-            Err(e) => Some((Reason::RegistryError, e.chain())),
+            Err(e) => Some((Reason::RegistryError, e)),
         }
     }
 
@@ -362,100 +373,140 @@ impl Classifier {
         (ago < NO_INDEX_KEPT).then_some(ago)
     }
 
-    /// Classifies the layer a Prepare with labels `cri` is about to unpack, fetching what it
-    /// needs with `client` (the node's credentials and those of the pull in flight). Manifests,
-    /// configs and TOCs are verified by digest, whoever fetched them, so what was kept from an
-    /// earlier classification serves this one: containerd asks during a pull it authorized.
-    pub async fn classify(&self, cri: &CriLabels, client: &dyn Registry) -> Decision {
-        let candidate = cri.candidate;
-        let ordinary = |reason: Reason, detail: String| Decision::Ordinary {
-            reason,
-            detail,
-            candidate,
-        };
-        let (reference, layer) = match cri.pinned_layer() {
-            Ok(pinned) => pinned,
-            Err((reason, detail)) => return ordinary(reason, detail),
-        };
-        let manifest = match self.manifest(client, &reference).await {
-            Ok(m) => m,
-            Err(e) => return ordinary(Reason::RegistryError, e.chain()),
-        };
+    /// Why `layer` of `reference`'s `manifest`, which a pull unpacks, is not the disk served
+    /// lazily, if it is not: not in the manifest, not the layer a disk would be in, an image
+    /// that runs a program (`candidate`: the layer carries vmdisk's layout annotations, so that
+    /// is not asked of a layer with a TOC), or an image searched in vain a moment ago.
+    async fn not_the_disk(
+        &self,
+        client: &dyn Registry,
+        reference: &Reference,
+        manifest: &oci::Manifest,
+        layer: Digest,
+        candidate: bool,
+    ) -> Option<(Reason, Error)> {
+        let not_found =
+            |reason: Reason, text: String| Some((reason, Error::new(ErrorKind::NotFound, text)));
         if !manifest.layers.iter().any(|l| l.digest == layer) {
-            return ordinary(
+            return not_found(
                 Reason::LayerNotInManifest,
                 format!("{reference} has no layer {layer}"),
             );
         }
-        let manifest_digest = reference.digest.expect("the reference is pinned above");
-        let disk = match crate::resolve::disk_layer(&manifest) {
+        let disk = match crate::resolve::disk_layer(manifest) {
             Some(disk) => disk,
             None => {
                 // No layer with a TOC: the disk, if any, is read through a seekable index.
-                if let Some((reason, detail)) =
-                    self.not_a_disk_image(client, &reference, &manifest).await
-                {
-                    return ordinary(reason, detail);
+                if let Some(not) = self.not_a_disk_image(client, reference, manifest).await {
+                    return Some(not);
                 }
-                match crate::resolve::indexable_layer(&manifest) {
+                match crate::resolve::indexable_layer(manifest) {
                     Some((_, indexable, _)) if indexable.digest == layer => indexable,
-                    _ => return ordinary(
-                        Reason::NotLazy,
-                        "no zstd:chunked layer with a TOC, and this is not the topmost tar layer"
-                            .into(),
-                    ),
+                    // TOC annotations that are there but refused say why.
+                    _ => return match crate::resolve::refused_toc(manifest) {
+                        Some(refused) => Some((Reason::NotLazy, refused.context(reference))),
+                        None => not_found(
+                            Reason::NotLazy,
+                            format!("{reference} has no zstd:chunked layer with a TOC, and {layer} is not its topmost tar layer"),
+                        ),
+                    },
                 }
             }
         };
         if disk.digest != layer {
-            return ordinary(Reason::NotDiskLayer, "another layer holds the disk".into());
+            return not_found(
+                Reason::NotDiskLayer,
+                format!(
+                    "{reference}'s disk is in layer {}, not {layer}",
+                    disk.digest
+                ),
+            );
         }
         // A layer with a TOC that vmdisk did not publish (podman's zstd:chunked, eStargz) in an
         // image that runs a program is an ordinary container image's: no TOC is fetched for it.
         if !candidate {
-            if let Some((reason, detail)) =
-                self.not_a_disk_image(client, &reference, &manifest).await
-            {
-                return ordinary(reason, detail);
+            if let Some(not) = self.not_a_disk_image(client, reference, manifest).await {
+                return Some(not);
             }
         }
-        if let Some(ago) = self.searched_in_vain(&reference) {
-            return ordinary(
-                Reason::NoIndex,
-                format!(
-                    "no seekable index was found for {reference} {} s ago (searched again {} s after that)",
-                    ago.as_secs(),
-                    NO_INDEX_KEPT.as_secs()
-                ),
+        let ago = self.searched_in_vain(reference)?;
+        not_found(
+            Reason::NoIndex,
+            format!(
+                "no seekable index was found for {reference} {} s ago (searched again {} s after that)",
+                ago.as_secs(),
+                NO_INDEX_KEPT.as_secs()
+            ),
+        )
+    }
+
+    /// Decides what `wanted` of image `reference` (pinned to its platform manifest) is,
+    /// fetching what it needs with `client` (the node's credentials and those of the pull in
+    /// flight). Manifests, configs and TOCs are verified by digest, whoever fetched them, so
+    /// what was kept from an earlier decision serves this one: containerd asks during a pull it
+    /// authorized.
+    pub async fn classify(
+        &self,
+        client: &dyn Registry,
+        reference: &Reference,
+        wanted: Wanted,
+    ) -> Decision {
+        let candidate = match wanted {
+            Wanted::Layer { candidate, .. } => candidate,
+            Wanted::Disk => true,
+        };
+        let ordinary = |reason: Reason, why: Error| Decision::Ordinary {
+            reason,
+            why,
+            candidate,
+        };
+        let Some(manifest_digest) = reference.digest else {
+            let why = Error::new(
+                ErrorKind::InvalidInput,
+                format!("{reference} is not pinned to its manifest digest"),
             );
+            return ordinary(Reason::MalformedLabels, why);
+        };
+        let manifest = match self.manifest(client, reference).await {
+            Ok(m) => m,
+            Err(e) => return ordinary(Reason::RegistryError, e),
+        };
+        // While a pull unpacks a layer, whether it is a disk image's disk is guessed; the
+        // management API's caller names a disk image, so nothing is guessed for it.
+        if let Wanted::Layer { digest, candidate } = wanted {
+            if let Some((reason, why)) = self
+                .not_the_disk(client, reference, &manifest, digest, candidate)
+                .await
+            {
+                return ordinary(reason, why);
+            }
         }
         let found = crate::resolve::disk_layer_id(
             client,
             self.cache(),
             &self.trust,
-            &reference,
+            reference,
             &manifest,
             manifest_digest,
             None,
         )
         .await;
-        if found
-            .as_ref()
-            .is_err_and(|e| e.kind() == ErrorKind::NotFound)
-        {
-            self.note_no_index(reference.clone());
-        }
         match found {
             Ok((_, meta)) => Decision::Remote {
-                reference,
+                reference: reference.clone(),
                 layer: meta.id().key(),
             },
             Err(e) if matches!(e.kind(), ErrorKind::Network | ErrorKind::BadAnswer) => {
-                ordinary(Reason::RegistryError, e.chain())
+                ordinary(Reason::RegistryError, e)
             }
             // An ordinary layer without a (usable) seekable index: the usual case.
-            Err(e) if e.kind() == ErrorKind::NotFound => ordinary(Reason::NoIndex, e.chain()),
-            Err(e) => ordinary(Reason::InvalidImage, e.chain()),
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                if let Wanted::Layer { .. } = wanted {
+                    self.note_no_index(reference.clone());
+                }
+                ordinary(Reason::NoIndex, e)
+            }
+            Err(e) => ordinary(Reason::InvalidImage, e),
         }
     }
 
@@ -511,21 +562,35 @@ impl CriLabels {
         self.image.as_ref()?.as_ref().ok()
     }
 
-    /// The image pinned to its manifest digest and the layer; the reason the layer is ordinary
-    /// when the labels name none or are malformed.
-    pub fn pinned_layer(&self) -> std::result::Result<(Reference, Digest), (Reason, String)> {
+    /// The image as pulled, its platform manifest and the layer, asked of the image; the
+    /// reason the layer is ordinary when the labels name none or are malformed.
+    pub fn wanted_layer(
+        &self,
+    ) -> std::result::Result<(&Reference, Digest, Wanted), (Reason, Error)> {
         let (Some(image), Some(manifest), Some(layer)) = (&self.image, &self.manifest, &self.layer)
         else {
             return Err((
                 Reason::NoCriLabels,
-                "no CRI image labels (a `ctr` pull, or disable_snapshot_annotations = true)".into(),
+                Error::new(
+                    ErrorKind::InvalidInput,
+                    "no CRI image labels (a `ctr` pull, or disable_snapshot_annotations = true)",
+                ),
             ));
         };
-        let malformed = |e: &crate::error::Error| (Reason::MalformedLabels, e.chain());
+        let malformed = |e: &Error| {
+            (
+                Reason::MalformedLabels,
+                Error::new(ErrorKind::InvalidInput, e.chain()),
+            )
+        };
         let image = image.as_ref().map_err(malformed)?.reference();
         let manifest = manifest.as_ref().map_err(malformed)?;
         let layer = layer.as_ref().map_err(malformed)?;
-        Ok((image.with_digest(*manifest), *layer))
+        let wanted = Wanted::Layer {
+            digest: *layer,
+            candidate: self.candidate,
+        };
+        Ok((image, *manifest, wanted))
     }
 
     /// The image as pulled and its platform manifest, for the signature policy; none without

@@ -13,7 +13,7 @@ pub mod tenants;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use self::classify::{Classifier, CriLabels, Decision};
+use self::classify::{Classifier, CriLabels, Decision, Wanted};
 use self::tenants::Tenants;
 use crate::cache::CacheRoot;
 use crate::error::{ErrorKind, Result};
@@ -72,33 +72,63 @@ impl Pulls {
         self.classifier.cache()
     }
 
-    /// Checks the image a Prepare with `labels` unpacks against the signature policy and
-    /// classifies the layer, with the credentials of the CRI pulls of the image in flight
-    /// (containerd is pulling it with them: that is why it asks). An error: the policy refuses
-    /// the image. A layer classified as a disk is noted as one of that image's pulls.
+    /// Judges the layer a Prepare with `labels` unpacks ([`Pulls::decide`]), with the
+    /// credentials of the CRI pulls of the image in flight (containerd is pulling it with them:
+    /// that is why it asks). An error: the policy refuses the image. A layer decided a disk is
+    /// noted as one of that image's pulls.
     pub async fn judge(&self, labels: &BTreeMap<String, String>) -> Result<Judged> {
         let cri = CriLabels::read(labels);
         let image = cri.image();
         let pending = image.map_or_else(Vec::new, |i| self.tenants.pending_for(i));
         let client = self.client_with(image.cloned(), &pending);
-        // The signatures are fetched while the layer is classified (manifest, config, TOC:
-        // nothing of the disk), and nothing is served before both are done.
-        let (checked, decision) = tokio::join!(
-            self.check_policy(&cri, client.as_ref()),
-            self.classifier.classify(&cri, client.as_ref())
-        );
-        checked?;
-        if let (Decision::Remote { reference, .. }, Some(image)) = (&decision, image) {
-            if let Some(digest) = reference.digest {
-                self.tenants.note_classified(image, digest);
+        let decision = match cri.wanted_layer() {
+            Ok((image, manifest, wanted)) => {
+                let decision = self
+                    .decide(client.as_ref(), image, manifest, wanted)
+                    .await?;
+                if let Decision::Remote { .. } = decision {
+                    self.tenants.note_classified(image, manifest);
+                }
+                decision
             }
-        }
+            Err((reason, why)) => {
+                // Labels that name the image but not the layer: its policy still holds.
+                self.check_policy(&cri, client.as_ref()).await?;
+                Decision::Ordinary {
+                    reason,
+                    why,
+                    candidate: cri.candidate,
+                }
+            }
+        };
         Ok(Judged {
             cri,
             client,
             pending,
             decision,
         })
+    }
+
+    /// Decides what `wanted` of `image` (pinned to its platform `manifest`) is, read with
+    /// `client`: the one decision behind a Prepare ([`Pulls::judge`]) and the management API's
+    /// disks (`daemon/disks.rs`). The signatures are fetched while the layer is classified
+    /// (manifest, config, TOC: nothing of the disk), and nothing is decided before both are
+    /// done. An error: the signature policy refuses the image.
+    pub async fn decide(
+        &self,
+        client: &dyn Registry,
+        image: &Reference,
+        manifest: Digest,
+        wanted: Wanted,
+    ) -> Result<Decision> {
+        let pinned = image.with_digest(manifest);
+        let (checked, decision) = tokio::join!(
+            self.trust()
+                .check_image(client, self.cache(), image, manifest),
+            self.classifier.classify(client, &pinned, wanted)
+        );
+        checked?;
+        Ok(decision)
     }
 
     /// Whether the signature policy accepts the image a Prepare with `cri`'s labels unpacks
