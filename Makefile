@@ -93,7 +93,7 @@ deps:
 		integration/deps/debs.sh --go-sources sid $(DEPS_DIR)/suite-2.1 golang-github-containerd-containerd-dev golang-go
 
 build:
-	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link --example estargz-layout --example control-probe --example blob-cdn
+	$(CARGO) build --release --locked --bins --example cri-pull --example shaped-link --example estargz-layout --example control-probe --example blob-cdn --example lab
 
 # The demo's own packages only (DEMO_APT_PACKAGES), then the release build it runs.
 demo-deps:

@@ -23,6 +23,7 @@ SNAPSHOTTER=${SNAPSHOTTER:-$PWD/target/release/vmdisk-snapshotter}
 CRI_PULL=${CRI_PULL:-$PWD/target/release/examples/cri-pull}
 RELAY=${RELAY:-$PWD/target/release/examples/shaped-link}
 CDN=${CDN:-$PWD/target/release/examples/blob-cdn}
+LAB=${LAB:-$PWD/target/release/examples/lab}
 GIB=${DEMO_GIB:-2}
 mkdir -p scratch
 S=$(mktemp -d "$PWD/scratch/demo-XXXXXX")
@@ -31,7 +32,7 @@ PROGRESS=
 cleanup() {
   [ -n "$PROGRESS" ] && kill "$PROGRESS" 2>/dev/null
   pkill -f "qemu-system-x86_64 .*$S" 2>/dev/null || true
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
+  stop_pids "${PIDS[@]}"
   wait 2>/dev/null || true
   stop_mount_servers "$S"
   unmount_under "$S"

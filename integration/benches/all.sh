@@ -10,17 +10,12 @@ mkdir -p scratch
 B=$(mktemp -d "$PWD/scratch/bench-XXXXXX")
 RESULTS=$PWD/scratch/bench/results.txt
 mkdir -p "$(dirname "$RESULTS")"
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-REG_PID=
-cleanup() { [ -n "$REG_PID" ] && kill "$REG_PID" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$B"; }
+source integration/lib/containerd.sh
+PIDS=()
+cleanup() { stop_pids "${PIDS[@]}"; wait 2>/dev/null || true; rm -rf "$B"; }
 trap 'status=$?; cleanup || true; exit $status' EXIT
 
-mkdir -p "$B/registry"
-printf 'version: 0.1\nlog: { level: error }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\n' "$B/registry" "$PORT" > "$B/registry.yml"
-docker-registry serve "$B/registry.yml" > "$B/registry.log" 2>&1 &
-REG_PID=$!
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$PORT/v2/" >/dev/null && break; sleep 0.1; done
-REG=127.0.0.1:$PORT
+start_registry "$B"
 
 # 4 GiB virtual qcow2, 1 GiB of random data in four scattered 256 MiB pieces.
 DISK=$B/disk/bench.qcow2

@@ -196,7 +196,7 @@ for what in ("ls", "stats", "metrics"):
     (n, p50, p99, _, f), (ln, lp50, lp99, lmax, lf) = probe[0][what], probe[1][what]
     print(f"  {what + ' (client)':16} {n:>7} {p50:>8} {p99:>8} {ln:>7} {lp50:>8} {lp99:>8} {lmax:>8}  failed {int(f) + int(lf)}")
 PY
-  kill "${PIDS[-1]}" 2>/dev/null || true
+  stop_pids "${PIDS[-1]}"
   stop_mount_servers "$N"
   unmount_under "$N"
 }
@@ -304,7 +304,7 @@ $4"
     sleep 0.2
   done
   for p in "${readers[@]}"; do wait "$p" || true; done
-  kill "${PIDS[-1]}" 2>/dev/null || true
+  stop_pids "${PIDS[-1]}"
   stop_mount_servers "$N"
   unmount_under "$N"
   MEMORY_ROWS+=("$label|$((held >> 20))|$((rss >> 20))")

@@ -42,19 +42,15 @@ kill -INT $MPID; wait $MPID || true
 
 # (b) full download: containerd pulls and unpacks the same image (overlayfs), then the
 #     workload runs on the local file.
-mkdir -p "$B/ctd"
-printf 'version = 2\nroot = "%s/root"\nstate = "%s/state"\n[grpc]\n  address = "%s/sock"\n' "$B/ctd" "$B/ctd" "$B/ctd" > "$B/ctd.toml"
-containerd --config "$B/ctd.toml" > "$B/ctd.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 100); do ctr -a "$B/ctd/sock" version > /dev/null 2>&1 && break; sleep 0.1; done
+start_containerd "$B/ctd" "$REG" ""
 sync; echo 3 > /proc/sys/vm/drop_caches
 M=$(mark); T0=$(now)
-ctr -a "$B/ctd/sock" images pull --plain-http "$REG/bench/boot:1" > /dev/null
+ctr -a "$B/ctd/containerd.sock" images pull --plain-http "$REG/bench/boot:1" > /dev/null
 mkdir -p "$B/mnt-ctd"
-ctr -a "$B/ctd/sock" images mount "$REG/bench/boot:1" "$B/mnt-ctd" > /dev/null
+ctr -a "$B/ctd/containerd.sock" images mount "$REG/bench/boot:1" "$B/mnt-ctd" > /dev/null
 workload qcow2 "$B/mnt-ctd/disk/boot.qcow2"
 T1=$(now); FULL_T=$(secs "$T0" "$T1"); FULL_B=$(served_since "$M")
-ctr -a "$B/ctd/sock" images unmount "$B/mnt-ctd" > /dev/null
+ctr -a "$B/ctd/containerd.sock" images unmount "$B/mnt-ctd" > /dev/null
 
 # (c) nbdkit's curl plugin over an uncompressed copy of the disk (one blob, Range reads),
 #     qemu over nbd://.

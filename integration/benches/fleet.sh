@@ -74,8 +74,10 @@ mirror() {
     integration/lib/regional-cache.sh "$2/nginx" "$PULL" "$MPORT" ${FLEET_SLICE:-} > "$2/mirror.log" 2>&1 &
     ;;
   *)
-    printf 'version: 0.1\nlog: { level: error }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: 127.0.0.1:%s }\nproxy: { remoteurl: "http://%s" }\n' "$2/storage" "$MPORT" "$PULL" > "$2/mirror.yml"
-    docker-registry serve "$2/mirror.yml" > "$2/mirror.log" 2>&1 &
+    local origin=$REG
+    lab registry "$2/mirror" --data "$2/storage" --extra "proxy: { remoteurl: \"http://$PULL\" }"
+    MPORT=${REG##*:} REG=$origin MIRROR_PID=$LAB_PID
+    return
     ;;
   esac
   PIDS+=($!)
@@ -165,7 +167,7 @@ PY
 
 read -r BLOB BLOB_SIZE < <(curl -s -H 'Authorization: Bearer anonymous' -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$ORIGIN/v2/vm/fleet/manifests/1" |
   python3 -c 'import json, sys; l = max(json.load(sys.stdin)["layers"], key=lambda l: l["size"]); print(l["digest"], l["size"])')
-ORIGIN_PID=$(pgrep -f "docker-registry serve $B/registry.yml")
+ORIGIN_PID=$REG_PID
 MODES=${FLEET_MODES:-none nginx dist-first nginx-preheat late-alone nginx-late}
 [ -z "${BASE_BIN:-}" ] || MODES="$MODES before"
 # A full pull with no cache or through distribution sends the whole blob over the origin link

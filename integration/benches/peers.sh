@@ -65,11 +65,9 @@ openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=bench-ca -keyout "$B
 openssl req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout "$B/tls/key.pem" -out "$B/tls/req.pem" 2> /dev/null
 printf 'subjectAltName=DNS:%s\n' "$TLS_NAME" > "$B/tls/ext"
 openssl x509 -req -in "$B/tls/req.pem" -CA "$B/tls/ca.pem" -CAkey "$B/tls/ca.key" -CAcreateserial -days 2 -extfile "$B/tls/ext" -out "$B/tls/cert.pem" 2> /dev/null
-REGS=127.0.0.1:$(free_port)
-printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s } }\nhttp: { addr: %s, tls: { certificate: %s, key: %s } }\n' \
-  "$B/registry" "$REGS" "$B/tls/cert.pem" "$B/tls/key.pem" > "$B/tls/registry.yml"
-docker-registry serve "$B/tls/registry.yml" > "$B/tls/registry.log" 2>&1 &
-PIDS+=($!)
+PLAIN_REG=$REG
+lab registry "$B/tls" --data "$B/registry" --tls-cert "$B/tls/cert.pem" --tls-key "$B/tls/key.pem"
+REGS=$REG REG=$PLAIN_REG
 for _ in $(seq 100); do curl -sf --cacert "$B/tls/ca.pem" "https://$TLS_NAME:${REGS##*:}/v2/" > /dev/null && break; sleep 0.1; done
 start_cluster_link "$B" "$REG"
 PLAIN=$CLUSTER
@@ -204,8 +202,7 @@ stop_node() {  # stop_node DIR
   for p in "${PIDS[@]}"; do
     if { tr '\0' ' ' < "/proc/$p/cmdline"; } 2> /dev/null | grep -qF -- "$1/"; then mine+=("$p"); fi
   done
-  for p in "${mine[@]}"; do kill "$p" 2> /dev/null || true; done
-  for p in "${mine[@]}"; do wait "$p" 2> /dev/null || true; done
+  stop_pids "${mine[@]}"
   if [ -d "$1/soci-lib" ]; then umount -l /var/lib/soci-snapshotter-grpc; fi
   # The logs stay (small), for reading what a node did.
   mkdir -p "$B/logs/${1##*/}"; find "$1" -name '*.log' -size -10M -exec cp {} "$B/logs/${1##*/}/" \;

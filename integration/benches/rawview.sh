@@ -44,7 +44,7 @@ measure() {
       python3 -c 'import json,sys; print(round(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))')")
   done
   unset VMDISK_MANAGE
-  kill "${PIDS[-1]}" 2>/dev/null; wait "${PIDS[-1]}" 2>/dev/null || true
+  stop_pids "${PIDS[-1]}"
   stop_mount_servers "$B"
   unmount_under "$B/$node"
   echo "$seq ${iops[0]} ${iops[1]}"

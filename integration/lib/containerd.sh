@@ -1,5 +1,30 @@
-# Sourced by demo.sh and the bench scripts (which keep started pids in the PIDS array): containerd,
+# Sourced by demo.sh and the bench scripts (which keep started pids in the PIDS array): a
+# registry, containerd and a node started as the integration tests start them (integration/lab.rs
+# runs the tests' fixtures: one implementation), the links and CDN in front of a registry,
 # stopping mount servers, and the test disks they publish.
+
+LAB=${LAB:-$PWD/target/release/examples/lab}
+# lab PART ARGS...: starts PART with integration/lab.rs, sets what it prints (REG, LAB_PID) and
+# keeps its pid in PIDS.
+lab() {
+  local out
+  out=$("$LAB" "$@") || { echo "lab $1 failed" >&2; return 1; }
+  eval "$out"
+  PIDS+=("$LAB_PID")
+}
+# stop_pids PID...: SIGTERM to each, then waits until they are gone (they are not this shell's
+# children: the lab started them), SIGKILL after 10 s.
+stop_pids() {
+  [ $# -gt 0 ] || return 0
+  kill "$@" 2>/dev/null || true
+  for _ in $(seq 100); do
+    local alive=0 p
+    for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 1 ] || return 0
+    sleep 0.1
+  done
+  kill -KILL "$@" 2>/dev/null || true
+}
 
 # bench_scratch NAME: what every bench script starts with: its scratch directory B
 # (scratch/bench-NAME-XXXXXX), the pids it starts (PIDS), the results file (RESULTS), and at
@@ -17,7 +42,7 @@ bench_scratch() {
 bench_cleanup() {
   ! declare -F bench_cleanup_first > /dev/null || bench_cleanup_first
   pkill -f "qemu-system-x86_64 .*$B" 2>/dev/null || true
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  stop_pids "${PIDS[@]}"
   wait 2>/dev/null || true
   stop_mount_servers "$B"
   unmount_under "$B"
@@ -39,35 +64,11 @@ served_since() { registry_bytes_since "$B" "$1"; }
 # CRI plugin in DIR (socket DIR/containerd.sock), plain HTTP to the loopback REGISTRY, and the
 # proxy snapshotter at SNAPSHOTTER_SOCK (called NAME, vmdisk by default) as the CRI snapshotter
 # (containerd's overlayfs when empty); EXTRA_TOML is appended to the configuration. Returns when
-# the socket is up.
+# its CRI answers.
 start_containerd() {
-  local dir=$1 reg=$2 proxy="" snapshotter=overlayfs
-  mkdir -p "$dir"
-  if [ -n "$3" ]; then
-    snapshotter=${4:-vmdisk}
-    proxy=$(printf '[proxy_plugins.%s]\n  type = "snapshot"\n  address = "%s"\n' "$snapshotter" "$3")
-  fi
-  cat > "$dir/containerd.toml" <<TOML
-version = 2
-root = "$dir/root"
-state = "$dir/state"
-[grpc]
-  address = "$dir/containerd.sock"
-$proxy
-[plugins."io.containerd.grpc.v1.cri"]
-  restrict_oom_score_adj = true
-  disable_cgroup = true
-[plugins."io.containerd.grpc.v1.cri".containerd]
-  snapshotter = "$snapshotter"
-  disable_snapshot_annotations = false
-[plugins."io.containerd.grpc.v1.cri".registry.mirrors."$reg"]
-  endpoint = ["http://$reg"]
-${5:-}
-TOML
-  containerd --config "$dir/containerd.toml" 2> "$dir/containerd.log" &
-  PIDS+=($!)
-  for _ in $(seq 200); do [ -S "$dir/containerd.sock" ] && break; sleep 0.05; done
-  sleep 0.5
+  local args=(containerd "$1" --mirror "$2" --extra "${5:-}")
+  [ -z "$3" ] || args+=(--snapshotter "$3" --name "${4:-vmdisk}")
+  lab "${args[@]}"
 }
 
 # stop_mount_servers DIR: mount servers outlive their daemon by design; stop the ones started
@@ -124,19 +125,14 @@ PY
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # start_registry DIR [REALM]: a registry (CNCF distribution) on a free loopback port storing in
-# DIR/registry, logging each request with its response size to DIR/registry.log; sets REG. With
+# DIR/registry, logging each request with its response size to DIR/registry.log; sets REG and
+# REG_PID. With
 # REALM it answers a request without a token with the challenge public registries send (401,
 # Bearer realm=REALM) and takes any token (distribution's "silly" access control): a token
 # service such as start_token_service's hands them out to anyone, as for a public image.
 start_registry() {
-  local port; port=$(free_port)
-  REG=127.0.0.1:$port
-  mkdir -p "$1/registry"
-  printf 'version: 0.1\nlog: { level: info, formatter: text }\nstorage: { filesystem: { rootdirectory: %s }, delete: { enabled: true } }\nhttp: { addr: %s }\n' "$1/registry" "$REG" > "$1/registry.yml"
-  [ -z "${2:-}" ] || printf 'auth: { silly: { realm: "%s", service: origin } }\n' "$2" >> "$1/registry.yml"
-  docker-registry serve "$1/registry.yml" > "$1/registry.log" 2>&1 &
-  PIDS+=($!)
-  for _ in $(seq 100); do curl -s -o /dev/null "http://$REG/v2/" && break; sleep 0.1; done
+  lab registry "$1" ${2:+--realm "$2"}
+  REG_PID=$LAB_PID
 }
 
 # start_token_service DIR: an anonymous token service on a free loopback port (any GET gets a
@@ -257,24 +253,9 @@ registry_bytes_since() {
 # fetch the rest meanwhile and share the link; benches/baddays.sh measures what it costs.
 # $NODE_TOP: top-level settings added to its configuration.
 start_node() {
-  local dir=$1/$2 ctd_root=${4:-$1/$2/no-containerd}
-  mkdir -p "$dir"
-  cat > "$dir/vmdisk.toml" <<TOML
-root = "$dir/vmdisk"
-ready_dir = "$dir/vmdisk/disks"
-address = "$dir/vmdisk.sock"
-manage_address = "$dir/manage.sock"
-log_level = "info"
-${NODE_TOP:-}
-[registry]
-hosts_dir = "$dir/no-hosts.d"
-[containerd]
-root = "$ctd_root"
-[cache]
-hydrate = "${NODE_HYDRATE:-off}"
-${3:-}
-TOML
-  "$SNAPSHOTTER" --config "$dir/vmdisk.toml" 2> "$dir/vmdisk.log" &
-  PIDS+=($!)
-  for _ in $(seq 100); do [ -S "$dir/manage.sock" ] && [ -S "$dir/vmdisk.sock" ] && break; sleep 0.05; done
+  local dir=$1/$2
+  lab node "$dir" --program "$SNAPSHOTTER" --containerd-root "${4:-$dir/no-containerd}" \
+    --top "${NODE_TOP:-}" --extra "[cache]
+hydrate = \"${NODE_HYDRATE:-off}\"
+${3:-}"
 }
