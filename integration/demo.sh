@@ -29,6 +29,8 @@ mkdir -p scratch
 S=$(mktemp -d "$PWD/scratch/demo-XXXXXX")
 PIDS=()
 PROGRESS=
+# boot_requests: the requests the registry's API and its blob host were asked so far.
+boot_requests() { echo $(($(cdn_count registry_blob_requests) + $(cdn_count registry_other_requests) + $(cdn_count blob_requests))); }
 cleanup() {
   [ -n "$PROGRESS" ] && kill "$PROGRESS" 2>/dev/null
   pkill -f "qemu-system-x86_64 .*$S" 2>/dev/null || true
@@ -82,11 +84,16 @@ RAW=$("$VMDISK" path --raw "$PULL/vm/guest:lazy")
 t1=$(now)
 echo "   ready: $RAW"
 echo "== booting the guest from the lazily loaded raw view"
+boot_mark=$(origin_mark "$S")
+[ "$LAYOUT" != redirect ] || boot_asked=$(boot_requests)
 progress_start "lazy boot" "$SIZE" lazy_fetched
 read -r L_BOOT L_GUEST < <("$S/boot.sh" "$RAW" raw)
 progress_stop
 t2=$(now)
 L_BYTES=$(origin_bytes_since "$S" "$m")
+BOOT_BYTES=$(origin_bytes_since "$S" "$boot_mark")
+BOOT_ASKED=-
+[ "$LAYOUT" != redirect ] || BOOT_ASKED=$(($(boot_requests) - boot_asked))
 L_ASKED=-
 [ "$LAYOUT" != redirect ] || L_ASKED=$(($(cdn_count registry_blob_requests) + $(cdn_count registry_other_requests) - asked))
 L_READY=$(secs "$t0" "$t1"); L_TOTAL=$(secs "$t0" "$t2")
@@ -116,3 +123,4 @@ printf '   %-34s %10s s %14s s %20s\n' "vmdisk (lazy, raw view for Kata)" "$L_RE
 printf '   %-34s %10s s %14s s %20s\n' "full pull + unpack (overlayfs)" "$F_READY" "$F_TOTAL" "$(mb "$F_BYTES")"
 echo "   (the guest itself read $(mb "$L_GUEST"); boots run under TCG, without KVM, on both rows)"
 [ "$L_ASKED" = - ] || echo "   (the lazy node asked the registry's API $L_ASKED times: each blob's redirect once; every chunk came from the blob host)"
+[ "$BOOT_ASKED" = - ] || echo "   (the lazy boot itself: $BOOT_ASKED requests to the registry and its blob host, $(mb "$BOOT_BYTES") fetched for the $(mb "$L_GUEST") the guest read, $(python3 -c "print(f'{$BOOT_BYTES / max($L_GUEST, 1):.2f}')")x)"

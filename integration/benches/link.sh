@@ -8,7 +8,11 @@
 #   full pull + unpack of the same disk as a gzip containerDisk (CRI PullImage, overlayfs) over
 #   the same link, and the plain download of the lazy layer's blob;
 # - random 1 MiB reads (fio, page-aligned offsets) of 1% of the same disk on a cold mount:
-#   registry bytes beside the bytes read.
+#   registry bytes beside the bytes read;
+# - 16 parallel random 4 KiB readers (fio, O_DIRECT, LINK_READERS_READS (1024) reads in all) of a
+#   cold mount through the cluster link: how busy they keep it (registry bytes per second
+#   against its 25 MB/s). Each read misses a chunk no one fetched, so the link, not vmdisk,
+#   should be the limit — and the link emulator must not be (cases::link tests it alone).
 # Appends to scratch/bench/results.txt. Needs root (FUSE, containerd).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -82,6 +86,9 @@ read -r CLUSTER_FULL CLUSTER_FULL_BYTES < <(full_pull "$CLUSTER" 2)
 read -r LOOP_RND LOOP_RND_BYTES < <(lazy "$LOOP" 3 "$RND")
 read -r CLUSTER_RND CLUSTER_RND_BYTES < <(lazy "$CLUSTER" 4 "$RND")
 READ_BYTES=$((RANDOM_READS * 1048576))
+READERS_READS=${LINK_READERS_READS:-1024}
+R16="fio --name=readers --filename=\$MNT/disk/disk.qcow2 --rw=randread --bs=4k --direct=1 --numjobs=16 --io_size=$((READERS_READS / 16 * 4))k --randseed=11 --output-format=terse > /dev/null"
+read -r CLUSTER_R16 CLUSTER_R16_BYTES < <(lazy "$CLUSTER" 5 "$R16")
 ratio() { python3 -c "print(f'{$1 / $2:.3f}')"; }
 
 {
@@ -103,4 +110,8 @@ ratio() { python3 -c "print(f'{$1 / $2:.3f}')"; }
   printf '  %-10s %10s %16s %22s\n' link seconds "registry bytes" "registry bytes / read"
   printf '  %-10s %10s %16s %22s\n' loopback "$LOOP_RND" "$LOOP_RND_BYTES" "$(ratio "$LOOP_RND_BYTES" "$READ_BYTES")"
   printf '  %-10s %10s %16s %22s\n' cluster "$CLUSTER_RND" "$CLUSTER_RND_BYTES" "$(ratio "$CLUSTER_RND_BYTES" "$READ_BYTES")"
+  echo "16 parallel random 4 KiB readers (fio, O_DIRECT, $READERS_READS reads) of a cold mount through the cluster link, same run:"
+  printf '  %-10s %10s %16s %10s %16s\n' link seconds "registry bytes" "MB/s" "of the link"
+  printf '  %-10s %10s %16s %10s %16s\n' cluster "$CLUSTER_R16" "$CLUSTER_R16_BYTES" "$(mbs "$CLUSTER_R16_BYTES" "$CLUSTER_R16")" \
+    "$(python3 -c "print(f'{$CLUSTER_R16_BYTES / max($CLUSTER_R16, 0.001) / 25e6 * 100:.0f}%')")"
 } | tee -a "$RESULTS"

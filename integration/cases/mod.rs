@@ -12,6 +12,7 @@ mod fleet;
 mod hostile;
 mod index;
 mod libvirt;
+mod link;
 mod matrix;
 mod monitoring;
 mod mount;
