@@ -37,12 +37,15 @@ bench_scratch() {
   trap 'status=$?; bench_cleanup || true; exit $status' EXIT
 }
 # bench_cleanup: the script's own bench_cleanup_first (if it defines one), then stops what runs
-# under $B (qemu, PIDS, mount servers), unmounts everything below it and removes it (kept with
-# BENCH_KEEP set).
+# under $B (qemu, PIDS, anything configured under $B, mount servers), unmounts everything below
+# it and removes it (kept with BENCH_KEEP set).
 bench_cleanup() {
   ! declare -F bench_cleanup_first > /dev/null || bench_cleanup_first
   pkill -f "qemu-system-x86_64 .*$B" 2>/dev/null || true
   stop_pids "${PIDS[@]}"
+  # What the lab started in a subshell (a `$(...)` measurement) is not in PIDS: every process
+  # configured under $B goes too.
+  stop_pids $(pgrep -f -- "--config $B/" || true)
   wait 2>/dev/null || true
   stop_mount_servers "$B"
   unmount_under "$B"
