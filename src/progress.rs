@@ -208,6 +208,18 @@ pub struct Counted<R> {
     progress: Progress,
 }
 
+impl<R> Counted<R> {
+    /// The reader it counts for.
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.inner
+    }
+
+    /// Counts `n` bytes as done that were not read through it (skipped, known).
+    pub fn count(&self, n: u64) {
+        self.progress.inc(n);
+    }
+}
+
 impl<R: Read> Read for Counted<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;

@@ -72,6 +72,7 @@ PY
 done
 
 integration/benches/engine.sh
+integration/benches/ready.sh
 integration/benches/pull.sh
 integration/benches/prepare.sh
 integration/benches/ordinary.sh

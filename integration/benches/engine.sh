@@ -120,8 +120,9 @@ ratio() { python3 -c "print(f'{$1 / $2:.2f}')"; }
 # ---------------------------------------------------------------------------------------
 # Peak RSS of the mount serving a 10 GiB and a 50 GiB disk: whole disk hydrated and read
 # through the daemon (no passthrough, so every read is served by it). Sparse raw disks with
-# 8 x 64 MiB of random data spread over them; the TOC grows with the disk (40 960 and 204 800
-# chunks), the data fetched does not.
+# 8 x 64 MiB of random data spread over them; each run of zeros is one chunk of up to 256 MiB,
+# so the TOC (2 048 chunks of data and the runs) and the data fetched do not grow with the disk,
+# the zeros checked do.
 RSS_ROWS=()
 for GIB in 10 50; do
   BIG=$B/big.raw
@@ -129,6 +130,7 @@ for GIB in 10 50; do
   printf '\x55\xaa' | dd of="$BIG" bs=1 seek=510 conv=notrunc status=none
   for i in $(seq 0 7); do head -c 64M /dev/urandom | dd of="$BIG" bs=1M seek=$((i * GIB * 128 + 1)) conv=notrunc status=none; done
   "$VMDISK" push "$BIG" "$REG/bench/big$GIB:1" > /dev/null
+  CHUNKS=$("$VMDISK" inspect --json "$REG/bench/big$GIB:1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["platforms"][0]["layers"][0]["chunks"])')
   rm -f "$BIG"
   T0=$(now)
   "$VMDISK" mount --stats --cache "$B/cache-big" --hydrate eager --no-passthrough "$REG/bench/big$GIB:1" "$B/mnt" > "$B/mount.out" 2> "$B/mount.err" &
@@ -141,7 +143,7 @@ for GIB in 10 50; do
   RSS=$(awk '/VmHWM/ {print int($2 / 1024)}' /proc/$MPID/status)
   kill -INT $MPID; wait $MPID || true
   rm -rf "$B/cache-big"
-  RSS_ROWS+=("$GIB $((GIB * 4096)) $RSS $READY")
+  RSS_ROWS+=("$GIB $CHUNKS $RSS $READY")
 done
 {
   echo

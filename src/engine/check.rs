@@ -6,6 +6,8 @@ use std::ops::Range;
 
 use super::stats::Stats;
 use super::{hydrate, Engine};
+use crate::format::zstd_chunked::zeros_digest;
+use crate::format::zstd_frames::all_zero;
 use crate::oci::digest::Digest;
 
 /// What a pass over the cache ([`Engine::check_cache`]) found.
@@ -34,6 +36,9 @@ impl Engine {
     /// fetched again, and counted and logged; whether it was sound.
     pub fn check_cached(&self, idx: usize) -> bool {
         let (file, chunk) = self.layer.chunk(idx);
+        if chunk.zeros {
+            return self.check_cached_zeros(idx);
+        }
         let mut data = vec![0u8; chunk.size as usize];
         let read = self.cache.read_at(file, &mut data, chunk.offset);
         let why = match (read, self.cached_digest(idx)) {
@@ -47,12 +52,45 @@ impl Engine {
                 got => format!("its bytes hash to {got}, not {digest}"),
             },
         };
+        self.damaged(idx, &why);
+        false
+    }
+
+    /// [`Engine::check_cached`] of a chunk marked zeros (up to 256 MiB): read a piece at a time
+    /// and never held; sound when it reads as zeros and its digest is that of as many zeros.
+    fn check_cached_zeros(&self, idx: usize) -> bool {
+        let (file, chunk) = self.layer.chunk(idx);
+        let mut piece = vec![0u8; (1 << 20).min(chunk.size as usize)];
+        let mut at = 0;
+        let why = loop {
+            if at == chunk.size {
+                if chunk.digest == Some(zeros_digest(chunk.size)) {
+                    self.cache.mark_checked(idx);
+                    return true;
+                }
+                break "its digest is not that of zeros".to_string();
+            }
+            let n = piece.len().min((chunk.size - at) as usize);
+            if let Err(e) = self.cache.read_at(file, &mut piece[..n], chunk.offset + at) {
+                break e.chain();
+            }
+            if !all_zero(&piece[..n]) {
+                break format!("it is marked zeros but holds other bytes at {at}");
+            }
+            at += n as u64;
+        };
+        self.damaged(idx, &why);
+        false
+    }
+
+    /// Forgets damaged chunk `idx`, which is then fetched again.
+    fn damaged(&self, idx: usize, why: &str) {
+        let (file, chunk) = self.layer.chunk(idx);
         // Counted and logged once however many readers found it at the same time.
         if self.cache.forget(idx) {
             Stats::add(&self.stats.cache_damaged, 1);
             tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, file = %self.layer.file_path(file), offset = chunk.offset, cache = %self.cache.dir().display(), reason = %why, "a cached chunk is not what was verified (a damaged or changed cache file); fetching it again");
         }
-        false
     }
 
     /// Checks every present chunk of `chunks` not checked in this process

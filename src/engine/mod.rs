@@ -10,7 +10,8 @@
 //!   cache; bytes that fail are fetched again from the registry itself (the one retry policy),
 //!   then the read fails (EIO): unverified bytes are never served, and cached chunks are
 //!   checked again once per process life before they are. Chunks marked `zeros` are verified
-//!   the same way (the mark is only a claim) and kept as holes. Once the layer is complete, [`integrity`] checks the whole tar stream
+//!   too (the mark is only a claim: their frames must decode to zeros, a piece at a time, and
+//!   their digest be that of as many zeros) and kept as holes. Once the layer is complete, [`integrity`] checks the whole tar stream
 //!   against the config's diff_id and the TOC; a layer that fails serves nothing more.
 //! - **Faults.** Network errors and truncated answers are retried with backoff until a
 //!   deadline, which bounds every attempt too (a registry that trickles bytes cannot hold a
@@ -51,7 +52,8 @@ use crate::cache::layer::Kept;
 use crate::cache::memory::MemoryBudget;
 use crate::cache::{CacheRoot, Integrity, LayerCache};
 use crate::error::{Error, ErrorKind, Result};
-use crate::layer::{Ask, Fetch, Layer};
+use crate::format::zstd_frames::all_zero;
+use crate::layer::{Ask, Decoded, Fetch, Layer};
 use crate::oci::digest::Digest;
 use crate::task::off_the_runtime;
 
@@ -451,6 +453,9 @@ impl Engine {
     /// Keeps chunk `idx` copied from another cached layer ([`dedup`]); whether it did.
     fn copy_from_other_layer(&self, idx: usize) -> bool {
         let (file, chunk) = self.layer.chunk(idx);
+        if chunk.zeros {
+            return false; // its frame is a few bytes, and it is checked without being held
+        }
         let Some(data) = chunk
             .digest
             .and_then(|d| self.other_layers.copy(&d, chunk.size))
@@ -549,15 +554,17 @@ impl Engine {
         off_the_runtime(|| codec.decode_window(idx, &bytes))
     }
 
-    fn store(&self, idx: usize, data: &[u8]) -> Result<()> {
+    fn store(&self, idx: usize, decoded: Decoded<'_>) -> Result<()> {
         let (file, chunk) = self.layer.chunk(idx);
-        // Only chunks the TOC marks as zeros are scanned (the mark is a claim; the digest
-        // already held).
-        if chunk.zeros && data.iter().all(|&b| b == 0) {
-            // The data file's hole already reads as these bytes.
-            self.cache.mark_hole(idx, file);
-        } else {
-            self.keep(idx, file, chunk.offset, data)?;
+        match decoded {
+            // The codec checked it is the zeros the TOC says (the mark is only a claim): the
+            // data file's hole already reads as these bytes.
+            Decoded::Zeros => self.cache.mark_hole(idx, file),
+            // Only chunks the TOC marks as zeros are scanned.
+            Decoded::Bytes(data) if chunk.zeros && all_zero(data) => {
+                self.cache.mark_hole(idx, file)
+            }
+            Decoded::Bytes(data) => self.keep(idx, file, chunk.offset, data)?,
         }
         Stats::add(&self.stats.chunks_fetched, 1);
         Ok(())

@@ -11,6 +11,58 @@ use serde::Serialize;
 pub const CRC64_ISO: crc::Crc<u64, crc::Table<16>> =
     crc::Crc::<u64, crc::Table<16>>::new(&crc::CRC_64_GO_ISO);
 
+/// A running [`CRC64_ISO`].
+pub type Crc64 = crc::Digest<'static, u64, crc::Table<16>>;
+
+/// `crc` after `len` more zero bytes, in time logarithmic in `len` (a sparse disk is mostly
+/// zeros): the CRC register is linear in what it held, so `len` zero bytes are one 64×64 matrix
+/// over GF(2), raised to `len` by squaring.
+pub fn crc64_after_zeros(crc: Crc64, len: u64) -> Crc64 {
+    let algorithm = CRC64_ISO.algorithm;
+    debug_assert!(algorithm.refin && algorithm.refout && algorithm.width == 64);
+    let poly = algorithm.poly.reverse_bits();
+    // The register as the crate keeps it (reflected): what finalize returns, before xorout.
+    let mut register = crc.finalize() ^ algorithm.xorout;
+    // One zero bit: column i is what bit i of the register becomes.
+    let mut op: [u64; 64] = std::array::from_fn(|i| {
+        let v = 1u64 << i;
+        if v & 1 == 1 {
+            (v >> 1) ^ poly
+        } else {
+            v >> 1
+        }
+    });
+    for _ in 0..3 {
+        op = square(&op); // one zero byte
+    }
+    let mut n = len;
+    while n > 0 {
+        if n & 1 == 1 {
+            register = apply(&op, register);
+        }
+        op = square(&op);
+        n >>= 1;
+    }
+    CRC64_ISO.digest_with_initial(register.reverse_bits())
+}
+
+fn apply(op: &[u64; 64], mut v: u64) -> u64 {
+    let mut out = 0;
+    let mut i = 0;
+    while v != 0 {
+        if v & 1 == 1 {
+            out ^= op[i];
+        }
+        v >>= 1;
+        i += 1;
+    }
+    out
+}
+
+fn square(op: &[u64; 64]) -> [u64; 64] {
+    std::array::from_fn(|i| apply(op, op[i]))
+}
+
 #[derive(Serialize)]
 struct Entry<'a> {
     #[serde(rename = "type")]
@@ -88,6 +140,31 @@ mod tests {
     fn crc_matches_go_iso() {
         // Go: crc64.Checksum([]byte("123456789"), crc64.MakeTable(crc64.ISO)) == 0xb90956c775a41001
         assert_eq!(CRC64_ISO.checksum(b"123456789"), 0xb909_56c7_75a4_1001);
+    }
+
+    #[test]
+    fn zeros_extend_a_crc_as_hashing_them_does() {
+        for (head, len) in [
+            (&b""[..], 0u64),
+            (b"", 1),
+            (b"abc", 7),
+            (b"123456789", 1000),
+            (b"x", (1 << 20) + 3),
+        ] {
+            let mut hashed = CRC64_ISO.digest();
+            hashed.update(head);
+            hashed.update(&vec![0u8; len as usize]);
+            let mut extended = CRC64_ISO.digest();
+            extended.update(head);
+            let mut extended = crc64_after_zeros(extended, len);
+            extended.update(b"tail");
+            hashed.update(b"tail");
+            assert_eq!(
+                extended.finalize(),
+                hashed.finalize(),
+                "{head:?} + {len} zeros"
+            );
+        }
     }
 
     #[test]

@@ -13,6 +13,9 @@ use crate::oci::digest::Digest;
 
 /// Largest chunk (uncompressed) we accept from a third-party TOC.
 pub const MAX_CHUNK_SIZE: u64 = 64 << 20;
+/// Largest chunk marked zeros: such a chunk is checked a piece at a time and never held, so
+/// its size bounds time (decoding that many zeros), not memory.
+pub const MAX_ZEROS_CHUNK_SIZE: u64 = 256 << 20;
 /// Most TOC entries, chunks included (a 256 GiB disk at 256 KiB chunks). Parsed entries take
 /// about 330 bytes each, so this bounds the TOC's memory near 330 MiB whatever it claims.
 pub const MAX_TOC_ENTRIES: usize = 1 << 20;
@@ -493,9 +496,15 @@ impl ReadingFile {
         if chunk_offset != expected_offset {
             return Err(bad(format!("chunk at {chunk_offset} does not follow the previous one ending at {expected_offset}")));
         }
-        if size == 0 || size > MAX_CHUNK_SIZE {
+        let zeros = e.chunk_type == "zeros";
+        let max = if zeros {
+            MAX_ZEROS_CHUNK_SIZE
+        } else {
+            MAX_CHUNK_SIZE
+        };
+        if size == 0 || size > max {
             return Err(bad(format!(
-                "chunk at {chunk_offset} has size {size}, outside 1..={MAX_CHUNK_SIZE}"
+                "chunk at {chunk_offset} has size {size}, outside 1..={max}"
             )));
         }
         if start >= end || end > data_end || end - start > size + (size >> 3) + 4096 {
@@ -511,7 +520,6 @@ impl ReadingFile {
         if let Some(next_start) = follows.filter(|&s| s != end) {
             return Err(bad(format!("chunk at {chunk_offset} ends at {end} in the layer but the file's next bytes start at {next_start}: the frames of a file must follow each other")));
         }
-        let zeros = e.chunk_type == "zeros";
         if !e.chunk_type.is_empty() && !zeros {
             return Err(Error::unsupported(format!(
                 "TOC: {}: chunk type {:?}",

@@ -83,3 +83,33 @@ pub fn decode_region(data: &[u8], limit: u64) -> Result<Vec<u8>> {
     }
     Ok(out)
 }
+
+/// Whether `buf` holds only zeros (16 bytes at a time).
+pub fn all_zero(buf: &[u8]) -> bool {
+    let mut words = buf.chunks_exact(16);
+    words.all(|w| u128::from_ne_bytes(w.try_into().expect("16 bytes")) == 0)
+        && words.remainder().iter().all(|&b| b == 0)
+}
+
+/// Whether `data` (regular zstd frames) decompresses to exactly `len` zeros, read a piece at a
+/// time: memory stays at one buffer however long the run, and decoding stops at the first byte
+/// that is not zero or past `len`.
+pub fn decodes_to_zeros(data: &[u8], len: u64) -> Result<bool> {
+    use std::io::Read;
+    let mut decoder = zstd::stream::read::Decoder::with_buffer(data)
+        .map_err(|e| Error::corrupt(format!("zstd frame: {e}")))?;
+    let mut buf = vec![0u8; 256 << 10];
+    let mut total = 0u64;
+    loop {
+        let n = match decoder.read(&mut buf) {
+            Ok(0) => return Ok(total == len),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(Error::corrupt(format!("zstd frame: {e}"))),
+        };
+        total += n as u64;
+        if total > len || !all_zero(&buf[..n]) {
+            return Ok(false);
+        }
+    }
+}

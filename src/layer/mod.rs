@@ -373,8 +373,16 @@ pub const MAX_REGION_BYTES: u64 = 160 << 20;
 /// Most decoded bytes of all regions between chunks together: tar headers, padding and the end
 /// of the archive need a few KiB per entry.
 pub const MAX_REGION_DECODED: u64 = 64 << 20;
+/// A chunk's verified content, as a codec hands it over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decoded<'a> {
+    Bytes(&'a [u8]),
+    /// A chunk the TOC marks as zeros, checked to be exactly that without being held.
+    Zeros,
+}
+
 /// Hands a chunk's verified content, or why it failed verification, to whoever keeps it.
-pub type Store<'s> = dyn FnMut(usize, Result<&[u8]>) -> Result<()> + 's;
+pub type Store<'s> = dyn FnMut(usize, Result<Decoded<'_>>) -> Result<()> + 's;
 
 /// The decoding of one kind of layer.
 pub trait Codec: Send + Sync + std::fmt::Debug {

@@ -1,8 +1,10 @@
 //! The streaming layer builder: reads a disk once, cuts it into fixed-size chunks, compresses
 //! them on every core, and writes the zstd:chunked layer in order into a sink.
 //!
-//! Memory is bounded by the chunks in flight (a few per core), never by the disk size; the
-//! only thing that grows with the disk is the TOC (about 100 bytes per chunk).
+//! Memory is bounded by the chunks in flight (a few per core), never by the disk size. Runs
+//! of zeros (a sparse disk's holes, its unwritten space) become one chunk of up to
+//! [`ZERO_RUN_BYTES`], so what grows with the disk's size is the TOC by one entry per 256 MiB
+//! of zeros and about one per chunk of data; a file's holes are not even read.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -11,8 +13,62 @@ use std::sync::{mpsc, Arc};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::format::zstd_chunked::{EncodedChunk, EntryMeta, LayerSummary, LayerWriter};
+use crate::format::zstd_chunked::{
+    ChunkBytes, EncodedChunk, EntryMeta, LayerSummary, LayerWriter, ZeroFrames,
+};
+use crate::format::zstd_frames::all_zero;
 use crate::oci::digest::Digest;
+use crate::progress::Counted;
+
+/// Most zeros one chunk holds (256 MiB, the largest zeros chunk a TOC may list): a run of zero
+/// chunks (each `chunk_size`) becomes one chunk of up to this many bytes. A reader of any byte
+/// in it fetches a frame of a few KiB, which the node checks decodes to zeros without holding
+/// them (`check_zeros`: tens of milliseconds); a 256 GiB sparse disk's TOC lists 1 024 of them
+/// instead of a million 256 KiB chunks.
+pub const ZERO_RUN_BYTES: u64 = crate::format::toc::MAX_ZEROS_CHUNK_SIZE;
+
+/// What a disk is read from: its bytes in order, and where the source knows it, whether the
+/// next bytes are a hole (a sparse file's), which are then skipped instead of read.
+pub trait DiskSource: Read {
+    /// Whether the next `len` bytes are all in a hole; if they are, they are skipped.
+    fn skip_hole(&mut self, _len: u64) -> std::io::Result<bool> {
+        Ok(false)
+    }
+}
+
+impl DiskSource for std::fs::File {
+    fn skip_hole(&mut self, len: u64) -> std::io::Result<bool> {
+        use std::io::{Seek, SeekFrom};
+        use std::os::fd::AsFd;
+        let at = self.stream_position()?;
+        // SEEK_DATA: where the next data starts at or after `at` (ENXIO: none before the end).
+        let data = match nix::unistd::lseek(self.as_fd(), at as i64, nix::unistd::Whence::SeekData)
+        {
+            Ok(data) => data as u64,
+            Err(nix::errno::Errno::ENXIO) => u64::MAX,
+            // A file system without SEEK_DATA: read everything.
+            Err(nix::errno::Errno::EINVAL) => at,
+            Err(e) => return Err(e.into()),
+        };
+        let hole = data >= at.saturating_add(len);
+        self.seek(SeekFrom::Start(if hole { at + len } else { at }))?;
+        Ok(hole)
+    }
+}
+
+impl<R: DiskSource> DiskSource for Counted<R> {
+    fn skip_hole(&mut self, len: u64) -> std::io::Result<bool> {
+        let hole = self.get_mut().skip_hole(len)?;
+        if hole {
+            self.count(len);
+        }
+        Ok(hole)
+    }
+}
+
+impl DiskSource for &[u8] {}
+
+impl<R: Read> DiskSource for &mut tar::Entry<'_, R> {}
 
 /// How to cut and compress.
 #[derive(Clone, Copy, Debug)]
@@ -57,7 +113,7 @@ fn read_full(reader: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 /// Streams `content` into a zstd:chunked layer written to `out`. The disk is read on the
 /// calling thread (so the reader need not be `Send`); compression runs on `threads` workers and
 /// a writer thread puts chunks back in order.
-pub fn build_layer<R: Read, W: Write + Send>(
+pub fn build_layer<R: DiskSource, W: Write + Send>(
     content: LayerContent<R>,
     opts: ChunkingOptions,
     out: W,
@@ -82,12 +138,13 @@ pub fn build_layer<R: Read, W: Write + Send>(
     // blocking forever on a full channel.
     let raw_rx = Arc::new(Mutex::new(raw_rx));
     let (enc_tx, enc_rx) = mpsc::sync_channel::<Result<(u64, EncodedChunk)>>(threads * 2);
+    let zero_frames = &ZeroFrames::new(opts.level);
 
     let (writer, disk_digest, head) =
         std::thread::scope(move |scope| -> Result<(LayerWriter<W>, Digest, Vec<u8>)> {
             for _ in 0..threads {
-                let (rx, tx) = (Arc::clone(&raw_rx), enc_tx.clone());
-                scope.spawn(move || compress_chunks(&rx, &tx, opts.level));
+                let (rx, tx, zeros) = (Arc::clone(&raw_rx), enc_tx.clone(), zero_frames);
+                scope.spawn(move || compress_chunks(&rx, &tx, zeros, opts.level));
             }
             drop(enc_tx);
             drop(raw_rx);
@@ -109,13 +166,14 @@ pub fn build_layer<R: Read, W: Write + Send>(
 }
 
 /// A chunk of the disk read, with its index.
-type RawChunk = (u64, Arc<Vec<u8>>);
+type RawChunk = (u64, ChunkBytes);
 
-/// A compression worker: chunks from `rx` compressed at `level` and sent on `tx` with their
-/// index, until either channel closes.
+/// A compression worker: chunks from `rx` compressed at `level` (runs of zeros: the frame
+/// made once for their length) and sent on `tx` with their index, until either channel closes.
 fn compress_chunks(
     rx: &Mutex<mpsc::Receiver<RawChunk>>,
     tx: &mpsc::SyncSender<Result<(u64, EncodedChunk)>>,
+    zero_frames: &ZeroFrames,
     level: i32,
 ) {
     let mut compressor = match zstd::bulk::Compressor::new(level) {
@@ -128,7 +186,11 @@ fn compress_chunks(
     loop {
         let next = rx.lock().recv();
         let Ok((index, data)) = next else { return };
-        let encoded = EncodedChunk::encode(data, &mut compressor).map(|c| (index, c));
+        let encoded = match data {
+            ChunkBytes::Data(data) => EncodedChunk::encode(data, &mut compressor),
+            ChunkBytes::Zeros(len) => zero_frames.chunk(len),
+        };
+        let encoded = encoded.map(|c| (index, c));
         if tx.send(encoded).is_err() {
             return;
         }
@@ -149,8 +211,11 @@ fn write_in_order<W: Write>(
         pending.insert(index, chunk);
         while let Some(chunk) = pending.remove(&next) {
             if head.len() < HEAD_BYTES {
-                let take = (HEAD_BYTES - head.len()).min(chunk.data.len());
-                head.extend_from_slice(&chunk.data[..take]);
+                let take = (HEAD_BYTES as u64 - head.len() as u64).min(chunk.data.len()) as usize;
+                match &chunk.data {
+                    ChunkBytes::Data(data) => head.extend_from_slice(&data[..take]),
+                    ChunkBytes::Zeros(_) => head.resize(head.len() + take, 0),
+                }
             }
             writer.add_chunk(&chunk)?;
             next += 1;
@@ -161,35 +226,89 @@ fn write_in_order<W: Write>(
 }
 
 /// Reads the `size` bytes of file `path` from `reader` in chunks of `chunk_size`, each sent on
-/// `tx` with its index; stops early when the writer stopped (its error is the one reported).
-/// The channel closes when this returns, which ends the workers.
-fn read_chunks<R: Read>(
+/// `tx` with its index; consecutive chunks of zeros (holes the reader skips, or read and found
+/// zero) are sent as one run of up to [`ZERO_RUN_BYTES`]. Stops early when the writer stopped
+/// (its error is the one reported). The channel closes when this returns, which ends the
+/// workers.
+fn read_chunks<R: DiskSource>(
     reader: &mut R,
     path: &str,
     size: u64,
     chunk_size: usize,
     tx: mpsc::SyncSender<RawChunk>,
 ) -> Result<()> {
+    let io = |e| Error::io(format!("reading {path}"), e);
+    let mut chunks = Chunks {
+        tx,
+        index: 0,
+        zeros: 0,
+        run_limit: (ZERO_RUN_BYTES / chunk_size as u64).max(1) * chunk_size as u64,
+    };
     let mut remaining = size;
-    let mut index = 0u64;
     while remaining > 0 {
         let want = remaining.min(chunk_size as u64) as usize;
+        remaining -= want as u64;
+        if reader.skip_hole(want as u64).map_err(io)? {
+            if !chunks.zeros(want as u64) {
+                break;
+            }
+            continue;
+        }
         let mut buf = vec![0u8; want];
-        let got =
-            read_full(reader, &mut buf).map_err(|e| Error::io(format!("reading {path}"), e))?;
+        let got = read_full(reader, &mut buf).map_err(io)?;
         if got != want {
             return Err(Error::invalid(format!(
                 "{path}: ended after {} of {size} bytes (truncated, or changed while read)",
-                size - remaining + got as u64
+                size - remaining - (want - got) as u64
             )));
         }
-        if tx.send((index, Arc::new(buf))).is_err() {
+        let sent = if all_zero(&buf) {
+            chunks.zeros(want as u64)
+        } else {
+            chunks.data(buf)
+        };
+        if !sent {
             break; // the writer stopped; its error is reported by the caller
         }
-        index += 1;
-        remaining -= want as u64;
     }
+    chunks.flush();
     Ok(())
+}
+
+/// The chunks [`read_chunks`] sends, with the run of zeros not sent yet.
+struct Chunks {
+    tx: mpsc::SyncSender<RawChunk>,
+    index: u64,
+    zeros: u64,
+    run_limit: u64,
+}
+
+impl Chunks {
+    /// `len` more zeros; false once the writer stopped.
+    fn zeros(&mut self, len: u64) -> bool {
+        if self.zeros + len > self.run_limit && !self.flush() {
+            return false;
+        }
+        self.zeros += len;
+        true
+    }
+
+    /// A chunk of data, after the zeros before it; false once the writer stopped.
+    fn data(&mut self, buf: Vec<u8>) -> bool {
+        self.flush() && self.send(ChunkBytes::Data(Arc::new(buf)))
+    }
+
+    /// Sends the run of zeros, if any; false once the writer stopped.
+    fn flush(&mut self) -> bool {
+        let run = std::mem::take(&mut self.zeros);
+        run == 0 || self.send(ChunkBytes::Zeros(run))
+    }
+
+    fn send(&mut self, bytes: ChunkBytes) -> bool {
+        let sent = self.tx.send((self.index, bytes)).is_ok();
+        self.index += 1;
+        sent
+    }
 }
 
 #[cfg(test)]

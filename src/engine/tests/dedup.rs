@@ -43,7 +43,8 @@ async fn chunks_another_layer_keeps_are_copied_and_a_damaged_copy_is_fetched() {
     assert_ne!(a.layer.key(), b.layer.key());
     b.index_other_layers(&root);
     assert!(read_all(&b).await.unwrap() == b_data);
-    assert_eq!(deduplicated(&b), 8, "A's chunks copied");
+    // All but chunk 3, which is zeros: its frame of a few bytes is fetched instead.
+    assert_eq!(deduplicated(&b), 7, "A's chunks copied");
     let asked: u64 = b_blob.calls.lock().iter().map(|r| r.end - r.start).sum();
     assert!(asked < b_blob.blob.len() as u64 / 2, "asked {asked} bytes");
 
@@ -60,7 +61,7 @@ async fn chunks_another_layer_keeps_are_copied_and_a_damaged_copy_is_fetched() {
         read_all(&b).await.unwrap() == b_data,
         "never the damaged bytes"
     );
-    assert_eq!(deduplicated(&b), 7, "the damaged chunk is not copied");
+    assert_eq!(deduplicated(&b), 6, "the damaged chunk is not copied");
     let first = b.layer.chunk(0).1.compressed.clone();
     assert!(
         b_blob

@@ -21,7 +21,9 @@
 
 use super::toc::{parse_toc, Toc};
 use super::tree::{Chunk, Node};
-use super::zstd_frames::{check_regular_frames, decompress_bounded, SKIPPABLE_HEADER};
+use super::zstd_frames::{
+    check_regular_frames, decodes_to_zeros, decompress_bounded, SKIPPABLE_HEADER,
+};
 use crate::error::{Error, Result};
 
 /// Verifies the compressed TOC against its pinned checksum, decompresses it within bounds and
@@ -79,6 +81,60 @@ pub fn decode_chunk(frame: &[u8], chunk: &Chunk) -> Result<Vec<u8>> {
         }
     }
     Ok(data)
+}
+
+/// Verifies a chunk the TOC marks as zeros without holding its content (a run of zeros may be
+/// the largest chunk a TOC allows): its range must be whole regular zstd frames that decode to
+/// exactly `chunk.size` zeros, and its digest must be that of as many zeros — which is then
+/// what its content hashes to, so it is verified as [`decode_chunk`] verifies a chunk.
+pub fn check_zeros(frame: &[u8], chunk: &Chunk) -> Result<()> {
+    check_regular_frames(frame)?;
+    let Some(digest) = chunk.digest else {
+        return Err(Error::corrupt(format!(
+            "chunk at {} has no digest",
+            chunk.offset
+        )));
+    };
+    if digest != zeros_digest(chunk.size) {
+        return Err(Error::corrupt(format!(
+            "chunk at {} is marked zeros, but its digest is not that of {} zeros",
+            chunk.offset, chunk.size
+        )));
+    }
+    if !decodes_to_zeros(frame, chunk.size)? {
+        return Err(Error::corrupt(format!(
+            "chunk at {} is marked zeros, but its frames do not decode to {} zeros",
+            chunk.offset, chunk.size
+        )));
+    }
+    Ok(())
+}
+
+/// The sha256 of `len` zeros, hashed once per length for the first lengths asked (a disk's
+/// runs of zeros nearly all have one length; a TOC with many cannot grow the memo).
+pub fn zeros_digest(len: u64) -> crate::oci::digest::Digest {
+    use std::collections::HashMap;
+    use std::sync::OnceLock;
+    static MEMO: OnceLock<parking_lot::Mutex<HashMap<u64, crate::oci::digest::Digest>>> =
+        OnceLock::new();
+    let memo = MEMO.get_or_init(Default::default);
+    if let Some(d) = memo.lock().get(&len) {
+        return *d;
+    }
+    let mut hasher = crate::oci::digest::Hasher::new();
+    let zeros = [0u8; 64 << 10];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(zeros.len() as u64) as usize;
+        hasher.update(&zeros[..n]);
+        left -= n as u64;
+    }
+    let digest = hasher.finish();
+    let mut memo = memo.lock();
+    if memo.len() < 16 {
+        memo.insert(len, digest);
+    }
+    digest
 }
 
 /// Verifies a compressed TOC against its pinned checksum, then decompresses, parses and
@@ -158,7 +214,7 @@ impl<R: std::io::Read> std::io::Read for Bounded<R> {
 mod layout;
 mod write;
 pub use layout::*;
-pub use write::{EncodedChunk, EntryMeta, LayerSummary, LayerWriter};
+pub use write::{ChunkBytes, EncodedChunk, EntryMeta, LayerSummary, LayerWriter, ZeroFrames};
 
 #[cfg(test)]
 pub(crate) mod testing;

@@ -442,3 +442,34 @@ fn regions_between_chunks_decode_as_an_ordinary_decoder_reads_them() {
     assert!(check_regular_frames(&frame).is_ok());
     assert!(check_regular_frames(&region).is_err());
 }
+
+#[test]
+fn a_chunk_marked_zeros_is_checked_to_be_zeros_without_being_held() {
+    let zeros = vec![0u8; 3 << 20];
+    let frame = zstd::bulk::compress(&zeros, 3).unwrap();
+    let chunk = |digest: Digest| super::super::tree::Chunk {
+        offset: 0,
+        size: zeros.len() as u64,
+        compressed: 0..frame.len() as u64,
+        digest: Some(digest),
+        zeros: true,
+    };
+    check_zeros(&frame, &chunk(Digest::of(&zeros))).unwrap();
+    // One byte that is not zero, under the zeros' digest and mark.
+    let mut other = zeros.clone();
+    other[(2 << 20) + 5] = 1;
+    let not_zeros = zstd::bulk::compress(&other, 3).unwrap();
+    let short = zstd::bulk::compress(&zeros[1..], 3).unwrap();
+    let long = zstd::bulk::compress(&[&zeros[..], &[0u8][..]].concat(), 3).unwrap();
+    for (frame, why) in [
+        (&not_zeros, "a byte not zero"),
+        (&short, "a byte short"),
+        (&long, "a byte long"),
+    ] {
+        let err = check_zeros(frame, &chunk(Digest::of(&zeros))).unwrap_err();
+        assert_eq!(err.kind(), crate::error::ErrorKind::Corrupt, "{why}");
+    }
+    // A digest that is not that of the zeros the mark claims.
+    let err = check_zeros(&frame, &chunk(Digest::of(&other))).unwrap_err();
+    assert!(err.to_string().contains("not that of"), "{err}");
+}

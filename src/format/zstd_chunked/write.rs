@@ -10,9 +10,9 @@ use super::layout::{
     ANN_TOC_POSITION_OLD, FOOTER_MAGIC, MANIFEST_TYPE_CRFS,
 };
 use crate::error::{Error, Result};
-use crate::format::tarsplit::{TarSplitWriter, CRC64_ISO};
+use crate::format::tarsplit::{crc64_after_zeros, Crc64, TarSplitWriter, CRC64_ISO};
 use crate::format::toc::{Toc, TocEntry};
-use crate::format::zstd_frames::{SKIPPABLE_HEADER, SKIPPABLE_MAGIC};
+use crate::format::zstd_frames::{all_zero, SKIPPABLE_HEADER, SKIPPABLE_MAGIC};
 use crate::oci::digest::{Digest, Hasher};
 
 /// Tar metadata of a file or directory written into a layer.
@@ -27,10 +27,48 @@ pub struct EntryMeta {
     pub mtime: u64,
 }
 
+/// A chunk's content: bytes, or a run of zeros that is never held.
+#[derive(Clone, Debug)]
+pub enum ChunkBytes {
+    Data(Arc<Vec<u8>>),
+    Zeros(u64),
+}
+
+/// Zeros handed to hashers a piece at a time.
+static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+
+impl ChunkBytes {
+    pub fn len(&self) -> u64 {
+        match self {
+            ChunkBytes::Data(data) => data.len() as u64,
+            ChunkBytes::Zeros(len) => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Calls `f` with the content, in order, a piece at a time.
+    pub fn each_piece(&self, mut f: impl FnMut(&[u8])) {
+        match self {
+            ChunkBytes::Data(data) => f(data),
+            ChunkBytes::Zeros(len) => {
+                let mut left = *len;
+                while left > 0 {
+                    let n = left.min(ZEROS.len() as u64);
+                    f(&ZEROS[..n as usize]);
+                    left -= n;
+                }
+            }
+        }
+    }
+}
+
 /// A chunk ready to be written: its content, its own zstd frame and its digest.
 pub struct EncodedChunk {
-    pub data: Arc<Vec<u8>>,
-    pub frame: Vec<u8>,
+    pub data: ChunkBytes,
+    pub frame: Arc<Vec<u8>>,
     pub digest: Digest,
     pub zeros: bool,
 }
@@ -42,12 +80,53 @@ impl EncodedChunk {
             .compress(&data)
             .map_err(|e| Error::io("zstd compression", e))?;
         let digest = Digest::of(&data);
-        let zeros = data.iter().all(|&b| b == 0);
+        let zeros = all_zero(&data);
         Ok(EncodedChunk {
-            data,
-            frame,
+            data: ChunkBytes::Data(data),
+            frame: Arc::new(frame),
             digest,
             zeros,
+        })
+    }
+}
+
+/// The frame and digest of a run of zeros, made once for each length a layer has (a disk's
+/// runs are nearly all the same length) and shared by the builder's workers.
+pub struct ZeroFrames {
+    level: i32,
+    made: parking_lot::Mutex<std::collections::HashMap<u64, ZeroFrame>>,
+}
+
+/// A run of zeros' frame and digest.
+type ZeroFrame = (Arc<Vec<u8>>, Digest);
+
+impl ZeroFrames {
+    pub fn new(level: i32) -> Self {
+        ZeroFrames {
+            level,
+            made: Default::default(),
+        }
+    }
+
+    /// The chunk of `len` zeros.
+    pub fn chunk(&self, len: u64) -> Result<EncodedChunk> {
+        let known = self.made.lock().get(&len).cloned();
+        let (frame, digest) = match known {
+            Some(made) => made,
+            None => {
+                let zeros = vec![0u8; len as usize];
+                let frame = zstd::bulk::compress(&zeros, self.level)
+                    .map_err(|e| Error::io("zstd compression", e))?;
+                let made = (Arc::new(frame), Digest::of(&zeros));
+                self.made.lock().insert(len, made.clone());
+                made
+            }
+        };
+        Ok(EncodedChunk {
+            data: ChunkBytes::Zeros(len),
+            frame,
+            digest,
+            zeros: true,
         })
     }
 }
@@ -72,7 +151,7 @@ struct OpenFile {
     size: u64,
     written: u64,
     hasher: Hasher,
-    crc: crc::Digest<'static, u64, crc::Table<16>>,
+    crc: Crc64,
     reg_index: usize,
 }
 
@@ -220,15 +299,31 @@ impl<W: Write> LayerWriter<W> {
     pub fn add_chunk(&mut self, chunk: &EncodedChunk) -> Result<()> {
         let offset = self.written;
         let file = self.open.as_mut().expect("add_chunk without begin_file");
-        let len = chunk.data.len() as u64;
+        let len = chunk.data.len();
         if file.written + len > file.size {
             return Err(Error::invalid(format!(
                 "{}: more data than the announced {} bytes",
                 file.path, file.size
             )));
         }
-        file.hasher.update(&chunk.data);
-        file.crc.update(&chunk.data);
+        let diff = &mut self.diff;
+        match &chunk.data {
+            // A run of zeros is all hashing (of a disk's holes, most of its size): the file's
+            // digest and the tar's on two threads, the CRC extended without reading zeros.
+            ChunkBytes::Zeros(zeros) => {
+                std::thread::scope(|s| {
+                    s.spawn(|| chunk.data.each_piece(|piece| diff.update(piece)));
+                    chunk.data.each_piece(|piece| file.hasher.update(piece));
+                });
+                let crc = std::mem::replace(&mut file.crc, CRC64_ISO.digest());
+                file.crc = crc64_after_zeros(crc, *zeros);
+            }
+            ChunkBytes::Data(data) => {
+                file.hasher.update(data);
+                file.crc.update(data);
+                diff.update(data);
+            }
+        }
         let chunk_offset = file.written;
         file.written += len;
         let entry = if chunk_offset == 0 {
@@ -250,7 +345,6 @@ impl<W: Write> LayerWriter<W> {
             self.zero_chunks += 1;
         }
         self.chunks += 1;
-        self.diff.update(&chunk.data);
         self.emit(&chunk.frame)
     }
 

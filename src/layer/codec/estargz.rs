@@ -71,7 +71,7 @@ impl Codec for Estargz {
         store: &mut Store<'_>,
     ) -> Result<()> {
         decode_each(layer, run, bytes, store, |idx, members| {
-            decode_chunk(members, &layer.chunks[idx], last_of_file(layer, idx))
+            decode_chunk(members, &layer.chunks[idx], last_of_file(layer, idx)).map(Some)
         })
     }
 

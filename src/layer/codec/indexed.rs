@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::format::seekable::{self, Expected, Layout, SeekIndex};
 use crate::format::tree::{clean_path, Chunk, Node, NodeKind};
 use crate::layer::{fetch_checked, MAX_REGION_DECODED};
-use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, StreamKind};
+use crate::layer::{Ask, Codec, Decoded, Extent, Fetch, Piece, Store, StreamKind};
 use crate::layer::{FileChunks, LayerMeta, Table};
 use crate::layer::{IndexSource, Layer};
 
@@ -218,7 +218,10 @@ impl Codec for Indexed {
                 .and_then(|w| self.index.decode_span(s, input, w));
             match decoded {
                 Ok(span) => {
-                    store(idx, Ok(self.chunk_in_span(layer, idx, &span)))?;
+                    store(
+                        idx,
+                        Ok(Decoded::Bytes(self.chunk_in_span(layer, idx, &span))),
+                    )?;
                     previous = Some((s, span));
                 }
                 Err(e) => {

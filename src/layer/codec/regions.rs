@@ -4,27 +4,29 @@
 
 use crate::error::{Error, Result};
 use crate::layer::{fetch_checked, MAX_REGION_BYTES, MAX_REGION_DECODED};
-use crate::layer::{Ask, Fetch, Layer, Piece, Store};
+use crate::layer::{Ask, Decoded, Fetch, Layer, Piece, Store};
 
 /// Most regions fetched at once.
 pub(super) const REGION_FETCHES: usize = 8;
 
 /// Decodes each chunk of `run` from its own bytes within `bytes` (which start where the run
-/// does) with `decode`, and hands the content, or why it failed, to `store`: the
+/// does) with `decode` (`None`: checked to be the zeros the TOC says it is), and hands the
+/// content, or why it failed, to `store`: the
 /// [`Codec::decode_run`] of codecs whose chunks decode alone.
 pub(super) fn decode_each(
     layer: &Layer,
     run: &[usize],
     bytes: &[u8],
     store: &mut Store<'_>,
-    decode: impl Fn(usize, &[u8]) -> Result<Vec<u8>>,
+    decode: impl Fn(usize, &[u8]) -> Result<Option<Vec<u8>>>,
 ) -> Result<()> {
     let base = layer.chunks[run[0]].compressed.start;
     for &idx in run {
         let c = &layer.chunks[idx].compressed;
         let frame = &bytes[(c.start - base) as usize..(c.end - base) as usize];
         match decode(idx, frame) {
-            Ok(data) => store(idx, Ok(&data))?,
+            Ok(Some(data)) => store(idx, Ok(Decoded::Bytes(&data)))?,
+            Ok(None) => store(idx, Ok(Decoded::Zeros))?,
             Err(e) => store(idx, Err(e))?,
         }
     }

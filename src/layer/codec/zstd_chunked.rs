@@ -1,5 +1,6 @@
 //! The codec of zstd:chunked layers: each chunk is its own regular zstd frames, decoded within
-//! its size and checked against its digest; the regions between chunks (tar headers, padding,
+//! its size and checked against its digest (a chunk marked zeros: checked to decode to zeros,
+//! never held); the regions between chunks (tar headers, padding,
 //! the end of the archive) are zstd frames too, and the stream the checks rebuild ends where
 //! the TOC's skippable frame begins.
 
@@ -9,7 +10,7 @@ use futures_util::future::BoxFuture;
 
 use super::regions::{blob_pieces, decode_each, Regions};
 use crate::error::Result;
-use crate::format::zstd_chunked::{decode_chunk, read_toc};
+use crate::format::zstd_chunked::{check_zeros, decode_chunk, read_toc};
 use crate::format::zstd_frames::decode_region;
 use crate::layer::{Ask, Codec, Extent, Fetch, Piece, Store, MAX_REGION_DECODED};
 use crate::layer::{Layer, LayerMeta, Table};
@@ -46,7 +47,12 @@ impl Codec for ZstdChunked {
         store: &mut Store<'_>,
     ) -> Result<()> {
         decode_each(layer, run, bytes, store, |idx, frame| {
-            decode_chunk(frame, &layer.chunks[idx])
+            let chunk = &layer.chunks[idx];
+            if chunk.zeros {
+                check_zeros(frame, chunk).map(|()| None)
+            } else {
+                decode_chunk(frame, chunk).map(Some)
+            }
         })
     }
 
@@ -76,7 +82,7 @@ mod tests {
     use super::*;
     use crate::error::ErrorKind;
     use crate::format::zstd_chunked::testing::write_layer;
-    use crate::layer::Resolved;
+    use crate::layer::{Decoded, Resolved};
 
     const CHUNK: usize = 64 << 10;
 
@@ -103,7 +109,11 @@ mod tests {
         let mut verdicts = Vec::new();
         ZstdChunked
             .decode_run(&layer, &run, &bytes, None, &mut |idx, decoded| {
-                verdicts.push((idx, decoded.map(<[u8]>::to_vec).map_err(|e| e.kind())));
+                let decoded = decoded.map(|d| match d {
+                    Decoded::Bytes(bytes) => bytes.to_vec(),
+                    Decoded::Zeros => panic!("no chunk here is zeros"),
+                });
+                verdicts.push((idx, decoded.map_err(|e| e.kind())));
                 Ok(())
             })
             .unwrap();
