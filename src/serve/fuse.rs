@@ -679,43 +679,10 @@ pub fn mount(fs: LayerFs, dir: &Path) -> Result<Mounted> {
         .lock()
         .take()
         .ok_or_else(|| Error::invalid(format!("no FUSE_INIT at {}", dir.display())))?;
-    let session = session.spawn().map_err(mounting)?;
-    widen_readahead(dir, READAHEAD_WINDOW);
     Ok(Mounted {
-        session,
+        session: session.spawn().map_err(mounting)?,
         connection: Connection { fd, offer },
     })
-}
-
-/// The kernel's read-ahead window of a mount: one FUSE read's most (256 pages, the kernel's
-/// default `max_pages_limit`; qemu and fio read up to 1 MiB at once).
-const READAHEAD_WINDOW: u32 = 1 << 20;
-
-/// Makes the kernel's read-ahead window of the mount at `dir` (served, so its root answers a
-/// stat) `bytes` ([`READAHEAD_WINDOW`]). A FUSE connection's window is the kernel's 128 KiB
-/// whatever the daemon asks at init (the kernel offers no more), and a
-/// buffered read larger than the window is read in windows that march past its end: a random
-/// 1 MiB read pulled in 128–256 KiB more, often one more chunk (1.46x fetched for what was
-/// read, `cases::mount::buffered_random_reads…`). A read that fits the window is read as it is
-/// (1.25x: the chunk floor), and sequential readers ramp up to it as before. Set through sysfs
-/// as root; where /sys is read-only the mount keeps the kernel's window.
-fn widen_readahead(dir: &Path, bytes: u32) {
-    use std::os::unix::fs::MetadataExt;
-    let dev = match std::fs::metadata(dir) {
-        Ok(m) => m.dev(),
-        Err(e) => {
-            tracing::info!(dir = %dir.display(), error = %e, "cannot stat the new mount; the kernel's read-ahead window stays at its default");
-            return;
-        }
-    };
-    let knob = format!(
-        "/sys/class/bdi/{}:{}/read_ahead_kb",
-        nix::sys::stat::major(dev),
-        nix::sys::stat::minor(dev)
-    );
-    if let Err(e) = std::fs::write(&knob, (bytes / 1024).to_string()) {
-        tracing::info!(knob = %knob, error = %e, "cannot set the mount's read-ahead window (a read-only /sys?): buffered random reads over 128 KiB fetch up to a chunk more each");
-    }
 }
 
 /// Serves `connection`, mounted by an earlier server, with `fs` ([`crate::serve::connection`]).
