@@ -7,8 +7,9 @@
 #   4 MiB spans in an image index beside the image, pushed as a new tag), behind a TLS front;
 #   and its parallel pull-and-unpack mode on the gzip image with no index, the whole-image
 #   baseline SOCI offers for images it cannot load lazily;
-# - stargz-snapshotter 0.18 (integration/deps/peers/, the same way) on an eStargz image of the same
-#   disk (4 MiB chunks, as its writer writes them);
+# - stargz-snapshotter 0.19 (integration/deps/peers/, the same way) on an eStargz image of the same
+#   disk (4 MiB chunks, as its writer writes them), as it ships (FUSE passthrough off) and with
+#   its passthrough on (`[fuse] passthrough = true`, what a user after speed turns on);
 # - vmdisk on the gzip image through `vmdisk index`, on the eStargz image, and on its own
 #   layout (`vmdisk push`, 256 KiB chunks, and 128 KiB chunks for disks read at random);
 # - containerd's overlayfs full pull of the gzip image: the floor for bytes moved at the pull.
@@ -50,7 +51,9 @@ bench_cleanup_first() {
 
 # The peers' binaries, built from the Go module proxy by module version.
 PEERS=$DEPS/peers
-[ -x "$PEERS/soci-snapshotter-grpc" ] && [ -x "$PEERS/containerd-stargz-grpc" ] || integration/deps/peers/build.sh "$PEERS" > /dev/null
+[ -x "$PEERS/soci-snapshotter-grpc" ] && [ -x "$PEERS/containerd-stargz-grpc" ] &&
+  [ "$(cat "$PEERS/built-from" 2> /dev/null)" = "$(cat integration/deps/peers/*/go.sum | sha256sum | cut -d' ' -f1)" ] ||
+  integration/deps/peers/build.sh "$PEERS" > /dev/null
 VERSIONS=$(tr '\n' ' ' < "$PEERS/versions")
 
 # One registry storage, served in plain http and behind TLS (a local CA), each behind its own
@@ -150,9 +153,12 @@ node() {  # node DIR SNAPSHOTTER BACKGROUND
       SSL_CERT_FILE=$B/tls/ca.pem "$PEERS/soci-snapshotter-grpc" --address "$dir/sn.sock" --root "$dir/soci" \
         --config "$dir/soci.toml" --log-level warn > "$dir/sn.log" 2>&1 &
       PIDS+=($!); sock=$dir/sn.sock ;;
-    stargz)
-      printf 'no_background_fetch = %s\n[[resolver.host."%s".mirrors]]\nhost = "%s"\ninsecure = true\n' \
-        "$([ "$bg" = on ] && echo false || echo true)" "$PLAIN" "$PLAIN" > "$dir/stargz.toml"
+    stargz|stargz-passthrough)
+      {
+        printf 'no_background_fetch = %s\n[[resolver.host."%s".mirrors]]\nhost = "%s"\ninsecure = true\n' \
+          "$([ "$bg" = on ] && echo false || echo true)" "$PLAIN" "$PLAIN"
+        [ "$kind" = stargz ] || printf '[fuse]\npassthrough = true\n'
+      } > "$dir/stargz.toml"
       "$PEERS/containerd-stargz-grpc" --address "$dir/sn.sock" --root "$dir/stargz" --config "$dir/stargz.toml" --log-level warn > "$dir/sn.log" 2>&1 &
       PIDS+=($!); sock=$dir/sn.sock ;;
     vmdisk)
@@ -288,6 +294,7 @@ OWN128_DIFF=$(diff_id lazy128k)
 for run in $(seq "$RUNS"); do
   measure soci soci "$SECURE/peers/disk:soci" "$GZ_DIFF" "$run"
   measure stargz stargz "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
+  measure stargz-passthrough stargz-passthrough "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
   measure vmdisk-index vmdisk "$PLAIN/peers/disk:gzip" "$GZ_DIFF" "$run"
   measure vmdisk-estargz vmdisk "$PLAIN/peers/disk:estargz" "$ES_DIFF" "$run"
   measure vmdisk-own vmdisk "$PLAIN/peers/disk:lazy" "$OWN_DIFF" "$run"
@@ -331,7 +338,7 @@ if len(next(iter(rows.values()))) > 1:
 # Each vmdisk row against the peer on the same image and against the best peer of all;
 # below 1 is ahead (for throughput: the peer's over vmdisk's).
 same = {"vmdisk-index": "soci", "vmdisk-estargz": "stargz"}
-peers = [k for k in ("soci", "stargz") if k in med]
+peers = [k for k in ("soci", "stargz", "stargz-passthrough") if k in med]
 def ratio(k, p, c):
     a, b = med[k][c[1]], med[p][c[1]]
     if c[4] is None or a == 0 and b == 0:

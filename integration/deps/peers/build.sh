@@ -24,4 +24,6 @@ out=$(cd "$out" && pwd)
   echo "soci $(cd "$here/soci" && "$go" list -m -f '{{.Version}}' github.com/awslabs/soci-snapshotter)"
   echo "stargz $(cd "$here/stargz" && "$go" list -m -f '{{.Version}}' github.com/containerd/stargz-snapshotter)"
 } > "$out/versions"
+# What they were built from: a checkout whose go.sum files differ builds them again.
+cat "$here"/*/go.sum | sha256sum | cut -d' ' -f1 > "$out/built-from"
 cat "$out/versions"
