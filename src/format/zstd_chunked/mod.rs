@@ -110,33 +110,6 @@ pub fn check_zeros(frame: &[u8], chunk: &Chunk) -> Result<()> {
     Ok(())
 }
 
-/// The sha256 of `len` zeros, hashed once per length for the first lengths asked (a disk's
-/// runs of zeros nearly all have one length; a TOC with many cannot grow the memo).
-pub fn zeros_digest(len: u64) -> crate::oci::digest::Digest {
-    use std::collections::HashMap;
-    use std::sync::OnceLock;
-    static MEMO: OnceLock<parking_lot::Mutex<HashMap<u64, crate::oci::digest::Digest>>> =
-        OnceLock::new();
-    let memo = MEMO.get_or_init(Default::default);
-    if let Some(d) = memo.lock().get(&len) {
-        return *d;
-    }
-    let mut hasher = crate::oci::digest::Hasher::new();
-    let zeros = [0u8; 64 << 10];
-    let mut left = len;
-    while left > 0 {
-        let n = left.min(zeros.len() as u64) as usize;
-        hasher.update(&zeros[..n]);
-        left -= n as u64;
-    }
-    let digest = hasher.finish();
-    let mut memo = memo.lock();
-    if memo.len() < 16 {
-        memo.insert(len, digest);
-    }
-    digest
-}
-
 /// Verifies a compressed TOC against its pinned checksum, then decompresses, parses and
 /// validates it in one pass: entries are checked and folded into nodes as they are decoded, so
 /// memory holds the chunk table and never the JSON or its parsed entries (a 50 GiB disk's TOC
@@ -214,7 +187,9 @@ impl<R: std::io::Read> std::io::Read for Bounded<R> {
 mod layout;
 mod write;
 pub use layout::*;
-pub use write::{ChunkBytes, EncodedChunk, EntryMeta, LayerSummary, LayerWriter, ZeroFrames};
+pub use write::{
+    zeros_digest, ChunkBytes, EncodedChunk, EntryMeta, LayerSummary, LayerWriter, ZeroFrames,
+};
 
 #[cfg(test)]
 pub(crate) mod testing;

@@ -65,6 +65,26 @@ impl ChunkBytes {
     }
 }
 
+/// The sha256 of `len` zeros, hashed once per length for the first lengths asked (a disk's
+/// runs of zeros nearly all have one length; a TOC with many cannot grow the memo).
+pub fn zeros_digest(len: u64) -> Digest {
+    use std::collections::HashMap;
+    use std::sync::OnceLock;
+    static MEMO: OnceLock<parking_lot::Mutex<HashMap<u64, Digest>>> = OnceLock::new();
+    let memo = MEMO.get_or_init(Default::default);
+    if let Some(d) = memo.lock().get(&len) {
+        return *d;
+    }
+    let mut hasher = Hasher::new();
+    ChunkBytes::Zeros(len).each_piece(|piece| hasher.update(piece));
+    let digest = hasher.finish();
+    let mut memo = memo.lock();
+    if memo.len() < 16 {
+        memo.insert(len, digest);
+    }
+    digest
+}
+
 /// A chunk ready to be written: its content, its own zstd frame and its digest.
 pub struct EncodedChunk {
     pub data: ChunkBytes,
@@ -108,16 +128,31 @@ impl ZeroFrames {
         }
     }
 
+    /// One frame of `len` zeros (its content size recorded, as every chunk's), compressed a
+    /// piece at a time: a run is up to 256 MiB, and never held.
+    fn frame(&self, len: u64) -> Result<Vec<u8>> {
+        use std::io::Write as _;
+        let failed = |e| Error::io("zstd compression", e);
+        let mut encoder = zstd::stream::Encoder::new(Vec::new(), self.level).map_err(failed)?;
+        encoder.include_contentsize(true).map_err(failed)?;
+        encoder.set_pledged_src_size(Some(len)).map_err(failed)?;
+        let mut written = Ok(());
+        ChunkBytes::Zeros(len).each_piece(|piece| {
+            if written.is_ok() {
+                written = encoder.write_all(piece);
+            }
+        });
+        written.map_err(failed)?;
+        encoder.finish().map_err(failed)
+    }
+
     /// The chunk of `len` zeros.
     pub fn chunk(&self, len: u64) -> Result<EncodedChunk> {
         let known = self.made.lock().get(&len).cloned();
         let (frame, digest) = match known {
             Some(made) => made,
             None => {
-                let zeros = vec![0u8; len as usize];
-                let frame = zstd::bulk::compress(&zeros, self.level)
-                    .map_err(|e| Error::io("zstd compression", e))?;
-                let made = (Arc::new(frame), Digest::of(&zeros));
+                let made = (Arc::new(self.frame(len)?), zeros_digest(len));
                 self.made.lock().insert(len, made.clone());
                 made
             }
