@@ -607,7 +607,7 @@ fn cache_size_evicts_unmounted_layers_but_never_the_mounted_one() {
     mount.stop();
 }
 
-/// A sparse raw disk of 8 GiB and one of 256 GiB with the same data: the 256 GiB one mounts,
+/// A sparse raw disk of 8 GiB and one of 256 GiB with as much data: the 256 GiB one mounts,
 /// what its mount fetches before it is ready stays a few KiB more than the 8 GiB one's, and its
 /// TOC lists about as many chunks (a run of zeros is one chunk of up to 256 MiB). Before, the
 /// TOC listed a chunk per 256 KiB of disk: 1 048 576 at 256 GiB, over the TOC's bound (the
@@ -652,7 +652,7 @@ fn a_256_gib_disk_mounts_and_fetches_before_ready_what_an_8_gib_one_does() {
         let mount = Mount::start(reference, &cache, &mnt, &[]);
         cold.push(started.elapsed());
         before_ready[i] = proxy.bytes_to_client() - bytes;
-        // The end of the disk and a page in its largest hole read back.
+        // Its size is the disk's, and a page in a hole reads as zeros.
         let disk = std::fs::File::open(&mount.disk).unwrap();
         let size = disk.metadata().unwrap().len();
         assert_eq!(size, gib << 30);
