@@ -138,6 +138,9 @@ pub struct LayerCache {
     unstored: AtomicU64,
     chunks: usize,
     pending: Mutex<Pending>,
+    /// Held for a whole flush, so a flush that returns has made durable everything stored
+    /// before it began, including what a flush running meanwhile had taken.
+    flushing: Mutex<()>,
     durable: Mutex<Durable>,
     _lock: File,
 }
@@ -247,6 +250,7 @@ impl LayerCache {
             unstored: AtomicU64::new(0),
             chunks,
             pending: Mutex::new(Pending::default()),
+            flushing: Mutex::new(()),
             durable: Mutex::new(Durable { file: bitmap, bits }),
             _lock: lock,
         };
@@ -494,7 +498,10 @@ impl LayerCache {
     }
 
     /// Makes everything written so far durable: data first, then the bitmap bits for it.
+    /// Waits for a flush already running (the server's last flush on unmount must not
+    /// return while the upkeep's is still syncing the chunks it took).
     pub fn flush(&self) -> Result<()> {
+        let _one_at_a_time = self.flushing.lock();
         let pending = std::mem::take(&mut *self.pending.lock());
         if pending.chunks.is_empty() {
             return Ok(());
@@ -568,6 +575,37 @@ mod tests {
         let mut buf = [0u8; 4096];
         c.read_at(0, &mut buf, 0).unwrap();
         assert_eq!(buf, [1u8; 4096]);
+    }
+
+    #[test]
+    fn a_flush_returns_only_once_a_flush_running_meanwhile_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Arc::new(LayerCache::open(dir.path(), &[4096 * 2], 2).unwrap());
+        c.write_chunk(0, 0, 0, &[1u8; 4096], None).unwrap();
+        c.write_chunk(1, 0, 4096, &[2u8; 4096], None).unwrap();
+        // The first flush takes the chunks, then waits to write their bits.
+        let holding = c.durable.lock();
+        let first = std::thread::spawn({
+            let c = Arc::clone(&c);
+            move || c.flush().unwrap()
+        });
+        while !c.pending.lock().chunks.is_empty() {
+            std::thread::yield_now();
+        }
+        // A second flush (the last one, on unmount) must not return before those bits are
+        // on disk: the process may end as soon as it does.
+        let second = std::thread::spawn({
+            let c = Arc::clone(&c);
+            let dir = dir.path().to_path_buf();
+            move || {
+                c.flush().unwrap();
+                durable_bits(&dir, 2)
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        drop(holding);
+        first.join().unwrap();
+        assert_eq!(second.join().unwrap(), Some(vec![0b11]));
     }
 
     #[test]
