@@ -322,8 +322,11 @@ async fn blob_handle(State(cdn): State<Arc<Cdn>>, request: Request) -> Response 
     if data.seek(std::io::SeekFrom::Start(start)).await.is_err() {
         return answer(StatusCode::INTERNAL_SERVER_ERROR, "InternalError");
     }
+    // As object stores answer a registry's blobs (stored as application/octet-stream):
+    // clients such as stargz-snapshotter's read the type to tell a multipart answer.
     let mut out = Response::builder()
         .status(status)
+        .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(header::CONTENT_LENGTH, end - start)
         .header(header::ACCEPT_RANGES, "bytes");
     if status == StatusCode::PARTIAL_CONTENT {
