@@ -13,6 +13,7 @@
 
 mod conversion;
 mod convert;
+mod cuts;
 mod from_artifact;
 pub mod index;
 pub mod pipeline;

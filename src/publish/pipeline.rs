@@ -12,6 +12,7 @@ use std::sync::{mpsc, Arc};
 
 use parking_lot::Mutex;
 
+use super::cuts::Cuts;
 use crate::error::{Error, Result};
 use crate::format::zstd_chunked::{
     ChunkBytes, EncodedChunk, EntryMeta, LayerSummary, LayerWriter, ZeroFrames,
@@ -225,7 +226,8 @@ fn write_in_order<W: Write>(
     Ok((writer, digest, head))
 }
 
-/// Reads the `size` bytes of file `path` from `reader` in chunks of `chunk_size`, each sent on
+/// Reads the `size` bytes of file `path` from `reader` in chunks of `chunk_size` (shorter
+/// where [`Cuts`] ends one: around a qcow2's tables), each sent on
 /// `tx` with its index; consecutive chunks of zeros (holes the reader skips, or read and found
 /// zero) are sent as one run of up to [`ZERO_RUN_BYTES`]. Stops early when the writer stopped
 /// (its error is the one reported). The channel closes when this returns, which ends the
@@ -244,9 +246,13 @@ fn read_chunks<R: DiskSource>(
         zeros: 0,
         run_limit: (ZERO_RUN_BYTES / chunk_size as u64).max(1) * chunk_size as u64,
     };
+    let mut cuts = Cuts::new(size);
     let mut remaining = size;
     while remaining > 0 {
-        let want = remaining.min(chunk_size as u64) as usize;
+        let at = size - remaining;
+        let want = remaining
+            .min(chunk_size as u64)
+            .min(cuts.next_after(at) - at) as usize;
         remaining -= want as u64;
         if reader.skip_hole(want as u64).map_err(io)? {
             if !chunks.zeros(want as u64) {
@@ -265,6 +271,7 @@ fn read_chunks<R: DiskSource>(
         let sent = if all_zero(&buf) {
             chunks.zeros(want as u64)
         } else {
+            cuts.learn(at, &buf);
             chunks.data(buf)
         };
         if !sent {
