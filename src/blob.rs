@@ -211,6 +211,7 @@ impl<'s> Blob<'s> {
                 match self.source.fetch(range.clone(), ask).await {
                     Ok(bytes) => {
                         self.counts.fetched(bytes.len() as u64, started.elapsed());
+                        tracing::debug!(blob = %self.what, start = range.start, end = range.end, ?ask, ms = started.elapsed().as_millis() as u64, "fetched");
                         Ok(bytes)
                     }
                     Err(e) => {

@@ -93,6 +93,11 @@ pub async fn open_engine(
     };
     let sources = Sources::in_registry(client, &layer.reference, layer.meta.layer_digest, windows);
     let engine = Engine::open(layer, cache, sources, opts).await?;
+    // Before any read: the disk's first chunks came with the TOC.
+    let kept = engine.keep_held(&held);
+    if kept > 0 {
+        tracing::debug!(chunks = kept, "kept the chunks fetched with the TOC");
+    }
     let checked = async {
         held.join(handed.await);
         engine.check_structure(Some(cache), &held).await

@@ -50,7 +50,7 @@ fn damage_file(dir: &std::path::Path, file: usize, at: u64) {
 #[tokio::test]
 async fn a_damaged_cached_chunk_is_fetched_again_never_served() {
     let data = content(4);
-    let (engine, source, dir) = engine(&data, EngineOptions::default());
+    let (engine, source, dir) = engine(&data, exact());
     let disk = engine.layer.disk;
     let len = data.len() as u64;
     engine.read(disk, 0, len).await.unwrap();
@@ -124,7 +124,7 @@ async fn a_damaged_cache_with_the_registry_gone_answers_an_error_naming_it() {
         &data,
         EngineOptions {
             fetch_deadline: Duration::from_millis(300),
-            ..EngineOptions::default()
+            ..exact()
         },
     );
     let disk = engine.layer.disk;
@@ -150,7 +150,7 @@ async fn a_read_from_a_registry_that_fails_every_check_ends_within_its_deadline(
     let data = content(4);
     let opts = EngineOptions {
         fetch_deadline: Duration::from_secs(10),
-        ..EngineOptions::default()
+        ..exact()
     };
     let (engine, source, _dir) = engine(&data, opts);
     *source.corruptions.lock() = u32::MAX;
@@ -176,7 +176,7 @@ async fn a_read_from_a_registry_that_fails_every_check_ends_within_its_deadline(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_complete_file_is_fit_for_passthrough_only_once_checked_and_unchanged() {
     let data = content(4);
-    let (engine, source, dir) = engine(&data, EngineOptions::default());
+    let (engine, source, dir) = engine(&data, exact());
     let disk = engine.layer.disk;
     engine.read(disk, 0, data.len() as u64).await.unwrap();
     let _ = engine.integrity.set(Integrity::Verified);
@@ -213,7 +213,7 @@ async fn a_complete_file_is_fit_for_passthrough_only_once_checked_and_unchanged(
 #[tokio::test(flavor = "multi_thread")]
 async fn chunks_cached_before_a_restart_are_checked_at_the_verify_rate_in_the_nodes_turn() {
     let data = content(8);
-    let (engine, source, dir) = engine(&data, EngineOptions::default());
+    let (engine, source, dir) = engine(&data, exact());
     let disk = engine.layer.disk;
     engine.read(disk, 0, data.len() as u64).await.unwrap();
     let engine = reopened(&engine, dir.path(), &source);
@@ -253,7 +253,7 @@ fn counts(found: CacheCheck) -> (usize, usize) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_change_to_a_checked_data_file_is_noticed_by_the_next_read_and_repaired() {
     let data = content(4);
-    let (engine, source, dir) = engine(&data, EngineOptions::default());
+    let (engine, source, dir) = engine(&data, exact());
     let disk = engine.layer.disk;
     engine.read(disk, 0, data.len() as u64).await.unwrap();
     let fetched = source.calls.lock().len();

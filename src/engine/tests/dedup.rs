@@ -20,7 +20,7 @@ fn engine_in(root: &CacheRoot, data: &[u8]) -> (Arc<Engine>, Arc<FakeBlob>) {
         blob: test_blob(Arc::clone(&source)),
         windows: None,
     };
-    let engine = Engine::with_source(layer, cache, sources, EngineOptions::default());
+    let engine = Engine::with_source(layer, cache, sources, exact());
     (engine, source)
 }
 

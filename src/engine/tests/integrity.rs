@@ -6,7 +6,7 @@ use super::*;
 async fn an_honest_layer_passes_both_checks_and_is_verified_once_complete() {
     let data = content(6);
     let (blob, summary) = honest(&data);
-    let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+    let (engine, _, _dir) = engine_of_blob(blob, &summary, exact());
     engine
         .check_structure(None, &Held::default())
         .await
@@ -28,7 +28,7 @@ async fn a_layer_whose_diff_id_is_a_lie_fails_every_read_once_complete() {
     let data = content(4);
     let (blob, mut summary) = honest(&data);
     summary.diff_id = Digest::of(b"another layer");
-    let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+    let (engine, _, _dir) = engine_of_blob(blob, &summary, exact());
     engine
         .check_structure(None, &Held::default())
         .await
@@ -69,7 +69,7 @@ async fn a_toc_that_renames_a_file_is_refused_before_anything_is_served() {
     }
     let data_end = (summary.toc_location.offset - 8) as usize;
     let (blob, summary) = with_toc(blob[..data_end].to_vec(), &toc, summary.diff_id);
-    let (engine, source, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+    let (engine, source, _dir) = engine_of_blob(blob, &summary, exact());
     let err = engine
         .check_structure(None, &Held::default())
         .await
@@ -117,7 +117,7 @@ fn fake_first_chunk(hidden: bool) -> (Arc<Engine>, tempfile::TempDir) {
     reg.chunk_digest = Digest::of(&fake).to_string();
     reg.digest = reg.chunk_digest.clone();
     let (crafted, summary) = with_toc(crafted, &toc, summary.diff_id);
-    let (engine, _, dir) = engine_of_blob(crafted, &summary, EngineOptions::default());
+    let (engine, _, dir) = engine_of_blob(crafted, &summary, exact());
     (engine, dir)
 }
 
@@ -151,7 +151,7 @@ async fn a_fake_chunk_followed_by_the_real_content_is_refused() {
 async fn a_chunk_range_with_a_skippable_frame_is_never_served() {
     let data = content(1);
     let (blob, summary) = honest(&data);
-    let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+    let (engine, _, _dir) = engine_of_blob(blob, &summary, exact());
     let (_, chunk) = engine.layer.chunk(0);
     let mut frame = vec![0x50, 0x2a, 0x4d, 0x18, 4, 0, 0, 0, 1, 2, 3, 4];
     frame.extend(zstd::bulk::compress(&data, 1).unwrap());
@@ -176,7 +176,7 @@ async fn a_registry_that_never_finishes_an_answer_fails_the_read_at_the_deadline
     }
     let data = content(2);
     let (blob, summary) = honest(&data);
-    let (engine, _, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+    let (engine, _, _dir) = engine_of_blob(blob, &summary, exact());
     let engine = Arc::try_unwrap(engine).ok().unwrap();
     let engine = Engine::with_source(
         engine.layer,
@@ -187,7 +187,7 @@ async fn a_registry_that_never_finishes_an_answer_fails_the_read_at_the_deadline
         },
         EngineOptions {
             fetch_deadline: Duration::from_secs(5),
-            ..EngineOptions::default()
+            ..exact()
         },
     );
     let started = tokio::time::Instant::now();

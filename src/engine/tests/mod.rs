@@ -63,6 +63,15 @@ fn test_blob(source: impl BlobSource + 'static) -> Blob<'static> {
 
 const CHUNK: usize = 4096;
 
+/// The default options, but a reader's request asks for just what it reads: these layers'
+/// chunks are a few KiB, and the tests count requests chunk by chunk.
+fn exact() -> EngineOptions {
+    EngineOptions {
+        min_request_bytes: 0,
+        ..EngineOptions::default()
+    }
+}
+
 /// Content of `chunks` chunks; chunk 3 (if there is one) is all zeros.
 fn content(chunks: usize) -> Vec<u8> {
     let mut v: Vec<u8> = (0..chunks * CHUNK)
@@ -166,7 +175,7 @@ fn engine_of_indexed_at(
         }),
     };
     let windows = index.windows.map(|_| windows);
-    engine_of_sources(blob, windows, meta, &bytes, EngineOptions::default())
+    engine_of_sources(blob, windows, meta, &bytes, exact())
 }
 
 /// Where the disk's content starts in the tar stream `index` describes.
@@ -215,7 +224,7 @@ fn gzip_layer(span: u64) -> GzipLayer {
 #[tokio::test]
 async fn concurrent_asks_for_the_same_bytes_share_one_request() {
     let data = content(8);
-    let (engine, source, _dir) = engine(&data, EngineOptions::default());
+    let (engine, source, _dir) = engine(&data, exact());
     *source.delay.lock() = Duration::from_millis(50);
     let range = engine.layer.chunks[1].compressed.clone();
     let asked = || source.calls.lock().iter().filter(|r| **r == range).count();
@@ -469,7 +478,7 @@ async fn an_estargz_layer_reads_through_its_toc_and_is_verified_once_complete() 
         diff_id,
         kind: LayerKind::Estargz,
     };
-    let (engine, _, _dir) = engine_of_layer(blob, meta, &json, EngineOptions::default());
+    let (engine, _, _dir) = engine_of_layer(blob, meta, &json, exact());
     engine
         .check_structure(None, &Held::default())
         .await
@@ -494,7 +503,7 @@ fn calls(source: &FakeBlob) -> usize {
 #[tokio::test]
 async fn adjacent_missing_chunks_are_one_request_and_fetched_once() {
     let data = content(8);
-    let (engine, source, _dir) = engine(&data, EngineOptions::default());
+    let (engine, source, _dir) = engine(&data, exact());
     let disk = engine.layer.disk;
     assert_eq!(
         engine.read(disk, 0, 3 * CHUNK as u64).await.unwrap(),
@@ -533,7 +542,7 @@ async fn requests_are_bounded_in_size() {
     let data = content(8);
     let opts = EngineOptions {
         max_request_bytes: 1,
-        ..EngineOptions::default()
+        ..exact()
     };
     let (engine, source, _dir) = engine(&data, opts);
     engine
@@ -550,7 +559,7 @@ async fn requests_are_bounded_in_size() {
 #[tokio::test(start_paused = true)]
 async fn background_hydration_waits_while_readers_fetch_and_keeps_slots_of_its_own() {
     let data = content(64);
-    let (engine, source, _dir) = engine(&data, EngineOptions::default());
+    let (engine, source, _dir) = engine(&data, exact());
     let disk = engine.layer.disk;
     let hydrating = Arc::clone(&engine);
     let hydration = tokio::spawn(async move { hydrating.hydrate(2, Some(1 << 40)).await });
@@ -580,7 +589,7 @@ async fn a_read_of_a_chunk_that_just_failed_fails_at_once() {
         &data,
         EngineOptions {
             fetch_deadline: deadline,
-            ..EngineOptions::default()
+            ..exact()
         },
     );
     *source.failures.lock() = u32::MAX;
@@ -603,7 +612,7 @@ async fn a_read_of_a_chunk_that_just_failed_fails_at_once() {
 #[tokio::test]
 async fn a_corrupt_chunk_is_fetched_once_more() {
     let data = content(4);
-    let (engine, source, _dir) = engine(&data, EngineOptions::default());
+    let (engine, source, _dir) = engine(&data, exact());
     *source.corruptions.lock() = 1;
     assert_eq!(
         engine
@@ -619,7 +628,7 @@ async fn a_corrupt_chunk_is_fetched_once_more() {
 #[tokio::test]
 async fn persistent_corruption_fails_and_caches_nothing() {
     let data = content(4);
-    let (engine, source, _dir) = engine(&data, EngineOptions::default());
+    let (engine, source, _dir) = engine(&data, exact());
     *source.corruptions.lock() = 100;
     let err = engine
         .read(engine.layer.disk, 0, CHUNK as u64)
@@ -641,7 +650,7 @@ async fn network_errors_are_retried_until_the_deadline() {
     let data = content(4);
     let opts = EngineOptions {
         fetch_deadline: Duration::from_secs(1),
-        ..EngineOptions::default()
+        ..exact()
     };
     let (engine, source, _dir) = engine(&data, opts);
     *source.failures.lock() = 2;
@@ -668,7 +677,7 @@ async fn concurrent_reads_of_the_same_chunks_fetch_each_once() {
         &data,
         EngineOptions {
             max_request_bytes: 1,
-            ..EngineOptions::default()
+            ..exact()
         },
     );
     let disk = engine.layer.disk;
@@ -695,7 +704,7 @@ async fn held_bytes_that_fail_the_structure_check_are_asked_of_the_registry() {
         held.add(0, head.into());
         held
     };
-    let (engine, source, _dir) = engine_of_blob(blob.clone(), &summary, EngineOptions::default());
+    let (engine, source, _dir) = engine_of_blob(blob.clone(), &summary, exact());
     let head_end = engine.layer.chunks.iter().map(|c| c.compressed.start).min();
     let head = blob[..head_end.unwrap() as usize].to_vec();
     // Held as fetched: the head is not asked for.
@@ -709,7 +718,7 @@ async fn held_bytes_that_fail_the_structure_check_are_asked_of_the_registry() {
     let mut garbled = head;
     let mid = garbled.len() / 2;
     garbled[mid] ^= 0x40;
-    let (engine, source, _dir) = engine_of_blob(blob.clone(), &summary, EngineOptions::default());
+    let (engine, source, _dir) = engine_of_blob(blob.clone(), &summary, exact());
     engine
         .check_structure(None, &holding(garbled))
         .await
@@ -795,4 +804,85 @@ async fn a_blob_read_without_an_engine_is_retried_and_counted() {
         2,
         "the failed request was asked again"
     );
+}
+
+/// `len` bytes that do not compress.
+fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_read_of_small_chunks_brings_the_small_chunks_after_it_in_the_same_request() {
+    // 64 chunks of 4 KiB that compress to a few dozen bytes each (a file system's metadata).
+    let data: Vec<u8> = (0..64 * CHUNK).map(|i| (i / 512) as u8).collect();
+    let (engine, source, _dir) = engine(&data, EngineOptions::default());
+    let disk = engine.layer.disk;
+    assert_eq!(engine.read(disk, 0, 100).await.unwrap(), data[..100]);
+    assert_eq!(calls(&source), 1);
+    assert_eq!(
+        engine.read(disk, 40 * CHUNK as u64, 100).await.unwrap(),
+        data[40 * CHUNK..40 * CHUNK + 100],
+    );
+    assert_eq!(
+        calls(&source),
+        1,
+        "the chunks after the first read came with it"
+    );
+    // Chunks that do not compress fill the floor alone: a random reader fetches what it reads.
+    let data = noise(8 * (64 << 10), 5);
+    let (summary, blob) = crate::format::zstd_chunked::testing::write_layer(&data, 64 << 10);
+    let (engine, source, _dir) = engine_of_blob(blob, &summary, EngineOptions::default());
+    let disk = engine.layer.disk;
+    let at = 3 * (64 << 10) + 10;
+    assert_eq!(
+        engine.read(disk, at as u64, 100).await.unwrap(),
+        data[at..at + 100]
+    );
+    let asked = source.calls.lock().clone();
+    assert_eq!(asked.len(), 1);
+    let chunk = &engine.layer.chunks[3].compressed;
+    assert_eq!(asked[0], chunk.clone(), "one chunk's frame and no more");
+}
+
+#[tokio::test]
+async fn chunks_whose_frames_came_with_the_toc_are_kept_once_verified() {
+    let data: Vec<u8> = (0..16 * CHUNK).map(|i| (i / 512) as u8).collect();
+    let (blob, summary) = honest(&data);
+    let (engine, source, _dir) = engine_of_blob(blob.clone(), &summary, exact());
+    let head = engine.layer.chunks[5].compressed.end as usize;
+    let mut held = Held::default();
+    held.add(0, blob[..head].to_vec().into());
+    assert_eq!(
+        engine.keep_held(&held),
+        6,
+        "chunks 0..=5 are whole in the head"
+    );
+    let disk = engine.layer.disk;
+    assert_eq!(
+        engine.read(disk, 0, 6 * CHUNK as u64).await.unwrap(),
+        data[..6 * CHUNK]
+    );
+    assert_eq!(calls(&source), 0, "nothing asked of the registry");
+    // Bytes that fail their check are not kept: the chunk is fetched when read.
+    let (engine, source, _dir) = engine_of_blob(blob.clone(), &summary, exact());
+    let mut garbled = blob[..head].to_vec();
+    let c2 = engine.layer.chunks[2].compressed.clone();
+    garbled[(c2.start + c2.end) as usize / 2] ^= 0x40;
+    let mut held = Held::default();
+    held.add(0, garbled.into());
+    assert!(engine.keep_held(&held) < 6);
+    assert_eq!(engine.counters().verify_failures, 1);
+    assert_eq!(
+        engine.read(disk, 0, 6 * CHUNK as u64).await.unwrap(),
+        data[..6 * CHUNK]
+    );
+    assert!(calls(&source) >= 1);
 }
