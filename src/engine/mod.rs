@@ -566,38 +566,51 @@ impl Engine {
         Ok(())
     }
 
-    /// Keeps the chunks whose whole frames `held` holds (blob bytes fetched with the TOC: the
-    /// disk's first chunks), verified as fetched chunks are; one that fails its check is
-    /// left out and fetched when read. Returns how many were kept. Before anything is
-    /// served: nobody else is fetching.
+    /// Keeps the chunks whose whole frames `held` holds (blob bytes fetched with the TOC, or by
+    /// the snapshotter while this process started: the disk's first chunks), verified as
+    /// fetched chunks are; one that fails its check is left out and fetched when read, one
+    /// that a read is fetching meanwhile is left to it. Returns how many were kept.
     pub fn keep_held(&self, held: &crate::layer::Held) -> usize {
         let codec = self.layer.codec();
-        let whole = (0..self.layer.chunks.len()).filter(|&idx| {
-            codec.window(idx).is_none()
-                && !self.cache.is_kept(idx)
-                && held.get(&self.layer.chunks[idx].compressed).is_some()
-        });
+        let mut claimed = Vec::new();
+        {
+            let mut inflight = self.inflight.lock();
+            for idx in 0..self.layer.chunks.len() {
+                if codec.window(idx).is_none()
+                    && !self.cache.is_kept(idx)
+                    && !inflight.contains_key(&idx)
+                    && held.get(&self.layer.chunks[idx].compressed).is_some()
+                {
+                    inflight.insert(idx, watch::channel(None).0);
+                    claimed.push(idx);
+                }
+            }
+        }
         let mut kept = 0;
-        for run in self.request_runs(whole) {
-            let run: Vec<usize> = run.collect();
-            let Some(bytes) = held.get(&self.run_range(&run)) else {
+        for run in self.request_runs(claimed) {
+            let claim = Claim {
+                engine: self,
+                chunks: run.collect(),
+            };
+            let Some(bytes) = held.get(&self.run_range(&claim.chunks)) else {
                 continue;
             };
             let decoded = off_the_runtime(|| {
-                codec.decode_run(&self.layer, &run, &bytes, Some(&[]), &mut |idx, decoded| {
+                codec.decode_run(&self.layer, &claim.chunks, &bytes, Some(&[]), &mut |idx, decoded| {
                     match decoded {
                         Ok(data) => self.store(idx, data).map(|()| kept += 1),
                         Err(e) => {
                             Stats::add(&self.stats.verify_failures, 1);
-                            tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, error = %e.chain(), "a chunk fetched with the TOC failed verification; it is fetched when read");
+                            tracing::warn!(layer = %self.layer.meta.layer_digest, chunk = idx, error = %e.chain(), "a chunk fetched ahead failed verification; it is fetched when read");
                             Ok(())
                         }
                     }
                 })
             });
-            if let Err(e) = decoded {
-                tracing::warn!(layer = %self.layer.meta.layer_digest, error = %e.chain(), "chunks fetched with the TOC could not be kept; they are fetched when read");
+            if let Err(e) = &decoded {
+                tracing::warn!(layer = %self.layer.meta.layer_digest, error = %e.chain(), "chunks fetched ahead could not be kept; they are fetched when read");
             }
+            claim.complete(decoded.is_ok());
         }
         kept
     }

@@ -560,7 +560,8 @@ async fn a_one_file_layers_structure_check_reads_the_bytes_fetched_with_its_toc(
 /// While an eStargz layer's mount server starts, the snapshotter fetches what the server's
 /// structure check reads (the tar headers before the file, the members of its last chunk) from
 /// the record and TOC it kept when it classified the layer: the server's check then asks the
-/// registry for nothing. Once the check passed, nothing is fetched ahead.
+/// registry for nothing, and the disk's first chunks come with those bytes. Once the check
+/// passed, nothing is fetched ahead.
 #[tokio::test]
 async fn an_estargz_layers_structure_check_reads_the_bytes_the_daemon_fetched_ahead() {
     let registry = Arc::new(MemoryRegistry::default());
@@ -607,6 +608,8 @@ async fn an_estargz_layers_structure_check_reads_the_bytes_the_daemon_fetched_ah
             "the check's own requests, bytes fetched ahead: {ahead}"
         );
         assert!(cache.structure_checked(&engine.layer().key()));
+        // The blob's head came with those bytes: the disk's first chunks are kept, unasked.
+        assert_eq!(engine.present_count() > 0, ahead, "{ahead}");
         let before = ranges();
         assert!(fetch_structure_ahead(registry.as_ref(), &cache, key)
             .await

@@ -202,8 +202,9 @@ pub const AHEAD_RANGES: usize = 8;
 pub const AHEAD_WAIT: std::time::Duration = NEIGHBOURS_WAIT;
 
 /// The bytes of layer `key`'s blob its structure check reads ([`Codec::structure_ranges`]),
-/// fetched by the snapshotter while the layer's mount server starts, so that the check's round
-/// trip overlaps the server's start instead of following it. The layer is opened from the
+/// the blob's first [`HEAD`] bytes among them, fetched by the snapshotter while the layer's
+/// mount server starts, so that the check's round trip overlaps the server's start instead of
+/// following it. The layer is opened from the
 /// record and TOC `cache` keeps for `key` (classifying the layer kept them); nothing is fetched
 /// when there are none, when the check already passed, or when the ranges are more than
 /// [`AHEAD_RANGES`] or [`Held::MAX_BYTES`]. Each range is asked once, all at once; one that
@@ -222,7 +223,12 @@ pub async fn fetch_structure_ahead(client: &dyn Registry, cache: &CacheRoot, key
             return Ok(None);
         };
         let (reference, digest) = (meta.reference.clone(), meta.layer_digest);
-        let ranges = crate::layer::codec::structure_ranges(reference.clone(), meta, &toc)?;
+        let toc_offset = meta.toc_offset;
+        let mut ranges = crate::layer::codec::structure_ranges(reference.clone(), meta, &toc)?;
+        // The blob's head comes as the server's own TOC fetch brings it ([`HEAD`]).
+        if let Some(head) = ranges.iter_mut().find(|r| r.start == 0) {
+            head.end = head.end.max(HEAD.min(toc_offset));
+        }
         let bytes: u64 = ranges.iter().map(|r| r.end - r.start).sum();
         let fits = ranges.len() <= AHEAD_RANGES && bytes <= Held::MAX_BYTES as u64;
         Ok((fits && !ranges.is_empty()).then_some((reference, digest, ranges)))

@@ -64,7 +64,8 @@ pub enum Opening<'a> {
 /// finds the layer as `opening` says, starts an engine over its cache and its blobs in the
 /// registry, and checks the layer's structure before anything is served. The check reads the
 /// blob bytes fetched with the TOC and those `handed` yields (fetched for it by the snapshotter
-/// while this process started; awaited once the engine is open) before it asks the registry.
+/// while this process started; awaited once the engine is open) before it asks the registry;
+/// the chunks whose frames they hold whole are kept.
 pub async fn open_engine(
     client: Arc<dyn Registry>,
     cache: &CacheRoot,
@@ -93,13 +94,13 @@ pub async fn open_engine(
     };
     let sources = Sources::in_registry(client, &layer.reference, layer.meta.layer_digest, windows);
     let engine = Engine::open(layer, cache, sources, opts).await?;
-    // Before any read: the disk's first chunks came with the TOC.
-    let kept = engine.keep_held(&held);
-    if kept > 0 {
-        tracing::debug!(chunks = kept, "kept the chunks fetched with the TOC");
-    }
     let checked = async {
         held.join(handed.await);
+        // The disk's first chunks, fetched with the TOC or by the snapshotter.
+        let kept = engine.keep_held(&held);
+        if kept > 0 {
+            tracing::debug!(chunks = kept, "kept the chunks fetched ahead");
+        }
         engine.check_structure(Some(cache), &held).await
     };
     match warm {
