@@ -4,8 +4,10 @@
 //! chunk with data that does not compress costs a reader the whole chunk (about 200 KiB for a
 //! 64 KiB table that compresses to a few KiB), and a boot reads one L2 table per 512 MiB of
 //! disk it touches. Learned while the disk streams by: the header names the L1 table, which
-//! (qemu writes it before the L2 tables) names them. A table met before it was learned, or any
-//! image that is not qcow2, is cut as any data is. The blob stays the disk's bytes in order.
+//! (qemu writes it before the L2 tables) names them; the reader splits the chunk that taught it
+//! cuts inside itself (the first holds the header and, as qemu lays images out, the refcount
+//! and L1 tables). A table met before it was learned, or any image that is not qcow2, is cut as
+//! any data is. The blob stays the disk's bytes in order.
 
 use std::collections::BTreeSet;
 use std::ops::Range;

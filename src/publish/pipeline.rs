@@ -250,8 +250,10 @@ fn read_chunks<R: DiskSource>(
     let mut remaining = size;
     while remaining > 0 {
         let at = size - remaining;
+        // Up to the next multiple of the chunk size (after a table's chunk, the rest of its
+        // chunk), or the next cut.
         let want = remaining
-            .min(chunk_size as u64)
+            .min(chunk_size as u64 - at % chunk_size as u64)
             .min(cuts.next_after(at) - at) as usize;
         remaining -= want as u64;
         if reader.skip_hole(want as u64).map_err(io)? {
@@ -268,11 +270,31 @@ fn read_chunks<R: DiskSource>(
                 size - remaining - (want - got) as u64
             )));
         }
-        let sent = if all_zero(&buf) {
-            chunks.zeros(want as u64)
-        } else {
-            cuts.learn(at, &buf);
-            chunks.data(buf)
+        if all_zero(&buf) {
+            if !chunks.zeros(want as u64) {
+                break;
+            }
+            continue;
+        }
+        cuts.learn(at, &buf);
+        // What it taught cuts inside it (the first chunk holds a qcow2's header): one chunk
+        // per piece.
+        let mut pieces = Vec::new();
+        let mut start = at;
+        while start < at + want as u64 {
+            let end = cuts.next_after(start).min(at + want as u64);
+            pieces.push((start - at) as usize..(end - at) as usize);
+            start = end;
+        }
+        let sent = match pieces.len() {
+            1 => chunks.data(buf),
+            _ => pieces.into_iter().all(|piece| {
+                let piece = &buf[piece];
+                match all_zero(piece) {
+                    true => chunks.zeros(piece.len() as u64),
+                    false => chunks.data(piece.to_vec()),
+                }
+            }),
         };
         if !sent {
             break; // the writer stopped; its error is reported by the caller
