@@ -182,7 +182,9 @@ fn every_chunk_and_the_toc_verify_through_range_requests() {
         );
     }
     let edge = |at: u64| {
-        at % (1 << 20) == 0 || at == file_size || own.iter().any(|t| at == *t || at == t + cluster)
+        at.is_multiple_of(1 << 20)
+            || at == file_size
+            || own.iter().any(|t| at == *t || at == t + cluster)
     };
     assert!(
         spans.iter().all(|(a, b)| edge(*a) && edge(*b)),
