@@ -150,9 +150,10 @@ pub const NEIGHBOURS: u64 = 4 << 10;
 /// headers the structure check reads and the disk's first chunks, which every boot reads (a
 /// partition table, a qcow2's header and tables, a file system's superblock and group
 /// descriptors) and which compress to a few KiB each; the engine keeps those whose frames
-/// arrive whole ([`crate::engine::Engine::keep_held`]). 128 KiB takes about 5 ms of a
-/// 200 Mbit/s link, beside the round trip the TOC costs anyway.
-pub const HEAD: u64 = 128 << 10;
+/// arrive whole ([`crate::engine::Engine::keep_held`]). 256 KiB takes about 10 ms of a
+/// 200 Mbit/s link, beside the round trip the TOC costs anyway; `make demo`'s boot read every
+/// chunk its first 256 KiB held.
+pub const HEAD: u64 = 256 << 10;
 
 /// How long the blob's head fetched with the TOC is waited for at most.
 const NEIGHBOURS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
