@@ -808,15 +808,10 @@ async fn a_blob_read_without_an_engine_is_retried_and_counted() {
 
 /// `len` bytes that do not compress.
 fn noise(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    use rand::{RngCore, SeedableRng};
+    let mut data = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut data);
+    data
 }
 
 #[tokio::test]
