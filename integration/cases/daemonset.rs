@@ -801,8 +801,10 @@ fn kubevirt_pod_reads_the_disk(
     let sandbox = annotated_pod(ctd, logs, "virt-launcher", "kubevirt", image);
     let pulled = listed(node);
     assert_eq!(pulled.len(), 1, "{release:?}: {pulled:?}");
+    // The pull brings the TOC and, in a request beside it, the blob's first 256 KiB: the disk's
+    // first chunks (24 of this small disk's 56 compress into them), never the whole disk.
     assert!(
-        pulled[0]["chunks_cached"].as_u64().unwrap() * 4 < pulled[0]["chunks"].as_u64().unwrap(),
+        pulled[0]["chunks_cached"].as_u64().unwrap() < pulled[0]["chunks"].as_u64().unwrap(),
         "{release:?}: the pull fetched the disk: {pulled:?}"
     );
     let want = sha256_file(disk);
@@ -810,8 +812,9 @@ fn kubevirt_pod_reads_the_disk(
     // Over HTTPS, checked against the node's trust store (the image's own roots lack the CA).
     let read = listed(node);
     eprintln!("{release:?} vmdisk ls: {read:?}");
+    // Its 8 MiB of random data, less what came whole with the blob's first 256 KiB at the pull.
     assert!(
-        read[0]["registry_bytes"].as_u64().unwrap() >= 8 << 20,
+        read[0]["registry_bytes"].as_u64().unwrap() >= (8 << 20) - (256 << 10),
         "{release:?}: {read:?}"
     );
 }
